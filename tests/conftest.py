@@ -1,0 +1,16 @@
+"""Session-wide test settings: nothing reaches a hub, every cache lands in a temp dir."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="verl-test-cache-")
+# Set before any test module imports transformers or vLLM.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_CACHE_ROOT, "vllm"))
+os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_CACHE_ROOT, "vllm-rpc"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "inductor"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

