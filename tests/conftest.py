@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
+
 _CACHE_ROOT = tempfile.mkdtemp(prefix="verl-test-cache-")
 # Set before any test module imports transformers or vLLM.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,3 +16,20 @@ os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_CACHE_ROOT, "vllm"))
 os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_CACHE_ROOT, "vllm-rpc"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "inductor"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture
+def run_dist():
+    """``verl.testing.distributed.run_distributed``: run a module-level body on N ranks (persistent pools)."""
+    from verl.testing.distributed import run_distributed
+
+    return run_distributed
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the distributed worker pools with the session, so no worker outlives pytest."""
+    import sys
+
+    module = sys.modules.get("verl.testing.distributed")
+    if module is not None:
+        module.shutdown_pools()

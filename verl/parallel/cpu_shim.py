@@ -1,0 +1,444 @@
+"""Run Megatron-core on a machine without CUDA (development boxes, CI) with gloo.
+
+Megatron-core assumes a GPU in a handful of places. ``apply_cpu_shim()`` answers each of
+them, and does nothing when CUDA is available (the GPU path is never altered):
+
+1. ``torch.cuda.current_device()`` returns the CPU device. Megatron calls it to place
+   buffers: ``GlobalMemoryBuffer.get_tensor``, the tensor-parallel ``mappings`` and
+   ``param_and_grad_buffer`` (``torch.empty(..., device=torch.cuda.current_device())``).
+2. An RNG states tracker that keeps ``torch.get_rng_state()`` snapshots stands in for
+   ``CudaRNGStatesTracker``, so ``model_parallel_cuda_manual_seed`` and
+   ``get_cuda_rng_tracker().fork()`` (weight init of TP layers, dropout) work unchanged.
+3. Hard-coded CUDA placements go to the CPU: ``torch.zeros(..., device="cuda")`` in the
+   pipeline schedules (``total_num_tokens``), ``param_and_grad_buffer`` (warm-up tensor),
+   ``transformer.utils`` (causal masks), the optimizers (``_scale``, ``found_inf``), and
+   ``tensor.cuda()`` in ``tensor_parallel.broadcast_data``.
+4. ``torch.cuda.synchronize()`` is a no-op (p2p communication with ``batch_p2p_comm=True``
+   calls it after ``batch_isend_irecv``).
+5. ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``: see
+   ``SequenceParallelTorchNorm`` / ``with_sequence_parallel_norms`` (a build-time helper, not a
+   patch; the norm is built with sequence parallel off, then its parameters are tagged
+   ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces their grads over TP).
+6. ``torch.cuda.current_stream()`` returns a dummy stream (megatron-core 0.19 calls it in
+   the DDP grad-sync path; 0.16 does not).
+
+Scope. vLLM runs in the same process later, so fixes 1, 3 (factories), 4 and 6 are visible
+to Megatron's modules only: every ``megatron.*`` module's global ``torch`` (and any global
+bound to ``torch.cuda``) is replaced by a proxy module whose ``cuda`` namespace and tensor
+factories carry the fixes; everything else is the real torch object. Modules imported after
+the shim is applied get the same treatment through an import hook. ``Tensor.cuda`` is a
+method, so it is patched on ``torch.Tensor`` but redirects only when called from a
+``megatron.*`` frame; everyone else gets the original (which raises without CUDA anyway).
+The RNG fix swaps names inside ``megatron.core.tensor_parallel.random`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_applied = False
+_CPU = torch.device("cpu")
+_REAL_TENSOR_CUDA = torch.Tensor.cuda
+
+# Tensor factories that take an explicit ``device=`` Megatron hard-codes to "cuda" (fix 3).
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "eye",
+)
+
+
+def _is_megatron_module(name: str) -> bool:
+    return name == "megatron" or name.startswith("megatron.")
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    """Map any CUDA device spec ("cuda", "cuda:1", torch.device("cuda", 0), an int ordinal) to CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int):  # a bare int is a CUDA ordinal in torch's device arguments
+        return _CPU
+    if isinstance(device, str):
+        return _CPU if device.startswith("cuda") else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _redirecting_factory(fn):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    factory.__name__ = fn.__name__
+    factory.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
+    factory.__doc__ = fn.__doc__
+    factory.__wrapped__ = fn
+    return factory
+
+
+class _DummyStream:
+    """Stands in for ``torch.cuda.Stream`` (fix 6): CPU work is ordered, so every wait is a no-op."""
+
+    device = _CPU
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_DUMMY_STREAM = _DummyStream()
+
+
+def _current_device() -> torch.device:
+    # Fix 1: GlobalMemoryBuffer / mappings / param_and_grad_buffer place tensors on this device.
+    return _CPU
+
+
+def _synchronize(device: Any = None) -> None:
+    # Fix 4: p2p_communication._batched_p2p_ops calls torch.cuda.synchronize() after batch_isend_irecv.
+    del device
+
+
+def _current_stream(device: Any = None) -> _DummyStream:
+    # Fix 6 (megatron-core 0.19): the DDP grad-sync path asks for the current stream.
+    del device
+    return _DUMMY_STREAM
+
+
+def _make_proxy(name: str, real: types.ModuleType, overrides: dict[str, Any]) -> types.ModuleType:
+    """A module that is ``real`` except for ``overrides``; names ``real`` gains later are forwarded."""
+    proxy = types.ModuleType(name, real.__doc__)
+    proxy.__dict__.update({k: v for k, v in real.__dict__.items() if not k.startswith("__")})
+    proxy.__dict__.update(overrides)
+
+    def __getattr__(attr: str) -> Any:  # PEP 562: attributes torch adds after the snapshot
+        return getattr(real, attr)
+
+    proxy.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    proxy.__verl_cpu_shim_proxy__ = True  # type: ignore[attr-defined]
+    return proxy
+
+
+def _build_proxies() -> tuple[types.ModuleType, types.ModuleType]:
+    cuda_proxy = _make_proxy(
+        "torch.cuda",
+        torch.cuda,
+        {
+            "current_device": _current_device,
+            "synchronize": _synchronize,
+            "current_stream": _current_stream,
+        },
+    )
+    torch_overrides: dict[str, Any] = {"cuda": cuda_proxy}
+    for fname in _FACTORIES:
+        torch_overrides[fname] = _redirecting_factory(getattr(torch, fname))
+    torch_proxy = _make_proxy("torch", torch, torch_overrides)
+    return torch_proxy, cuda_proxy
+
+
+_TORCH_PROXY, _CUDA_PROXY = _build_proxies()
+
+
+def megatron_torch() -> types.ModuleType:
+    """The ``torch`` that Megatron's modules see once the shim is applied (for tests and debugging)."""
+    return _TORCH_PROXY
+
+
+# ---------------------------------------------------------------------------------------------
+# Fix 2: the RNG states tracker.
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_cpu_rng_tracker_class(base: type) -> type:
+    """Subclass Megatron's ``CudaRNGStatesTracker`` so isinstance checks in Megatron still hold."""
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """Named RNG streams kept as ``torch.get_rng_state()`` snapshots of the CPU generator.
+
+        ``add(name, seed)`` seeds a fresh stream without disturbing the current one;
+        ``fork(name)`` runs a block on that stream and puts the caller's stream back.
+        """
+
+        def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+            if use_cudagraphable_rng:
+                raise ValueError(
+                    "use_cudagraphable_rng=True needs CUDA graphs; on CPU leave it False "
+                    "(model_parallel_cuda_manual_seed(use_cudagraphable_rng=False))"
+                )
+            super().__init__(use_cudagraphable_rng=False, is_inference_rng_tracker=is_inference_rng_tracker)
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"RNG tracker: seed {seed} is already used by another stream")
+            if name in self.states_:
+                raise ValueError(f"RNG tracker: stream {name!r} already exists")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            try:
+                torch.manual_seed(seed)
+                self.states_[name] = torch.get_rng_state()
+            finally:
+                torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            if name not in self.states_:
+                raise ValueError(f"RNG tracker: stream {name!r} was never added (call add() first)")
+            saved = torch.get_rng_state()
+            outer_name = self._current_state_name
+            if outer_name != "default-rng":
+                self.states_[outer_name] = saved
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                restored = self.states_[outer_name] if outer_name != "default-rng" else saved
+                torch.set_rng_state(restored)
+                self._current_state_name = outer_name
+
+    return CpuRNGStatesTracker
+
+
+def _get_rng_state_cpu(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    # Activation recompute (CheckpointFunction) saves the "cuda" RNG state; on CPU that is the CPU one.
+    del device, graph_safe
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _set_rng_state_cpu(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    del device, graph_safe
+    torch.set_rng_state(new_state)
+
+
+def _patch_rng_module(random_mod: types.ModuleType) -> None:
+    if getattr(random_mod, "__verl_cpu_shim_rng__", False):
+        return
+    original = random_mod.CudaRNGStatesTracker
+    tracker_cls = _make_cpu_rng_tracker_class(original)
+    # initialize_rng_tracker() instantiates the module-global name, so model_parallel_cuda_manual_seed
+    # builds our tracker without being changed.
+    random_mod.CudaRNGStatesTracker = tracker_cls
+    random_mod._get_cuda_rng_state = _get_rng_state_cpu
+    random_mod._set_cuda_rng_state = _set_rng_state_cpu
+    current = getattr(random_mod, "_CUDA_RNG_STATE_TRACKER", None)
+    if current is not None and not isinstance(current, tracker_cls):
+        random_mod._CUDA_RNG_STATE_TRACKER = None
+        random_mod._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    random_mod.__verl_cpu_shim_rng__ = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Module redirection and the import hook.
+# ---------------------------------------------------------------------------------------------
+
+
+def _redirect_module(module: types.ModuleType) -> None:
+    """Point a Megatron module's ``torch`` / ``torch.cuda`` globals at the proxies."""
+    namespace = module.__dict__
+    for key, value in list(namespace.items()):
+        if value is torch:
+            namespace[key] = _TORCH_PROXY
+        elif value is torch.cuda:
+            namespace[key] = _CUDA_PROXY
+    if module.__name__ == "megatron.core.tensor_parallel.random":
+        _patch_rng_module(module)
+
+
+class _RedirectingLoader(importlib.abc.Loader):
+    """Wraps a Megatron module's loader: run the module, then redirect its globals."""
+
+    def __init__(self, inner: importlib.abc.Loader):
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        _redirect_module(module)
+
+    def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, resource readers...
+        return getattr(self._inner, attr)
+
+
+class _MegatronImportHook(importlib.abc.MetaPathFinder):
+    """Gives every ``megatron.*`` module imported after the shim the same redirection."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if not _is_megatron_module(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _RedirectingLoader(spec.loader)
+        return spec
+
+
+_IMPORT_HOOK = _MegatronImportHook()
+
+
+def _tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any):
+    # Fix 3: tensor_parallel.broadcast_data and the fp16 optimizer call tensor.cuda(); redirect only
+    # Megatron's calls so the rest of the process keeps torch's own behaviour.
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if _is_megatron_module(caller):
+        return self
+    return _REAL_TENSOR_CUDA(self, device, non_blocking, **kwargs)
+
+
+def shim_needed() -> bool:
+    """True when Megatron-core must run on CPU (no usable CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def shim_applied() -> bool:
+    """Whether ``apply_cpu_shim`` has taken effect in this process."""
+    return _applied
+
+
+def apply_cpu_shim() -> None:
+    """Make Megatron-core run on CPU; idempotent, and a no-op when CUDA is available."""
+    global _applied
+    if not shim_needed():
+        return
+    with _lock:
+        if _applied:
+            return
+        if _IMPORT_HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _IMPORT_HOOK)
+        for name, module in list(sys.modules.items()):
+            if module is not None and _is_megatron_module(name):
+                _redirect_module(module)
+        torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign]
+        _applied = True
+    logger.debug("Megatron-core CPU shim applied")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fix 5: torch norms under sequence parallel (a build-time helper).
+# ---------------------------------------------------------------------------------------------
+
+
+class SequenceParallelTorchNorm:
+    """Drop-in for Megatron's ``WrappedTorchNorm`` that accepts ``config.sequence_parallel``.
+
+    Under sequence parallel each TP rank normalises its own slice of the sequence, so the
+    norm itself is unchanged; only its weight grads differ per rank and must be summed over
+    TP. Megatron does that for parameters tagged ``sequence_parallel=True``
+    (``finalize_model_grads``), so: build the torch norm with sequence parallel off, then tag.
+    """
+
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        config_no_sp = copy.copy(config)  # shallow: no __post_init__ re-validation
+        config_no_sp.sequence_parallel = False
+        norm = WrappedTorchNorm(
+            config_no_sp,
+            hidden_size,
+            eps=eps,
+            persist_layer_norm=persist_layer_norm,
+            zero_centered_gamma=zero_centered_gamma,
+            normalization=normalization,
+        )
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+
+def _replace_torch_norms(spec: Any, memo: dict[int, Any]) -> Any:
+    """Copy of a ModuleSpec tree with every ``WrappedTorchNorm`` replaced by the SP-aware norm."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelTorchNorm
+    if id(spec) in memo:
+        return memo[id(spec)]
+    if isinstance(spec, ModuleSpec):
+        new = copy.copy(spec)
+        new.module = _replace_torch_norms(spec.module, memo)
+        new.submodules = _replace_torch_norms(spec.submodules, memo)
+        memo[id(spec)] = new
+        return new
+    if spec is not None and hasattr(spec, "__dataclass_fields__") and not isinstance(spec, type):
+        new = copy.copy(spec)
+        for field_name in spec.__dataclass_fields__:
+            setattr(new, field_name, _replace_torch_norms(getattr(spec, field_name), memo))
+        memo[id(spec)] = new
+        return new
+    if isinstance(spec, list):
+        return [_replace_torch_norms(item, memo) for item in spec]
+    return spec
+
+
+def with_sequence_parallel_norms(
+    layer_spec: Any, config: Any, *, vp_stage: int | None = None, pp_rank: int | None = None
+) -> Any:
+    """Transformer-block spec whose torch norms (layer norms and the final norm) accept sequence parallel.
+
+    ``layer_spec`` is a transformer-layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()``)
+    or a ``TransformerBlockSubmodules``. Returns a ``TransformerBlockSubmodules`` for this
+    pipeline stage (``pp_rank``/``vp_stage`` as in ``get_num_layers_to_build``) to pass as
+    ``GPTModel(transformer_layer_spec=...)``. Specs without ``WrappedTorchNorm`` (Transformer
+    Engine, apex) come back unchanged in content, so the call is safe on GPU too.
+    """
+    from megatron.core.transformer import transformer_block as tb
+
+    block = tb._get_block_submodules(config, layer_spec, vp_stage=vp_stage, pp_rank=pp_rank)
+    return _replace_torch_norms(block, {})
