@@ -1,0 +1,355 @@
+"""Advantage estimators (``algorithm.adv_estimator``): rewards (and values) to advantages.
+
+Every estimator is a plain function registered by name, taking keyword arguments named as in
+the reference verl and returning ``(advantages, returns)``, each [B, T] in the dtype of
+``token_level_rewards``. Shapes: ``token_level_rewards``, ``values``, ``response_mask`` [B, T];
+``index`` [B] (the prompt uid of each sample: samples with the same uid form a group);
+``reward_baselines`` [B]. ``response_mask`` is read as a boolean (nonzero = valid token).
+
+Common departures from the reference verl (numbers at valid positions are otherwise the same,
+to float32 rounding):
+
+- outputs are exactly 0 where ``response_mask`` is 0. The reference leaves whitened or carried
+  values at masked positions of GAE and REINFORCE++; every loss masks them, so only the stored
+  tensors differ;
+- group statistics are accumulated in float64 and rounded once, instead of per-operation float32;
+- inputs are validated (shapes, dtypes, empty batches, group sizes) with ValueErrors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from verl.algos.checks import check_mask, check_seq_level, check_token_level, group_ids
+from verl.algos.masked import masked_whiten
+from verl.algos.registry import Registry, call_with_accepted
+
+AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry("advantage estimator", "algorithm.adv_estimator")
+register_adv_estimator = ADV_ESTIMATORS.register
+
+
+def get_adv_estimator(name: str) -> AdvEstimatorFn:
+    """The estimator registered as ``name`` (ValueError listing the registered names otherwise)."""
+    return ADV_ESTIMATORS.get(name)
+
+
+def list_adv_estimators() -> list[str]:
+    """Names accepted by ``algorithm.adv_estimator``."""
+    return ADV_ESTIMATORS.names()
+
+
+def compute_advantage(name: str, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run estimator ``name`` with the subset of ``inputs`` it takes.
+
+    A trainer passes everything it has (token_level_rewards, values, response_mask, index,
+    reward_baselines, gamma, lam, norm_adv_by_std_in_grpo, ...); a missing required input is a
+    ValueError naming it.
+    """
+    return call_with_accepted(get_adv_estimator(name), f"advantage estimator {name!r}", inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _rewards_and_mask(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    check_token_level("token_level_rewards", token_level_rewards)
+    mask = check_mask("response_mask", response_mask, token_level_rewards.shape, torch.bool)
+    return mask
+
+
+def _group_stats(scores: torch.Tensor, gid: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, ...]:
+    """Per-sample (group size, group sum, group mean, unbiased group std), all float64 [B].
+
+    The std of a singleton group is 0 here; callers apply the reference's singleton rules.
+    """
+    s = scores.to(torch.float64)
+    g = gid.to(scores.device)
+    counts = torch.bincount(g, minlength=num_groups).to(torch.float64)  # [G]
+    sums = torch.zeros(num_groups, dtype=torch.float64, device=s.device).index_add_(0, g, s)  # [G]
+    means = sums / counts
+    sq = torch.zeros(num_groups, dtype=torch.float64, device=s.device).index_add_(0, g, (s - means[g]) ** 2)
+    std = torch.sqrt(sq / (counts - 1).clamp(min=1))
+    return counts[g], sums[g], means[g], std[g]
+
+
+def _broadcast(scalar: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sequence-level [B] -> token-level [B, T], zero on masked tokens."""
+    out = scalar.to(dtype).unsqueeze(-1).expand(mask.shape)
+    return torch.where(mask, out, torch.zeros((), dtype=dtype, device=out.device))
+
+
+def _zero_masked(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+# ----------------------------------------------------------------------------------------------
+# estimators
+
+
+@register_adv_estimator("gae")
+@torch.no_grad()
+def gae(
+    *,
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2015) with a critic.
+
+    token_level_rewards, values, response_mask: [B, T]. Going backwards over t,
+    delta_t = r_t + gamma * V_next - V_t and A_t = delta_t + gamma * lam * A_next, where
+    "next" is the next VALID token: masked positions (padding, or tool-observation tokens in
+    multi-turn rollouts) are skipped, carrying V_next and A_next across them, as the reference
+    does. returns = A + V (the critic's target, before whitening); advantages are A whitened
+    over all valid tokens of the batch. Returns (advantages [B, T], returns [B, T]).
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    check_token_level("values", values, like=token_level_rewards)
+    rewards = token_level_rewards
+    vals = values.to(rewards.dtype)
+    batch, length = rewards.shape
+    next_value = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
+    last_gae = torch.zeros_like(next_value)
+    adv = torch.zeros_like(rewards)
+    for t in range(length - 1, -1, -1):
+        valid = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        candidate = delta + gamma * lam * last_gae
+        next_value = torch.where(valid, vals[:, t], next_value)
+        last_gae = torch.where(valid, candidate, last_gae)
+        adv[:, t] = last_gae
+    returns = _zero_masked(adv + vals, mask)
+    advantages = _zero_masked(masked_whiten(adv, mask), mask)
+    return advantages, returns
+
+
+@register_adv_estimator("grpo")
+@torch.no_grad()
+def grpo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage (Shao et al. 2024): each response's score against its group.
+
+    score_i = sum_t token_level_rewards[i, t] (outcome reward: one scalar per response);
+    A_i = (score_i - mean_g) / (std_g + epsilon) with the unbiased std over the group, or
+    A_i = score_i - mean_g when ``norm_adv_by_std_in_grpo`` is False (Dr. GRPO,
+    arXiv:2503.20783). A singleton group uses mean 0 and std 1, as the reference does.
+    A_i is broadcast over the valid tokens. Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)  # [B]
+    gid, num_groups, _ = group_ids(index, scores.shape[0])
+    counts, _, means, stds = _group_stats(scores, gid, num_groups)
+    single = counts == 1
+    means = torch.where(single, torch.zeros_like(means), means)
+    stds = torch.where(single, torch.ones_like(stds), stds)
+    centred = scores.to(torch.float64) - means
+    adv = centred / (stds + epsilon) if norm_adv_by_std_in_grpo else centred
+    out = _broadcast(adv, mask, token_level_rewards.dtype)
+    return out, out.clone()
+
+
+@register_adv_estimator("grpo_passk")
+@torch.no_grad()
+def grpo_passk(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k advantage (arXiv:2503.19595): only each group's best response is credited.
+
+    In every group (at least 2 responses) the best response gets r_max - r_second_max
+    (divided by std_g + epsilon when ``norm_adv_by_std_in_grpo``), all others 0. On a tie for
+    the best, the credit is 0 anyway, so which tied response holds it does not matter.
+    Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # [B]
+    gid, num_groups, uids = group_ids(index, scores.shape[0])
+    _, _, _, stds = _group_stats(scores, gid, num_groups)
+    adv = torch.zeros_like(scores)
+    for g in range(num_groups):
+        members = torch.nonzero(gid == g).flatten()
+        if members.numel() < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 responses per group; group {uids[g]!r} has {members.numel()} "
+                "(raise actor_rollout_ref.rollout.n)"
+            )
+        group_scores = scores[members]
+        top2 = torch.topk(group_scores, 2).values
+        best = members[torch.argmax(group_scores)]
+        credit = top2[0] - top2[1]
+        if norm_adv_by_std_in_grpo:
+            credit = credit / (stds[best] + epsilon)
+        adv[best] = credit
+    out = _broadcast(adv, mask, token_level_rewards.dtype)
+    return out, out.clone()
+
+
+@register_adv_estimator("rloo")
+@torch.no_grad()
+def rloo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740).
+
+    A_i = score_i - mean of the OTHER responses of its group, i.e. (score_i - mean_g) * n/(n-1).
+    A singleton group has no baseline: A_i = score_i (as in the reference).
+    Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    gid, num_groups, _ = group_ids(index, scores.shape[0])
+    counts, sums, _, _ = _group_stats(scores, gid, num_groups)
+    s = scores.to(torch.float64)
+    loo_mean = (sums - s) / (counts - 1).clamp(min=1)
+    adv = torch.where(counts > 1, s - loo_mean, s)
+    out = _broadcast(adv, mask, token_level_rewards.dtype)
+    return out, out.clone()
+
+
+@register_adv_estimator("opo")
+@torch.no_grad()
+def opo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-Policy RL with the optimal (length-weighted) baseline (arXiv:2505.23585).
+
+    baseline_g = sum_i |y_i| * score_i / sum_i |y_i| over the group, with |y_i| the number of
+    valid tokens; A_i = score_i - baseline_g. Singleton groups use baseline 0 (reference).
+    Departure: a group whose responses are all empty (sum |y_i| = 0) uses baseline 0 where
+    the reference divides 0 by 0; its advantages are 0 on every valid token either way.
+    Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)
+    lengths = mask.sum(dim=-1).to(torch.float64)  # [B]
+    gid, num_groups, _ = group_ids(index, scores.shape[0])
+    g = gid.to(scores.device)
+    counts = torch.bincount(g, minlength=num_groups)[g]
+    weighted = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(0, g, lengths * scores)
+    total_len = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(0, g, lengths)
+    baseline = weighted[g] / total_len[g].clamp(min=1)
+    baseline = torch.where((counts > 1) & (total_len[g] > 0), baseline, torch.zeros_like(baseline))
+    out = _broadcast(scores - baseline, mask, token_level_rewards.dtype)
+    return out, out.clone()
+
+
+@register_adv_estimator("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (arXiv:2501.03262): discounted return-to-go, whitened over the batch.
+
+    G_t = r_t + gamma * G_{t+1}, the running return restarting after each masked token (as the
+    reference does); advantages = whiten(G) over all valid tokens. Returns (advantages,
+    returns=G), [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    rewards = token_level_rewards
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = torch.where(mask[:, t], running, torch.zeros_like(running))
+    advantages = _zero_masked(masked_whiten(returns, mask), mask)
+    return advantages, _zero_masked(returns, mask)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline (arXiv:2501.03262).
+
+    A_i = score_i - mean_g (singleton groups: mean 0) broadcast over valid tokens, then whitened
+    over all valid tokens of the batch (so longer responses weigh more in the batch statistics,
+    as in the reference). Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    gid, num_groups, _ = group_ids(index, scores.shape[0])
+    counts, _, means, _ = _group_stats(scores, gid, num_groups)
+    means = torch.where(counts == 1, torch.zeros_like(means), means)
+    tiled = _broadcast(scores.to(torch.float64) - means, mask, token_level_rewards.dtype)
+    out = _zero_masked(masked_whiten(tiled, mask), mask)
+    return out, out.clone()
+
+
+@register_adv_estimator("remax")
+@torch.no_grad()
+def remax(
+    *,
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): the greedy response's reward as the baseline.
+
+    returns_t = sum_{s >= t} r_s over valid tokens (undiscounted reward-to-go);
+    advantages_t = returns_t - reward_baselines[i] on valid tokens.
+    reward_baselines: [B], the reward of each prompt's greedy (argmax) decode.
+    Returns (advantages, returns), [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    baselines = check_seq_level("reward_baselines", reward_baselines, token_level_rewards.shape[0])
+    kept = _zero_masked(token_level_rewards, mask)
+    returns = kept.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    advantages = _zero_masked(returns - baselines.to(returns.dtype).unsqueeze(-1), mask)
+    return advantages, _zero_masked(returns, mask)
+
+
+@register_adv_estimator("gpg")
+@torch.no_grad()
+def gpg(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    f_norm: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group Policy Gradient advantage (arXiv:2504.02546).
+
+    A_i = alpha * (score_i - mean_g) / f_norm with alpha = B / (number of nonzero scores, at
+    least 1), a correction for batches where most responses get no reward; singleton groups
+    use mean 0. Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    gid, num_groups, _ = group_ids(index, scores.shape[0])
+    counts, _, means, _ = _group_stats(scores, gid, num_groups)
+    means = torch.where(counts == 1, torch.zeros_like(means), means)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    adv = alpha * (scores.to(torch.float64) - means) / f_norm
+    out = _broadcast(adv, mask, token_level_rewards.dtype)
+    return out, out.clone()
