@@ -1,1 +1,45 @@
+"""Rule-based rewards: scorers keyed by ``data_source``, user reward functions, batch scoring.
 
+- ``default_compute_score(data_source, solution_str, ground_truth, extra_info=None)``: the
+  registry of built-in scorers (GSM8K, MATH/MATH-500/Numina, DAPO-Math/AIME, countdown,
+  Geometry3K, the synthetic ``verl/arithmetic`` task); ``known_data_sources()`` lists them and
+  ``register_scorer`` adds more.
+- ``load_custom_reward_fn(path, name)``: a user function from ``custom_reward_function.path``/``.name``.
+- ``RewardManager(tokenizer, compute_score=None, num_workers=0, ...)(batch)``: token-level
+  scores for a rollout batch, optionally in a process pool.
+- ``format_reward``: whole-response layout check (``<think>..</think><answer>..</answer>`` by default).
+"""
+
+from verl.rewards.arithmetic import ANSWER_PREFIX as ARITHMETIC_ANSWER_PREFIX
+from verl.rewards.arithmetic import format_arithmetic_answer
+from verl.rewards.format_reward import THINK_ANSWER_PATTERN, format_reward
+from verl.rewards.manager import OverlongBuffer, RewardManager, RewardOutput, SampleScore, score_one
+from verl.rewards.math_answer import math_equal, normalize_math_answer
+from verl.rewards.registry import (
+    FileRewardFunction,
+    default_compute_score,
+    get_scorer,
+    known_data_sources,
+    load_custom_reward_fn,
+    register_scorer,
+)
+
+__all__ = [
+    "ARITHMETIC_ANSWER_PREFIX",
+    "FileRewardFunction",
+    "OverlongBuffer",
+    "RewardManager",
+    "RewardOutput",
+    "SampleScore",
+    "THINK_ANSWER_PATTERN",
+    "default_compute_score",
+    "format_arithmetic_answer",
+    "format_reward",
+    "get_scorer",
+    "known_data_sources",
+    "load_custom_reward_fn",
+    "math_equal",
+    "normalize_math_answer",
+    "register_scorer",
+    "score_one",
+]

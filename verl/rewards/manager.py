@@ -1,0 +1,381 @@
+"""Score a batch of responses with rule-based reward functions.
+
+``RewardManager(tokenizer)(batch)`` decodes each response (only its valid tokens), scores
+it with ``compute_score`` (``default_compute_score`` unless the user gives their own), and
+puts the score on the response's last valid token of ``token_level_scores`` [B, T], which is
+how outcome rewards enter the token-level advantage estimators.
+
+The core, ``RewardManager.score_texts``, takes plain lists, so any caller (validation, a
+custom loop, tests) can score strings without building a batch.
+
+Robustness contract: scoring never raises for a response. A scorer that raises, returns
+something that is not a score, returns NaN/inf, or runs longer than ``timeout_s`` gives 0.0
+for that sample, counted in ``RewardOutput.num_failed`` and logged once per batch. Only
+configuration errors raise: an unknown ``data_source`` (before anything is scored), missing
+batch columns, a compute function that cannot be sent to worker processes.
+
+With ``num_workers > 0`` samples are scored in a process pool (spawned workers, so a
+hung or crashed scorer cannot take the trainer down); each sample runs under ``timeout_s``
+in its worker's main thread. If a worker dies or the whole batch overruns, the unfinished
+samples score 0.0 and the pool is replaced on the next call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import multiprocessing
+import pickle
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.rewards.registry import default_compute_score, get_scorer
+from verl.rewards.timeout import ScoreTimeout, time_limit
+
+logger = logging.getLogger(__name__)
+
+# Slack on top of timeout_s * ceil(samples / workers) for the whole pool batch: worker
+# start-up (spawn + import, a few seconds on a loaded machine) and result transfer.
+_POOL_SLACK_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongBuffer:
+    """DAPO's soft overlong punishment (``reward_model.overlong_buffer``), see ``verl.algos.dapo``."""
+
+    len: int
+    """Buffer length in tokens: responses longer than ``max_response_length - len`` lose reward."""
+    penalty_factor: float = 1.0
+    """Penalty at ``max_response_length`` (it grows linearly across the buffer)."""
+    max_response_length: int
+    """``data.max_response_length``: the longest response the rollout may produce."""
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    """One sample's result: its score, the scorer's extra fields, and the error if it failed."""
+
+    score: float
+    extra: dict[str, Any]
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
+class RewardOutput:
+    """What ``RewardManager`` returns for a batch of B responses of length T."""
+
+    token_level_scores: torch.Tensor
+    """[B, T] float32: each response's score on its last valid token, zeros elsewhere."""
+    scores: torch.Tensor
+    """[B] float32: each response's score, plus the overlong penalty when on (the row sum of
+    ``token_level_scores``, except for a response with no valid token, where nothing is placed)."""
+    extra_info: dict[str, list[Any]] = field(default_factory=dict)
+    """Per-sample extra fields returned by dict-valued scorers, each a list of length B
+    (None where a sample's scorer did not return that field); ``overlong_penalty`` too when on."""
+    num_failed: int = 0
+    """Samples whose scorer raised, timed out or returned a non-score (scored 0.0)."""
+
+
+def _as_sample_score(result: Any) -> SampleScore:
+    """Validate a scorer's return value: a real number, or a dict with a real ``"score"``."""
+    extra: dict[str, Any] = {}
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            return SampleScore(0.0, {}, f"scorer returned a dict without 'score' (keys {sorted(result)[:10]})")
+        extra = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        result = result.item()
+    try:
+        value = float(result)
+    except (TypeError, ValueError):
+        return SampleScore(0.0, extra, f"scorer returned {type(result).__name__}, not a number")
+    if not math.isfinite(value):
+        return SampleScore(0.0, extra, f"scorer returned {value}")
+    return SampleScore(value, extra)
+
+
+def score_one(
+    compute_score: Callable[..., Any],
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Any,
+    timeout_s: float | None,
+) -> SampleScore:
+    """Score one response under ``timeout_s``; failures become score 0.0 with the error recorded."""
+    try:
+        with time_limit(timeout_s):
+            result = compute_score(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+            )
+    except ScoreTimeout:
+        return SampleScore(0.0, {}, f"timed out after {timeout_s} s")
+    except Exception as exc:  # a user's scorer may raise anything; it must not stop training
+        return SampleScore(0.0, {}, f"{type(exc).__name__}: {exc}"[:500])
+    return _as_sample_score(result)
+
+
+def _score_chunk(
+    compute_score: Callable[..., Any], items: list[tuple[str, str, Any, Any]], timeout_s: float | None
+) -> list[SampleScore]:
+    """Pool task: score several samples in one worker round trip."""
+    return [score_one(compute_score, ds, sol, gt, ei, timeout_s) for ds, sol, gt, ei in items]
+
+
+def _shutdown_pool(pool: cf.ProcessPoolExecutor, kill: bool) -> None:
+    pool.shutdown(wait=not kill, cancel_futures=True)
+    if kill:
+        # A worker stuck in C code ignores the in-worker timer; only killing it frees it.
+        # ProcessPoolExecutor has no public way before Python 3.14's terminate_workers().
+        terminate = getattr(pool, "terminate_workers", None)
+        if terminate is not None:
+            terminate()
+        else:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.kill()
+
+
+class RewardManager:
+    """Rule-based rewards for a batch of rollouts.
+
+    Args:
+        tokenizer: decodes ``responses``; anything with ``batch_decode(ids, skip_special_tokens=)``.
+        compute_score: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``
+            called with keyword arguments; ``default_compute_score`` when None (then every
+            ``data_source`` in a batch is checked against the registry before scoring).
+        num_workers: 0 scores in this process; N > 0 in a pool of N spawned processes
+            (``compute_score`` must then be picklable: a module-level function or a
+            ``FileRewardFunction``).
+        timeout_s: limit per sample (None: none). In-process it needs the main thread.
+        overlong_buffer: DAPO overlong punishment added to each score, or None.
+        skip_special_tokens: passed to the tokenizer when decoding responses.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        compute_score: Callable[..., Any] | None = None,
+        *,
+        num_workers: int = 0,
+        timeout_s: float | None = 30.0,
+        overlong_buffer: OverlongBuffer | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"reward num_workers must be an int >= 0, got {num_workers!r}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"reward timeout_s must be > 0 or None, got {timeout_s!r}")
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score if compute_score is not None else default_compute_score
+        self.uses_registry = compute_score is None
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.overlong_buffer = overlong_buffer
+        self.skip_special_tokens = skip_special_tokens
+        if num_workers > 0:
+            try:
+                pickle.dumps(self.compute_score)
+            except Exception as exc:
+                raise ValueError(
+                    f"reward num_workers={num_workers} needs a picklable compute_score (a module-level "
+                    f"function or custom_reward_function.path/name); {self.compute_score!r} is not: {exc}"
+                ) from exc
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # ------------------------------------------------------------------ pool lifetime
+    def _get_pool(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(
+                max_workers=self.num_workers, mp_context=multiprocessing.get_context("spawn")
+            )
+            self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool, False)
+        return self._pool
+
+    def _drop_pool(self, kill: bool) -> None:
+        if self._pool is not None:
+            assert self._finalizer is not None
+            self._finalizer.detach()
+            _shutdown_pool(self._pool, kill)
+            self._pool = None
+
+    def close(self) -> None:
+        """Shut the worker pool down (a later call starts a new one)."""
+        self._drop_pool(kill=False)
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ scoring on plain lists
+    def score_texts(
+        self,
+        solutions: Sequence[str],
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[Any] | None = None,
+    ) -> list[SampleScore]:
+        """Score B responses given as strings; one ``SampleScore`` per response, in order."""
+        n = len(solutions)
+        if extra_infos is None:
+            extra_infos = [None] * n
+        if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
+            raise ValueError(
+                f"score_texts needs one entry per response: {n} solutions, {len(ground_truths)} ground "
+                f"truths, {len(data_sources)} data sources, {len(extra_infos)} extra_infos"
+            )
+        if self.uses_registry:
+            for ds in dict.fromkeys(data_sources):
+                get_scorer(ds)  # an unknown data_source is a config error: fail before any work
+        items = list(zip(data_sources, solutions, ground_truths, extra_infos))
+        if self.num_workers == 0 or n == 0:
+            results = _score_chunk(self.compute_score, items, self.timeout_s)
+        else:
+            results = self._score_in_pool(items)
+        failed = [(i, r.error) for i, r in enumerate(results) if r.error is not None]
+        if failed:
+            i, err = failed[0]
+            logger.warning(
+                "%d of %d responses could not be scored and got 0.0; first: #%d (data_source=%r): %s",
+                len(failed),
+                n,
+                i,
+                data_sources[i],
+                err,
+            )
+        return results
+
+    def _score_in_pool(self, items: list[tuple[str, str, Any, Any]]) -> list[SampleScore]:
+        n = len(items)
+        # A few chunks per worker: fewer round trips than one task per sample, and a slow
+        # chunk does not leave the other workers idle for long.
+        chunk = max(1, math.ceil(n / (4 * self.num_workers)))
+        starts = range(0, n, chunk)
+        pool = self._get_pool()
+        futures = {pool.submit(_score_chunk, self.compute_score, items[s : s + chunk], self.timeout_s): s for s in starts}
+        deadline = None
+        if self.timeout_s is not None:
+            deadline = self.timeout_s * math.ceil(n / self.num_workers) + _POOL_SLACK_S
+        t0 = time.monotonic()
+        done, not_done = cf.wait(futures, timeout=deadline)
+        results: list[SampleScore | None] = [None] * n
+        broken = bool(not_done)
+        for fut in done:
+            s = futures[fut]
+            try:
+                chunk_results = fut.result()
+            except Exception as exc:  # a worker died (segfault, OOM kill) or results did not pickle
+                broken = True
+                err = f"worker failed: {type(exc).__name__}: {exc}"[:500]
+                chunk_results = [SampleScore(0.0, {}, err)] * len(items[s : s + chunk])
+            results[s : s + len(chunk_results)] = chunk_results
+        for fut in not_done:
+            s = futures[fut]
+            err = f"batch scoring exceeded {time.monotonic() - t0:.0f} s"
+            results[s : s + len(items[s : s + chunk])] = [SampleScore(0.0, {}, err)] * len(items[s : s + chunk])
+        if broken:
+            self._drop_pool(kill=True)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ the Batch-facing call
+    def __call__(self, batch: Any) -> RewardOutput:
+        """Score a rollout ``Batch``.
+
+        Reads ``responses`` [B, T] (token ids), ``response_mask`` [B, T] (or the last T
+        columns of ``attention_mask``), and the non-tensor columns ``data_source`` [B],
+        ``reward_model`` [B] (dicts with ``ground_truth``; or a ``ground_truth`` column) and
+        optionally ``extra_info`` [B].
+        """
+        responses = batch["responses"]  # [B, T]
+        if responses.dim() != 2:
+            raise ValueError(f"batch['responses'] must be [B, T] token ids, got shape {list(responses.shape)}")
+        mask = self._response_mask(batch, responses)  # [B, T] bool
+        B, T = responses.shape
+        ids = [responses[i][mask[i]].tolist() for i in range(B)]
+        solutions = list(self.tokenizer.batch_decode(ids, skip_special_tokens=self.skip_special_tokens)) if B else []
+        data_sources = [str(ds) for ds in self._column(batch, "data_source")]
+        ground_truths = self._ground_truths(batch)
+        extra_infos = list(batch.non_tensors["extra_info"]) if "extra_info" in batch.non_tensors else [None] * B
+
+        results = self.score_texts(solutions, ground_truths, data_sources, extra_infos)
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)  # [B]
+        keys = list(dict.fromkeys(k for r in results for k in r.extra))
+        extra_info = {k: [r.extra.get(k) for r in results] for k in keys}
+        if self.overlong_buffer is not None and B:
+            from verl.algos.dapo import overlong_penalty
+
+            penalty = overlong_penalty(
+                mask,
+                max_response_length=self.overlong_buffer.max_response_length,
+                overlong_buffer_len=self.overlong_buffer.len,
+                overlong_penalty_factor=self.overlong_buffer.penalty_factor,
+            )  # [B]
+            scores = scores + penalty
+            extra_info["overlong_penalty"] = penalty.tolist()
+
+        token_level_scores = torch.zeros((B, T), dtype=torch.float32)
+        if B and T:
+            positions = torch.arange(T).expand(B, T)
+            last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values  # [B]
+            rows = torch.nonzero(last >= 0).flatten()
+            token_level_scores[rows, last[rows]] = scores[rows]
+            num_placed = len(rows)
+        else:
+            num_placed = 0
+        if num_placed < B:
+            logger.warning("%d of %d responses have no valid token: their score is not placed", B - num_placed, B)
+        return RewardOutput(
+            token_level_scores=token_level_scores,
+            scores=scores,
+            extra_info=extra_info,
+            num_failed=sum(r.error is not None for r in results),
+        )
+
+    @staticmethod
+    def _column(batch: Any, key: str) -> np.ndarray:
+        if key not in batch.non_tensors:
+            raise ValueError(
+                f"the batch has no non-tensor column {key!r} needed for rule-based rewards; "
+                f"it has {sorted(batch.non_tensors)} (the dataset record must carry {key!r})"
+            )
+        return batch.non_tensors[key]
+
+    def _ground_truths(self, batch: Any) -> list[Any]:
+        if "ground_truth" in batch.non_tensors:
+            return list(batch.non_tensors["ground_truth"])
+        column = self._column(batch, "reward_model")
+        out = []
+        for i, rm in enumerate(column):
+            if not isinstance(rm, Mapping) or "ground_truth" not in rm:
+                raise ValueError(
+                    f"reward_model[{i}] must be a dict with 'ground_truth', got {rm!r:.200}; "
+                    "the dataset record's reward_model column should be {'style': 'rule', 'ground_truth': ...}"
+                )
+            out.append(rm["ground_truth"])
+        return out
+
+    @staticmethod
+    def _response_mask(batch: Any, responses: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: ``response_mask``, else the last T columns of ``attention_mask``."""
+        if "response_mask" in batch.tensors:
+            mask = batch["response_mask"]
+        elif "attention_mask" in batch.tensors:
+            mask = batch["attention_mask"][:, -responses.shape[1] :]
+        else:
+            raise ValueError("the batch needs 'response_mask' [B, T] or 'attention_mask' [B, P+T] to find valid tokens")
+        if mask.shape != responses.shape:
+            raise ValueError(
+                f"response mask shape {list(mask.shape)} does not match responses {list(responses.shape)}"
+            )
+        return mask.bool()
