@@ -27,7 +27,6 @@ reasons about (torch's ``group_src``/``group_dst``).
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import pickle
@@ -37,8 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Batch", "scatter", "gather", "all_gather", "broadcast"]
 
