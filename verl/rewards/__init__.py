@@ -10,10 +10,12 @@
 - ``format_reward``: whole-response layout check (``<think>..</think><answer>..</answer>`` by default).
 """
 
+import importlib
+from typing import Any
+
 from verl.rewards.arithmetic import ANSWER_PREFIX as ARITHMETIC_ANSWER_PREFIX
 from verl.rewards.arithmetic import format_arithmetic_answer
 from verl.rewards.format_reward import THINK_ANSWER_PATTERN, format_reward
-from verl.rewards.manager import OverlongBuffer, RewardManager, RewardOutput, SampleScore, score_one
 from verl.rewards.math_answer import math_equal, normalize_math_answer
 from verl.rewards.registry import (
     FileRewardFunction,
@@ -23,6 +25,17 @@ from verl.rewards.registry import (
     load_custom_reward_fn,
     register_scorer,
 )
+from verl.rewards.scoring import SampleScore, score_one
+
+# The batch-facing manager needs torch; it is imported on first use so that process-pool
+# workers, which unpickle scorers from this package, start without importing torch.
+_LAZY = {"OverlongBuffer": "verl.rewards.manager", "RewardManager": "verl.rewards.manager", "RewardOutput": "verl.rewards.manager"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'verl.rewards' has no attribute {name!r}")
 
 __all__ = [
     "ARITHMETIC_ANSWER_PREFIX",

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from verl.rewards.registry import default_compute_score, get_scorer
-from verl.rewards.timeout import ScoreTimeout, time_limit
+from verl.rewards.scoring import SampleScore, score_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +58,6 @@ class OverlongBuffer:
     """``data.max_response_length``: the longest response the rollout may produce."""
 
 
-@dataclass(frozen=True)
-class SampleScore:
-    """One sample's result: its score, the scorer's extra fields, and the error if it failed."""
-
-    score: float
-    extra: dict[str, Any]
-    error: str | None = None
-
-
 @dataclass(kw_only=True)
 class RewardOutput:
     """What ``RewardManager`` returns for a batch of B responses of length T."""
@@ -81,53 +72,6 @@ class RewardOutput:
     (None where a sample's scorer did not return that field); ``overlong_penalty`` too when on."""
     num_failed: int = 0
     """Samples whose scorer raised, timed out or returned a non-score (scored 0.0)."""
-
-
-def _as_sample_score(result: Any) -> SampleScore:
-    """Validate a scorer's return value: a real number, or a dict with a real ``"score"``."""
-    extra: dict[str, Any] = {}
-    if isinstance(result, Mapping):
-        if "score" not in result:
-            return SampleScore(0.0, {}, f"scorer returned a dict without 'score' (keys {sorted(result)[:10]})")
-        extra = {k: v for k, v in result.items() if k != "score"}
-        result = result["score"]
-    if isinstance(result, torch.Tensor) and result.numel() == 1:
-        result = result.item()
-    try:
-        value = float(result)
-    except (TypeError, ValueError):
-        return SampleScore(0.0, extra, f"scorer returned {type(result).__name__}, not a number")
-    if not math.isfinite(value):
-        return SampleScore(0.0, extra, f"scorer returned {value}")
-    return SampleScore(value, extra)
-
-
-def score_one(
-    compute_score: Callable[..., Any],
-    data_source: str,
-    solution_str: str,
-    ground_truth: Any,
-    extra_info: Any,
-    timeout_s: float | None,
-) -> SampleScore:
-    """Score one response under ``timeout_s``; failures become score 0.0 with the error recorded."""
-    try:
-        with time_limit(timeout_s):
-            result = compute_score(
-                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
-            )
-    except ScoreTimeout:
-        return SampleScore(0.0, {}, f"timed out after {timeout_s} s")
-    except Exception as exc:  # a user's scorer may raise anything; it must not stop training
-        return SampleScore(0.0, {}, f"{type(exc).__name__}: {exc}"[:500])
-    return _as_sample_score(result)
-
-
-def _score_chunk(
-    compute_score: Callable[..., Any], items: list[tuple[str, str, Any, Any]], timeout_s: float | None
-) -> list[SampleScore]:
-    """Pool task: score several samples in one worker round trip."""
-    return [score_one(compute_score, ds, sol, gt, ei, timeout_s) for ds, sol, gt, ei in items]
 
 
 def _shutdown_pool(pool: cf.ProcessPoolExecutor, kill: bool) -> None:
@@ -239,7 +183,7 @@ class RewardManager:
                 get_scorer(ds)  # an unknown data_source is a config error: fail before any work
         items = list(zip(data_sources, solutions, ground_truths, extra_infos))
         if self.num_workers == 0 or n == 0:
-            results = _score_chunk(self.compute_score, items, self.timeout_s)
+            results = score_chunk(self.compute_score, items, self.timeout_s)
         else:
             results = self._score_in_pool(items)
         failed = [(i, r.error) for i, r in enumerate(results) if r.error is not None]
@@ -260,33 +204,36 @@ class RewardManager:
         # A few chunks per worker: fewer round trips than one task per sample, and a slow
         # chunk does not leave the other workers idle for long.
         chunk = max(1, math.ceil(n / (4 * self.num_workers)))
-        starts = range(0, n, chunk)
         pool = self._get_pool()
-        futures = {pool.submit(_score_chunk, self.compute_score, items[s : s + chunk], self.timeout_s): s for s in starts}
+        parts = [items[s : s + chunk] for s in range(0, n, chunk)]
+        futures = {pool.submit(score_chunk, self.compute_score, part, self.timeout_s): len(part) for part in parts}
         deadline = None
         if self.timeout_s is not None:
             deadline = self.timeout_s * math.ceil(n / self.num_workers) + _POOL_SLACK_S
         t0 = time.monotonic()
-        done, not_done = cf.wait(futures, timeout=deadline)
-        results: list[SampleScore | None] = [None] * n
+        _, not_done = cf.wait(futures, timeout=deadline)
         broken = bool(not_done)
-        for fut in done:
-            s = futures[fut]
+        results: list[SampleScore] = []
+        for fut, size in futures.items():  # dicts keep insertion order: chunks in order
+            if fut in not_done:
+                err = f"batch scoring exceeded {time.monotonic() - t0:.0f} s"
+                results.extend([SampleScore(0.0, {}, err)] * size)
+                continue
             try:
-                chunk_results = fut.result()
+                results.extend(fut.result())
             except Exception as exc:  # a worker died (segfault, OOM kill) or results did not pickle
                 broken = True
-                err = f"worker failed: {type(exc).__name__}: {exc}"[:500]
-                chunk_results = [SampleScore(0.0, {}, err)] * len(items[s : s + chunk])
-            results[s : s + len(chunk_results)] = chunk_results
-        for fut in not_done:
-            s = futures[fut]
-            err = f"batch scoring exceeded {time.monotonic() - t0:.0f} s"
-            results[s : s + len(items[s : s + chunk])] = [SampleScore(0.0, {}, err)] * len(items[s : s + chunk])
+                err = f"worker failed: {type(exc).__name__}: {exc}"[:400]
+                if isinstance(exc, cf.process.BrokenProcessPool):
+                    err += (
+                        " (spawned workers re-import the main script: is its entry point under "
+                        "`if __name__ == '__main__':`?)"
+                    )
+                results.extend([SampleScore(0.0, {}, err)] * size)
         if broken:
             self._drop_pool(kill=True)
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+        assert len(results) == n
+        return results
 
     # ------------------------------------------------------------------ the Batch-facing call
     def __call__(self, batch: Any) -> RewardOutput:
@@ -309,7 +256,8 @@ class RewardManager:
         extra_infos = list(batch.non_tensors["extra_info"]) if "extra_info" in batch.non_tensors else [None] * B
 
         results = self.score_texts(solutions, ground_truths, data_sources, extra_infos)
-        scores = torch.tensor([r.score for r in results], dtype=torch.float32)  # [B]
+        device = responses.device
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32, device=device)  # [B]
         keys = list(dict.fromkeys(k for r in results for k in r.extra))
         extra_info = {k: [r.extra.get(k) for r in results] for k in keys}
         if self.overlong_buffer is not None and B:
@@ -324,9 +272,9 @@ class RewardManager:
             scores = scores + penalty
             extra_info["overlong_penalty"] = penalty.tolist()
 
-        token_level_scores = torch.zeros((B, T), dtype=torch.float32)
+        token_level_scores = torch.zeros((B, T), dtype=torch.float32, device=device)
         if B and T:
-            positions = torch.arange(T).expand(B, T)
+            positions = torch.arange(T, device=device).expand(B, T)
             last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values  # [B]
             rows = torch.nonzero(last >= 0).flatten()
             token_level_scores[rows, last[rows]] = scores[rows]

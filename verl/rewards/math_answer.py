@@ -34,7 +34,6 @@ from fractions import Fraction
 
 from verl.rewards.extract import answer_after_marker, as_text, last_boxed, normalize_minus
 from verl.rewards.timeout import ScoreTimeout, time_limit
-from verl.utils.logging import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +144,8 @@ def math_verify_equal(prediction: str, ground_truth: str, timeout_s: float | Non
     try:
         verify = _math_verify().verify
     except ImportError:
+        from verl.utils.logging import warn_once  # here: it imports torch, which workers avoid
+
         warn_once(logger, "math-verify is not installed: MATH answers are compared by the normaliser only")
         return None
     try:

@@ -21,8 +21,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-from verl.utils.logging import warn_once
-
 logger = logging.getLogger(__name__)
 
 # Re-arm delay for an outer timer whose deadline passed while the inner block ran: fire
@@ -51,6 +49,9 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         yield
         return
     if not timeouts_supported():
+        # Imported here: verl.utils.logging pulls in torch, which pool workers never need.
+        from verl.utils.logging import warn_once
+
         warn_once(
             logger,
             "time_limit(%.1fs) ignored: timers need the main thread of a POSIX process (this is %s); "
