@@ -1,0 +1,123 @@
+"""Synthetic arithmetic: the demo task ("What is 37+45?" -> "Answer: 82").
+
+Difficulty is the operand length in digits (and the operators allowed). The expected
+response format, ``Answer: <integer>``, is what the ``verl/arithmetic`` scorer parses;
+``reward_model.ground_truth`` holds the integer as a string.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from verl.data.tasks.common import make_record
+
+DATA_SOURCE = "verl/arithmetic"
+OPERATORS = ("+", "-", "*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One arithmetic problem."""
+
+    a: int
+    """Left operand."""
+    b: int
+    """Right operand."""
+    op: str
+    """One of ``OPERATORS``."""
+
+    @property
+    def answer(self) -> int:
+        if self.op == "+":
+            return self.a + self.b
+        if self.op == "-":
+            return self.a - self.b
+        return self.a * self.b
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a}{self.op}{self.b}?"
+
+    @property
+    def response(self) -> str:
+        """The reference response, in the format the scorer expects."""
+        return format_response(self.answer)
+
+
+def format_response(answer: int) -> str:
+    """The canonical response text for an answer: ``"Answer: 82"``."""
+    return f"Answer: {answer}"
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    if digits == 1:
+        return rng.randint(0, 9)
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def make_problem(rng: random.Random, *, digits: int, ops: tuple[str, ...] = ("+",)) -> Problem:
+    """A random problem with ``digits``-digit operands; subtraction never goes negative."""
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    bad = [op for op in ops if op not in OPERATORS]
+    if bad or not ops:
+        raise ValueError(f"unknown operators {bad or ops}; choose from {OPERATORS}")
+    op = rng.choice(ops)
+    a, b = _operand(rng, digits), _operand(rng, digits)
+    if op == "-" and b > a:
+        a, b = b, a
+    return Problem(a=a, b=b, op=op)
+
+
+def problem_record(problem: Problem, *, split: str, index: int, digits: int) -> dict[str, Any]:
+    """The verl record of one problem; ``extra_info.answer`` is the reference response (for SFT)."""
+    return make_record(
+        data_source=DATA_SOURCE,
+        prompt=problem.question,
+        ground_truth=str(problem.answer),
+        ability="arithmetic",
+        extra_info={
+            "split": split,
+            "index": index,
+            "question": problem.question,
+            "answer": problem.response,
+            "digits": digits,
+            "op": problem.op,
+        },
+    )
+
+
+def generate_splits(
+    *, train: int, val: int, digits: int, ops: tuple[str, ...] = ("+",), seed: int = 0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train and validation records; no validation question appears in the training split.
+
+    Training problems may repeat when the problem space is small (1-digit addition has only
+    100); validation problems are unique and disjoint from training, or a ValueError says
+    the space is too small.
+    """
+    if train < 0 or val < 0:
+        raise ValueError(f"train and val counts must be >= 0, got train={train}, val={val}")
+    rng = random.Random(seed)
+    train_problems = [make_problem(rng, digits=digits, ops=ops) for _ in range(train)]
+    seen = {p.question for p in train_problems}
+    val_problems: list[Problem] = []
+    attempts = 0
+    while len(val_problems) < val:
+        attempts += 1
+        if attempts > 200 * val + 1000:
+            raise ValueError(
+                f"could only find {len(val_problems)} of {val} validation problems with {digits}-digit "
+                f"operands and ops {ops} that are not in the training split; raise --digits, add "
+                f"operators, or lower --val/--train"
+            )
+        p = make_problem(rng, digits=digits, ops=ops)
+        if p.question not in seen:
+            seen.add(p.question)
+            val_problems.append(p)
+    return (
+        [problem_record(p, split="train", index=i, digits=digits) for i, p in enumerate(train_problems)],
+        [problem_record(p, split="test", index=i, digits=digits) for i, p in enumerate(val_problems)],
+    )

@@ -1,0 +1,48 @@
+"""The verl record format shared by every task converter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def user_prompt(text: str) -> list[dict[str, str]]:
+    """A one-turn chat prompt: ``[{"role": "user", "content": text}]``."""
+    return [{"role": "user", "content": text}]
+
+
+def make_record(
+    *,
+    data_source: str,
+    prompt: str | list[dict[str, str]],
+    ground_truth: Any,
+    ability: str = "math",
+    style: str = "rule",
+    extra_info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One record in the verl RL format.
+
+    ``data_source`` picks the reward function, ``reward_model.ground_truth`` is what the
+    scorer compares against, ``extra_info`` carries anything else (split, index, the full
+    reference answer for SFT).
+    """
+    if isinstance(prompt, str):
+        prompt = user_prompt(prompt)
+    return {
+        "data_source": data_source,
+        "prompt": prompt,
+        "ability": ability,
+        "reward_model": {"style": style, "ground_truth": ground_truth},
+        "extra_info": dict(extra_info or {}),
+    }
+
+
+def require(row: dict[str, Any], field: str, *, path: str, index: int, kind: type = str) -> Any:
+    """``row[field]`` checked to be present and of ``kind``; errors name file, row and field."""
+    value = row.get(field)
+    if value is None:
+        raise ValueError(f"{path}: row {index} has no field {field!r} (fields present: {sorted(row)})")
+    if not isinstance(value, kind):
+        raise ValueError(
+            f"{path}: row {index} field {field!r} is a {type(value).__name__}, expected {kind.__name__}"
+        )
+    return value

@@ -1,0 +1,117 @@
+"""Tokenizer loading, chat templating and truncation shared by the datasets."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from verl.utils.logging import warn_once
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+Messages = list[dict[str, Any]]
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
+    """A local Hugging Face tokenizer with a pad token guaranteed (see ``ensure_pad_token``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer: Any) -> Any:
+    """Give a tokenizer without a pad token one (its eos token), with a log line."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has neither a pad nor an eos token; "
+                f"set tokenizer.pad_token before building a dataset"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info(
+            "tokenizer %s has no pad token; using its eos token %r (id %d) as pad",
+            getattr(tokenizer, "name_or_path", "?"),
+            tokenizer.eos_token,
+            tokenizer.pad_token_id,
+        )
+    return tokenizer
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``apply_chat_template`` can be used (a template is set)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def validate_messages(messages: Any, *, where: str) -> Messages:
+    """Check a chat prompt: a list of {role: str, content: str}; errors say where and what."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{where}: a chat prompt must be a non-empty list of messages, got {type(messages).__name__}")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: message {k} must be a dict with 'role' and 'content', got {m!r:.200}")
+        if not isinstance(m["content"], str):
+            raise ValueError(
+                f"{where}: message {k} ({m.get('role')}) has non-string content of type "
+                f"{type(m['content']).__name__}; only text content is supported"
+            )
+        if not isinstance(m["role"], str):
+            raise ValueError(f"{where}: message {k} has a non-string role {m['role']!r}")
+    return [dict(m) for m in messages]
+
+
+def prompt_to_text(tokenizer: Any, prompt: Any, *, apply_chat_template: bool, where: str) -> tuple[str, bool]:
+    """Render a prompt (string or message list) to the text the model sees.
+
+    Returns (text, templated). With a chat template and ``apply_chat_template`` the prompt
+    (a bare string becomes one user message) is rendered with the generation prompt
+    appended; otherwise a string is used as is and a message list is joined by newlines.
+    """
+    if isinstance(prompt, str):
+        if apply_chat_template and has_chat_template(tokenizer):
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            return prompt, False
+    messages = validate_messages(prompt, where=where)
+    if apply_chat_template and has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, True
+    warn_once(
+        logger,
+        "chat prompts are joined as plain text (apply_chat_template=%s, tokenizer has a template: %s)",
+        apply_chat_template,
+        has_chat_template(tokenizer),
+    )
+    return "\n".join(m["content"] for m in messages), False
+
+
+def encode_text(tokenizer: Any, text: str, *, templated: bool) -> list[int]:
+    """Token ids of ``text``; special tokens are added only to untemplated text (a template writes its own)."""
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+def truncate(ids: Sequence[int], max_length: int, mode: str, *, where: str) -> list[int]:
+    """Cut ``ids`` to ``max_length`` tokens: keep the start (right), the end (left), or both ends (middle).
+
+    ``mode="error"`` raises a ValueError that says how long the sequence is and how to fix it.
+    """
+    if len(ids) <= max_length:
+        return list(ids)
+    if mode == "left":
+        return list(ids[len(ids) - max_length :])
+    if mode == "right":
+        return list(ids[:max_length])
+    if mode == "middle":
+        head = max_length // 2
+        tail = max_length - head
+        return list(ids[:head]) + list(ids[len(ids) - tail :])
+    if mode == "error":
+        raise ValueError(
+            f"{where}: {len(ids)} tokens exceed the limit of {max_length}; raise the limit, set "
+            f"filter_overlong_prompts=True, or set truncation to left, right or middle"
+        )
+    raise ValueError(f"unknown truncation mode {mode!r}; choose from {TRUNCATION_MODES}")
