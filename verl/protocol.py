@@ -99,7 +99,8 @@ def _values_equal(a: Any, b: Any) -> bool:
             return False
         if a.dtype == object or b.dtype == object:
             return all(_values_equal(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1)))
-        if a.dtype != b.dtype:
+        # Only the kind matters for numpy columns: '<U2' and '<U5' holding the same strings agree.
+        if a.dtype.kind != b.dtype.kind:
             return False
         equal_nan = a.dtype.kind in "fc"
         return bool(np.array_equal(a, b, equal_nan=equal_nan))

@@ -180,6 +180,10 @@ def test_union_merges_and_refuses_conflicts():
     other_dtype = Batch.from_dict(tensors={"input_ids": batch["input_ids"].int()})
     with pytest.raises(ValueError, match=r"tensors\['input_ids'\] conflicts"):
         batch.union(other_dtype)
+    narrow = np.array(["p0", "p1", "p2"])  # '<U2' here, object in batch: same values, no conflict
+    assert list(batch.union(Batch.from_dict(non_tensors={"uid": narrow}))["uid"]) == ["p0", "p1", "p2"]
+    wide = Batch.from_dict(non_tensors={"uid": narrow.astype("<U5")})
+    assert Batch.from_dict(non_tensors={"uid": narrow}).union(wide)["uid"].dtype == np.dtype("<U2")
     with pytest.raises(ValueError, match=r"non_tensors\['uid'\] conflicts"):
         batch.union(Batch.from_dict(non_tensors={"uid": ["p0", "p1", "zz"]}))
     with pytest.raises(ValueError, match=r"meta_info\['temperature'\] differs"):
