@@ -214,8 +214,8 @@ def _convert(value: Any, hint: Any, raw: str | None, wrap_scalar: bool) -> Any:
     if hint is str:
         if isinstance(value, str):
             return value
-        if raw is not None and not isinstance(value, (list, dict)):
-            return raw  # command line: `experiment_name=2024` means the text "2024"
+        if raw is not None:
+            return raw  # command line: a string field takes the text as written (`experiment_name=2024`)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise _Mismatch()
