@@ -72,7 +72,7 @@ def _sections(config_cls: type) -> list[SectionDoc]:
         for hint, path, sub_doc, sub_defaults in subsections:
             walk(hint, path + ".", sub_doc, sub_defaults)
 
-    walk(config_cls, "", (config_cls.__doc__ or "").strip().splitlines()[0] if config_cls.__doc__ else "", {})
+    walk(config_cls, "", "", {})
     return out
 
 

@@ -20,7 +20,7 @@ import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
 __all__ = [

@@ -135,7 +135,7 @@ class MegatronConfig(ConfigBase):
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel degree (PP).", ge=1)
     virtual_pipeline_model_parallel_size: int | None = option(None, "Virtual (interleaved) pipeline stages per rank; None: no interleaving. Needs PP > 1.", ge=1)
     context_parallel_size: int = option(1, "Context-parallel degree (CP).", ge=1)
-    sequence_parallel: bool = option(False, "Megatron sequence parallelism; needs TP > 1. (Reference default: True, which Megatron refuses at TP=1.)")
+    sequence_parallel: bool = option(False, "Megatron sequence parallelism; needs TP > 1. (Reference default: True, silently dropped at TP=1; here it is explicit.)")
     use_distributed_optimizer: bool = option(False, "Shard optimizer state over data parallel (ZeRO-1). Recommended on GPU; Megatron refuses it on CPU, hence off by default.")
     param_offload: bool = option(False, "Keep parameters in host memory while the role is idle (GPU only).")
     grad_offload: bool = option(False, "Keep gradients in host memory while the role is idle (GPU only).")
