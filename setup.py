@@ -5,11 +5,23 @@ Build without isolation so the extension compiles against the torch already inst
 
     pip install torch==2.13.0
     pip install --no-build-isolation -e ".[cpu,test]"
+
+verl._C always carries the C++ (CPU) kernels; the CUDA kernels are added when the installed
+torch is a CUDA build and a CUDA toolkit is found (set VERL_BUILD_CUDA=0 to skip them).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+CSRC = "csrc"
+CPU_SOURCES = [f"{CSRC}/copy_shards.cpp", f"{CSRC}/bindings.cpp"]
+CUDA_SOURCES = [f"{CSRC}/copy_shards_cuda.cpp", f"{CSRC}/copy_shards_kernel.cu"]
 
 BASE_REQUIRES = [
     "torch>=2.4",
@@ -36,6 +48,51 @@ EXTRAS = {
     "test": ["pytest", "pytest-timeout", "hypothesis"],
 }
 
+
+
+def _extension_build() -> tuple[list, dict]:
+    """The ``verl._C`` extension (CPU always, CUDA when possible) and its build command."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        raise SystemExit(
+            "verl builds verl._C against the installed torch, which could not be imported "
+            f"({exc}). Install torch first (pip install torch==2.13.0), then "
+            "pip install --no-build-isolation -e ."
+        ) from exc
+
+    cxx_flags = ["-O3"]  # BuildExtension adds the C++ standard torch needs
+    want_cuda = os.environ.get("VERL_BUILD_CUDA", "auto").lower() not in ("0", "false", "no", "off")
+    reason = ""
+    if not want_cuda:
+        reason = "VERL_BUILD_CUDA=0"
+    elif not torch.version.cuda:
+        reason = f"torch {torch.__version__} is a CPU build"
+    elif cpp_extension.CUDA_HOME is None:
+        reason = "no CUDA toolkit found (set CUDA_HOME to one with nvcc)"
+    if reason:
+        # setup.py is a script, not library code: one plain line on stderr is its log.
+        print(f"verl setup: building verl._C without CUDA kernels ({reason})", file=sys.stderr)
+        ext = cpp_extension.CppExtension(
+            name="verl._C",
+            sources=CPU_SOURCES,
+            include_dirs=[str(ROOT / CSRC)],
+            extra_compile_args={"cxx": cxx_flags},
+        )
+    else:
+        ext = cpp_extension.CUDAExtension(
+            name="verl._C",
+            sources=CPU_SOURCES + CUDA_SOURCES,
+            include_dirs=[str(ROOT / CSRC)],
+            define_macros=[("VERL_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+        )
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+
+EXT_MODULES, CMDCLASS = _extension_build()
+
 setup(
     name="verl",
     version="0.1.0",
@@ -44,4 +101,6 @@ setup(
     python_requires=">=3.10",
     install_requires=BASE_REQUIRES,
     extras_require=EXTRAS,
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
 )
