@@ -1,7 +1,8 @@
 """Synthetic arithmetic: the demo task ("What is 37+45?" -> "Answer: 82").
 
 Difficulty is the operand length in digits (and the operators allowed). The expected
-response format, ``Answer: <integer>``, is what the ``verl/arithmetic`` scorer parses;
+response format, ``Answer: <integer>``, comes from the ``verl/arithmetic`` scorer
+(``verl.rewards.arithmetic``) so generator and scorer cannot drift apart;
 ``reward_model.ground_truth`` holds the integer as a string.
 """
 
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl.data.tasks.common import make_record
+from verl.rewards.arithmetic import DATA_SOURCE, format_arithmetic_answer
 
-DATA_SOURCE = "verl/arithmetic"
 OPERATORS = ("+", "-", "*")
 
 
@@ -48,7 +49,7 @@ class Problem:
 
 def format_response(answer: int) -> str:
     """The canonical response text for an answer: ``"Answer: 82"``."""
-    return f"Answer: {answer}"
+    return format_arithmetic_answer(answer)
 
 
 def _operand(rng: random.Random, digits: int) -> int:

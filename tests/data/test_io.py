@@ -1,0 +1,144 @@
+"""Round trips through every supported file format, lazy reading, and bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from verl.data.io import ArrowSource, ParquetSource, TableStore, detect_format, open_source
+
+ROWS = [
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"question {i}"}],
+        "reward_model": {"style": "rule", "ground_truth": str(i)},
+        "extra_info": {"index": i, "split": "train"},
+    }
+    for i in range(25)
+]
+
+
+def write(path: str, rows: list[dict], fmt: str, **kw) -> str:
+    table = pa.Table.from_pylist(rows)
+    if fmt == "parquet":
+        pq.write_table(table, path, **kw)
+    elif fmt == "arrow-file":
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=7):
+                w.write_batch(batch)
+    elif fmt == "arrow-stream":
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=7):
+                w.write_batch(batch)
+    elif fmt == "jsonl":
+        with open(path, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+                f.write("\n")  # blank lines are skipped
+    return path
+
+
+@pytest.mark.parametrize(
+    "fmt,name",
+    [("parquet", "d.parquet"), ("arrow-file", "d.arrow"), ("arrow-stream", "d.arrow"), ("jsonl", "d.jsonl")],
+)
+def test_round_trip_every_format(tmp_path, fmt, name):
+    path = write(str(tmp_path / name), ROWS, fmt, **({"row_group_size": 4} if fmt == "parquet" else {}))
+    source = open_source(path)
+    assert source.num_rows == len(ROWS)
+    expected = ROWS
+    actual = [source.row(i) for i in range(source.num_rows)]
+    assert actual == expected
+    # Reading in a scattered order hits different row groups / batches / offsets.
+    for i in (24, 0, 13, 3, 24):
+        assert source.row(i) == ROWS[i]
+    values = [v for batch in source.iter_column("reward_model", batch_rows=6) for v in batch]
+    assert values == [r["reward_model"] for r in ROWS]
+
+
+def test_hf_datasets_arrow_and_parquet(tmp_path):
+    """Files written by Hugging Face ``datasets`` (someone else's writer) read unchanged."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.to_parquet(str(tmp_path / "hf.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow_files = sorted(f for f in os.listdir(tmp_path / "saved") if f.endswith(".arrow"))
+    assert arrow_files, os.listdir(tmp_path / "saved")
+    store = TableStore([str(tmp_path / "hf.parquet")] + [str(tmp_path / "saved" / f) for f in arrow_files])
+    assert len(store) == 2 * len(ROWS)
+    assert [store.row(i) for i in range(len(store))] == ROWS + ROWS
+
+
+def test_files_concatenate_and_columns_project(tmp_path):
+    a = write(str(tmp_path / "a.parquet"), ROWS[:10], "parquet")
+    b = write(str(tmp_path / "b.jsonl"), ROWS[10:], "jsonl")
+    store = TableStore([a, b], columns=["prompt", "data_source"])
+    assert len(store) == len(ROWS)
+    source, j = store.locate(12)
+    assert source.path == b and j == 2
+    expected = {"prompt": ROWS[12]["prompt"], "data_source": "openai/gsm8k"}
+    assert store.row(12) == expected
+    assert set(store.row(3)) == {"prompt", "data_source"}
+
+
+def test_parquet_keeps_only_a_few_row_groups(tmp_path):
+    path = write(str(tmp_path / "d.parquet"), ROWS, "parquet", row_group_size=2)
+    source = ParquetSource(path, cache_row_groups=2)
+    for i in range(len(ROWS)):
+        assert source.row(i) == ROWS[i]
+        assert len(source._h_cache) <= 2
+
+
+def test_arrow_is_memory_mapped_not_copied(tmp_path):
+    rows = [{"prompt": "x" * 1000, "data_source": str(i)} for i in range(4000)]  # ~4 MB of text
+    path = write(str(tmp_path / "big.arrow"), rows, "arrow-stream")
+    before = pa.total_allocated_bytes()
+    source = ArrowSource(path)
+    assert source.row(3999) == rows[3999]
+    # Buffers point into the mapped file: Arrow's heap grows by far less than the file size.
+    grown = pa.total_allocated_bytes() - before
+    assert grown < os.path.getsize(path) // 10, (grown, os.path.getsize(path))
+
+
+def test_corrupt_and_truncated_files_name_the_file(tmp_path):
+    good = write(str(tmp_path / "good.parquet"), ROWS, "parquet")
+    data = open(good, "rb").read()
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated.parquet"):
+        open_source(str(truncated))
+    garbage = tmp_path / "garbage.arrow"
+    garbage.write_bytes(b"not arrow at all" * 10)
+    with pytest.raises(ValueError, match="garbage.arrow"):
+        open_source(str(garbage))
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.parquet.*empty"):
+        open_source(str(empty))
+    with pytest.raises(ValueError, match="missing.parquet does not exist"):
+        open_source(str(tmp_path / "missing.parquet"))
+
+
+def test_bad_jsonl_and_unknown_extension(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n{"a": \n')
+    source = open_source(str(bad))
+    with pytest.raises(ValueError, match=r"bad.jsonl: record 1 is not valid JSON"):
+        source.row(1)
+    array = tmp_path / "array.json"
+    array.write_text('[{"a": 1}]')
+    with pytest.raises(ValueError, match="JSON array"):
+        open_source(str(array))
+    with pytest.raises(ValueError, match="extension '.csv'"):
+        detect_format("data.csv")
+
+
+def test_missing_column_names_file_and_field(tmp_path):
+    path = write(str(tmp_path / "d.parquet"), [{"question": "q", "data_source": "x"}], "parquet")
+    store = TableStore(path)
+    with pytest.raises(ValueError, match=r"d.parquet: every row lacks the field 'prompt'"):
+        store.require_columns(["prompt"])

@@ -1,0 +1,60 @@
+"""Countdown puzzles in the verl format: generate solvable ones, or convert a local file.
+
+    python tools/data/countdown.py generate --out-dir data/countdown --train 1000 --val 100
+    python tools/data/countdown.py convert --input countdown.parquet --output data/countdown/train.parquet
+
+A file to convert has the public schema: ``nums`` (list of integers) and ``target`` (integer).
+"""
+
+# Running a script puts its folder first on sys.path, where tools/data/math.py would shadow
+# the standard library's math module for numpy and torch: drop the folder before they load.
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+
+from verl.data.io import write_parquet  # noqa: E402
+from verl.data.tasks import countdown  # noqa: E402
+from verl.data.tasks.common import convert_file  # noqa: E402
+from verl.utils.logging import setup_logging  # noqa: E402
+
+logger = logging.getLogger("tools.data.countdown")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate solvable puzzles into DIR/train.parquet and DIR/test.parquet")
+    g.add_argument("--out-dir", required=True, help="output folder")
+    g.add_argument("--train", type=int, default=1000, help="training puzzles (default %(default)s)")
+    g.add_argument("--val", type=int, default=100, help="validation puzzles (default %(default)s)")
+    g.add_argument("--count", type=int, default=4, help="numbers per puzzle, the difficulty knob (default %(default)s)")
+    g.add_argument("--max-number", type=int, default=99, help="largest number drawn (default %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    c = sub.add_parser("convert", help="convert a file with nums/target columns")
+    c.add_argument("--input", required=True, help="input .jsonl, .parquet or .arrow file")
+    c.add_argument("--output", required=True, help="output parquet file")
+    c.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
+    args = p.parse_args(argv)
+    setup_logging()
+    try:
+        if args.command == "generate":
+            for split, n, seed in (("train", args.train, args.seed), ("test", args.val, args.seed + 1)):
+                records = countdown.generate(n, count=args.count, max_number=args.max_number, seed=seed, split=split)
+                path = os.path.join(args.out_dir, f"{split}.parquet")
+                write_parquet(records, path)
+                logger.info("wrote %d countdown puzzles to %s", n, path)
+        else:
+            records = convert_file(args.input, countdown.convert_row, split=args.split)
+            write_parquet(records, args.output)
+            logger.info("wrote %d countdown records to %s", len(records), args.output)
+    except ValueError as e:
+        p.error(str(e))
+
+
+if __name__ == "__main__":
+    main()

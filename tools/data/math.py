@@ -1,0 +1,42 @@
+"""Convert a local MATH file (``problem``, ``solution`` with \\boxed{}, ``level``, ``type``) to verl parquet.
+
+    python tools/data/math.py --input test.jsonl --output data/math/test.parquet --split test
+"""
+
+# This file is named like the standard library's math module, and running it puts its own
+# folder first on sys.path, where it would shadow ``math`` for numpy and torch: drop the
+# folder before they load.
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+
+from verl.data.io import write_parquet  # noqa: E402
+from verl.data.tasks import math as math_task  # noqa: E402
+from verl.data.tasks.common import convert_file  # noqa: E402
+from verl.utils.logging import setup_logging  # noqa: E402
+
+logger = logging.getLogger("tools.data.math")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="MATH file: .jsonl, .parquet or .arrow in the public schema")
+    p.add_argument("--output", required=True, help="output parquet file in the verl format")
+    p.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
+    args = p.parse_args(argv)
+    setup_logging()
+    try:
+        records = convert_file(args.input, math_task.convert_row, split=args.split)
+        write_parquet(records, args.output)
+    except ValueError as e:
+        p.error(str(e))
+    logger.info("wrote %d %s records to %s", len(records), math_task.DATA_SOURCE, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Preference pairs (prompt, chosen, rejected) for DPO-style training."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from verl.data.io import TableStore, get_field, split_key
+from verl.data.sft_dataset import SFT_TRUNCATION_MODES, encode_prompt_response, pack_sequence
+from verl.data.tokenizer import ensure_pad_token
+
+
+def response_text(value: Any, *, where: str) -> str:
+    """A chosen/rejected answer as text: a string, or the last assistant turn of a message list.
+
+    Public preference sets store either form (the list form repeats the prompt turns).
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        for message in reversed(value):
+            if isinstance(message, dict) and message.get("role") == "assistant":
+                content = message.get("content")
+                if not isinstance(content, str):
+                    raise ValueError(f"{where}: assistant content is {type(content).__name__}, expected a string")
+                return content
+        raise ValueError(f"{where}: the message list has no assistant turn")
+    raise ValueError(f"{where}: expected a string or a message list, got {type(value).__name__}")
+
+
+class PreferenceDataset(Dataset):
+    """Pairs of responses to one prompt; both sides share the prompt tokens.
+
+    Items: ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_position_ids``,
+    ``chosen_loss_mask`` and the same four for ``rejected_``, each [max_length],
+    right-padded; the loss masks cover only response tokens.
+    """
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer: Any,
+        *,
+        max_length: int = 1024,
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        truncation: str = "error",
+        apply_chat_template: bool = True,
+    ):
+        if truncation not in SFT_TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r} is not one of {SFT_TRUNCATION_MODES}")
+        self.tokenizer = ensure_pad_token(tokenizer)
+        self.max_length = max_length
+        self.keys = {"prompt": prompt_key, "chosen": chosen_key, "rejected": rejected_key}
+        self.truncation = truncation
+        self.apply_chat_template = apply_chat_template
+        self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in self.keys.values()}))
+        self.store.require_columns(list(self.keys.values()))
+        if len(self.store) == 0:
+            raise ValueError(f"preference data files {[s.path for s in self.store.sources]} hold no rows")
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range [0, {len(self)})")
+        source, j = self.store.locate(i)
+        row = source.row(j)
+        fields = {name: get_field(row, key, path=source.path, row_index=j) for name, key in self.keys.items()}
+        item: dict[str, torch.Tensor] = {}
+        for side in ("chosen", "rejected"):
+            where = f"{source.path}: row {j} ({self.keys[side]})"
+            prompt_ids, response_ids = encode_prompt_response(
+                self.tokenizer,
+                fields["prompt"],
+                response_text(fields[side], where=where),
+                apply_chat_template=self.apply_chat_template,
+                where=where,
+            )
+            packed = pack_sequence(
+                prompt_ids + response_ids,
+                [0] * len(prompt_ids) + [1] * len(response_ids),
+                max_length=self.max_length,
+                pad_id=self.tokenizer.pad_token_id,
+                truncation=self.truncation,
+                where=where,
+            )
+            item.update({f"{side}_{k}": v for k, v in packed.items()})
+        return item
