@@ -142,6 +142,22 @@ def compute_kl_loss(
     log_prob, ref_log_prob, response_mask: [B, T] (``full``: [B, T, V] distributions with a
     [B, T] mask). The actor adds ``actor.kl_loss_coef`` times this scalar to its loss.
     """
+    check_float("log_prob", log_prob)
+    check_float("ref_log_prob", ref_log_prob)
+    if not isinstance(response_mask, torch.Tensor) or tuple(log_prob.shape[: response_mask.dim()]) != tuple(
+        response_mask.shape
+    ):
+        raise ValueError(
+            f"response_mask {tuple(getattr(response_mask, 'shape', ()))} must match the leading [B, T] dims "
+            f"of log_prob {tuple(log_prob.shape)}"
+        )
+    # Zero the padding of the inputs (uniform logits for 'full'), not only of the loss, so a NaN
+    # or -inf there cannot reach the gradients through the masked branch.
+    valid = (response_mask != 0).reshape(tuple(response_mask.shape) + (1,) * (log_prob.dim() - response_mask.dim()))
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    log_prob = torch.where(valid, log_prob, zero)
+    if ref_log_prob.shape == log_prob.shape:
+        ref_log_prob = torch.where(valid, ref_log_prob.to(log_prob.dtype), zero)
     kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type)  # [B, T]
     return agg_loss(
         kld, response_mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor

@@ -54,11 +54,25 @@ def compute_policy_loss(name: str, **inputs: Any) -> tuple[torch.Tensor, dict[st
 
 def _inputs(
     old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate, and zero the masked entries of the inputs (not only of the loss).
+
+    Masking the loss alone is not enough: a -inf log-prob in padding makes exp() or the
+    difference NaN there, and backward multiplies that NaN by the zero gradient of the masked
+    branch, poisoning the model's gradients. Returns (old_log_prob, log_prob, advantages, mask).
+    """
     check_token_level("log_prob", log_prob)
     check_token_level("old_log_prob", old_log_prob, like=log_prob)
     check_token_level("advantages", advantages, like=log_prob)
-    return check_mask("response_mask", response_mask, log_prob.shape, log_prob.dtype)
+    mask = check_mask("response_mask", response_mask, log_prob.shape, log_prob.dtype)
+    valid = mask != 0
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    return (
+        torch.where(valid, old_log_prob, zero),
+        torch.where(valid, log_prob, zero),
+        torch.where(valid, advantages, zero),
+        mask,
+    )
 
 
 def _clip_range(
@@ -79,11 +93,12 @@ def _metrics(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch
     }
 
 
-def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
     if rollout_is_weights is None:
         return pg_losses
     check_token_level("rollout_is_weights", rollout_is_weights, like=pg_losses)
-    return pg_losses * rollout_is_weights.detach()
+    weights = torch.where(mask != 0, rollout_is_weights.detach(), torch.zeros((), dtype=pg_losses.dtype))
+    return pg_losses * weights
 
 
 @register_policy_loss("vanilla")
@@ -111,7 +126,7 @@ def vanilla(
     the dual clip bound is active (A < 0); ppo_kl = masked mean of old_log_prob - log_prob.
     ``rollout_is_weights`` [B, T] (optional, detached) scale the per-token losses.
     """
-    mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor.clip_ratio_c (dual-clip lower bound) must be > 1.0, got {clip_ratio_c}")
@@ -130,7 +145,7 @@ def vanilla(
     negative = advantages < 0
     clipfrac_lower = masked_mean(((clipped > loss3) & negative).to(log_prob.dtype), mask)
 
-    pg_losses = _weighted(torch.where(negative, dual, clipped), rollout_is_weights)
+    pg_losses = _weighted(torch.where(negative, dual, clipped), rollout_is_weights, mask)
     loss = agg_loss(
         pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
     )
@@ -161,7 +176,7 @@ def gspo(
 
     GSPO's clip ranges are much tighter than PPO's (the paper uses 3e-4 / 4e-4).
     """
-    mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     if loss_agg_mode != "seq-mean-token-mean":
         warn_once(logger, "gspo always aggregates with seq-mean-token-mean; loss_agg_mode=%s is ignored", loss_agg_mode)
@@ -173,7 +188,7 @@ def gspo(
 
     loss1 = -advantages * seq_ratio
     loss2 = -advantages * torch.clamp(seq_ratio, 1.0 - low, 1.0 + high)
-    pg_losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights)
+    pg_losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights, mask)
     loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", global_batch_info=global_batch_info)
 
     clipfrac = masked_mean((loss2 > loss1).to(log_prob.dtype), mask)
@@ -203,7 +218,7 @@ def cispo(
     (PPO's clip would zero it). ratio = exp(clamp(log_prob - old_log_prob, -20, 20)).
     pg_clipfrac = share of valid tokens whose weight was clipped; pg_clipfrac_lower is 0.
     """
-    mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
 
     neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
@@ -212,7 +227,7 @@ def cispo(
     weight = torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clipfrac = masked_mean((ratio != weight).to(log_prob.dtype), mask)
 
-    pg_losses = _weighted(-weight.detach() * advantages * log_prob, rollout_is_weights)
+    pg_losses = _weighted(-weight.detach() * advantages * log_prob, rollout_is_weights, mask)
     loss = agg_loss(
         pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
     )
@@ -236,8 +251,8 @@ def gpg(
     No ratio, no clipping: pg_clipfrac and pg_clipfrac_lower are 0. ppo_kl is still reported
     (masked mean of old_log_prob - log_prob) to watch drift; the reference reports nothing.
     """
-    mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    pg_losses = _weighted(-advantages * log_prob, rollout_is_weights)
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    pg_losses = _weighted(-advantages * log_prob, rollout_is_weights, mask)
     loss = agg_loss(
         pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
     )
@@ -272,6 +287,10 @@ def compute_value_loss(
     check_token_level("values", values, like=vpreds)
     mask = check_mask("response_mask", response_mask, vpreds.shape, vpreds.dtype)
     eps = check_positive("critic.cliprange_value", cliprange_value, allow_zero=True)
+    valid = mask != 0
+    zero = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
+    # zero the padding of the inputs, not only of the loss, so NaN there cannot reach the gradients
+    vpreds, returns, values = (torch.where(valid, t, zero) for t in (vpreds, returns, values))
     clipped_pred = torch.maximum(torch.minimum(vpreds, values + eps), values - eps)
     loss1 = (vpreds - returns) ** 2
     loss2 = (clipped_pred - returns) ** 2
