@@ -1,0 +1,306 @@
+"""Build Megatron-core GPT models (actor, critic, reward model) from a Hugging Face config.
+
+Parallelism comes from outside: pass the ``ProcessGroupCollection`` that
+``verl.parallel.megatron_state.initialize_model_parallel`` returned. The builder only decides
+what each pipeline stage holds (``pre_process``/``post_process``, its layers) and logs it.
+
+Choices that keep the model numerically equal to transformers':
+
+- the local layer spec uses verl's :class:`RMSNorm` (fp32 statistics, cast, then weight: the
+  transformers formula), which also works under sequence parallel (weights tagged
+  ``sequence_parallel`` so ``finalize_model_grads`` sums their grads over TP);
+- rotary inverse frequencies are computed by :func:`verl.models.hf_config.rope_inv_freq` and
+  installed on the model (Megatron-core 0.16.1 hard-codes part of llama3 scaling);
+- Mistral's sliding window becomes ``window_size=(window - 1, 0)`` (a token sees itself and the
+  ``window - 1`` before it, as in transformers).
+
+The Transformer Engine spec is used when ``transformer_engine`` imports (``transformer_impl``
+"auto"); it is not exercised on CPU machines, where TE cannot be installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+
+from verl.models.hf_config import HFModelSpec, rope_inv_freq
+from verl.models.weight_mapping import DEFAULT_VOCAB_PAD_MULTIPLE, HeadKind, padded_vocab_size
+from verl.utils.logging import log_rank0
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class ModelBuildConfig:
+    """How to build the Megatron model for one role (everything not in the HF config)."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter and compute dtype."""
+    head: HeadKind = "lm"
+    """``lm`` (actor/reference), ``value`` (critic: one value per token) or ``reward`` (reward model)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1 to have an effect)."""
+    vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE
+    """Vocabulary rows are padded to a multiple of this times the TP size."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation; ``auto`` picks Transformer Engine when it imports, else local."""
+    recompute_activations: bool = False
+    """Full activation recomputation of every layer (saves memory on long sequences)."""
+    max_sequence_length: int | None = None
+    """Longest sequence the model will see; None takes ``max_position_embeddings`` from the config."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelBuildConfig.dtype={self.dtype!r}; use one of {sorted(_DTYPES)}")
+        if self.head not in ("lm", "value", "reward"):
+            raise ValueError(f"ModelBuildConfig.head={self.head!r}; use 'lm', 'value' or 'reward'")
+        if self.transformer_impl not in ("auto", "local", "transformer_engine"):
+            raise ValueError(
+                f"ModelBuildConfig.transformer_impl={self.transformer_impl!r}; use 'auto', 'local' or 'transformer_engine'"
+            )
+        if self.vocab_pad_multiple < 1:
+            raise ValueError(f"ModelBuildConfig.vocab_pad_multiple={self.vocab_pad_multiple}; it must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of ``dtype``."""
+        return _DTYPES[self.dtype]
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine's PyTorch package can be imported."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _use_te(cfg: ModelBuildConfig) -> bool:
+    if cfg.transformer_impl == "local":
+        return False
+    available = transformer_engine_available()
+    if cfg.transformer_impl == "transformer_engine" and not available:
+        raise ValueError(
+            "ModelBuildConfig.transformer_impl='transformer_engine' but transformer_engine is not installed; "
+            "use 'local' or 'auto'"
+        )
+    return available
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed as transformers does (fp32 statistics, cast back, then scale).
+
+    Built by Megatron's layer spec as ``RMSNorm(config=..., hidden_size=..., eps=...)``. Under
+    sequence parallel each TP rank normalises its own slice of the sequence; the weight is tagged
+    ``sequence_parallel`` so Megatron's ``finalize_model_grads`` sums its grads over TP.
+    """
+
+    def __init__(self, config: "TransformerConfig", hidden_size: int, eps: float = 1e-6, **_: object) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        if config.sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, B, H] -> [S, B, H]
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def transformer_config_from_hf(
+    spec: HFModelSpec,
+    cfg: ModelBuildConfig,
+    *,
+    tp_size: int,
+    pp_size: int,
+    cp_size: int = 1,
+    vpp_size: int | None = None,
+) -> "TransformerConfig":
+    """The Megatron ``TransformerConfig`` that reproduces ``spec`` at the given parallel degrees.
+
+    Raises ValueError naming the HF field when the degrees cannot split the model.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    problems = []
+    if spec.num_kv_heads % tp_size:
+        problems.append(f"num_key_value_heads={spec.num_kv_heads} is not divisible by tensor parallel {tp_size}")
+    if spec.num_attention_heads % tp_size:
+        problems.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by tensor parallel {tp_size}")
+    if spec.intermediate_size % tp_size:
+        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tensor parallel {tp_size}")
+    chunks = pp_size * (vpp_size or 1)
+    if spec.num_layers % chunks:
+        problems.append(
+            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline {pp_size} x virtual {vpp_size or 1}"
+        )
+    if cp_size != 1:
+        problems.append(f"context parallel {cp_size} is not supported by verl's models yet (use 1)")
+    if problems:
+        raise ValueError(f"{spec.model_type} config cannot be split as requested: " + "; ".join(problems))
+
+    cuda = torch.cuda.is_available()
+    dtype = cfg.torch_dtype
+    use_te = _use_te(cfg)
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        rotary_interleaved=False,
+        init_method_std=spec.initializer_range,
+        attention_softmax_in_fp32=True,
+        # Fusions that need apex / Transformer Engine kernels.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not cuda,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp_size,
+        context_parallel_size=cp_size,
+        sequence_parallel=cfg.sequence_parallel and tp_size > 1,
+        # HF sliding window w: token i attends to j with i - w < j <= i.
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
+        transformer_impl="transformer_engine" if use_te else "local",
+    )
+    if cfg.recompute_activations:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(config: "TransformerConfig", *, use_te: bool, vp_stage: int | None, pp_rank: int):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_te:
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = RMSNorm
+    layer.submodules.pre_mlp_layernorm = RMSNorm
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+
+
+def build_gpt_model(
+    spec: HFModelSpec,
+    cfg: ModelBuildConfig,
+    pg: "ProcessGroupCollection",
+    *,
+    vp_stage: int | None = None,
+    vpp_size: int | None = None,
+) -> "GPTModel":
+    """One model chunk of this rank's pipeline stage (``vp_stage`` with interleaving).
+
+    Weights are freshly initialised; load them with ``verl.models.checkpoint``. For
+    ``cfg.head`` ``value``/``reward`` the LM head is replaced by a :class:`ScalarHead`.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from verl.models.heads import ScalarHead
+
+    tp_size, pp_size = pg.tp.size(), pg.pp.size()
+    pp_rank = pg.pp.rank()
+    config = transformer_config_from_hf(spec, cfg, tp_size=tp_size, pp_size=pp_size, cp_size=pg.cp.size(), vpp_size=vpp_size)
+    use_te = config.transformer_impl == "transformer_engine"
+    pre_process = pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+    post_process = pp_rank == pp_size - 1 and (vp_stage is None or vp_stage == (vpp_size or 1) - 1)
+    padded = padded_vocab_size(spec.vocab_size, tp_size, cfg.vocab_pad_multiple)
+    tie = spec.tie_word_embeddings and cfg.head == "lm"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank),
+        vocab_size=padded,
+        max_sequence_length=cfg.max_sequence_length or spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope",
+        rotary_base=spec.rope.theta,
+        pg_collection=pg,
+        vp_stage=vp_stage,
+    )
+    # Exact transformers frequencies for every supported rope type (see module docstring).
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(model.rotary_pos_emb.inv_freq.device)
+    model.rotary_pos_emb.forward.cache_clear()
+    if post_process and cfg.head != "lm":
+        model.output_layer = ScalarHead(config, pg=pg, init_std=spec.initializer_range)
+    # Bookkeeping the loaders and the forward pass read.
+    model.verl_spec = spec
+    model.verl_build = cfg
+    model.verl_padded_vocab = padded
+    model.verl_layer_offset = _layer_offset(config, vp_stage, pp_rank)
+    log_rank0(
+        logger,
+        logging.INFO,
+        "built %s %s chunk: pp_rank=%d vp_stage=%s layers %d..%d of %d, pre=%s post=%s, vocab %d->%d, tp=%d, %s spec, %s",
+        spec.model_type,
+        cfg.head,
+        pp_rank,
+        vp_stage,
+        model.verl_layer_offset,
+        model.verl_layer_offset + len(model.decoder.layers) - 1,
+        spec.num_layers,
+        pre_process,
+        post_process,
+        spec.vocab_size,
+        padded,
+        tp_size,
+        "TE" if use_te else "local",
+        cfg.dtype,
+        group=pg.tp,
+    )
+    return model
+
+
+def _layer_offset(config: "TransformerConfig", vp_stage: int | None, pp_rank: int) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+def build_model_chunks(
+    spec: HFModelSpec,
+    cfg: ModelBuildConfig,
+    pg: "ProcessGroupCollection",
+    *,
+    vpp_size: int | None = None,
+) -> list["GPTModel"]:
+    """Every model chunk this rank holds: one without interleaving, ``vpp_size`` with it."""
+    if vpp_size is None:
+        return [build_gpt_model(spec, cfg, pg)]
+    return [build_gpt_model(spec, cfg, pg, vp_stage=i, vpp_size=vpp_size) for i in range(vpp_size)]

@@ -1,0 +1,351 @@
+"""Move weights between Hugging Face checkpoints, Megatron model shards and Megatron
+distributed checkpoints — always through :mod:`verl.models.weight_mapping`.
+
+- :func:`load_hf_weights` fills this rank's model chunks from a safetensors directory, reading
+  only the slices each tensor-parallel rank needs (memory: one shard at a time).
+- :func:`iter_hf_pieces` yields this rank's shards as Hugging Face pieces, no communication
+  (the per-shard API the rollout weight sync builds on); :func:`iter_hf_weights` gathers each
+  parameter over TP and yields whole Hugging Face tensors of this pipeline stage.
+- :func:`save_checkpoint` / :func:`load_checkpoint` write and read a
+  ``megatron.core.dist_checkpointing`` checkpoint (reshardable: any TP/PP on load) plus
+  ``verl_model.json`` and the Hugging Face config/tokenizer files under ``hf/``.
+- :func:`iter_checkpoint_hf_weights` streams a distributed checkpoint as Hugging Face tensors
+  in one process, one layer at a time (megatron2hf).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+from verl.models.hf_config import HFModelSpec, parse_hf_config
+from verl.models.safetensors_io import SafetensorsReader, copy_side_files
+from verl.models.weight_mapping import (
+    HFPiece,
+    hf_param_names,
+    load_shard,
+    merge_pieces,
+    megatron_param_names,
+    param_mapping,
+    split_shard,
+)
+from verl.utils.logging import log_rank0
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "verl_model.json"
+HF_SUBDIR = "hf"
+FORMAT = "verl-megatron-gpt"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMeta:
+    """What ``verl_model.json`` records next to a distributed checkpoint."""
+
+    format: str
+    """Always ``verl-megatron-gpt``."""
+    version: int
+    """Format version."""
+    head: str
+    """``lm``, ``value`` or ``reward``."""
+    dtype: str
+    """dtype the tensors were written in (``fp32``/``bf16``/``fp16``)."""
+    padded_vocab_size: int
+    """Rows of the stored embedding / LM head (real vocab + zero padding)."""
+    written_tp: int
+    """TP size of the writer (informational; loading reshards)."""
+    written_pp: int
+    """PP size of the writer (informational; loading reshards)."""
+
+
+def _inner(module: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(module, "verl_spec") and hasattr(module, "module"):
+        module = module.module
+    if not hasattr(module, "verl_spec"):
+        raise ValueError("model chunk was not built by verl.models.builder (no verl_spec attribute)")
+    return module
+
+
+def _mapping_for(inner: torch.nn.Module, name: str, tp_rank: int, tp_size: int):
+    return param_mapping(
+        name,
+        inner.verl_spec,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        padded_vocab=inner.verl_padded_vocab,
+        layer_offset=inner.verl_layer_offset,
+        head=inner.verl_build.head,
+    )
+
+
+def check_hf_tensors(reader: SafetensorsReader, spec: HFModelSpec, *, head: str = "lm") -> None:
+    """Every tensor the config implies is present, and nothing the model would not use is.
+
+    ``head`` value/reward accept an LM checkpoint (the head then keeps its initialisation).
+    Raises ValueError naming the offending tensors.
+    """
+    expected = set(hf_param_names(spec, head="lm"))
+    present = set(reader.names())
+    if head != "lm":
+        expected.discard("lm_head.weight")
+        present.discard("lm_head.weight")
+        present.discard("score.weight")
+    if spec.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
+    missing = sorted(expected - present)
+    extra = sorted(n for n in present - expected if not n.endswith("rotary_emb.inv_freq"))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:4])})")
+        if extra:
+            parts.append(
+                f"{len(extra)} tensors the config does not account for (e.g. {', '.join(extra[:4])}; "
+                "a bias with attention_bias=false, or a different model_type?)"
+            )
+        raise ValueError(f"{reader.model_dir}: the weights do not match config.json: " + "; ".join(parts))
+
+
+def load_hf_weights(
+    chunks: list[torch.nn.Module],
+    hf: str | SafetensorsReader,
+    *,
+    pg: "ProcessGroupCollection",
+    progress: bool = False,
+) -> None:
+    """Copy Hugging Face weights into this rank's model chunks (only this rank's slices are read).
+
+    A value/reward head with no ``score.weight`` in the checkpoint keeps its initialisation
+    (a critic started from an LM). Raises ValueError when tensors are missing or mis-shaped.
+    """
+    reader = hf if isinstance(hf, SafetensorsReader) else SafetensorsReader(hf)
+    tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
+    work = []
+    for chunk in chunks:
+        inner = _inner(chunk)
+        work += [(inner, name, param) for name, param in inner.named_parameters()]
+    iterator = work
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(work, desc=f"load HF (tp{tp_rank} pp{pg.pp.rank()})", unit="tensor", leave=False)
+    with torch.no_grad():
+        for inner, name, param in iterator:
+            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            if inner.verl_build.head != "lm" and name == "output_layer.weight" and "score.weight" not in reader:
+                log_rank0(logger, logging.INFO, "no score.weight in %s: %s head keeps its initialisation",
+                          reader.model_dir, inner.verl_build.head, group=pg.tp)
+                continue
+            shard = load_shard(mapping, reader.read_piece)
+            param.data.copy_(shard)
+
+
+def iter_hf_pieces(
+    chunks: list[torch.nn.Module], *, pg: "ProcessGroupCollection"
+) -> Iterator[tuple[HFPiece, torch.Tensor]]:
+    """This rank's parameter shards as Hugging Face pieces (views, no communication).
+
+    Copies (a tied LM head on a later stage) are skipped; replicated parameters are yielded by
+    every TP rank as whole pieces.
+    """
+    tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
+    for chunk in chunks:
+        inner = _inner(chunk)
+        for name, param in inner.named_parameters():
+            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            if mapping.duplicate:
+                continue
+            yield from split_shard(mapping, param.detach())
+
+
+def iter_hf_weights(
+    chunks: list[torch.nn.Module], *, pg: "ProcessGroupCollection"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole Hugging Face tensors of this pipeline stage, gathered over TP one parameter at a time.
+
+    Every TP rank of the stage gets every tensor (collective: all TP ranks must iterate).
+    """
+    tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
+    for chunk in chunks:
+        inner = _inner(chunk)
+        for name, param in inner.named_parameters():
+            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            if mapping.duplicate:
+                continue
+            shard = param.detach().contiguous()
+            if mapping.kind == "replicated" or tp_size == 1:
+                yield from merge_pieces(split_shard(mapping, shard))
+                continue
+            gathered = [torch.empty_like(shard) for _ in range(tp_size)]
+            dist.all_gather(gathered, shard, group=pg.tp)
+            by_name: dict[str, list[tuple[HFPiece, torch.Tensor]]] = defaultdict(list)
+            for rank, rank_shard in enumerate(gathered):
+                for piece, tensor in split_shard(_mapping_for(inner, name, rank, tp_size), rank_shard):
+                    by_name[piece.name].append((piece, tensor))
+            for pieces in by_name.values():
+                yield from merge_pieces(pieces)
+
+
+def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    if len(chunks) == 1:
+        return {"model": _inner(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_checkpoint(
+    chunks: list[torch.nn.Module],
+    ckpt_dir: str,
+    *,
+    pg: "ProcessGroupCollection",
+    hf_dir: str | None = None,
+) -> None:
+    """Write a reshardable distributed checkpoint of the model (collective over the world).
+
+    Besides Megatron's files: ``verl_model.json`` (:class:`CheckpointMeta`) and ``hf/`` with the
+    Hugging Face config (and the tokenizer/generation files of ``hf_dir`` when given).
+    """
+    from megatron.core import dist_checkpointing
+
+    inner = _inner(chunks[0])
+    spec, build = inner.verl_spec, inner.verl_build
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist_checkpointing.save(_sharded_state_dict(chunks), ckpt_dir)
+    if dist.get_rank() == 0:
+        hf_out = os.path.join(ckpt_dir, HF_SUBDIR)
+        os.makedirs(hf_out, exist_ok=True)
+        if hf_dir is not None:
+            copy_side_files(hf_dir, hf_out, include_config=False)
+        config = dict(spec.raw)
+        with open(os.path.join(hf_out, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        meta = CheckpointMeta(
+            format=FORMAT,
+            version=FORMAT_VERSION,
+            head=build.head,
+            dtype=build.dtype,
+            padded_vocab_size=inner.verl_padded_vocab,
+            written_tp=pg.tp.size(),
+            written_pp=pg.pp.size(),
+        )
+        with open(os.path.join(ckpt_dir, META_FILE), "w", encoding="utf-8") as f:
+            json.dump(asdict(meta), f, indent=2)
+    dist.barrier()
+
+
+def read_checkpoint_meta(ckpt_dir: str) -> tuple[CheckpointMeta, HFModelSpec]:
+    """Read ``verl_model.json`` and ``hf/config.json``; ValueError naming what is missing."""
+    if not os.path.isdir(ckpt_dir):
+        raise ValueError(f"{ckpt_dir}: no such directory (expected a checkpoint written by tools/hf2megatron.py)")
+    meta_path = os.path.join(ckpt_dir, META_FILE)
+    for needed in (meta_path, os.path.join(ckpt_dir, "metadata.json"), os.path.join(ckpt_dir, HF_SUBDIR, "config.json")):
+        if not os.path.isfile(needed):
+            raise ValueError(
+                f"{ckpt_dir}: {os.path.relpath(needed, ckpt_dir)} is missing — not a complete verl Megatron "
+                "checkpoint (an interrupted copy?); re-create it with tools/hf2megatron.py"
+            )
+    with open(meta_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+    if raw.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: version {raw.get('version')}, this verl reads version {FORMAT_VERSION}")
+    meta = CheckpointMeta(**raw)
+    spec = parse_hf_config(os.path.join(ckpt_dir, HF_SUBDIR, "config.json"))
+    return meta, spec
+
+
+def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, *, pg: "ProcessGroupCollection") -> None:
+    """Load a distributed checkpoint into model chunks built at any TP/PP (collective).
+
+    The model's HF config and head must match the checkpoint's; tensors are cast to the
+    model's dtype. Raises ValueError on a mismatch.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta, spec = read_checkpoint_meta(ckpt_dir)
+    inner = _inner(chunks[0])
+    if inner.verl_build.head != meta.head:
+        raise ValueError(
+            f"{ckpt_dir} holds a model with head={meta.head!r}, the model was built with head={inner.verl_build.head!r}"
+        )
+    for field_name in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                       "num_attention_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias"):
+        mine, theirs = getattr(inner.verl_spec, field_name), getattr(spec, field_name)
+        if mine != theirs:
+            raise ValueError(f"{ckpt_dir}: checkpoint has {field_name}={theirs}, the model was built with {mine}")
+    sharded = _sharded_state_dict(chunks)
+    state = dist_checkpointing.load(sharded, ckpt_dir)
+    for i, chunk in enumerate(chunks):
+        key = "model" if len(chunks) == 1 else f"model{i}"
+        _inner(chunk).load_state_dict(state[key], strict=True)
+
+
+def _layer_key_suffixes(spec: HFModelSpec, head: str) -> list[str]:
+    names = megatron_param_names(spec, num_layers=1, pre_process=False, post_process=False, head=head, te_names=True)
+    return [n[len("decoder.layers.0."):] for n in names]
+
+
+def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream a distributed checkpoint as whole Hugging Face tensors, one layer at a time.
+
+    Runs in a single process (torch.distributed must be initialised, a world of one is fine).
+    Tensors keep the checkpoint's dtype.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    meta, spec = read_checkpoint_meta(ckpt_dir)
+    stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    padded = meta.padded_vocab_size
+
+    def plain(key: str) -> ShardedTensor:
+        if key not in stored:
+            raise ValueError(f"{ckpt_dir}: tensor '{key}' is not in the checkpoint (written by another model?)")
+        st = stored[key]
+        return ShardedTensor.from_rank_offsets(key, torch.empty(st.global_shape, dtype=st.dtype), replica_id=0)
+
+    def layer_slice(key: str, layer: int) -> ShardedTensor:
+        if key not in stored:
+            raise ValueError(f"{ckpt_dir}: tensor '{key}' is not in the checkpoint (written by another model?)")
+        st = stored[key]
+        if st.global_shape[0] != spec.num_layers:
+            raise ValueError(f"{ckpt_dir}: '{key}' stacks {st.global_shape[0]} layers, config says {spec.num_layers}")
+        return ShardedTensor.from_rank_offsets(
+            key,
+            torch.empty(st.global_shape[1:], dtype=st.dtype),
+            (0, layer, spec.num_layers),
+            replica_id=0,
+            prepend_axis_num=1,
+        )
+
+    def emit(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        mapping = param_mapping(name, spec, padded_vocab=padded, head=meta.head)
+        if tuple(tensor.shape) != mapping.shard_shape:
+            raise ValueError(f"{ckpt_dir}: '{name}' has shape {tuple(tensor.shape)}, expected {mapping.shard_shape}")
+        yield from merge_pieces(split_shard(mapping, tensor))
+
+    emb = "embedding.word_embeddings.weight"
+    yield from emit(emb, dist_checkpointing.load({emb: plain(emb)}, ckpt_dir)[emb])
+    suffixes = _layer_key_suffixes(spec, meta.head)
+    for layer in range(spec.num_layers):
+        request = {s: layer_slice(f"decoder.layers.{s}", layer) for s in suffixes}
+        loaded = dist_checkpointing.load(request, ckpt_dir)
+        for s in suffixes:
+            yield from emit(f"decoder.layers.{layer}.{s}", loaded[s])
+    tail = ["decoder.final_layernorm.weight"]
+    if meta.head != "lm" or not spec.tie_word_embeddings:
+        tail.append("output_layer.weight")
+    loaded = dist_checkpointing.load({k: plain(k) for k in tail}, ckpt_dir)
+    for key in tail:
+        yield from emit(key, loaded[key])

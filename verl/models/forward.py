@@ -1,0 +1,301 @@
+"""Micro-batched forward (and backward) of verl's Megatron models through Megatron's pipeline schedule.
+
+Input is a padded batch: ``input_ids`` [B, T] and ``attention_mask`` [B, T] (1 = real token),
+with prompts left-padded and responses right-padded as rollouts produce them. Transformers
+treats such a row with ``position_ids = cumsum(mask) - 1`` (clipped at 0) and masks the pads
+out of attention. Megatron's rotary embedding, however, always uses positions 0..S-1. So each
+row is *packed* first: its real tokens move to the front in order (pads to the back) — then the
+k-th real token sits at position k, which is exactly ``cumsum(mask) - 1``, and plain causal
+attention never lets a real token see a pad. Outputs are scattered back to the original
+layout; values at pad positions are 0.
+
+Outputs (all [B, T], float32, aligned with ``input_ids``):
+
+- ``logprobs[:, t]`` = log p(input_ids[:, t] | real tokens before t), computed from
+  vocabulary-parallel logits without gathering the vocabulary; ``entropy[:, t]`` is the entropy
+  of that same predictive distribution. Both are 0 at pads and at each row's first real token
+  (nothing predicts it).
+- ``values[:, t]`` = the scalar head on the hidden state of token t (critic / reward model).
+- ``logits`` [B, T, V/TP]: this rank's vocabulary slice (checks and tests only).
+
+Results exist on the last pipeline stage; ``broadcast=True`` sends them to every stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verl.models.vocab_parallel import vocab_parallel_logprobs_entropy
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+OutputKind = Literal["logprobs", "values", "logits"]
+LossFn = Callable[[dict[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(outputs, micro_batch) -> (loss, metrics)``: ``outputs`` are this micro-batch's
+model outputs ([b, T], differentiable), ``micro_batch`` its slice of every batch tensor. The
+loss should be the micro-batch mean; Megatron's schedule divides it by the number of
+micro-batches, so gradients are those of the batch mean."""
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Transformers' positions for a padded batch: cumsum(mask) - 1, clipped at 0. [B, T] -> [B, T]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to the front, keeping their order.
+
+    Returns (packed_ids [B, seq_len] with trailing pads, order [B, T]) where
+    ``packed[:, j] = input_ids[:, order[:, j]]`` for j < T. ``seq_len >= T`` adds trailing pads.
+    """
+    b, t = input_ids.shape
+    # Stable sort on "is pad" keeps real tokens (0) before pads (1), each in original order.
+    order = torch.sort((attention_mask == 0).to(torch.int8), dim=1, stable=True).indices  # [B, T]
+    packed = input_ids.gather(1, order)
+    if seq_len > t:
+        packed = F.pad(packed, (0, seq_len - t), value=0)
+    return packed, order
+
+
+def unpack(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_left` for per-token outputs: [B, S, ...] -> [B, T, ...]."""
+    b, t = order.shape
+    packed = packed[:, :t]
+    index = order.reshape(b, t, *([1] * (packed.dim() - 2))).expand_as(packed)
+    out = torch.empty_like(packed)
+    out.scatter_(1, index, packed)
+    return out
+
+
+@dataclass
+class _MicroBatch:
+    tensors: dict[str, torch.Tensor]  # this micro-batch's slice of every batch tensor, [b, ...]
+    input_ids: torch.Tensor  # packed [b, S]
+    position_ids: torch.Tensor  # [b, S]
+    order: torch.Tensor  # [b, T]
+    mask: torch.Tensor  # [b, T] float
+
+
+@dataclass
+class ForwardResult:
+    """What :func:`forward_backward` returns."""
+
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token outputs over the whole batch ([B, T] / [B, T, V/TP]); empty off the last stage
+    unless broadcast."""
+    metrics: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """``loss_fn`` metrics per micro-batch (last stage only)."""
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(module, "verl_spec") and hasattr(module, "module"):
+        module = module.module
+    if not hasattr(module, "verl_spec"):
+        raise ValueError("model was not built by verl.models.builder (no verl_spec attribute)")
+    return module
+
+
+def _head_outputs(
+    output: torch.Tensor,
+    mb: _MicroBatch,
+    *,
+    kind: OutputKind,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup,
+    temperature: float,
+    with_entropy: bool,
+) -> dict[str, torch.Tensor]:
+    """Last-stage model output (packed) -> per-token outputs in the original layout."""
+    mask = mb.mask
+    if kind == "values":
+        values = output.squeeze(-1).float()  # [b, S]
+        return {"values": unpack(values, mb.order) * mask}
+    if kind == "logits":
+        logits = unpack(output, mb.order)  # [b, T, V_local]
+        return {"logits": logits * mask.unsqueeze(-1).to(logits.dtype)}
+    logits = output[:, :-1]  # [b, S-1, V_local] predicts packed tokens 1..S-1
+    if temperature != 1.0:
+        logits = logits / temperature
+    v_local = logits.shape[-1]
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits,
+        mb.input_ids[:, 1:],
+        vocab_start=dist.get_rank(tp_group) * v_local,
+        vocab_size=vocab_size,
+        group=tp_group,
+        with_entropy=with_entropy,
+    )
+    out = {"logprobs": unpack(F.pad(logprobs, (1, 0)), mb.order) * mask}
+    if with_entropy:
+        out["entropy"] = unpack(F.pad(entropy, (1, 0)), mb.order) * mask
+    return out
+
+
+def _micro_batches(
+    batch: Mapping[str, torch.Tensor], micro_batch_size: int, seq_len: int
+) -> tuple[list[_MicroBatch], int]:
+    input_ids = batch["input_ids"]
+    mask = batch["attention_mask"]
+    b = input_ids.shape[0]
+    n = -(-b // micro_batch_size)
+    pad_rows = n * micro_batch_size - b
+    tensors = dict(batch)
+    if pad_rows:
+        # Rows with an all-zero mask keep the shapes fixed for the pipeline; dropped at the end.
+        tensors = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in tensors.items()}
+    out = []
+    for i in range(n):
+        sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
+        mb = {k: v[sl] for k, v in tensors.items()}
+        packed, order = pack_left(mb["input_ids"], mb["attention_mask"], seq_len)
+        positions = torch.arange(seq_len, device=packed.device).expand_as(packed)
+        out.append(
+            _MicroBatch(
+                tensors=mb,
+                input_ids=packed,
+                position_ids=positions,
+                order=order,
+                mask=mb["attention_mask"].to(torch.float32),
+            )
+        )
+    return out, b
+
+
+def forward_backward(
+    model: torch.nn.Module | list[torch.nn.Module],
+    batch: Mapping[str, torch.Tensor],
+    *,
+    pg: "ProcessGroupCollection",
+    micro_batch_size: int,
+    output: OutputKind = "logprobs",
+    loss_fn: LossFn | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    broadcast: bool = True,
+) -> ForwardResult:
+    """Run the batch through the model in micro-batches with Megatron's pipeline schedule.
+
+    Args:
+        model: the rank's model chunk(s) from ``build_model_chunks`` (optionally DDP-wrapped).
+        batch: ``input_ids`` [B, T] and ``attention_mask`` [B, T], plus anything ``loss_fn`` reads.
+        pg: the process groups the model was built with.
+        micro_batch_size: rows per micro-batch (B is padded up to a multiple; extra rows dropped).
+        output: ``logprobs`` (+ ``entropy``), ``values`` or ``logits`` (see module docstring).
+        loss_fn: with a loss, gradients are accumulated into ``.grad``/``.main_grad`` (no
+            optimizer step); without, forward only under ``torch.no_grad``.
+        temperature: logits are divided by it before logprobs/entropy.
+        with_entropy: also compute entropy (``output='logprobs'``).
+        broadcast: send ``outputs`` from the last pipeline stage to every stage.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    chunks = model if isinstance(model, list) else [model]
+    inner = _unwrap(chunks[0])
+    spec, build = inner.verl_spec, inner.verl_build
+    if output == "logprobs" and build.head != "lm" or output == "values" and build.head == "lm":
+        raise ValueError(f"output={output!r} does not fit a model built with head={build.head!r}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size}; it must be >= 1")
+    for key in ("input_ids", "attention_mask"):
+        if key not in batch:
+            raise ValueError(f"batch has no '{key}' tensor (keys: {sorted(batch)})")
+    tp_size = pg.tp.size()
+    pp_size = pg.pp.size()
+    config = inner.config
+    t = batch["input_ids"].shape[1]
+    seq_len = -(-t // tp_size) * tp_size if config.sequence_parallel else t
+    micro_batches, real_rows = _micro_batches(batch, micro_batch_size, seq_len)
+    forward_only = loss_fn is None
+    head = functools.partial(
+        _head_outputs,
+        kind=output,
+        vocab_size=spec.vocab_size,
+        tp_group=pg.tp,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )
+
+    def collect(mb: _MicroBatch, output_tensor: torch.Tensor):
+        outputs = head(output_tensor, mb)
+        record = {"outputs": {k: v.detach() for k, v in outputs.items()}}
+        if loss_fn is None:
+            return output_tensor.new_zeros((), dtype=torch.float32), record
+        loss, metrics = loss_fn(outputs, mb.tensors)
+        record["metrics"] = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
+        return loss, record
+
+    def step(data_iterator, chunk):
+        mb = next(data_iterator)
+        out = chunk(mb.input_ids, mb.position_ids, None)
+        return out, functools.partial(collect, mb)
+
+    schedule = get_forward_backward_func(pp_size=pp_size, vp_size=len(chunks) if len(chunks) > 1 else None)
+    kwargs = dict(
+        forward_step_func=step,
+        data_iterator=[iter(micro_batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        pg_collection=pg,
+    )
+    if pp_size > 1:
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
+    with torch.no_grad() if forward_only else torch.enable_grad():
+        records = schedule(**kwargs)
+
+    result = ForwardResult()
+    last_stage = pg.pp.rank() == pp_size - 1
+    if last_stage:
+        keys = records[0]["outputs"].keys()
+        result.outputs = {k: torch.cat([r["outputs"][k] for r in records])[:real_rows] for k in keys}
+        result.metrics = [r.get("metrics", {}) for r in records]
+    if broadcast and pp_size > 1:
+        result.outputs = _broadcast_from_last_stage(result.outputs, batch, output, pg, inner)
+    return result
+
+
+def _broadcast_from_last_stage(
+    outputs: dict[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    kind: OutputKind,
+    pg: "ProcessGroupCollection",
+    inner: torch.nn.Module,
+) -> dict[str, torch.Tensor]:
+    b, t = batch["input_ids"].shape
+    device = batch["input_ids"].device
+    if kind == "logprobs":
+        shapes = {"logprobs": (b, t)}
+        if "entropy" in outputs or pg.pp.rank() != pg.pp.size() - 1:
+            shapes["entropy"] = (b, t)
+    elif kind == "values":
+        shapes = {"values": (b, t)}
+    else:
+        shapes = {"logits": (b, t, inner.verl_padded_vocab // pg.tp.size())}
+    src = dist.get_global_rank(pg.pp, pg.pp.size() - 1)
+    is_src = pg.pp.rank() == pg.pp.size() - 1
+    # The number of tensors must agree on all stages: the last stage says whether entropy exists.
+    flag = torch.tensor([1 if "entropy" in outputs else 0], device=device)
+    if kind == "logprobs":
+        dist.broadcast(flag, src=src, group=pg.pp)
+        if not flag.item():
+            shapes.pop("entropy", None)
+    result = {}
+    for key, shape in shapes.items():
+        if is_src:
+            tensor = outputs[key].contiguous()
+        else:
+            dtype = inner.config.params_dtype if key == "logits" else torch.float32
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src, group=pg.pp)
+        result[key] = tensor
+    return result
