@@ -6,7 +6,8 @@
   ``register_scorer`` adds more.
 - ``load_custom_reward_fn(path, name)``: a user function from ``custom_reward_function.path``/``.name``.
 - ``RewardManager(tokenizer, compute_score=None, num_workers=0, ...)(batch)``: token-level
-  scores for a rollout batch, optionally in a process pool.
+  scores for a rollout batch, optionally in a process pool; ``reward_manager_from_config``
+  builds one from a PPO config.
 - ``format_reward``: whole-response layout check (``<think>..</think><answer>..</answer>`` by default).
 """
 
@@ -29,7 +30,10 @@ from verl.rewards.scoring import SampleScore, score_one
 
 # The batch-facing manager needs torch; it is imported on first use so that process-pool
 # workers, which unpickle scorers from this package, start without importing torch.
-_LAZY = {"OverlongBuffer": "verl.rewards.manager", "RewardManager": "verl.rewards.manager", "RewardOutput": "verl.rewards.manager"}
+_LAZY = {
+    name: "verl.rewards.manager"
+    for name in ("OverlongBuffer", "REWARD_MANAGERS", "RewardManager", "RewardOutput", "reward_manager_from_config")
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -41,6 +45,7 @@ __all__ = [
     "ARITHMETIC_ANSWER_PREFIX",
     "FileRewardFunction",
     "OverlongBuffer",
+    "REWARD_MANAGERS",
     "RewardManager",
     "RewardOutput",
     "SampleScore",
@@ -54,5 +59,6 @@ __all__ = [
     "math_equal",
     "normalize_math_answer",
     "register_scorer",
+    "reward_manager_from_config",
     "score_one",
 ]

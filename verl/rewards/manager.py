@@ -26,6 +26,7 @@ import concurrent.futures as cf
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import time
 import weakref
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl.rewards.registry import default_compute_score, get_scorer
+from verl.rewards.registry import default_compute_score, get_scorer, load_custom_reward_fn
 from verl.rewards.scoring import SampleScore, score_chunk
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,15 @@ class OverlongBuffer:
     """Penalty at ``max_response_length`` (it grows linearly across the buffer)."""
     max_response_length: int
     """``data.max_response_length``: the longest response the rollout may produce."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.len <= self.max_response_length:
+            raise ValueError(
+                f"reward_model.overlong_buffer.len={self.len} must be in [1, data.max_response_length="
+                f"{self.max_response_length}] when the overlong buffer is enabled"
+            )
+        if self.penalty_factor < 0:
+            raise ValueError(f"reward_model.overlong_buffer.penalty_factor={self.penalty_factor} must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -101,6 +111,7 @@ class RewardManager:
         timeout_s: limit per sample (None: none). In-process it needs the main thread.
         overlong_buffer: DAPO overlong punishment added to each score, or None.
         skip_special_tokens: passed to the tokenizer when decoding responses.
+        reward_fn_key: the non-tensor column whose value picks the scorer (``data.reward_fn_key``).
     """
 
     def __init__(
@@ -112,6 +123,7 @@ class RewardManager:
         timeout_s: float | None = 30.0,
         overlong_buffer: OverlongBuffer | None = None,
         skip_special_tokens: bool = True,
+        reward_fn_key: str = "data_source",
     ) -> None:
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"reward num_workers must be an int >= 0, got {num_workers!r}")
@@ -124,6 +136,7 @@ class RewardManager:
         self.timeout_s = timeout_s
         self.overlong_buffer = overlong_buffer
         self.skip_special_tokens = skip_special_tokens
+        self.reward_fn_key = reward_fn_key
         if num_workers > 0:
             try:
                 pickle.dumps(self.compute_score)
@@ -240,7 +253,8 @@ class RewardManager:
         """Score a rollout ``Batch``.
 
         Reads ``responses`` [B, T] (token ids), ``response_mask`` [B, T] (or the last T
-        columns of ``attention_mask``), and the non-tensor columns ``data_source`` [B],
+        columns of ``attention_mask``), and the non-tensor columns ``data_source`` [B] (or
+        whichever ``reward_fn_key`` names),
         ``reward_model`` [B] (dicts with ``ground_truth``; or a ``ground_truth`` column) and
         optionally ``extra_info`` [B].
         """
@@ -251,7 +265,7 @@ class RewardManager:
         B, T = responses.shape
         ids = [responses[i][mask[i]].tolist() for i in range(B)]
         solutions = list(self.tokenizer.batch_decode(ids, skip_special_tokens=self.skip_special_tokens)) if B else []
-        data_sources = [str(ds) for ds in self._column(batch, "data_source")]
+        data_sources = [str(ds) for ds in self._column(batch, self.reward_fn_key)]
         ground_truths = self._ground_truths(batch)
         extra_infos = list(batch.non_tensors["extra_info"]) if "extra_info" in batch.non_tensors else [None] * B
 
@@ -327,3 +341,38 @@ class RewardManager:
                 f"response mask shape {list(mask.shape)} does not match responses {list(responses.shape)}"
             )
         return mask.bool()
+
+
+# Reward manager names (config ``reward_model.reward_manager``) as in the reference verl. One
+# class serves them all: "naive" and "dapo" score in-process ("dapo" run scripts also enable
+# ``reward_model.overlong_buffer``, which any manager here honours); "prime" scores in a
+# process pool with one worker per CPU core (at most 32).
+REWARD_MANAGERS: dict[str, Callable[[], int]] = {
+    "naive": lambda: 0,
+    "dapo": lambda: 0,
+    "prime": lambda: min(32, os.cpu_count() or 1),
+}
+
+
+def reward_manager_from_config(config: Any, tokenizer: Any) -> RewardManager:
+    """The ``RewardManager`` a PPO config asks for (``verl.config.PPOConfig``: reward_model,
+    custom_reward_function, data.max_response_length, data.reward_fn_key)."""
+    name = config.reward_model.reward_manager
+    if name not in REWARD_MANAGERS:
+        raise ValueError(f"reward_model.reward_manager={name!r} is not one of {sorted(REWARD_MANAGERS)}")
+    custom = config.custom_reward_function
+    buffer_cfg = config.reward_model.overlong_buffer
+    overlong = None
+    if buffer_cfg.enable:
+        overlong = OverlongBuffer(
+            len=buffer_cfg.len,
+            penalty_factor=buffer_cfg.penalty_factor,
+            max_response_length=config.data.max_response_length,
+        )
+    return RewardManager(
+        tokenizer,
+        load_custom_reward_fn(custom.path, custom.name),
+        num_workers=REWARD_MANAGERS[name](),
+        overlong_buffer=overlong,
+        reward_fn_key=config.data.reward_fn_key,
+    )

@@ -33,7 +33,7 @@ import re
 from fractions import Fraction
 
 from verl.rewards.extract import answer_after_marker, as_text, last_boxed, normalize_minus
-from verl.rewards.timeout import ScoreTimeout, time_limit
+from verl.rewards.timeout import time_limit
 
 logger = logging.getLogger(__name__)
 
@@ -143,24 +143,30 @@ def math_verify_equal(prediction: str, ground_truth: str, timeout_s: float | Non
     an answer does not parse, an error, or more than ``timeout_s`` seconds)."""
     try:
         verify = _math_verify().verify
-    except ImportError:
+    except Exception as exc:  # not installed, or an install that fails to import
         from verl.utils.logging import warn_once  # here: it imports torch, which workers avoid
 
-        warn_once(logger, "math-verify is not installed: MATH answers are compared by the normaliser only")
+        warn_once(
+            logger,
+            "math-verify cannot be used (%s: %s): MATH answers are compared by the normaliser only",
+            type(exc).__name__,
+            exc,
+        )
         return None
+    verdict: bool | None = None
     try:
-        with time_limit(timeout_s):
+        with time_limit(timeout_s) as limit:
             gold = _parse_for_verify(ground_truth)
             pred = _parse_for_verify(prediction)
-            if not gold or not pred:
-                return None
-            return bool(verify(list(gold), list(pred), timeout_seconds=None))
-    except ScoreTimeout:
-        logger.debug("math-verify ran out of time on %.200r vs %.200r", prediction, ground_truth)
-        return None
+            if gold and pred:
+                verdict = bool(verify(list(gold), list(pred), timeout_seconds=None))
     except Exception as exc:  # math-verify/sympy raise many types on odd input: fall back
         logger.debug("math-verify failed (%s) on %.200r vs %.200r", type(exc).__name__, prediction, ground_truth)
         return None
+    if limit.expired:
+        logger.debug("math-verify ran out of time on %.200r vs %.200r", prediction, ground_truth)
+        return None
+    return verdict
 
 
 def math_equal(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl.rewards.timeout import ScoreTimeout, time_limit
+from verl.rewards.timeout import time_limit
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,14 @@ def score_one(
 ) -> SampleScore:
     """Score one response under ``timeout_s``; failures become score 0.0 with the error recorded."""
     try:
-        with time_limit(timeout_s):
+        with time_limit(timeout_s) as limit:
             result = compute_score(
                 data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
             )
-    except ScoreTimeout:
-        return SampleScore(0.0, {}, f"timed out after {timeout_s} s")
     except Exception as exc:  # a user's scorer may raise anything; it must not stop training
         return SampleScore(0.0, {}, f"{type(exc).__name__}: {exc}"[:500])
+    if limit.expired:
+        return SampleScore(0.0, {}, f"timed out after {timeout_s} s")
     return _as_sample_score(result)
 
 

@@ -1,40 +1,73 @@
-"""A wall-clock limit for one scoring call that nests with any timer already running.
+"""A wall-clock limit for one scoring call that nests with other limits and outer timers.
 
 Symbolic math (sympy through math-verify) can take minutes on an adversarial answer such as
-``10^{10^{10}}``; a reward function must return a score instead. The limit is a SIGALRM
-interval timer, so it interrupts pure-Python work (not a single long C call) and only works
-in a process's main thread on POSIX. Elsewhere (a worker thread, Windows) ``time_limit`` runs
-the body without a limit and says so once; the reward manager's process pool runs every
-sample in a worker's main thread, where the limit always applies.
+``10^{10^{10}}``; a reward function must return a score instead. Usage::
 
-An outer timer (pytest-timeout, an outer ``time_limit``) is saved and re-armed with what is
-left of it when the inner block ends; if it expired meanwhile it fires right after.
+    with time_limit(5.0) as limit:
+        verdict = slow_check()
+    if limit.expired:
+        verdict = fallback
+
+On expiry the body is abandoned (a ``ScoreTimeout`` unwinds it) and the ``with`` block ends
+normally with ``limit.expired`` set. The timeout is raised as a ``BaseException``, so the
+``except Exception`` blocks common in sympy and math-verify cannot swallow it. Limits nest:
+when an *outer* limit expires while an inner one is active, its ``ScoreTimeout`` passes through
+the inner block (which does not claim it) up to the outer one. The manager's per-sample limit
+therefore still holds while a scorer runs its own shorter math-verify limit.
+
+The limit is a SIGALRM interval timer: it interrupts Python code (not a single long C call)
+and only works in a process's main thread on POSIX. Elsewhere (a worker thread, Windows)
+``time_limit`` runs the body without a limit and says so once; the reward manager's process
+pool scores every sample in a worker's main thread, where limits always apply. A timer that
+was running before (pytest-timeout, say) is saved and re-armed with what is left of it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-# Re-arm delay for an outer timer whose deadline passed while the inner block ran: fire
-# "now" (0 would disarm it instead).
+# Re-arm delay for an outer timer whose deadline passed while an inner block ran: fire "now"
+# (0 would disarm it).
 _FIRE_NOW_S = 1e-6
+# The interval timer and time.monotonic may disagree by a hair; a deadline this close counts
+# as reached.
+_EARLY_S = 1e-3
+
+
+@dataclass(eq=False)
+class Limit:
+    """One active ``time_limit``: its length, deadline (``time.monotonic``) and whether it expired."""
+
+    seconds: float | None
+    deadline: float = math.inf
+    expired: bool = False
 
 
 class ScoreTimeout(BaseException):
-    """Raised inside a ``time_limit`` block when its time is up.
+    """Unwinds the body of the ``time_limit`` whose deadline passed (``limit``).
 
     A ``BaseException`` (like ``KeyboardInterrupt``) on purpose: sympy and math-verify wrap
     much of their work in ``except Exception``, which would swallow an ``Exception`` timeout and
-    carry on without any limit. Catch it by name.
+    carry on without any limit.
     """
+
+    def __init__(self, limit: Limit):
+        super().__init__(f"scoring took longer than {limit.seconds:g} s")
+        self.limit = limit
+
+
+# Limits active in this (main) thread, outermost first.
+_active: list[Limit] = []
 
 
 def timeouts_supported() -> bool:
@@ -42,11 +75,24 @@ def timeouts_supported() -> bool:
     return os.name == "posix" and threading.current_thread() is threading.main_thread()
 
 
+def _on_alarm(signum: int, frame: object) -> None:
+    now = time.monotonic()
+    pending = [lim for lim in _active if not lim.expired]  # expired ones are already unwinding
+    # The outermost expired limit owns the timeout: every block inside it must unwind too.
+    for limit in pending:
+        if limit.deadline <= now + _EARLY_S:
+            raise ScoreTimeout(limit)
+    if pending:  # an early or stray signal: wait on for the nearest deadline
+        nearest = min(lim.deadline for lim in pending)
+        signal.setitimer(signal.ITIMER_REAL, max(nearest - now, _FIRE_NOW_S))
+
+
 @contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise ``ScoreTimeout`` in the body if it runs longer than ``seconds`` (None or <= 0: no limit)."""
+def time_limit(seconds: float | None) -> Iterator[Limit]:
+    """Abandon the body after ``seconds`` (None or <= 0: no limit) and set ``expired`` on the result."""
+    limit = Limit(seconds)
     if seconds is None or seconds <= 0:
-        yield
+        yield limit
         return
     if not timeouts_supported():
         # Imported here: verl.utils.logging pulls in torch, which pool workers never need.
@@ -59,23 +105,26 @@ def time_limit(seconds: float | None) -> Iterator[None]:
             seconds,
             threading.current_thread().name,
         )
-        yield
+        yield limit
         return
 
-    def _on_alarm(signum, frame):
-        raise ScoreTimeout(f"scoring took longer than {seconds:g} s")
-
+    start = time.monotonic()
+    limit.deadline = start + seconds
     outer_handler = signal.signal(signal.SIGALRM, _on_alarm)
     outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
     if 0 < outer_delay < seconds:
-        # The outer deadline comes first: keep it (our handler raises ScoreTimeout then;
-        # the outer timer is re-armed to fire right after the block unwinds).
+        # An outer deadline comes first: keep it (the handler attributes the timeout to it).
         signal.setitimer(signal.ITIMER_REAL, outer_delay)
-    start = time.monotonic()
+    _active.append(limit)
     try:
-        yield
+        yield limit
+    except ScoreTimeout as exc:
+        if exc.limit is not limit:
+            raise
+        limit.expired = True
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        _active.remove(limit)
         # None: the outer handler was installed from C; the default is the closest we can restore.
         signal.signal(signal.SIGALRM, signal.SIG_DFL if outer_handler is None else outer_handler)
         if outer_delay > 0:
