@@ -12,7 +12,9 @@ to float32 rounding):
 - outputs are exactly 0 where ``response_mask`` is 0. The reference leaves whitened or carried
   values at masked positions of GAE and REINFORCE++; every loss masks them, so only the stored
   tensors differ;
-- group statistics are accumulated in float64 and rounded once, instead of per-operation float32;
+- group statistics are accumulated in float64 and rounded once. The reference's float32 group
+  mean and std can be off from the exact value by a few 1e-6 (relative) when a group's std is
+  small, and the advantages with them; these are within a rounding or two of exact;
 - inputs are validated (shapes, dtypes, empty batches, group sizes) with ValueErrors.
 """
 
@@ -22,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from verl.algos.checks import check_mask, check_seq_level, check_token_level, group_ids
+from verl.algos.checks import check_mask, check_positive, check_seq_level, check_token_level, group_ids
 from verl.algos.masked import masked_whiten
 from verl.algos.registry import Registry, call_with_accepted
 
@@ -112,6 +114,8 @@ def gae(
     """
     mask = _rewards_and_mask(token_level_rewards, response_mask)
     check_token_level("values", values, like=token_level_rewards)
+    gamma = check_positive("algorithm.gamma", gamma, allow_zero=True)
+    lam = check_positive("algorithm.lam", lam, allow_zero=True)
     rewards = token_level_rewards
     vals = values.to(rewards.dtype)
     batch, length = rewards.shape
@@ -149,6 +153,7 @@ def grpo(
     A_i is broadcast over the valid tokens. Returns (advantages, returns), equal, [B, T].
     """
     mask = _rewards_and_mask(token_level_rewards, response_mask)
+    epsilon = check_positive("epsilon", epsilon)  # keeps a zero-spread group at 0 instead of 0/0
     scores = token_level_rewards.sum(dim=-1)  # [B]
     gid, num_groups, _ = group_ids(index, scores.shape[0])
     counts, _, means, stds = _group_stats(scores, gid, num_groups)
@@ -179,8 +184,10 @@ def grpo_passk(
     Returns (advantages, returns), equal, [B, T].
     """
     mask = _rewards_and_mask(token_level_rewards, response_mask)
+    epsilon = check_positive("epsilon", epsilon)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # [B]
     gid, num_groups, uids = group_ids(index, scores.shape[0])
+    gid = gid.to(scores.device)
     _, _, _, stds = _group_stats(scores, gid, num_groups)
     adv = torch.zeros_like(scores)
     for g in range(num_groups):
@@ -271,6 +278,7 @@ def reinforce_plus_plus(
     returns=G), [B, T].
     """
     mask = _rewards_and_mask(token_level_rewards, response_mask)
+    gamma = check_positive("algorithm.gamma", gamma, allow_zero=True)
     rewards = token_level_rewards
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)

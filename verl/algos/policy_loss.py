@@ -97,7 +97,8 @@ def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None, 
     if rollout_is_weights is None:
         return pg_losses
     check_token_level("rollout_is_weights", rollout_is_weights, like=pg_losses)
-    weights = torch.where(mask != 0, rollout_is_weights.detach(), torch.zeros((), dtype=pg_losses.dtype))
+    zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
+    weights = torch.where(mask != 0, rollout_is_weights.detach(), zero)
     return pg_losses * weights
 
 
