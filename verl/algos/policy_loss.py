@@ -7,10 +7,10 @@ returns ``(loss, metrics)``: a scalar to back-propagate (aggregated by ``agg_los
 ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower`` (the reference logs them as
 ``actor/pg_clipfrac`` etc.; the metrics are local masked means over this micro-batch).
 
-Departures from the reference verl, all on inputs where it gives NaN or asserts:
-masked tokens are excluded with ``torch.where`` (a ``-inf`` log-prob in padding cannot poison
-the loss), bad hyperparameters are ValueErrors, and the metrics of an all-masked micro-batch
-are 0. ``clip_ratio_low``/``clip_ratio_high`` default to ``clip_ratio`` when None, as there.
+Departures from the reference verl, all on inputs where it gives NaN or asserts: the masked
+entries of the inputs are replaced by 0 before anything is computed (a ``-inf`` log-prob in
+padding reaches neither the loss nor the gradients), bad hyperparameters are ValueErrors, and
+the loss and metrics of an all-masked micro-batch are 0. ``clip_ratio_low``/``clip_ratio_high`` default to ``clip_ratio`` when None, as there.
 """
 
 from __future__ import annotations
