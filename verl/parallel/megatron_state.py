@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -246,3 +247,41 @@ def is_pipeline_last_stage(
     if vp_stage is not None and _VIRTUAL_PP_SIZE is not None and vp_stage != _VIRTUAL_PP_SIZE - 1:
         return False
     return pp_rank(pg_collection) == pp_size(pg_collection) - 1
+
+
+def process_group_collection(groups: Mapping[str, dist.ProcessGroup | None]) -> ProcessGroupCollection:
+    """A Megatron ``ProcessGroupCollection`` from explicit groups (no global parallel state).
+
+    ``groups`` holds this rank's "tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp",
+    "ep" groups, and "embd"/"pos_embd" where this rank is on an embedding stage (missing ones
+    become None, as in Megatron). Expert groups are derived for dense models (expert parallel
+    1, expert TP = TP): expert DP is DP x CP. Used by ``Topology.build_groups`` so roles on
+    different rank sets each get their own collection.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    required = ("tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "ep")
+    missing = [kind for kind in required if groups.get(kind) is None]
+    if missing:
+        raise ValueError(f"process_group_collection: groups {missing} are missing; build them with Topology")
+    pgs = ProcessGroupCollection(
+        tp=groups["tp"],
+        cp=groups["cp"],
+        dp=groups["dp"],
+        pp=groups["pp"],
+        mp=groups["mp"],
+        tp_cp=groups["tp_cp"],
+        dp_cp=groups["dp_cp"],
+        tp_dp_cp=groups["tp_dp_cp"],
+        ep=groups["ep"],
+        embd=groups.get("embd"),
+        pos_embd=groups.get("pos_embd"),
+        # Dense model: expert parallel 1 and expert TP = TP, so the expert groups are these.
+        expt_tp=groups["tp"],
+        tp_ep=groups["tp"],
+        tp_ep_pp=groups["mp"],
+        expt_dp=groups["dp_cp"],
+        intra_dp_cp=groups["dp_cp"],
+        intra_expt_dp=groups["dp_cp"],
+    )
+    return pgs

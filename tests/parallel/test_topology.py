@@ -1,0 +1,173 @@
+"""Topology: validation messages, the rank layout, and the groups it builds on 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verl.parallel.topology import RoleLayout, Topology
+from verl.testing.distributed import run_distributed
+
+
+def _split_topology() -> Topology:
+    """Actor + rollout + ref colocated on ranks 0-1 (TP2), critic alone on ranks 2-3 (DP2)."""
+    hybrid = (0, 1)
+    return Topology(
+        world_size=4,
+        roles={
+            "actor": RoleLayout(ranks=hybrid, tensor_parallel=2),
+            "rollout": RoleLayout(ranks=hybrid, tensor_parallel=2),
+            "ref": RoleLayout(ranks=hybrid, tensor_parallel=1),
+            "critic": RoleLayout(ranks=(2, 3)),
+        },
+    )
+
+
+# -- validation (no processes) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("roles", "world_size", "fragment"),
+    [
+        ({"actor": RoleLayout(ranks=range(4), tensor_parallel=3)}, 4, "tp x pp x cp = 3 x 1 x 1 = 3 does not divide its 4 ranks"),
+        ({"actor": RoleLayout(ranks=range(4), pipeline_parallel=0)}, 4, "pipeline_parallel=0 must be an integer >= 1"),
+        ({"actor": RoleLayout(ranks=range(6))}, 4, "owns ranks [4, 5] outside the world (0..3)"),
+        ({"actor": RoleLayout(ranks=(0, 1))}, 4, "ranks [2, 3] own no role"),
+        ({"actor": RoleLayout(ranks=(0, 1, 1, 2))}, 3, "lists ranks [1] more than once"),
+        (
+            {"actor": RoleLayout(ranks=(0, 1, 2)), "critic": RoleLayout(ranks=(2, 3))},
+            4,
+            "roles 'actor' and 'critic' share ranks [2] but not all of them",
+        ),
+        ({"critic": RoleLayout(ranks=range(2))}, 2, "no 'actor' role"),
+        ({"actor": RoleLayout(ranks=range(2)), "reward": RoleLayout(ranks=range(2))}, 2, "did you mean 'reward_model'?"),
+        (
+            {"actor": RoleLayout(ranks=range(2)), "rollout": RoleLayout(ranks=range(2), pipeline_parallel=2)},
+            2,
+            "takes tensor parallel only",
+        ),
+        ({"actor": RoleLayout(ranks=())}, 1, "role 'actor' owns no ranks"),
+    ],
+)
+def test_invalid_topologies_fail_with_one_message_naming_everything(roles, world_size, fragment) -> None:
+    with pytest.raises(ValueError) as info:
+        Topology(world_size=world_size, roles=roles)
+    message = str(info.value)
+    assert fragment in message
+    # Every message prints every role's degrees and the world size.
+    assert f"world_size={world_size}" in message
+    for role in roles:
+        assert f"{role}: ranks=" in message
+
+
+def test_degree_message_prints_every_degree() -> None:
+    with pytest.raises(ValueError) as info:
+        Topology(
+            world_size=8,
+            roles={"actor": RoleLayout(ranks=range(8), tensor_parallel=2, pipeline_parallel=3, context_parallel=1)},
+        )
+    assert "actor: ranks=0-7 tp=2 pp=3 cp=1 dp=1.33333; world_size=8" in str(info.value)
+
+
+def test_colocated_builds_every_role_on_all_ranks() -> None:
+    topo = Topology.colocated(world_size=4, tensor_parallel=2, rollout_tensor_parallel=4)
+    assert set(topo.roles) == {"actor", "rollout", "ref"}
+    assert topo.layout("actor").data_parallel == 2
+    assert topo.layout("rollout").tensor_parallel == 4 and topo.layout("rollout").data_parallel == 1
+    assert topo.colocated_with("actor") == ("rollout", "ref")
+    assert topo.roles_on(3) == ("actor", "rollout", "ref")
+
+
+def test_layout_matches_megatron_order_tp_cp_dp_pp() -> None:
+    topo = Topology(
+        world_size=8,
+        roles={"actor": RoleLayout(ranks=range(8), tensor_parallel=2, pipeline_parallel=2)},
+    )
+    assert topo.group_ranks("actor", "tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert topo.group_ranks("actor", "dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert topo.group_ranks("actor", "pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert topo.group_ranks("actor", "mp") == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert topo.group_ranks("actor", "embd") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert topo.group_ranks("actor", "pos_embd") == [(0,), (1,), (2,), (3,)]
+    coords = topo.coords("actor", 6)
+    assert (coords.tp, coords.cp, coords.dp, coords.pp) == (0, 0, 1, 1)
+
+
+def test_roles_on_split_topology() -> None:
+    topo = _split_topology()
+    assert topo.roles_on(0) == ("actor", "rollout", "ref")
+    assert topo.roles_on(2) == ("critic",)
+    assert topo.group_ranks("critic", "dp") == [(2, 3)]
+    assert topo.group_ranks("ref", "dp") == [(0, 1)]
+
+
+# -- groups on 4 ranks ------------------------------------------------------------------------
+
+
+def _groups_on_split_topology() -> dict[str, dict[str, object]]:
+    mine = _split_topology().build_groups()
+    out: dict[str, dict[str, object]] = {}
+    for role, role_groups in mine.items():
+        members = {kind: tuple(dist.get_process_group_ranks(g)) for kind, g in role_groups.groups.items()}
+        assert members == role_groups.group_ranks, "the built groups hold the ranks the topology computed"
+        # Real traffic over the role's DP group: the sum of its members' global ranks.
+        value = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(value, group=role_groups.groups["dp"])
+        out[role] = {
+            "tp": members["tp"],
+            "dp": members["dp"],
+            "dp_sum": value.item(),
+            "has_pgs": role_groups.pg_collection is not None,
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_split_roles_get_their_own_groups_on_4_ranks() -> None:
+    actual = run_distributed(_groups_on_split_topology, 4)
+    hybrid = {
+        "actor": {"tp": (0, 1), "dp": (0,), "has_pgs": True},
+        "rollout": {"tp": (0, 1), "dp": (0,), "has_pgs": False},
+    }
+    for rank in (0, 1):
+        assert set(actual[rank]) == {"actor", "rollout", "ref"}
+        for role, expected in hybrid.items():
+            got = actual[rank][role]
+            assert (got["tp"], got["has_pgs"]) == (expected["tp"], expected["has_pgs"])
+            assert got["dp"] == ((rank,) if role != "ref" else (0, 1))
+        assert actual[rank]["ref"]["tp"] == (rank,)
+        assert actual[rank]["ref"]["dp_sum"] == 1.0  # ranks 0 + 1
+    for rank in (2, 3):
+        assert set(actual[rank]) == {"critic"}
+        assert actual[rank]["critic"] == {"tp": (rank,), "dp": (2, 3), "dp_sum": 5.0, "has_pgs": True}
+
+
+def _topology_vs_megatron(tp: int, pp: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    from verl.parallel import megatron_state
+
+    world = dist.get_world_size()
+    megatron_pgs = megatron_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    topo = Topology(
+        world_size=world,
+        roles={"actor": RoleLayout(ranks=range(world), tensor_parallel=tp, pipeline_parallel=pp)},
+    )
+    ours = topo.build_groups()["actor"].pg_collection
+    out = {}
+    for kind in ("tp", "pp", "dp", "cp", "mp", "dp_cp", "tp_cp", "embd", "pos_embd"):
+        theirs_group, ours_group = getattr(megatron_pgs, kind), getattr(ours, kind)
+        out[kind] = (
+            tuple(dist.get_process_group_ranks(theirs_group)) if theirs_group is not None else (),
+            tuple(dist.get_process_group_ranks(ours_group)) if ours_group is not None else (),
+        )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1), (1, 2)])
+def test_groups_match_megatron_parallel_state(tp: int, pp: int) -> None:
+    for rank, per_kind in enumerate(run_distributed(_topology_vs_megatron, 4, tp, pp)):
+        for kind, (expected, actual) in per_kind.items():
+            assert actual == expected, f"rank {rank}, group {kind}: Megatron {expected}, Topology {actual}"
