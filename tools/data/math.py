@@ -18,7 +18,6 @@ import logging  # noqa: E402
 from verl.data.io import write_parquet  # noqa: E402
 from verl.data.tasks import math as math_task  # noqa: E402
 from verl.data.tasks.common import convert_file  # noqa: E402
-from verl.utils.logging import setup_logging  # noqa: E402
 
 logger = logging.getLogger("tools.data.math")
 
@@ -29,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", required=True, help="output parquet file in the verl format")
     p.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
     args = p.parse_args(argv)
-    setup_logging()
+    # Not verl.utils.logging.setup_logging: it imports torch, which these tools do not need.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         records = convert_file(args.input, math_task.convert_row, split=args.split)
         write_parquet(records, args.output)

@@ -1,35 +1,39 @@
-"""Datasets (RL prompts, SFT, preference pairs), file reading, tokenizers and task converters."""
+"""Datasets (RL prompts, SFT, preference pairs), file reading, tokenizers and task converters.
 
-from verl.data.io import TableStore, detect_format, open_source, read_records, write_parquet
-from verl.data.preference_dataset import PreferenceDataset
-from verl.data.rl_dataset import (
-    RLPromptDataset,
-    build_dataloader,
-    collate_fn,
-    create_rl_dataset,
-    load_dataset_class,
-)
-from verl.data.sampler import ResumableSampler, StatefulDataLoader
-from verl.data.sft_dataset import SFTDataset, encode_messages, encode_prompt_response
-from verl.data.tokenizer import ensure_pad_token, load_tokenizer
+Names are imported on first use, so the preprocessing tools (which need only pyarrow) start
+without importing torch.
+"""
 
-__all__ = [
-    "PreferenceDataset",
-    "RLPromptDataset",
-    "ResumableSampler",
-    "SFTDataset",
-    "StatefulDataLoader",
-    "TableStore",
-    "build_dataloader",
-    "collate_fn",
-    "create_rl_dataset",
-    "detect_format",
-    "encode_messages",
-    "encode_prompt_response",
-    "ensure_pad_token",
-    "load_dataset_class",
-    "load_tokenizer",
-    "open_source",
-    "read_records",
-    "write_parquet",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "TableStore": "verl.data.io",
+    "detect_format": "verl.data.io",
+    "open_source": "verl.data.io",
+    "read_records": "verl.data.io",
+    "write_parquet": "verl.data.io",
+    "PreferenceDataset": "verl.data.preference_dataset",
+    "RLPromptDataset": "verl.data.rl_dataset",
+    "build_dataloader": "verl.data.rl_dataset",
+    "collate_fn": "verl.data.rl_dataset",
+    "create_rl_dataset": "verl.data.rl_dataset",
+    "load_dataset_class": "verl.data.rl_dataset",
+    "ResumableSampler": "verl.data.sampler",
+    "StatefulDataLoader": "verl.data.sampler",
+    "SFTDataset": "verl.data.sft_dataset",
+    "encode_messages": "verl.data.sft_dataset",
+    "encode_prompt_response": "verl.data.sft_dataset",
+    "ensure_pad_token": "verl.data.tokenizer",
+    "load_tokenizer": "verl.data.tokenizer",
+    "TinyModelSpec": "verl.data.tiny_model",
+    "make_tiny_model": "verl.data.tiny_model",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'verl.data' has no attribute {name!r}")
