@@ -46,6 +46,20 @@ def test_time_limit_abandons_the_body_and_reports_expiry():
 
 
 @pytest.mark.timeout(30)
+def test_a_lost_timeout_fires_again():
+    # A timeout raised inside a gc callback or __del__ is reported as unraisable and lost; the
+    # timer keeps firing after the deadline, so the next signal still ends the block.
+    swallowed = 0
+    with time_limit(0.1) as limit:
+        try:
+            _spin(10)
+        except ScoreTimeout:
+            swallowed += 1
+        _spin(10)
+    assert limit.expired and swallowed == 1
+
+
+@pytest.mark.timeout(30)
 def test_outer_timer_survives_an_inner_limit():
     fired = []
     previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(time.monotonic()))

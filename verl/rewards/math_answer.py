@@ -19,7 +19,8 @@ The normaliser (documented here because a reward depends on it):
 - a trailing ``\\text{..}`` (or ``\\mbox``, ``\\mathrm``) after an expression is a unit and is
   dropped (``5\\text{ cm}`` -> ``5``); a ``\\text{..}`` that is the whole answer is unwrapped;
 - a leading ``x =`` (a short variable name and a single "=") is dropped;
-- answers longer than ``MAX_NORMALIZED_CHARS`` are only stripped of whitespace;
+- answers longer than ``MAX_ANSWER_CHARS`` are only stripped of whitespace (and math-verify
+  does not see them);
 - all whitespace and a trailing period are dropped; ``1{,}000`` and ``1,000`` -> ``1000``;
 - a plain number, ``a/b`` or ``\\frac{a}{b}`` with integer parts becomes a reduced fraction
   ``p/q`` (or ``p``), so ``0.5``, ``.5``, ``1/2``, ``\\dfrac{1}{2}`` all read ``1/2``.
@@ -40,9 +41,10 @@ logger = logging.getLogger(__name__)
 # Default limit for one math-verify comparison (its own default is 5 s).
 DEFAULT_MATH_VERIFY_TIMEOUT_S = 5.0
 
-# Longer answers are only stripped of whitespace: real final answers are short, and this
-# bounds the regex work on a pathological one.
-MAX_NORMALIZED_CHARS = 2000
+# Longer answers are only stripped of whitespace and never handed to math-verify: real final
+# answers are short, and this bounds the work on a pathological one (math-verify needs
+# seconds for a 100 kB answer).
+MAX_ANSWER_CHARS = 1000
 
 _SPACING_RE = re.compile(r"\\[!,;:]|\\q?quad(?![A-Za-z])|~|\\ ")
 _LEFT_RIGHT_RE = re.compile(r"\\(?:left|right)(?![A-Za-z])|\\displaystyle(?![A-Za-z])")
@@ -84,7 +86,7 @@ def normalize_math_answer(answer: object) -> str:
     boxed = last_boxed(s)
     if boxed is not None:
         s = boxed
-    if len(s) > MAX_NORMALIZED_CHARS:
+    if len(s) > MAX_ANSWER_CHARS:
         return "".join(s.split())
     s = s.replace("\n", " ").replace("\\(", "").replace("\\)", "").replace("\\[", "").replace("\\]", "")
     s = s.replace("\\$", "").replace("$", "")
@@ -182,7 +184,7 @@ def math_equal(
         return False
     if normalize_math_answer(pred) == normalize_math_answer(gold):
         return True
-    if not use_math_verify:
+    if not use_math_verify or max(len(pred), len(gold)) > MAX_ANSWER_CHARS:
         return False
     return bool(math_verify_equal(pred, gold, timeout_s))
 

@@ -16,10 +16,13 @@ the inner block (which does not claim it) up to the outer one. The manager's per
 therefore still holds while a scorer runs its own shorter math-verify limit.
 
 The limit is a SIGALRM interval timer: it interrupts Python code (not a single long C call)
-and only works in a process's main thread on POSIX. Elsewhere (a worker thread, Windows)
-``time_limit`` runs the body without a limit and says so once; the reward manager's process
-pool scores every sample in a worker's main thread, where limits always apply. A timer that
-was running before (pytest-timeout, say) is saved and re-armed with what is left of it.
+and only works in a process's main thread on POSIX. Past the deadline it re-fires every
+``_REFIRE_S`` until the block has unwound, since a signal that lands where Python cannot raise
+(a gc callback, ``__del__``) is lost. Elsewhere (a worker thread, Windows) ``time_limit`` runs
+the body without a limit and says so once; the reward manager's process pool scores every
+sample in a worker's main thread, where limits always apply. A timer that was running before
+(pytest-timeout, say) is saved and re-armed with what is left of it; if it came due meanwhile,
+it fires as the block ends.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ logger = logging.getLogger(__name__)
 # Re-arm delay for an outer timer whose deadline passed while an inner block ran: fire "now"
 # (0 would disarm it).
 _FIRE_NOW_S = 1e-6
+# After a deadline the timer keeps firing at this interval until the block has unwound: a
+# signal that lands where Python cannot raise (a gc or weakref callback, __del__) is reported
+# as "unraisable" and lost, and the next one must try again.
+_REFIRE_S = 0.05
 # The interval timer and time.monotonic may disagree by a hair; a deadline this close counts
 # as reached.
 _EARLY_S = 1e-3
@@ -84,7 +91,7 @@ def _on_alarm(signum: int, frame: object) -> None:
             raise ScoreTimeout(limit)
     if pending:  # an early or stray signal: wait on for the nearest deadline
         nearest = min(lim.deadline for lim in pending)
-        signal.setitimer(signal.ITIMER_REAL, max(nearest - now, _FIRE_NOW_S))
+        signal.setitimer(signal.ITIMER_REAL, max(nearest - now, _FIRE_NOW_S), _REFIRE_S)
 
 
 @contextlib.contextmanager
@@ -111,10 +118,10 @@ def time_limit(seconds: float | None) -> Iterator[Limit]:
     start = time.monotonic()
     limit.deadline = start + seconds
     outer_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds, _REFIRE_S)
     if 0 < outer_delay < seconds:
         # An outer deadline comes first: keep it (the handler attributes the timeout to it).
-        signal.setitimer(signal.ITIMER_REAL, outer_delay)
+        signal.setitimer(signal.ITIMER_REAL, outer_delay, _REFIRE_S)
     _active.append(limit)
     try:
         yield limit
