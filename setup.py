@@ -72,8 +72,6 @@ def _extension_build() -> tuple[list, dict]:
     elif cpp_extension.CUDA_HOME is None:
         reason = "no CUDA toolkit found (set CUDA_HOME to one with nvcc)"
     if reason:
-        # setup.py is a script, not library code: one plain line on stderr is its log.
-        print(f"verl setup: building verl._C without CUDA kernels ({reason})", file=sys.stderr)
         ext = cpp_extension.CppExtension(
             name="verl._C",
             sources=CPU_SOURCES,
@@ -88,7 +86,17 @@ def _extension_build() -> tuple[list, dict]:
             define_macros=[("VERL_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
         )
-    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+    class BuildExt(cpp_extension.BuildExtension):
+        """torch's build_ext, saying once (when it compiles) whether CUDA kernels are left out."""
+
+        def run(self) -> None:
+            if reason:
+                # setup.py is a script, not library code: one plain line on stderr is its log.
+                print(f"verl setup: building verl._C without CUDA kernels ({reason})", file=sys.stderr)
+            super().run()
+
+    return [ext], {"build_ext": BuildExt}
 
 
 EXT_MODULES, CMDCLASS = _extension_build()

@@ -4,10 +4,12 @@
 #include "copy_shards.h"
 #include "copy_shards_kernel.h"
 
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h: the latter pulls in cuBLAS/cuSPARSE
+// headers this file does not need (and that partial toolkits lack).
+#include <c10/cuda/CUDAStream.h>
 
 namespace verl {
 
@@ -30,7 +32,7 @@ void copy_byte_ranges_cuda(const at::Tensor& dst, const at::Tensor& src,
   for (int64_t r = 0; r <= count; ++r) table[3 * count + r] = starts[r];
   const at::Tensor meta = host.to(dst.device(), /*non_blocking=*/true);
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(dst.device().index()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dst.device().index()).stream();
   C10_CUDA_CHECK(cuda::launch_copy_byte_ranges(static_cast<char*>(dst.data_ptr()),
                                                static_cast<const char*>(src.const_data_ptr()),
                                                meta.const_data_ptr<int64_t>(), count,
