@@ -75,6 +75,7 @@ class ScoreTimeout(BaseException):
 
 # Limits active in this (main) thread, outermost first.
 _active: list[Limit] = []
+_UNSET = object()
 
 
 def timeouts_supported() -> bool:
@@ -117,13 +118,17 @@ def time_limit(seconds: float | None) -> Iterator[Limit]:
 
     start = time.monotonic()
     limit.deadline = start + seconds
-    outer_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds, _REFIRE_S)
-    if 0 < outer_delay < seconds:
-        # An outer deadline comes first: keep it (the handler attributes the timeout to it).
-        signal.setitimer(signal.ITIMER_REAL, outer_delay, _REFIRE_S)
-    _active.append(limit)
+    outer_handler: object = _UNSET
+    outer_delay, outer_interval = 0.0, 0.0
+    # Everything from here on sits inside try/finally, so that a signal landing during set-up
+    # (an outer limit expiring) still leaves the handler, the timer and _active as they were.
     try:
+        _active.append(limit)
+        outer_handler = signal.signal(signal.SIGALRM, _on_alarm)
+        outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds, _REFIRE_S)
+        if 0 < outer_delay < seconds:
+            # An outer deadline comes first: keep it (the handler attributes the timeout to it).
+            signal.setitimer(signal.ITIMER_REAL, outer_delay, _REFIRE_S)
         yield limit
     except ScoreTimeout as exc:
         if exc.limit is not limit:
@@ -131,9 +136,11 @@ def time_limit(seconds: float | None) -> Iterator[Limit]:
         limit.expired = True
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        _active.remove(limit)
-        # None: the outer handler was installed from C; the default is the closest we can restore.
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if outer_handler is None else outer_handler)
+        if limit in _active:
+            _active.remove(limit)
+        if outer_handler is not _UNSET:
+            # None: the outer handler was installed from C; the default is the closest we can restore.
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if outer_handler is None else outer_handler)
         if outer_delay > 0:
             left = outer_delay - (time.monotonic() - start)
             signal.setitimer(signal.ITIMER_REAL, max(left, _FIRE_NOW_S), outer_interval)
