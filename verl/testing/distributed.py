@@ -326,6 +326,7 @@ class _WorkerPool:
         return "\n".join(parts)
 
     def run(self, call_id: int, payload: bytes, backend: str, timeout: float) -> list[Any]:
+        __tracebackhide__ = True  # pytest: the ranks' tracebacks are in the message
         self._read_new_output()  # skip whatever earlier calls left in the logs
         for task_q in self._task_qs:
             task_q.put((call_id, payload, backend, timeout, list(sys.path)))
@@ -463,6 +464,7 @@ def run_distributed(
     Raises ``DistributedTestError`` (rank-tagged tracebacks) when any rank fails and
     ``DistributedTimeoutError`` when a rank is still running after ``timeout`` seconds.
     """
+    __tracebackhide__ = True  # pytest: the ranks' tracebacks are in the message
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_distributed: world_size={world_size!r}; it must be an integer >= 1")
     if timeout <= 0:
