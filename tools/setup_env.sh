@@ -28,6 +28,10 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -U pip "setuptools<80" wheel pybind11 ninja
+# The test suite also builds csrc/ with CMake and runs its C++ tests under CTest.
+if [[ "$extras" == *test* ]]; then
+  "${pip[@]}" install cmake
+fi
 
 # torch first: the extension is built against it without build isolation (an isolated
 # build would pull a CUDA torch of several GB onto a CPU machine).

@@ -19,6 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "csrc" / "copy_shards_kernel.cu"
 
 
+# The interpreter's own bin dir first: `.venv/bin/python -m pytest` runs without an activated
+# venv, and cmake/ninja come from pip into that dir.
+_SEARCH_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=_SEARCH_PATH)
+
+
 def test_installed_extension_matches_torch_build():
     """verl._C is importable and carries the CUDA kernel exactly when it could be built."""
     from verl import _C
@@ -32,7 +41,7 @@ def test_installed_extension_matches_torch_build():
 def test_cuda_kernel_compiles_standalone_with_nvcc(tmp_path):
     """The kernel file uses raw pointers and the CUDA runtime only, so nvcc alone compiles it
     (a machine without the full toolkit or a CUDA torch still checks it)."""
-    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    nvcc = _tool("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
     cmd = [nvcc, "-c", "-std=c++17", "-Werror", "all-warnings", f"-I{KERNEL.parent}", str(KERNEL),
@@ -53,14 +62,13 @@ def _build_dir(generator: list[str]) -> Path:
 @pytest.mark.timeout(300)
 def test_cmake_build_and_ctest():
     """cmake configure + build (module and C++ tests) + ctest, as documented in CMakeLists.txt."""
-    cmake = shutil.which("cmake")
-    ctest = shutil.which("ctest")
+    cmake, ctest, ninja = _tool("cmake"), _tool("ctest"), _tool("ninja")
     if cmake is None or ctest is None:
-        pytest.skip("cmake/ctest not found on PATH (pip install cmake)")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        pytest.skip("cmake/ctest not found beside the interpreter or on PATH (pip install cmake)")
+    generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
     build = _build_dir(generator)
     build.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2")
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2", PATH=_SEARCH_PATH)
 
     def run(cmd: list[str], timeout: int) -> str:
         result = subprocess.run(cmd, cwd=build, env=env, capture_output=True, text=True, timeout=timeout)
