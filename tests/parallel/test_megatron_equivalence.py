@@ -87,20 +87,30 @@ def _grad_norm(model: torch.nn.Module, pgs) -> float:
     return math.sqrt(sq.item())
 
 
-def _train_step_losses(tp: int, pp: int, sequence_parallel: bool) -> tuple[float, float, float]:
-    """Two steps of loss (before and after one SGD step) and the first step's grad norm."""
+def _train_step_losses(
+    tp: int, pp: int, sequence_parallel: bool, pgs=None
+) -> tuple[float, float, float]:
+    """Two steps of loss (before and after one SGD step) and the first step's grad norm.
+
+    Megatron's global parallel state is built for the whole world unless ``pgs`` (a role's
+    explicit ProcessGroupCollection from Topology) is given.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.transformer import TransformerConfig
 
     from verl.parallel import megatron_state as ms
     from verl.parallel.cpu_shim import with_sequence_parallel_norms
 
-    pgs = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if pgs is None:
+        pgs = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    else:
+        ms.initialize_role(pgs, seed=1234)
     config = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -156,7 +166,7 @@ def _train_step_losses(tp: int, pp: int, sequence_parallel: bool) -> tuple[float
     def step() -> float:
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = get_forward_backward_func()(
+        losses = get_forward_backward_func(pp_size=pp, vp_size=None)(
             forward_step_func=_forward_step,
             data_iterator=iter(micro_batches),
             model=[ddp_model],
@@ -164,6 +174,8 @@ def _train_step_losses(tp: int, pp: int, sequence_parallel: bool) -> tuple[float
             seq_length=SEQ,
             micro_batch_size=1,
             forward_only=False,
+            p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config),
+            pg_collection=pgs,
         )
         finalize_model_grads([ddp_model], pg_collection=pgs)
         # The loss lives on the last stage; average it over DP and hand it to every stage.
@@ -213,3 +225,27 @@ def test_layout_matches_single_rank_reference(reference, world_size: int, tp: in
     assert actual_norm == pytest.approx(expected_norm, rel=1e-6)
     assert actual_loss_after_step == pytest.approx(expected_loss_after_step, rel=1e-6)
     assert abs(expected_loss_after_step - expected_loss) > 1e-3, "the SGD step must change the loss"
+
+
+def _split_roles_losses() -> tuple[str, tuple[float, float, float]]:
+    """Actor on ranks 0-1 (TP2) and critic on ranks 2-3 (DP2), each from its Topology groups only."""
+    from verl.parallel.topology import RoleLayout, Topology
+
+    topo = Topology(
+        world_size=4,
+        roles={"actor": RoleLayout(ranks=(0, 1), tensor_parallel=2), "critic": RoleLayout(ranks=(2, 3))},
+    )
+    (role, groups), = topo.build_groups().items()
+    tp = groups.layout.tensor_parallel
+    return role, _train_step_losses(tp, 1, False, pgs=groups.pg_collection)
+
+
+def test_split_roles_train_on_their_own_groups(reference) -> None:
+    """Two roles on disjoint ranks, no global parallel state: each matches the reference."""
+    per_rank = run_distributed(_split_roles_losses, 4)
+    assert [role for role, _ in per_rank] == ["actor", "actor", "critic", "critic"]
+    for role, (loss, norm, loss_after_step) in per_rank:
+        # Same tolerance and reason as above.
+        assert loss == pytest.approx(reference[0], rel=1e-6), role
+        assert norm == pytest.approx(reference[1], rel=1e-6), role
+        assert loss_after_step == pytest.approx(reference[2], rel=1e-6), role

@@ -171,3 +171,30 @@ def test_groups_match_megatron_parallel_state(tp: int, pp: int) -> None:
     for rank, per_kind in enumerate(run_distributed(_topology_vs_megatron, 4, tp, pp)):
         for kind, (expected, actual) in per_kind.items():
             assert actual == expected, f"rank {rank}, group {kind}: Megatron {expected}, Topology {actual}"
+
+
+def _switch_between_colocated_roles() -> list[int]:
+    from megatron.core import parallel_state
+
+    from verl.parallel import megatron_state
+
+    topo = Topology(
+        world_size=2,
+        roles={
+            "actor": RoleLayout(ranks=(0, 1), tensor_parallel=2),
+            "ref": RoleLayout(ranks=(0, 1), tensor_parallel=1),
+        },
+    )
+    mine = topo.build_groups()
+    megatron_state.initialize_role(mine["actor"].pg_collection, seed=7)
+    sizes = [parallel_state.get_tensor_model_parallel_world_size()]
+    with megatron_state.activate_role(mine["ref"].pg_collection):
+        sizes += [parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_data_parallel_world_size()]
+    sizes += [parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_data_parallel_world_size()]
+    return sizes
+
+
+@pytest.mark.distributed
+def test_activate_role_switches_megatron_groups_between_colocated_roles() -> None:
+    # actor tp=2 dp=1; inside the ref block tp=1 dp=2; back to the actor after it.
+    assert run_distributed(_switch_between_colocated_roles, 2) == [[2, 1, 2, 2, 1]] * 2

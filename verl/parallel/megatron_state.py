@@ -9,9 +9,10 @@ collection; ``destroy_model_parallel`` undoes it (called between distributed tes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,6 +165,9 @@ def destroy_model_parallel() -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     parallel_state.destroy_model_parallel()
+    # Names destroy_model_parallel leaves set (initialize_role binds them too).
+    for name in ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS"):
+        setattr(parallel_state, name, None)
     initialize_rng_tracker(force_reset=True)
 
 
@@ -285,3 +289,97 @@ def process_group_collection(groups: Mapping[str, dist.ProcessGroup | None]) -> 
         intra_expt_dp=groups["dp_cp"],
     )
     return pgs
+
+
+def _ranks(group: dist.ProcessGroup | None) -> list[int] | None:
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _parallel_state_bindings(pgs: ProcessGroupCollection) -> dict[str, object]:
+    """Megatron's global group names -> this rank's groups in ``pgs`` (dense model: ep = 1)."""
+    embd = getattr(pgs, "embd", None)
+    pos_embd = getattr(pgs, "pos_embd", None)
+    return {
+        "_TENSOR_MODEL_PARALLEL_GROUP": pgs.tp,
+        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": _ranks(pgs.tp),
+        "_PIPELINE_MODEL_PARALLEL_GROUP": pgs.pp,
+        "_PIPELINE_GLOBAL_RANKS": _ranks(pgs.pp),
+        "_MODEL_PARALLEL_GROUP": pgs.mp,
+        "_MODEL_PARALLEL_GLOBAL_RANKS": _ranks(pgs.mp),
+        "_CONTEXT_PARALLEL_GROUP": pgs.cp,
+        "_CONTEXT_PARALLEL_GLOBAL_RANKS": _ranks(pgs.cp),
+        "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": pgs.tp_cp,
+        "_DATA_PARALLEL_GROUP": pgs.dp,
+        "_DATA_PARALLEL_GLOBAL_RANKS": _ranks(pgs.dp),
+        "_DATA_PARALLEL_GROUP_WITH_CP": pgs.dp_cp,
+        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": _ranks(pgs.dp_cp),
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": pgs.dp_cp,
+        "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": pgs.tp_dp_cp,
+        "_EMBEDDING_GROUP": embd,
+        "_EMBEDDING_GLOBAL_RANKS": _ranks(embd),
+        "_POSITION_EMBEDDING_GROUP": pos_embd,
+        "_POSITION_EMBEDDING_GLOBAL_RANKS": _ranks(pos_embd),
+        "_EXPERT_MODEL_PARALLEL_GROUP": pgs.ep,
+        "_EXPERT_TENSOR_PARALLEL_GROUP": pgs.tp,
+        "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": pgs.tp,
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": pgs.mp,
+        "_EXPERT_DATA_PARALLEL_GROUP": pgs.dp_cp,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": pgs.dp_cp,
+    }
+
+
+def _bind(pgs: ProcessGroupCollection) -> dict[str, object]:
+    """Point Megatron's global groups at ``pgs``; returns the previous values."""
+    from megatron.core import parallel_state
+
+    bindings = _parallel_state_bindings(pgs)
+    previous = {name: getattr(parallel_state, name) for name in bindings}
+    for name, value in bindings.items():
+        setattr(parallel_state, name, value)
+    return previous
+
+
+@contextlib.contextmanager
+def activate_role(pg_collection: ProcessGroupCollection) -> Iterator[None]:
+    """Run a block with Megatron's global groups pointing at one role's groups.
+
+    Megatron-core 0.16 still reads its global groups in a few places even when a
+    ``pg_collection`` is passed (vocab-parallel cross entropy, some schedule fallbacks), so
+    colocated roles with different layouts (actor TP2, reference TP1 on the same ranks) each
+    run inside their own ``activate_role``. The previous binding is restored on exit.
+    """
+    previous = _bind(pg_collection)
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state
+
+        for name, value in previous.items():
+            setattr(parallel_state, name, value)
+
+
+def initialize_role(pg_collection: ProcessGroupCollection, *, seed: int = 1234) -> None:
+    """Prepare this process for a role's explicit groups (from ``Topology``), without global groups.
+
+    The counterpart of ``initialize_model_parallel`` for roles on part of the world: applies
+    the CPU shim when CUDA is absent, creates Megatron's process-local scratch buffer (its
+    local attention takes buffers from ``parallel_state``'s global memory buffer, whatever
+    groups are passed in), points Megatron's global groups at this role's groups (see
+    ``activate_role`` for switching between colocated roles), and seeds the default stream
+    and the TP/DP RNG streams (the TP stream differs per TP rank). Undone by
+    ``destroy_model_parallel``.
+    """
+    global _PG_COLLECTION
+    if shim_needed():
+        apply_cpu_shim()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    _bind(pg_collection)
+    tp = dist.get_rank(group=pg_collection.tp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp, ep_rank=0, etp_rank=tp, force_reset_rng=True)
+    if _PG_COLLECTION is None:
+        _PG_COLLECTION = pg_collection
