@@ -145,7 +145,10 @@ def _worker_main(
             task = task_q.get(timeout=1.0)
         except queue.Empty:
             if parent is not None and not parent.is_alive():
-                return  # orphaned: the test process died without shutting the pool down
+                # Orphaned (the test process was killed without shutting the pool down). Leave
+                # without the interpreter's teardown: joining threads or closing a store whose
+                # master died can block forever.
+                os._exit(0)
             continue
         if task is None:
             # Skip the interpreter's teardown (seconds with torch loaded, times N ranks on 2 cores):
