@@ -22,21 +22,47 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="output directory (created if missing)")
     p.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size (default %(default)s)")
     p.add_argument("--layers", type=int, default=defaults.layers, help="decoder layers (default %(default)s)")
-    p.add_argument("--heads", type=int, default=defaults.heads,
-                   help="attention heads; hidden/heads must be 32, 64, 80, ... for CPU vLLM (default %(default)s)")
-    p.add_argument("--kv-heads", type=int, default=defaults.kv_heads,
-                   help="key/value heads, must divide --heads (default %(default)s)")
-    p.add_argument("--intermediate", type=int, default=defaults.intermediate,
-                   help="MLP size, 0 for 4*hidden (default %(default)s)")
-    p.add_argument("--vocab", type=int, default=defaults.vocab,
-                   help="maximum tokenizer vocabulary; BPE stops earlier when the corpus runs out of merges "
-                        "(default %(default)s)")
-    p.add_argument("--max-position", type=int, default=defaults.max_position,
-                   help="max_position_embeddings (default %(default)s)")
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=defaults.heads,
+        help="attention heads; hidden/heads must be 32, 64, 80, ... for CPU vLLM (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=defaults.kv_heads,
+        help="key/value heads, must divide --heads (default %(default)s)",
+    )
+    p.add_argument(
+        "--intermediate",
+        type=int,
+        default=defaults.intermediate,
+        help="MLP size, 0 for 4*hidden (default %(default)s)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=defaults.vocab,
+        help="maximum tokenizer vocabulary; BPE stops earlier when the corpus runs out of merges "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--max-position",
+        type=int,
+        default=defaults.max_position,
+        help="max_position_embeddings (default %(default)s)",
+    )
     p.add_argument("--tie-embeddings", action="store_true", help="share the input embedding and the LM head")
-    p.add_argument("--corpus-lines", type=int, default=defaults.corpus_lines,
-                   help="lines of generated text to train the tokenizer on (default %(default)s)")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="seed for corpus and weights (default %(default)s)")
+    p.add_argument(
+        "--corpus-lines",
+        type=int,
+        default=defaults.corpus_lines,
+        help="lines of generated text to train the tokenizer on (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seed for corpus and weights (default %(default)s)"
+    )
     args = p.parse_args(argv)
     setup_logging(logging.INFO)
     spec = TinyModelSpec(

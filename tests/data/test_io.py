@@ -85,12 +85,16 @@ def test_files_concatenate_and_columns_project(tmp_path):
     assert set(store.row(3)) == {"prompt", "data_source"}
 
 
-def test_parquet_keeps_only_a_few_row_groups(tmp_path):
+def test_parquet_cache_is_bounded(tmp_path):
     path = write(str(tmp_path / "d.parquet"), ROWS, "parquet", row_group_size=2)
-    source = ParquetSource(path, cache_row_groups=2)
+    group_bytes = pq.ParquetFile(path).read_row_group(0).nbytes
+    source = ParquetSource(path, cache_bytes=2 * group_bytes)
     for i in range(len(ROWS)):
         assert source.row(i) == ROWS[i]
-        assert len(source._h_cache) <= 2
+        # Within budget, unless a single (larger) group is all that is kept.
+        assert source._h_cached_bytes <= 2 * group_bytes or len(source._h_cache) == 1
+    tiny = ParquetSource(path, cache_bytes=0)  # still keeps the group being read
+    assert [tiny.row(i) for i in (5, 0, 24)] == [ROWS[5], ROWS[0], ROWS[24]] and len(tiny._h_cache) == 1
 
 
 def test_arrow_is_memory_mapped_not_copied(tmp_path):

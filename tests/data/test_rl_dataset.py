@@ -72,11 +72,17 @@ def test_remapped_field_names(tmp_path, tokenizer):
     rows = [{"question": f"q {i}", "source": "openai/gsm8k", "meta": {"answer": str(i)}} for i in range(3)]
     path = to_parquet(tmp_path / "d.parquet", rows)
     ds = RLPromptDataset(
-        path, tokenizer, max_prompt_length=32, prompt_key="question", reward_fn_key="source",
+        path,
+        tokenizer,
+        max_prompt_length=32,
+        prompt_key="question",
+        reward_fn_key="source",
         extra_keys=("meta.answer",),
     )
     item = ds[1]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "q 1"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q 1"}], add_generation_prompt=True, tokenize=False
+    )
     assert item["raw_prompt_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert item["data_source"] == "openai/gsm8k"
     assert item["meta.answer"] == "1"
@@ -86,12 +92,16 @@ def test_remapped_field_names(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("mode", ["left", "right", "middle", "error"])
 def test_truncation_modes(tmp_path, tokenizer, mode):
-    path = to_parquet(tmp_path / "d.parquet", [{"data_source": "x", "prompt": "one two three four five six seven"}])
+    path = to_parquet(
+        tmp_path / "d.parquet", [{"data_source": "x", "prompt": "one two three four five six seven"}]
+    )
     full = tokenizer("one two three four five six seven")["input_ids"]
     limit = len(full) - 3
     ds = RLPromptDataset(path, tokenizer, max_prompt_length=limit, truncation=mode, apply_chat_template=False)
     if mode == "error":
-        with pytest.raises(ValueError, match=rf"d.parquet: row 0: {len(full)} tokens exceed the limit of {limit}"):
+        with pytest.raises(
+            ValueError, match=rf"d.parquet: row 0: {len(full)} tokens exceed the limit of {limit}"
+        ):
             ds[0]
         return
     expected = {
@@ -114,7 +124,9 @@ def test_filter_overlong_logs_count_and_empty_is_an_error(tmp_path, tokenizer, c
     assert len(ds) == 6
     assert [ds[i]["index"] for i in range(6)] == [1, 2, 4, 5, 7, 8]
     assert "dropped 3 of 9 prompts longer than 32 tokens (a.parquet: 2, b.parquet: 1)" in caplog.text
-    with pytest.raises(ValueError, match=r"all 9 rows were dropped by filter_overlong_prompts.*max_prompt_length=4"):
+    with pytest.raises(
+        ValueError, match=r"all 9 rows were dropped by filter_overlong_prompts.*max_prompt_length=4"
+    ):
         RLPromptDataset([a, b], tokenizer, max_prompt_length=4, filter_overlong_prompts=True)
 
 
@@ -125,7 +137,9 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     ds = RLPromptDataset(path, tokenizer, max_prompt_length=32)
-    with pytest.raises(ValueError, match=r"d.jsonl: row 1: message 0 \(user\) has non-string content of type list"):
+    with pytest.raises(
+        ValueError, match=r"d.jsonl: row 1: message 0 \(user\) has non-string content of type list"
+    ):
         ds[1]
     with pytest.raises(ValueError, match="non-string content"):
         RLPromptDataset(path, tokenizer, max_prompt_length=32, filter_overlong_prompts=True)
@@ -150,10 +164,19 @@ def test_tokenizer_without_pad_gets_one(tmp_path, tokenizer, caplog):
 def test_collate_and_config_loader(tmp_path, tokenizer):
     path = to_parquet(tmp_path / "d.parquet", [record(i) for i in range(10)])
     cfg = SimpleNamespace(
-        prompt_key="prompt", reward_fn_key="data_source", max_prompt_length=24, truncation="error",
-        filter_overlong_prompts=False, apply_chat_template=True, return_raw_chat=False,
-        custom_cls=SimpleNamespace(path=None, name=None), train_batch_size=4, val_batch_size=None,
-        shuffle=True, seed=3, dataloader_num_workers=0,
+        prompt_key="prompt",
+        reward_fn_key="data_source",
+        max_prompt_length=24,
+        truncation="error",
+        filter_overlong_prompts=False,
+        apply_chat_template=True,
+        return_raw_chat=False,
+        custom_cls=SimpleNamespace(path=None, name=None),
+        train_batch_size=4,
+        val_batch_size=None,
+        shuffle=True,
+        seed=3,
+        dataloader_num_workers=0,
     )
     ds = create_rl_dataset(cfg, tokenizer, [path])
     assert isinstance(ds, RLPromptDataset) and ds.max_prompt_length == 24
@@ -170,7 +193,8 @@ def test_collate_and_config_loader(tmp_path, tokenizer):
 
 def test_custom_dataset_class(tmp_path, tokenizer):
     module = tmp_path / "my_data.py"
-    module.write_text(textwrap.dedent("""
+    module.write_text(
+        textwrap.dedent("""
         from torch.utils.data import Dataset
 
         class Good(Dataset):
@@ -184,7 +208,8 @@ def test_custom_dataset_class(tmp_path, tokenizer):
         class NotADataset:
             def __init__(self, **kw):
                 pass
-    """))
+    """)
+    )
     cfg = SimpleNamespace(custom_cls=SimpleNamespace(path=str(module), name="Good"))
     ds = create_rl_dataset(cfg, tokenizer, ["f.parquet"])
     assert type(ds).__name__ == "Good" and ds.files == ["f.parquet"]
@@ -207,3 +232,29 @@ def test_loader_with_worker_processes(tmp_path, tokenizer):
     loader = StatefulDataLoader(ds, batch_size=4, shuffle=True, seed=0, num_workers=2, collate_fn=collate_fn)
     seen = np.concatenate([b["index"].astype(np.int64) for b in loader])
     assert sorted(seen.tolist()) == list(range(8))
+
+
+def test_real_data_config_section(tmp_path, tokenizer):
+    """The trainer's ``data`` dataclass drives the dataset and loader without adaptation."""
+    schema = pytest.importorskip("verl.config.schema")
+    path = to_parquet(tmp_path / "d.parquet", [record(i) for i in range(6)])
+    cfg = schema.DataConfig(
+        train_files=path, val_files=path, max_prompt_length=24, train_batch_size=2, seed=7
+    )
+    ds = create_rl_dataset(cfg, tokenizer, cfg.train_files)
+    loader = build_dataloader(ds, cfg, train=True)
+    assert len(loader) == 3 and next(iter(loader))["input_ids"].shape == (2, 24)
+
+
+def test_dataset_pickles_for_spawned_workers(tmp_path, tokenizer):
+    """Open file handles are dropped when pickled and reopened on first use."""
+    import pickle
+
+    a = to_parquet(tmp_path / "a.parquet", [record(i) for i in range(3)])
+    b = tmp_path / "b.jsonl"
+    b.write_text(json.dumps(record(3)) + "\n")
+    ds = RLPromptDataset([a, str(b)], tokenizer, max_prompt_length=24)
+    expected = [ds[i]["raw_prompt_ids"] for i in range(4)]
+    clone = pickle.loads(pickle.dumps(ds))
+    actual = [clone[i]["raw_prompt_ids"] for i in range(4)]
+    assert actual == expected

@@ -28,7 +28,9 @@ def batches(loader: StatefulDataLoader, epochs: int) -> list[list[int]]:
 @pytest.mark.parametrize("stop_after", [1, 3, 5, 7])  # mid first epoch, epoch end, mid second epoch
 def test_resume_equals_uninterrupted(num_workers, stop_after):
     kw = dict(batch_size=3, shuffle=True, seed=11, num_workers=num_workers)
-    expected = batches(StatefulDataLoader(Numbers(10), **kw), epochs=3)  # 3 batches per epoch, 1 dropped sample
+    expected = batches(
+        StatefulDataLoader(Numbers(10), **kw), epochs=3
+    )  # 3 batches per epoch, 1 dropped sample
 
     first = StatefulDataLoader(Numbers(10), **kw)
     actual: list[list[int]] = []

@@ -40,8 +40,14 @@ def test_prompt_response_mask_only_on_response(tmp_path, tokenizer):
 
 def test_plain_text_response_ends_with_eos(tmp_path, tokenizer):
     path = to_jsonl(tmp_path / "d.jsonl", [{"q": "2+2=", "meta": {"a": "4"}}])
-    item = SFTDataset(path, tokenizer, max_length=16, prompt_key="q", response_key="meta.a", apply_chat_template=False)[0]
-    expected = tokenizer("2+2=")["input_ids"] + tokenizer("4", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    item = SFTDataset(
+        path, tokenizer, max_length=16, prompt_key="q", response_key="meta.a", apply_chat_template=False
+    )[0]
+    expected = (
+        tokenizer("2+2=")["input_ids"]
+        + tokenizer("4", add_special_tokens=False)["input_ids"]
+        + [tokenizer.eos_token_id]
+    )
     n = len(expected)
     assert item["input_ids"][:n].tolist() == expected
     assert item["loss_mask"][:n].tolist() == [0] * (n - 2) + [1, 1]
@@ -59,17 +65,23 @@ def test_multi_turn_learns_assistant_turns_only(tmp_path, tokenizer):
     pq.write_table(pa.Table.from_pylist([{"messages": messages}]), path)
     item = SFTDataset(path, tokenizer, max_length=96, messages_key="messages")[0]
     n = int(item["attention_mask"].sum())
-    expected_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    expected_ids = tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False
+    )["input_ids"]
     assert item["input_ids"][:n].tolist() == expected_ids
     assert masked_text(tokenizer, item) == "Answer: 2<|im_end|>\nAnswer: 4<|im_end|>\n"
-    no_answer = SFTDataset(to_jsonl(tmp_path / "u.jsonl", [{"messages": messages[:2]}]), tokenizer, messages_key="messages")
+    no_answer = SFTDataset(
+        to_jsonl(tmp_path / "u.jsonl", [{"messages": messages[:2]}]), tokenizer, messages_key="messages"
+    )
     with pytest.raises(ValueError, match=r"u.jsonl: row 0: the conversation has no assistant turn"):
         no_answer[0]
 
 
 @pytest.mark.parametrize("mode", ["left", "right", "error"])
 def test_sft_truncation(tmp_path, tokenizer, mode):
-    path = to_jsonl(tmp_path / "d.jsonl", [{"prompt": "one two three four five six", "response": "Answer: 12345"}])
+    path = to_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "one two three four five six", "response": "Answer: 12345"}]
+    )
     full = SFTDataset(path, tokenizer, max_length=128)[0]
     n = int(full["attention_mask"].sum())
     ds = SFTDataset(path, tokenizer, max_length=n - 4, truncation=mode)
@@ -88,15 +100,31 @@ def test_preference_pairs(tmp_path, tokenizer):
         {"prompt": "What is 3+4?", "chosen": "Answer: 7", "rejected": "Answer: 8"},
         {
             "prompt": [{"role": "user", "content": "What is 5+5?"}],
-            "chosen": [{"role": "user", "content": "What is 5+5?"}, {"role": "assistant", "content": "Answer: 10"}],
-            "rejected": [{"role": "user", "content": "What is 5+5?"}, {"role": "assistant", "content": "Answer: 11"}],
+            "chosen": [
+                {"role": "user", "content": "What is 5+5?"},
+                {"role": "assistant", "content": "Answer: 10"},
+            ],
+            "rejected": [
+                {"role": "user", "content": "What is 5+5?"},
+                {"role": "assistant", "content": "Answer: 11"},
+            ],
         },
     ]
     ds = PreferenceDataset(to_jsonl(tmp_path / "p.jsonl", rows), tokenizer, max_length=48)
     for i, (good, bad) in enumerate([("7", "8"), ("10", "11")]):
         item = ds[i]
-        assert masked_text(tokenizer, {"input_ids": item["chosen_input_ids"], "loss_mask": item["chosen_loss_mask"]}) == f"Answer: {good}<|im_end|>\n"
-        assert masked_text(tokenizer, {"input_ids": item["rejected_input_ids"], "loss_mask": item["rejected_loss_mask"]}) == f"Answer: {bad}<|im_end|>\n"
+        assert (
+            masked_text(
+                tokenizer, {"input_ids": item["chosen_input_ids"], "loss_mask": item["chosen_loss_mask"]}
+            )
+            == f"Answer: {good}<|im_end|>\n"
+        )
+        assert (
+            masked_text(
+                tokenizer, {"input_ids": item["rejected_input_ids"], "loss_mask": item["rejected_loss_mask"]}
+            )
+            == f"Answer: {bad}<|im_end|>\n"
+        )
         # Both sides share the prompt tokens exactly.
         first = int(item["chosen_loss_mask"].nonzero()[0])
         assert item["chosen_input_ids"][:first].tolist() == item["rejected_input_ids"][:first].tolist()

@@ -19,7 +19,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def make_with_tool(out: str, *args: str) -> None:
     proc = subprocess.run(
         [sys.executable, "tools/make_tiny_model.py", "--out", out, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -42,16 +45,27 @@ def test_loads_in_transformers_and_generates(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     cfg = model.config
     assert model.dtype == torch.float32 and cfg.model_type == "llama"
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 2, 1)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        64,
+        2,
+        2,
+        1,
+    )
     assert cfg.head_dim == 32 and cfg.vocab_size == len(tok)
-    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (
+        tok.pad_token_id,
+        tok.bos_token_id,
+        tok.eos_token_id,
+    )
     assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id}) == 3
     assert tok.eos_token == "<|im_end|>" and tok.convert_ids_to_tokens(tok.pad_token_id) == "<|pad|>"
     # Digits are one token each; the arithmetic text round-trips.
     ids = tok("What is 37+45?", add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == "What is 37+45?"
     assert [tok.decode([i]) for i in tok("12345", add_special_tokens=False)["input_ids"]] == list("12345")
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|bos|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     prompt = tok(text, add_special_tokens=False, return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -94,7 +108,11 @@ def test_loads_in_vllm_cpu_and_matches_transformers(tmp_path):
     out_json = str(tmp_path / "vllm.json")
     proc = subprocess.run(
         [sys.executable, os.path.join(os.path.dirname(__file__), "vllm_generate.py"), model_dir, out_json],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=400,
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.load(open(out_json))

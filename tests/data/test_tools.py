@@ -20,10 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 GSM8K_ROWS = [
     {
-        "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-        "How many clips did Natalia sell altogether in April and May?",
-        "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
-        "altogether in April and May.\n#### 72",
+        "question": "Omar packs 36 jars on Monday and a third as many on Tuesday. "
+        "How many jars does he pack on the two days?",
+        "answer": "On Tuesday he packs 36/3 = <<36/3=12>>12 jars.\n"
+        "In all he packs 36+12 = <<36+12=48>>48 jars.\n#### 48",
     },
     {
         "question": "A shop sells 1,000 pens a day. How many pens does it sell in 3 days?",
@@ -48,7 +48,11 @@ MATH_ROWS = [
 
 def run_tool(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": REPO},
     )
     if check:
@@ -63,7 +67,9 @@ def score_reference_answers(path: str, tokenizer) -> list[float]:
     for i in range(len(ds)):
         item = ds[i]
         reference = item["extra_info"]["answer"]
-        scores.append(default_compute_score(item["data_source"], reference, item["reward_model"]["ground_truth"]))
+        scores.append(
+            default_compute_score(item["data_source"], reference, item["reward_model"]["ground_truth"])
+        )
     return scores
 
 
@@ -75,12 +81,12 @@ def test_gsm8k_written_by_hf_datasets_converts_loads_and_scores(tmp_path, tokeni
     out = str(tmp_path / "out" / "test.parquet")
     run_tool("tools/data/gsm8k.py", "--input", src, "--output", out, "--split", "test")
     records = list(read_records(out))
-    assert [r["reward_model"]["ground_truth"] for r in records] == ["72", "3000"]
+    assert [r["reward_model"]["ground_truth"] for r in records] == ["48", "3000"]
     assert records[0]["data_source"] == "openai/gsm8k" and records[0]["extra_info"]["split"] == "test"
-    assert records[0]["prompt"][0]["content"].startswith("Natalia sold clips")
+    assert records[0]["prompt"][0]["content"].startswith("Omar packs 36 jars")
     assert score_reference_answers(out, tokenizer) == [1.0, 1.0]
     # A wrong final answer scores 0: the scorer really compares against the ground truth.
-    assert default_compute_score("openai/gsm8k", "#### 71", records[0]["reward_model"]["ground_truth"]) == 0.0
+    assert default_compute_score("openai/gsm8k", "#### 47", records[0]["reward_model"]["ground_truth"]) == 0.0
 
 
 def test_math_tool_from_jsonl(tmp_path, tokenizer):
@@ -109,36 +115,84 @@ def test_arrow_in_verl_format_written_by_hf_datasets_loads_and_scores(tmp_path, 
 
 def test_arithmetic_tool_is_seeded_and_disjoint(tmp_path):
     for d in ("a", "b"):
-        run_tool("tools/data/arithmetic.py", "--out-dir", str(tmp_path / d), "--train", "50", "--val", "20",
-                 "--digits", "2", "--ops", "+-", "--seed", "3")
+        run_tool(
+            "tools/data/arithmetic.py",
+            "--out-dir",
+            str(tmp_path / d),
+            "--train",
+            "50",
+            "--val",
+            "20",
+            "--digits",
+            "2",
+            "--ops",
+            "+-",
+            "--seed",
+            "3",
+        )
     for split in ("train", "test"):
-        assert pq.read_table(tmp_path / "a" / f"{split}.parquet").equals(pq.read_table(tmp_path / "b" / f"{split}.parquet"))
+        assert pq.read_table(tmp_path / "a" / f"{split}.parquet").equals(
+            pq.read_table(tmp_path / "b" / f"{split}.parquet")
+        )
     train = list(read_records(str(tmp_path / "a" / "train.parquet")))
     val = list(read_records(str(tmp_path / "a" / "test.parquet")))
     assert len(train) == 50 and len(val) == 20
     assert not {r["extra_info"]["question"] for r in val} & {r["extra_info"]["question"] for r in train}
     for r in train:
         q = r["extra_info"]["question"]
-        a, op, b = q.removeprefix("What is ").removesuffix("?").partition("+") if "+" in q else q.removeprefix("What is ").removesuffix("?").partition("-")
+        a, op, b = (
+            q.removeprefix("What is ").removesuffix("?").partition("+")
+            if "+" in q
+            else q.removeprefix("What is ").removesuffix("?").partition("-")
+        )
         assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
         assert r["reward_model"]["ground_truth"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
         assert r["extra_info"]["answer"] == f"Answer: {r['reward_model']['ground_truth']}"
-    proc = run_tool("tools/data/arithmetic.py", "--out-dir", str(tmp_path / "c"), "--digits", "1", "--train", "100",
-                    "--val", "50", check=False)
+    proc = run_tool(
+        "tools/data/arithmetic.py",
+        "--out-dir",
+        str(tmp_path / "c"),
+        "--digits",
+        "1",
+        "--train",
+        "100",
+        "--val",
+        "50",
+        check=False,
+    )
     assert proc.returncode == 2 and "could only find" in proc.stderr
 
 
 def test_countdown_generate_and_convert(tmp_path):
-    run_tool("tools/data/countdown.py", "generate", "--out-dir", str(tmp_path), "--train", "20", "--val", "5", "--count", "3")
+    run_tool(
+        "tools/data/countdown.py",
+        "generate",
+        "--out-dir",
+        str(tmp_path),
+        "--train",
+        "20",
+        "--val",
+        "5",
+        "--count",
+        "3",
+    )
     for r in read_records(str(tmp_path / "train.parquet")):
         solution = r["extra_info"]["solution"]
-        assert default_compute_score("countdown", f"<answer>{solution}</answer>", r["reward_model"]["ground_truth"]) == 1.0
+        assert (
+            default_compute_score(
+                "countdown", f"<answer>{solution}</answer>", r["reward_model"]["ground_truth"]
+            )
+            == 1.0
+        )
     src = str(tmp_path / "public.parquet")
     pq.write_table(pa.Table.from_pylist([{"target": 24, "nums": [4, 6, 1]}]), src)
     run_tool("tools/data/countdown.py", "convert", "--input", src, "--output", str(tmp_path / "conv.parquet"))
     (rec,) = read_records(str(tmp_path / "conv.parquet"))
     assert rec["reward_model"]["ground_truth"] == {"target": 24, "numbers": [4, 6, 1]}
-    assert default_compute_score("countdown", "<answer>4 * 6 * 1</answer>", rec["reward_model"]["ground_truth"]) == 1.0
+    assert (
+        default_compute_score("countdown", "<answer>4 * 6 * 1</answer>", rec["reward_model"]["ground_truth"])
+        == 1.0
+    )
 
 
 @pytest.mark.parametrize("tool", ["gsm8k.py", "math.py", "countdown.py", "arithmetic.py"])
@@ -150,8 +204,15 @@ def test_tools_help_and_missing_input(tmp_path, tool):
             assert flag in proc.stdout
         return
     args = ["convert"] if tool == "countdown.py" else []
-    proc = run_tool(f"tools/data/{tool}", *args, "--input", str(tmp_path / "nope.jsonl"), "--output",
-                    str(tmp_path / "o.parquet"), check=False)
+    proc = run_tool(
+        f"tools/data/{tool}",
+        *args,
+        "--input",
+        str(tmp_path / "nope.jsonl"),
+        "--output",
+        str(tmp_path / "o.parquet"),
+        check=False,
+    )
     assert proc.returncode == 2 and "nope.jsonl does not exist" in proc.stderr
 
 
@@ -161,6 +222,8 @@ def test_converters_name_file_row_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"f.jsonl: row 0 field 'answer' has no final '#### <number>'"):
         gsm8k.convert_row({"question": "q", "answer": "42"}, index=0, split="train", path="f.jsonl")
     with pytest.raises(ValueError, match=r"row 1 field 'solution' has no closed"):
-        math_task.convert_row({"problem": "p", "solution": "\\boxed{3"}, index=1, split="train", path="f.jsonl")
+        math_task.convert_row(
+            {"problem": "p", "solution": "\\boxed{3"}, index=1, split="train", path="f.jsonl"
+        )
     with pytest.raises(ValueError, match=r"row 2 field 'target' is a str"):
         countdown.convert_row({"nums": [1, 2], "target": "3"}, index=2, split="train", path="f.jsonl")

@@ -25,7 +25,7 @@ def main() -> None:
     (request,) = llm.generate([{"prompt_token_ids": prompt_ids}], params)
     sample = request.outputs[0]
     token_ids = list(sample.token_ids)
-    logprobs = [step[t].logprob for step, t in zip(sample.logprobs, token_ids)]
+    logprobs = [step[t].logprob for step, t in zip(sample.logprobs, token_ids, strict=True)]
     with open(out_path, "w") as f:
         json.dump({"prompt_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs}, f)
 

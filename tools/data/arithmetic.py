@@ -27,8 +27,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True, help="output folder")
     p.add_argument("--train", type=int, default=5000, help="training problems (default %(default)s)")
-    p.add_argument("--val", type=int, default=200, help="validation problems, disjoint from training (default %(default)s)")
-    p.add_argument("--digits", type=int, default=2, help="digits per operand, the difficulty knob (default %(default)s)")
+    p.add_argument(
+        "--val",
+        type=int,
+        default=200,
+        help="validation problems, disjoint from training (default %(default)s)",
+    )
+    p.add_argument(
+        "--digits", type=int, default=2, help="digits per operand, the difficulty knob (default %(default)s)"
+    )
     p.add_argument("--ops", default="+", help="operators to draw from, e.g. '+-*' (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     args = p.parse_args(argv)

@@ -27,24 +27,32 @@ logger = logging.getLogger("tools.data.countdown")
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate solvable puzzles into DIR/train.parquet and DIR/test.parquet")
+    g = sub.add_parser(
+        "generate", help="generate solvable puzzles into DIR/train.parquet and DIR/test.parquet"
+    )
     g.add_argument("--out-dir", required=True, help="output folder")
     g.add_argument("--train", type=int, default=1000, help="training puzzles (default %(default)s)")
     g.add_argument("--val", type=int, default=100, help="validation puzzles (default %(default)s)")
-    g.add_argument("--count", type=int, default=4, help="numbers per puzzle, the difficulty knob (default %(default)s)")
+    g.add_argument(
+        "--count", type=int, default=4, help="numbers per puzzle, the difficulty knob (default %(default)s)"
+    )
     g.add_argument("--max-number", type=int, default=99, help="largest number drawn (default %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     c = sub.add_parser("convert", help="convert a file with nums/target columns")
     c.add_argument("--input", required=True, help="input .jsonl, .parquet or .arrow file")
     c.add_argument("--output", required=True, help="output parquet file")
-    c.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
+    c.add_argument(
+        "--split", default="train", help="split name stored in extra_info.split (default %(default)s)"
+    )
     args = p.parse_args(argv)
     # Not verl.utils.logging.setup_logging: it imports torch, which these tools do not need.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
             for split, n, seed in (("train", args.train, args.seed), ("test", args.val, args.seed + 1)):
-                records = countdown.generate(n, count=args.count, max_number=args.max_number, seed=seed, split=split)
+                records = countdown.generate(
+                    n, count=args.count, max_number=args.max_number, seed=seed, split=split
+                )
                 path = os.path.join(args.out_dir, f"{split}.parquet")
                 write_parquet(records, path)
                 logger.info("wrote %d countdown puzzles to %s", n, path)

@@ -1,6 +1,6 @@
 """Convert a local GSM8K file (columns ``question``, ``answer`` ending in ``#### N``) to verl parquet.
 
-    python tools/data/gsm8k.py --input test.jsonl --output data/gsm8k/test.parquet --split test
+python tools/data/gsm8k.py --input test.jsonl --output data/gsm8k/test.parquet --split test
 """
 
 # Running a script puts its folder first on sys.path, where tools/data/math.py would shadow
@@ -23,9 +23,13 @@ logger = logging.getLogger("tools.data.gsm8k")
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="GSM8K file: .jsonl, .parquet or .arrow in the public schema")
+    p.add_argument(
+        "--input", required=True, help="GSM8K file: .jsonl, .parquet or .arrow in the public schema"
+    )
     p.add_argument("--output", required=True, help="output parquet file in the verl format")
-    p.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
+    p.add_argument(
+        "--split", default="train", help="split name stored in extra_info.split (default %(default)s)"
+    )
     args = p.parse_args(argv)
     # Not verl.utils.logging.setup_logging: it imports torch, which these tools do not need.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

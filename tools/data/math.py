@@ -1,6 +1,6 @@
 """Convert a local MATH file (``problem``, ``solution`` with \\boxed{}, ``level``, ``type``) to verl parquet.
 
-    python tools/data/math.py --input test.jsonl --output data/math/test.parquet --split test
+python tools/data/math.py --input test.jsonl --output data/math/test.parquet --split test
 """
 
 # This file is named like the standard library's math module, and running it puts its own
@@ -24,9 +24,13 @@ logger = logging.getLogger("tools.data.math")
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="MATH file: .jsonl, .parquet or .arrow in the public schema")
+    p.add_argument(
+        "--input", required=True, help="MATH file: .jsonl, .parquet or .arrow in the public schema"
+    )
     p.add_argument("--output", required=True, help="output parquet file in the verl format")
-    p.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
+    p.add_argument(
+        "--split", default="train", help="split name stored in extra_info.split (default %(default)s)"
+    )
     args = p.parse_args(argv)
     # Not verl.utils.logging.setup_logging: it imports torch, which these tools do not need.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -73,7 +73,8 @@ def english_sentence(rng: random.Random) -> str:
     elif kind < 0.85:
         text = f"{_clause(rng)} {rng.choice(_CONNECTIVES)} {_clause(rng)}."
     else:
-        text = f"Why did {rng.choice(_NAMES)} {rng.choice(('see', 'find', 'make', 'take', 'buy'))} {_noun_phrase(rng)}?"
+        verb = rng.choice(("see", "find", "make", "take", "buy"))
+        text = f"Why did {rng.choice(_NAMES)} {verb} {_noun_phrase(rng)}?"
     return text[0].upper() + text[1:]
 
 
@@ -103,7 +104,7 @@ def generate_corpus(num_lines: int = 4000, seed: int = 0) -> Iterator[str]:
     from verl.data.tasks.arithmetic import make_problem
 
     rng = random.Random(seed)
-    for i in range(num_lines):
+    for _ in range(num_lines):
         r = rng.random()
         if r < 0.6:
             yield " ".join(english_sentence(rng) for _ in range(rng.randint(1, 4)))

@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 logger = logging.getLogger(__name__)
 
 FORMATS = ("parquet", "arrow", "jsonl")
+# Decoded parquet row groups kept per file (per process); bounds memory on multi-GB files.
+DEFAULT_CACHE_BYTES = 256 * 2**20
 _EXTENSIONS = {
     ".parquet": "parquet",
     ".pq": "parquet",
@@ -137,14 +139,15 @@ class FileSource(abc.ABC):
 
 
 class ParquetSource(FileSource):
-    """Parquet read one row group at a time; the last few row groups read are cached.
+    """Parquet read one row group at a time, with a least-recently-used cache of decoded groups.
 
-    Memory is bounded by ``cache_row_groups`` row groups of the selected columns, whatever
-    the file size.
+    Memory is bounded by ``cache_bytes`` (at least one row group is always kept) whatever
+    the file size; shuffled access over a file whose selected columns fit in the budget
+    decodes each row group once.
     """
 
-    def __init__(self, path: str, columns: Sequence[str] | None = None, cache_row_groups: int = 2):
-        self._cache_size = max(1, cache_row_groups)
+    def __init__(self, path: str, columns: Sequence[str] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self._cache_bytes = cache_bytes
         super().__init__(path, columns)
 
     def _open(self) -> None:
@@ -158,6 +161,7 @@ class ParquetSource(FileSource):
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.num_rows = int(self._starts[-1])
         self._h_cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self._h_cached_bytes = 0
 
     def _row_group(self, g: int) -> pa.Table:
         cache = self._h_cache
@@ -169,8 +173,10 @@ class ParquetSource(FileSource):
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{self.path}: failed to read row group {g} (corrupt file?): {e}") from e
         cache[g] = table
-        while len(cache) > self._cache_size:
-            cache.popitem(last=False)
+        self._h_cached_bytes += table.nbytes
+        while len(cache) > 1 and self._h_cached_bytes > self._cache_bytes:
+            _, evicted = cache.popitem(last=False)
+            self._h_cached_bytes -= evicted.nbytes
         return table
 
     def _read_row(self, i: int) -> dict[str, Any]:
@@ -233,6 +239,8 @@ class JsonlSource(FileSource):
     """JSON lines: one byte offset per record is kept, records are parsed when read."""
 
     def _open(self) -> None:
+        if getattr(self, "_h_offsets", None) is not None:
+            return  # forked worker: the offsets are still valid and each read opens the file anew
         offsets = []
         names: dict[str, None] = {}
         with open(self.path, "rb") as f:

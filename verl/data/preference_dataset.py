@@ -25,7 +25,9 @@ def response_text(value: Any, *, where: str) -> str:
             if isinstance(message, dict) and message.get("role") == "assistant":
                 content = message.get("content")
                 if not isinstance(content, str):
-                    raise ValueError(f"{where}: assistant content is {type(content).__name__}, expected a string")
+                    raise ValueError(
+                        f"{where}: assistant content is {type(content).__name__}, expected a string"
+                    )
                 return content
         raise ValueError(f"{where}: the message list has no assistant turn")
     raise ValueError(f"{where}: expected a string or a message list, got {type(value).__name__}")

@@ -76,7 +76,9 @@ def _config_field(cfg: Any, name: str) -> Any:
     try:
         return getattr(cfg, name)
     except AttributeError:
-        raise ValueError(f"data config {type(cfg).__name__} has no field {name!r}, which the dataset needs") from None
+        raise ValueError(
+            f"data config {type(cfg).__name__} has no field {name!r}, which the dataset needs"
+        ) from None
 
 
 class RLPromptDataset(Dataset):
@@ -142,7 +144,9 @@ class RLPromptDataset(Dataset):
         )
 
     def _prompt_text(self, prompt: Any, where: str) -> tuple[str, bool]:
-        return prompt_to_text(self.tokenizer, prompt, apply_chat_template=self.apply_chat_template, where=where)
+        return prompt_to_text(
+            self.tokenizer, prompt, apply_chat_template=self.apply_chat_template, where=where
+        )
 
     def _filter_overlong(self) -> None:
         """One pass over the prompt column: keep rows whose prompt fits ``max_prompt_length``."""
@@ -183,7 +187,8 @@ class RLPromptDataset(Dataset):
         )
         if len(rows) == 0:
             raise ValueError(
-                f"no prompts left in {self.files}: all {dropped} rows were dropped by filter_overlong_prompts "
+                f"no prompts left in {self.files}: all {dropped} rows were dropped by "
+                f"filter_overlong_prompts "
                 f"because they are longer than max_prompt_length={self.max_prompt_length} tokens; raise "
                 f"data.max_prompt_length or check the prompt key {self.prompt_key!r}"
             )

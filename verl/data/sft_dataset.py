@@ -28,7 +28,9 @@ SFT_TRUNCATION_MODES = ("error", "left", "right")
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
 
 
 def _ids(tokenizer: Any, text: str, *, special: bool = False) -> list[int]:
@@ -57,9 +59,15 @@ def encode_prompt_response(
     if not isinstance(response, str):
         raise ValueError(f"{where}: response must be a string, got {type(response).__name__}")
     if apply_chat_template and has_chat_template(tokenizer):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else validate_messages(prompt, where=where)
+        messages = (
+            [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str)
+            else validate_messages(prompt, where=where)
+        )
         prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
-        full_text = _render(tokenizer, messages + [{"role": "assistant", "content": response}], add_generation_prompt=False)
+        full_text = _render(
+            tokenizer, messages + [{"role": "assistant", "content": response}], add_generation_prompt=False
+        )
         return _ids(tokenizer, prompt_text), _ids(tokenizer, _suffix(full_text, prompt_text, where=where))
     if not isinstance(prompt, str):
         messages = validate_messages(prompt, where=where)
@@ -131,7 +139,12 @@ def pack_sequence(
     loss_mask = torch.zeros(max_length, dtype=torch.long)
     loss_mask[:n] = torch.as_tensor(list(mask), dtype=torch.long)
     position_ids = torch.arange(max_length, dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "loss_mask": loss_mask}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+    }
 
 
 class SFTDataset(Dataset):
@@ -196,6 +209,10 @@ class SFTDataset(Dataset):
             raise IndexError(f"index {i} out of range [0, {len(self)})")
         ids, mask, where = self.encode(i)
         return pack_sequence(
-            ids, mask, max_length=self.max_length, pad_id=self.tokenizer.pad_token_id,
-            truncation=self.truncation, where=where,
+            ids,
+            mask,
+            max_length=self.max_length,
+            pad_id=self.tokenizer.pad_token_id,
+            truncation=self.truncation,
+            where=where,
         )

@@ -84,8 +84,10 @@ class TinyModelSpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} is not divisible by --kv-heads {self.kv_heads}")
         if self.vocab < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"--vocab {self.vocab} is too small: the byte-level alphabet alone needs 256 + "
-                             f"{len(SPECIAL_TOKENS)} special tokens")
+            raise ValueError(
+                f"--vocab {self.vocab} is too small: the byte-level alphabet alone needs 256 + "
+                f"{len(SPECIAL_TOKENS)} special tokens"
+            )
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int) -> Any:
@@ -176,6 +178,13 @@ def make_tiny_model(out_dir: str, spec: TinyModelSpec) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "wrote %s model to %s: %d parameters, vocab %d, hidden %d, layers %d, heads %d/%d",
-        spec.family, out_dir, n_params, len(tokenizer), spec.hidden, spec.layers, spec.heads, spec.kv_heads,
+        spec.family,
+        out_dir,
+        n_params,
+        len(tokenizer),
+        spec.hidden,
+        spec.layers,
+        spec.heads,
+        spec.kv_heads,
     )
     return out_dir

@@ -19,7 +19,9 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
     """A local Hugging Face tokenizer with a pad token guaranteed (see ``ensure_pad_token``)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=trust_remote_code
+    )
     ensure_pad_token(tokenizer)
     return tokenizer
 
@@ -50,7 +52,9 @@ def has_chat_template(tokenizer: Any) -> bool:
 def validate_messages(messages: Any, *, where: str) -> Messages:
     """Check a chat prompt: a list of {role: str, content: str}; errors say where and what."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"{where}: a chat prompt must be a non-empty list of messages, got {type(messages).__name__}")
+        raise ValueError(
+            f"{where}: a chat prompt must be a non-empty list of messages, got {type(messages).__name__}"
+        )
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"{where}: message {k} must be a dict with 'role' and 'content', got {m!r:.200}")
@@ -90,7 +94,7 @@ def prompt_to_text(tokenizer: Any, prompt: Any, *, apply_chat_template: bool, wh
 
 
 def encode_text(tokenizer: Any, text: str, *, templated: bool) -> list[int]:
-    """Token ids of ``text``; special tokens are added only to untemplated text (a template writes its own)."""
+    """Token ids of ``text``; special tokens are added only to untemplated text (templates write theirs)."""
     return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
 
 

@@ -50,13 +50,18 @@ def require(row: dict[str, Any], field: str, *, path: str, index: int, kind: typ
     return value
 
 
-def convert_file(input_path: str, convert_row: Callable[..., dict[str, Any]], *, split: str) -> list[dict[str, Any]]:
+def convert_file(
+    input_path: str, convert_row: Callable[..., dict[str, Any]], *, split: str
+) -> list[dict[str, Any]]:
     """Every row of a parquet/arrow/jsonl file converted with ``convert_row(row, index=, split=, path=)``."""
     from verl.data.io import read_records
 
     if not os.path.isfile(input_path):
         raise ValueError(f"input file {input_path} does not exist")
-    records = [convert_row(row, index=i, split=split, path=input_path) for i, row in enumerate(read_records(input_path))]
+    records = [
+        convert_row(row, index=i, split=split, path=input_path)
+        for i, row in enumerate(read_records(input_path))
+    ]
     if not records:
         raise ValueError(f"{input_path}: no rows to convert")
     return records

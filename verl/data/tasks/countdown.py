@@ -69,7 +69,9 @@ def make_puzzle(rng: random.Random, *, count: int, max_number: int) -> tuple[lis
             return numbers, value, expr
 
 
-def generate(num: int, *, count: int = 4, max_number: int = 99, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+def generate(
+    num: int, *, count: int = 4, max_number: int = 99, seed: int = 0, split: str = "train"
+) -> list[dict[str, Any]]:
     """``num`` generated puzzle records; ``extra_info.solution`` holds one valid equation."""
     rng = random.Random(seed)
     records = []
