@@ -508,10 +508,17 @@ class SFTTrainerConfig(ConfigBase):
     )
     resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
     resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
+    max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (oldest deleted first); None: keep all.", ge=1)
+    log_dir: str = option(
+        "logs/{project_name}/{experiment_name}", "Folder of the jsonl and tensorboard loggers; {project_name} and {experiment_name} are filled in."
+    )
+    save_hf: bool = option(True, "At the end, export the trained model as a Hugging Face checkpoint (for the rollout engines).")
+    hf_export_dir: str | None = option(None, "Where save_hf writes; None: <default_local_dir>/huggingface.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
+        self.log_dir = _fill_run_names(self.log_dir, self.project_name, self.experiment_name)
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,94 @@
+"""Supervised fine-tuning entry point.
+
+    python -m verl.trainer.main_sft model.path=DIR data.train_files=train.parquet data.val_files=test.parquet ...
+    torchrun --nproc_per_node=2 -m verl.trainer.main_sft trainer.n_gpus_per_node=2 megatron.tensor_model_parallel_size=2 ...
+    python -m verl.trainer.main_sft --config sft_tiny_cpu model.path=DIR ...   # a file under configs/
+    python -m verl.trainer.main_sft --help                                     # every option
+
+Started without torchrun it runs as a world of one process. The config is checked against
+the launched world size before anything is built; a bad key, value or layout, a missing
+model directory or data file exits with status 2 and a message naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+PROG = "python -m verl.trainer.main_sft"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def init_distributed(device: str) -> str:
+    """Initialise torch.distributed from torchrun's environment, or as a world of one; returns the device type."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        use_cuda = False
+    elif device == "cuda":
+        if not torch.cuda.is_available():
+            _fail("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+        use_cuda = True
+    else:
+        use_cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:  # plain `python -m`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return "cuda" if use_cuda else "cpu"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, validate, train; returns the process exit status."""
+    from verl.config import CONFIG_DIR, SFTConfig, parse_cli
+    from verl.utils.logging import setup_logging
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = parse_cli(
+        SFTConfig,
+        argv,
+        prog=PROG,
+        default_config_file=str(CONFIG_DIR / "sft_trainer.yaml"),
+        world_size=world_size,
+    )
+    setup_logging(logging.INFO)
+    from verl.trainer.sft_trainer import SFTTrainer, check_sft_paths
+
+    try:
+        check_sft_paths(cfg)
+    except ValueError as exc:
+        _fail(str(exc))
+    if cfg.trainer.device == "cpu":
+        # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch.distributed as dist
+
+    init_distributed(cfg.trainer.device)
+    try:
+        with SFTTrainer(cfg) as trainer:
+            metrics = trainer.fit()
+        logging.getLogger("verl.trainer.main_sft").info(
+            "done: step %d, %s", trainer.global_step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+        )
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
