@@ -141,6 +141,12 @@ def test_bad_jsonl_and_unknown_extension(tmp_path):
         detect_format("data.csv")
 
 
+def test_home_directory_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(str(tmp_path / "d.jsonl"), ROWS[:2], "jsonl")
+    assert len(TableStore("~/d.jsonl")) == 2
+
+
 def test_missing_column_names_file_and_field(tmp_path):
     path = write(str(tmp_path / "d.parquet"), [{"question": "q", "data_source": "x"}], "parquet")
     store = TableStore(path)

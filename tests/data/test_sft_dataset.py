@@ -131,3 +131,16 @@ def test_preference_pairs(tmp_path, tokenizer):
     bad = to_jsonl(tmp_path / "b.jsonl", [{"prompt": "x", "chosen": "y"}])
     with pytest.raises(ValueError, match="b.jsonl: every row lacks the field 'rejected'"):
         PreferenceDataset(bad, tokenizer)
+
+
+def test_sft_reads_the_arithmetic_rl_files(tmp_path, tokenizer):
+    """The demo's SFT warm-up reads the RL-format task files: response from extra_info.answer."""
+    from verl.data.io import write_parquet
+    from verl.data.tasks.arithmetic import generate_splits
+
+    train, _ = generate_splits(train=4, val=0, digits=2, seed=0)
+    path = str(tmp_path / "train.parquet")
+    write_parquet(train, path)
+    ds = SFTDataset(path, tokenizer, max_length=40, prompt_key="prompt", response_key="extra_info.answer")
+    for i, rec in enumerate(train):
+        assert masked_text(tokenizer, ds[i]) == f"Answer: {rec['reward_model']['ground_truth']}<|im_end|>\n"

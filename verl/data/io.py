@@ -146,7 +146,9 @@ class ParquetSource(FileSource):
     decodes each row group once.
     """
 
-    def __init__(self, path: str, columns: Sequence[str] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(
+        self, path: str, columns: Sequence[str] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES
+    ):
         self._cache_bytes = cache_bytes
         super().__init__(path, columns)
 
@@ -314,7 +316,8 @@ class TableStore:
         paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not paths:
             raise ValueError("no data files given (data.train_files / data.val_files is empty)")
-        self.sources = [open_source(os.fspath(p), columns) for p in paths]
+        # Config defaults name files under "~" (e.g. ~/data/gsm8k/train.parquet).
+        self.sources = [open_source(os.path.expanduser(os.fspath(p)), columns) for p in paths]
         self._starts = [0]
         for s in self.sources:
             self._starts.append(self._starts[-1] + s.num_rows)

@@ -122,6 +122,7 @@ class RLPromptDataset(Dataset):
         self.files = [s.path for s in self.store.sources]
         if len(self.store) == 0:
             raise ValueError(f"data files {self.files} hold no rows")
+        # Prompts truncated so far by this process (DataLoader workers count in their own copy).
         self.num_truncated = 0
         # Row indices into the store; None means every row in order (no filtering pass).
         self._rows: np.ndarray | None = None
