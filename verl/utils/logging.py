@@ -11,22 +11,33 @@ import logging
 import os
 import threading
 
-import torch.distributed as dist
-
 _warned: set[str] = set()
 _lock = threading.Lock()
 
 
+def _dist():
+    """torch.distributed if torch is already imported, else None (keeps torch-free tools fast)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
 def global_rank() -> int:
     """The global rank, 0 when torch.distributed is not initialised (reads RANK as a fallback)."""
-    if dist.is_available() and dist.is_initialized():
+    dist = _dist()
+    if dist is not None:
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
 def log_rank0(logger: logging.Logger, level: int, msg: str, *args, group=None) -> None:
     """Log ``msg`` only on rank 0 of ``group`` (the whole world when ``group`` is None)."""
-    if dist.is_available() and dist.is_initialized():
+    dist = _dist()
+    if dist is not None:
         if dist.get_rank(group=group) != 0:
             return
     logger.log(level, msg, *args)
