@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import gc
 import itertools
 import multiprocessing
 import os
@@ -67,6 +68,7 @@ _GRACE_AFTER_FAILURE_S = 5.0
 # The parent waits this much past the deadline so the workers' stack dumps reach their logs.
 _DUMP_MARGIN_S = 1.5
 _OUTPUT_TAIL_LINES = 60
+_INIT_ATTEMPTS = 3
 
 
 class DistributedTestError(RuntimeError):
@@ -200,14 +202,7 @@ def _run_call(
         fn, args, kwargs = pickle.loads(payload)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(f"verl-call-{call_id}", store),
-            rank=rank,
-            world_size=world_size,
-            # Longer than the parent's deadline: a hang is reported by the parent, with stacks.
-            timeout=datetime.timedelta(seconds=timeout + 60.0),
-        )
+        _init_process_group(store, call_id, rank, world_size, backend, timeout)
         initialised = True
         result = fn(*args, **kwargs)
         return True, pickle.dumps(result)
@@ -216,6 +211,43 @@ def _run_call(
     finally:
         faulthandler.cancel_dump_traceback_later()
         _teardown(initialised)
+
+
+def _init_process_group(store: Any, call_id: int, rank: int, world_size: int, backend: str, timeout: float) -> None:
+    """Initialise this call's process group; all ranks retry together if any rank's init failed.
+
+    Under load, gloo's full-mesh connect occasionally fails on one rank ("Connection closed by
+    peer") while the others succeed. Each attempt uses a fresh store prefix; every rank posts
+    whether its init worked and waits for the others, so all ranks agree on retrying.
+    """
+    import torch.distributed as dist
+
+    for attempt in range(_INIT_ATTEMPTS):
+        prefix = f"verl-call-{call_id}-try{attempt}"
+        error: BaseException | None = None
+        try:
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore(prefix, store),
+                rank=rank,
+                world_size=world_size,
+                # Longer than the parent's deadline: a hang is reported by the parent, with stacks.
+                timeout=datetime.timedelta(seconds=timeout + 60.0),
+            )
+        except Exception as exc:  # noqa: BLE001 - reported to the other ranks, re-raised below
+            error = exc
+        store.set(f"{prefix}/init-ok/{rank}", "0" if error else "1")
+        failed = [r for r in range(world_size) if store.get(f"{prefix}/init-ok/{r}") != b"1"]
+        if not failed:
+            return
+        if error is None:
+            dist.destroy_process_group()
+        print(f"process group init attempt {attempt} failed on ranks {failed}; retrying", flush=True)
+        gc.collect()
+        if attempt == _INIT_ATTEMPTS - 1:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"run_distributed: ranks {failed} could not join the process group")
 
 
 def _teardown(initialised: bool) -> None:
@@ -228,6 +260,9 @@ def _teardown(initialised: bool) -> None:
         megatron_state.destroy_model_parallel()
     if initialised and dist.is_initialized():
         dist.destroy_process_group()
+    # Groups the body kept alive through reference cycles (Megatron modules, collections) would
+    # hold their gloo sockets open into the next call.
+    gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------
