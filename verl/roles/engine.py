@@ -562,6 +562,7 @@ class MegatronEngine:
             raise ValueError(f"{ckpt_dir}: {EXTRA_SUBDIR}/rank_00000.pt is missing (scheduler and RNG states)")
         extra = torch.load(extra_path, weights_only=False)
         if self.trainable and load_optimizer and extra["scheduler"] is not None:
+            self.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to the current one
             self.scheduler.load_state_dict(extra["scheduler"])
             self.steps_taken = int(extra["steps_taken"])
         if meta["world_size"] == dist.get_world_size():

@@ -126,6 +126,7 @@ class SFTTrainer:
         )
         self.global_step = 0
         self._last_saved_step: int | None = None
+        self._resumed = False
         log_rank0(
             logger,
             logging.INFO,
@@ -215,7 +216,13 @@ class SFTTrainer:
         return path
 
     def resume(self) -> int:
-        """Load the checkpoint ``trainer.resume_mode`` selects (if any); returns the step to continue from."""
+        """Load the checkpoint ``trainer.resume_mode`` selects (if any); returns the step to continue from.
+
+        Runs once: later calls (``fit`` calls it) return the step without loading again.
+        """
+        if self._resumed:
+            return self.global_step
+        self._resumed = True
         t = self.cfg.trainer
         found = self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
         if found is None:

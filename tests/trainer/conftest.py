@@ -1,0 +1,27 @@
+"""Shared fixtures of the trainer tests: one tiny model and small arithmetic data files per session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2 (hidden 64, 2 layers, 2 heads of 32, 2 KV heads so TP=2 splits them, q/k/v bias) made by the project's tool."""
+    from verl.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    return make_tiny_model(str(out), TinyModelSpec(family="qwen2", kv_heads=2, corpus_lines=1500))
+
+
+@pytest.fixture(scope="session")
+def arithmetic_files(tmp_path_factory) -> dict[str, str]:
+    """1-digit addition: ``train`` (4000 rows drawn from the 100-problem table), and ``val`` (its first 64 rows)."""
+    from verl.data.io import write_parquet
+    from verl.data.tasks import arithmetic
+
+    out = tmp_path_factory.mktemp("arith")
+    train, _ = arithmetic.generate_splits(train=4000, val=0, digits=1, seed=0)
+    write_parquet(train, str(out / "train.parquet"))
+    write_parquet(train[:64], str(out / "val.parquet"))
+    return {"train": str(out / "train.parquet"), "val": str(out / "val.parquet")}

@@ -1,0 +1,73 @@
+"""Metric loggers: JSONL and TensorBoard files, console lines, rank-0 only, missing packages."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from verl.trainer.tracking import LOGGERS, Tracking, format_metrics, progress_bar
+
+
+def test_jsonl_and_tensorboard_files(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="verl.metrics"):
+        with Tracking(
+            backends=["console", "jsonl", "tensorboard"],
+            project_name="p",
+            experiment_name="e",
+            log_dir=str(tmp_path),
+            rank=0,
+        ) as tracking:
+            tracking.log({"train/loss": torch.tensor(1.5), "train/lr": 1e-5, "note": "text is skipped"}, step=1)
+            tracking.log({"train/loss": 0.75, "val/loss": 0.5}, step=2)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [
+        {"step": 1, "train/loss": 1.5, "train/lr": 1e-5},
+        {"step": 2, "train/loss": 0.75, "val/loss": 0.5},
+    ]
+    assert "step 2 | train/loss 0.7500 | val/loss 0.5000" in caplog.text
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = tmp_path / "tensorboard"
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb_dir))
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert loss == [(1, 1.5), (2, 0.75)]
+
+
+def test_jsonl_appends_on_resume(tmp_path):
+    for step in (1, 2):
+        with Tracking(backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0) as t:
+            t.log({"x": float(step)}, step=step)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_only_rank0_writes(tmp_path):
+    with Tracking(backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=1) as t:
+        t.log({"x": 1.0}, step=1)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    bar = progress_bar(total=3, rank=1)
+    bar.update(1)
+    bar.close()
+
+
+def test_unknown_and_missing_loggers(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown logger\(s\) \['wandbb'\]"):
+        Tracking(backends=["wandbb"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0)
+    for name in ("wandb", "mlflow"):
+        if importlib.util.find_spec(name) is None:
+            with pytest.raises(ValueError, match=rf"'{name}' package is not installed; `pip install {name}`"):
+                Tracking(backends=[name], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0)
+    assert {"console", "jsonl", "tensorboard", "wandb", "mlflow"} <= set(LOGGERS)
+
+
+def test_format_metrics_is_readable():
+    assert format_metrics({"b": 2.0, "a": 1.23456, "lr": 1e-6, "big": 123456.0}, 7) == (
+        "step 7 | a 1.2346 | b 2 | big 1.235e+05 | lr 1.000e-06"
+    )
