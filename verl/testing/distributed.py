@@ -184,7 +184,6 @@ def _run_call(
     for entry in parent_sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
-    print(f"----- call {call_id} -----", flush=True)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -242,7 +241,8 @@ def _init_process_group(store: Any, call_id: int, rank: int, world_size: int, ba
             return
         if error is None:
             dist.destroy_process_group()
-        print(f"process group init attempt {attempt} failed on ranks {failed}; retrying", flush=True)
+        # This rank's log is its stderr; the parent shows it if the call fails in the end.
+        sys.stderr.write(f"process group init attempt {attempt} failed on ranks {failed}; retrying\n")
         gc.collect()
         if attempt == _INIT_ATTEMPTS - 1:
             if error is not None:
@@ -357,7 +357,6 @@ class _WorkerPool:
         parts = []
         for rank in ranks:
             lines = output.get(rank, "").splitlines()
-            lines = [line for line in lines if not line.startswith("----- call ")]
             if lines:
                 tail = lines[-_OUTPUT_TAIL_LINES:]
                 parts.append("\n".join(f"[rank {rank}] {line}" for line in tail))
@@ -454,8 +453,7 @@ def _echo_output(output: dict[int, str]) -> None:
     """Forward what the body printed to this process's stderr (pytest shows it for failed tests)."""
     for rank in sorted(output):
         for line in output[rank].splitlines():
-            if not line.startswith("----- call "):
-                sys.stderr.write(f"[rank {rank}] {line}\n")
+            sys.stderr.write(f"[rank {rank}] {line}\n")
 
 
 _POOLS: dict[int, _WorkerPool] = {}
