@@ -7,13 +7,20 @@ not cost the 1/2/4-rank pools that the Megatron tests keep warm.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from verl.testing.distributed import DistributedTestError, DistributedTimeoutError, run_distributed
+from verl.testing.distributed import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    run_distributed,
+    shutdown_pools,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -160,3 +167,55 @@ def test_bad_arguments_name_the_field(kwargs: dict, match: str) -> None:
 def test_nccl_without_gpus_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="backend='nccl' needs 2 CUDA devices"):
         run_distributed(_pid, 2, backend="nccl")
+
+
+def _start_sleeper() -> int:
+    """A process the body leaves running, as a leaked DataLoader worker or engine would be."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    _LEAKED.append(proc)
+    return proc.pid
+
+
+_LEAKED: list[subprocess.Popen] = []
+
+
+def _gone(pid: int, within: float = 15.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.startswith("State:") and "Z" in line for line in f):
+                    return True  # exited, waiting for init to reap it
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_shutdown_takes_processes_started_by_bodies_along() -> None:
+    pids = run_distributed(_start_sleeper, _SCRATCH_WORLD)
+    workers = run_distributed(_pid, _SCRATCH_WORLD)
+    shutdown_pools(_SCRATCH_WORLD)
+    assert all(_gone(pid) for pid in pids + workers), "a pool left processes behind"
+
+
+_KILLED_PARENT_SCRIPT = """
+import os, signal
+from verl.testing.distributed import run_distributed
+from tests.parallel.test_harness import _pid, _start_sleeper
+if __name__ == "__main__":
+    print(*run_distributed(_pid, 2), *run_distributed(_start_sleeper, 2), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no pytest hook: the workers must notice
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_their_parent_is_killed() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _KILLED_PARENT_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    pids = [int(x) for x in out.stdout.split()]
+    assert len(pids) == 4, out.stderr[-2000:]
+    assert all(_gone(pid) for pid in pids), "workers (or what they started) outlived a killed parent"

@@ -36,6 +36,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -120,12 +121,19 @@ def rank_device():
 def _worker_main(
     rank: int, world_size: int, task_q: Any, result_q: Any, store_port: int, log_path: str
 ) -> None:
-    """Entry point of one pool worker: connect to the parent's store, then serve calls."""
+    """Entry point of one pool worker: connect to the parent's store, then serve calls.
+
+    The worker leads its own process group, so everything a body starts (DataLoader workers,
+    engine processes) goes with it: on shutdown, when the parent dies, or when the parent
+    kills a hung pool, the whole group is killed and nothing is left behind.
+    """
+    os.setpgrp()
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.environ.update(_WORKER_ENV)
+    threading.Thread(target=_watch_parent, name="verl-dist-parent-watch", daemon=True).start()
     try:
         import torch
         import torch.distributed as dist
@@ -141,30 +149,34 @@ def _worker_main(
         result_q.put(("startup", rank, False, traceback.format_exc().encode()))
         return
     result_q.put(("startup", rank, True, b""))
-    parent = multiprocessing.parent_process()
     while True:
-        try:
-            task = task_q.get(timeout=1.0)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                # Orphaned (the test process was killed without shutting the pool down). Leave
-                # without the interpreter's teardown: joining threads or closing a store whose
-                # master died can block forever.
-                os._exit(0)
-            continue
+        task = task_q.get()
         if task is None:
-            # Skip the interpreter's teardown (seconds with torch loaded, times N ranks on 2 cores):
-            # flush what this worker wrote, then leave.
+            # Flush what this worker wrote, then take the group down without the interpreter's
+            # teardown (seconds with torch loaded, times N ranks on 2 cores).
             result_q.close()
             result_q.join_thread()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            _kill_own_group()
         call_id, payload, backend, timeout, parent_sys_path = task
         ok, data = _run_call(rank, world_size, store, call_id, payload, backend, timeout, parent_sys_path)
         sys.stdout.flush()
         sys.stderr.flush()
         result_q.put((call_id, rank, ok, data))
+
+
+def _kill_own_group() -> None:
+    """SIGKILL this worker and every process it started (they share its process group)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _watch_parent() -> None:
+    """If the parent dies without shutting the pool down (killed test run), go with it, even mid-call."""
+    parent = multiprocessing.parent_process()
+    while parent is None or parent.is_alive():
+        time.sleep(1.0)
+    _kill_own_group()
 
 
 def _run_call(
@@ -439,7 +451,11 @@ class _WorkerPool:
                 proc.join(timeout=10.0)
         for proc in self._procs:
             if proc.is_alive():
-                proc.kill()
+                # The worker leads its process group: take whatever its bodies started too.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    proc.kill()
         for proc in self._procs:
             proc.join(timeout=10.0)
         for q in (*self._task_qs, self._result_q):
@@ -462,11 +478,17 @@ _CALL_IDS = itertools.count()
 _ATEXIT_REGISTERED = False
 
 
-def shutdown_pools() -> None:
-    """Stop every worker pool of this process (registered with atexit; safe to call twice)."""
+def shutdown_pools(world_size: int | None = None) -> None:
+    """Stop the worker pools of this process (all, or the one of ``world_size``); safe to call twice.
+
+    Registered with atexit. Every process a body started goes down with its worker.
+    """
     with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
+        if world_size is None:
+            pools = list(_POOLS.values())
+            _POOLS.clear()
+        else:
+            pools = [_POOLS.pop(world_size)] if world_size in _POOLS else []
     for pool in pools:
         pool.shutdown(graceful=True)
 
