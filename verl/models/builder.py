@@ -304,3 +304,50 @@ def build_model_chunks(
     if vpp_size is None:
         return [build_gpt_model(spec, cfg, pg)]
     return [build_gpt_model(spec, cfg, pg, vp_stage=i, vpp_size=vpp_size) for i in range(vpp_size)]
+
+
+def verify_model_matches_spec(chunk: "GPTModel", pg: "ProcessGroupCollection") -> None:
+    """Check a built chunk against its Hugging Face config; ValueError naming the HF field.
+
+    Guards conversions against a builder or mapping that drifts from the config: every
+    architectural number, the rotary frequencies, and every parameter's shard shape.
+    """
+    from verl.models.weight_mapping import param_mapping
+
+    spec: HFModelSpec = chunk.verl_spec
+    c = chunk.config
+    pairs = [
+        ("num_hidden_layers", spec.num_layers, c.num_layers),
+        ("hidden_size", spec.hidden_size, c.hidden_size),
+        ("num_attention_heads", spec.num_attention_heads, c.num_attention_heads),
+        ("num_key_value_heads", spec.num_kv_heads, c.num_query_groups),
+        ("head_dim", spec.head_dim, c.kv_channels),
+        ("intermediate_size", spec.intermediate_size, c.ffn_hidden_size),
+        ("rms_norm_eps", spec.rms_norm_eps, c.layernorm_epsilon),
+        ("attention_bias (q/k/v bias)", spec.qkv_bias, c.add_qkv_bias),
+        ("sliding_window", spec.sliding_window, None if c.window_size is None else c.window_size[0] + 1),
+        ("hidden_act", "silu", "silu" if c.activation_func is F.silu and c.gated_linear_unit else "other"),
+    ]
+    for field_name, expected, actual in pairs:
+        if expected != actual:
+            raise ValueError(f"built model disagrees with config.json field '{field_name}': config {expected}, model {actual}")
+    expected_freq = rope_inv_freq(spec.rope, spec.head_dim)
+    if not torch.equal(chunk.rotary_pos_emb.inv_freq.cpu(), expected_freq):
+        raise ValueError("built model's rotary frequencies disagree with config.json fields 'rope_theta'/'rope_scaling'")
+    tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
+    for name, param in chunk.named_parameters():
+        mapping = param_mapping(
+            name,
+            spec,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            padded_vocab=chunk.verl_padded_vocab,
+            layer_offset=chunk.verl_layer_offset,
+            head=chunk.verl_build.head,
+        )
+        if tuple(param.shape) != mapping.shard_shape:
+            fields = ", ".join(sorted({p.name for p in mapping.pieces}))
+            raise ValueError(
+                f"parameter '{name}' has shape {tuple(param.shape)} but config.json implies {mapping.shard_shape} "
+                f"(from {fields})"
+            )

@@ -296,38 +296,71 @@ def _layer_key_suffixes(spec: HFModelSpec, head: str) -> list[str]:
     return [n[len("decoder.layers.0."):] for n in names]
 
 
+class _RegionLoadPlanner:
+    """Builds a DCP load planner that reads sub-regions (e.g. one layer) of stored tensors.
+
+    ``regions`` maps a stored key to the offsets of the destination tensor's first element in
+    the global tensor; the destination tensors in the state dict give the region sizes.
+    """
+
+    @staticmethod
+    def make(regions: dict[str, tuple[int, ...]]):
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        class Planner(DefaultLoadPlanner):
+            def create_local_plan(self) -> LoadPlan:
+                requests = []
+                for fqn, tensor in self.state_dict.items():
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(regions[fqn]), sizes=tensor.size())
+                    requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+                return LoadPlan(requests)
+
+            def lookup_tensor(self, index):
+                # The destination is the region itself; transform_tensor narrows within it.
+                return self.state_dict[index.fqn]
+
+        return Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _read_regions(ckpt_dir: str, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Read ``{key: (offsets, destination)}`` regions of stored tensors, in this process only."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: dest for key, (_, dest) in regions.items()}
+    planner = _RegionLoadPlanner.make({key: offsets for key, (offsets, _) in regions.items()})
+    dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt_dir), planner=planner, no_dist=True)
+    return state
+
+
 def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream a distributed checkpoint as whole Hugging Face tensors, one layer at a time.
 
-    Runs in a single process (torch.distributed must be initialised, a world of one is fine).
-    Tensors keep the checkpoint's dtype.
+    Single process, no torch.distributed needed: the checkpoint's tensors are read with
+    torch.distributed.checkpoint, one layer's region at a time. Tensors keep their stored dtype.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
+    import torch.distributed.checkpoint as dcp
 
     meta, spec = read_checkpoint_meta(ckpt_dir)
-    stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    stored = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
     padded = meta.padded_vocab_size
 
-    def plain(key: str) -> ShardedTensor:
-        if key not in stored:
+    def info(key: str):
+        if key not in stored or not hasattr(stored[key], "size"):
             raise ValueError(f"{ckpt_dir}: tensor '{key}' is not in the checkpoint (written by another model?)")
-        st = stored[key]
-        return ShardedTensor.from_rank_offsets(key, torch.empty(st.global_shape, dtype=st.dtype), replica_id=0)
+        return tuple(stored[key].size), stored[key].properties.dtype
 
-    def layer_slice(key: str, layer: int) -> ShardedTensor:
-        if key not in stored:
-            raise ValueError(f"{ckpt_dir}: tensor '{key}' is not in the checkpoint (written by another model?)")
-        st = stored[key]
-        if st.global_shape[0] != spec.num_layers:
-            raise ValueError(f"{ckpt_dir}: '{key}' stacks {st.global_shape[0]} layers, config says {spec.num_layers}")
-        return ShardedTensor.from_rank_offsets(
-            key,
-            torch.empty(st.global_shape[1:], dtype=st.dtype),
-            (0, layer, spec.num_layers),
-            replica_id=0,
-            prepend_axis_num=1,
-        )
+    def whole(key: str):
+        shape, dtype = info(key)
+        return (0,) * len(shape), torch.empty(shape, dtype=dtype)
+
+    def layer_region(key: str, layer: int):
+        shape, dtype = info(key)
+        if shape[0] != spec.num_layers:
+            raise ValueError(f"{ckpt_dir}: '{key}' stacks {shape[0]} layers, config says {spec.num_layers}")
+        return (layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=dtype)
 
     def emit(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         mapping = param_mapping(name, spec, padded_vocab=padded, head=meta.head)
@@ -336,16 +369,15 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
         yield from merge_pieces(split_shard(mapping, tensor))
 
     emb = "embedding.word_embeddings.weight"
-    yield from emit(emb, dist_checkpointing.load({emb: plain(emb)}, ckpt_dir)[emb])
+    yield from emit(emb, _read_regions(ckpt_dir, {emb: whole(emb)})[emb])
     suffixes = _layer_key_suffixes(spec, meta.head)
     for layer in range(spec.num_layers):
-        request = {s: layer_slice(f"decoder.layers.{s}", layer) for s in suffixes}
-        loaded = dist_checkpointing.load(request, ckpt_dir)
+        loaded = _read_regions(ckpt_dir, {f"decoder.layers.{s}": layer_region(f"decoder.layers.{s}", layer) for s in suffixes})
         for s in suffixes:
-            yield from emit(f"decoder.layers.{layer}.{s}", loaded[s])
+            yield from emit(f"decoder.layers.{layer}.{s}", loaded[f"decoder.layers.{s}"][0])
     tail = ["decoder.final_layernorm.weight"]
     if meta.head != "lm" or not spec.tie_word_embeddings:
         tail.append("output_layer.weight")
-    loaded = dist_checkpointing.load({k: plain(k) for k in tail}, ckpt_dir)
+    loaded = _read_regions(ckpt_dir, {k: whole(k) for k in tail})
     for key in tail:
         yield from emit(key, loaded[key])

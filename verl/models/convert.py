@@ -1,0 +1,465 @@
+"""Checkpoint conversion between Hugging Face and Megatron distributed checkpoints.
+
+The logic behind ``tools/hf2megatron.py`` and ``tools/megatron2hf.py``:
+
+- :func:`hf_to_megatron` starts TP x PP ranks (spawned here, or the ranks of an enclosing
+  ``torchrun``); each builds only its model shard, reads only its slices of the safetensors
+  files, checks the model against config.json, and writes its part of a reshardable
+  ``megatron.core.dist_checkpointing`` checkpoint.
+- :func:`check_conversion` loads a written checkpoint at a chosen TP x PP and compares the
+  model's logits (or scalar-head outputs) with transformers' on a few padded token sequences.
+- :func:`megatron_to_hf` streams a checkpoint back into safetensors in one process, one
+  layer at a time.
+
+Output always goes to a hidden temporary directory next to the target and is renamed into
+place at the end, so an interrupted conversion never leaves a partial checkpoint under the
+target name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import resource
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from verl.models.builder import ModelBuildConfig, transformer_config_from_hf
+from verl.models.hf_config import HFModelSpec, parse_hf_config
+from verl.models.safetensors_io import SafetensorsReader, SafetensorsWriter, copy_side_files
+from verl.models.weight_mapping import HeadKind, hf_param_names
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SEQ_CLS_ARCH = {
+    "llama": "LlamaForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+}
+_CAUSAL_LM_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass(kw_only=True)
+class ConversionReport:
+    """What a conversion did, for the tools to print."""
+
+    out_dir: str
+    """Final output directory."""
+    num_tensors: int = 0
+    """Hugging Face tensors converted."""
+    peak_rss_mib_per_rank: list[float] = field(default_factory=list)
+    """Peak resident memory of each conversion rank (MiB)."""
+    max_abs_diff: float | None = None
+    """Largest |logit difference| against transformers when checked."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directory handling.
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepare_output(out_dir: str, overwrite: bool) -> str:
+    """Create a temporary sibling of ``out_dir``; the conversion writes there."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+        raise ValueError(f"{out_dir} already exists and is not empty; choose another --out-dir or pass --overwrite")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+
+
+def _commit_output(tmp_dir: str, out_dir: str) -> None:
+    """Move the finished ``tmp_dir`` to ``out_dir`` (replacing an old one only now)."""
+    out_dir = os.path.abspath(out_dir)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+    old = None
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+        os.rmdir(old)
+        os.rename(out_dir, old)
+    os.rename(tmp_dir, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a function on TP x PP ranks.
+# ---------------------------------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (or similar) launch."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _backend(world_size: int) -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    backend = _backend(world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
+    try:
+        results.put((rank, fn(*args)))
+    finally:
+        from verl.parallel.megatron_state import destroy_model_parallel
+
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks with torch.distributed initialised.
+
+    Under torchrun the current world runs it (its size must equal ``world_size``) and the
+    result list holds only this rank's value at its index; otherwise ``world_size`` processes
+    are spawned and every rank's value is returned.
+    """
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ValueError(
+                f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but the layout needs {world_size} ranks "
+                "(--tp x --pp); start torchrun with that many processes, or run without torchrun"
+            )
+        if not dist.is_initialized():
+            dist.init_process_group(_backend(world_size))
+        from verl.parallel.megatron_state import destroy_model_parallel
+
+        try:
+            value = fn(*args)
+        finally:
+            destroy_model_parallel()
+        out: list[Any] = [None] * world_size
+        out[dist.get_rank()] = value
+        return out
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    mp.start_processes(
+        _spawned_rank, args=(world_size, port, fn, args, results), nprocs=world_size, join=True, start_method="spawn"
+    )
+    values: list[Any] = [None] * world_size
+    while not results.empty():
+        rank, value = results.get()
+        values[rank] = value
+    return values
+
+
+def _is_coordinator() -> bool:
+    return not under_torchrun() or int(os.environ["RANK"]) == 0
+
+
+def _share_from_coordinator(value: Any) -> Any:
+    """Under torchrun, every rank gets rank 0's ``value``; otherwise ``value`` itself."""
+    if not under_torchrun():
+        return value
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(int(os.environ["WORLD_SIZE"])))
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# HF -> Megatron.
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_hf_dir(hf_dir: str, *, head: HeadKind = "lm") -> tuple[HFModelSpec, SafetensorsReader]:
+    """Parse config.json and check the weights are complete; ValueError naming what is wrong."""
+    from verl.models.checkpoint import check_hf_tensors
+
+    if not os.path.isdir(hf_dir):
+        raise ValueError(f"--hf-dir {hf_dir}: no such directory")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"--hf-dir {hf_dir}: no config.json (not a Hugging Face model directory, or a partial copy)")
+    spec = parse_hf_config(hf_dir)
+    reader = SafetensorsReader(hf_dir)
+    check_hf_tensors(reader, spec, head=head)
+    return spec, reader
+
+
+def _convert_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, build: ModelBuildConfig, progress: bool) -> float:
+    from verl.models.builder import build_model_chunks, verify_model_matches_spec
+    from verl.models.checkpoint import load_hf_weights, save_checkpoint
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    spec = parse_hf_config(hf_dir)
+    chunks = build_model_chunks(spec, build, pg)
+    for chunk in chunks:
+        verify_model_matches_spec(chunk, pg)
+    load_hf_weights(chunks, hf_dir, pg=pg, progress=progress and dist.get_rank() == 0)
+    save_checkpoint(chunks, tmp_dir, pg=pg, hf_dir=hf_dir)
+    return _peak_rss_mib()
+
+
+def hf_to_megatron(
+    *,
+    hf_dir: str,
+    out_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "fp32",
+    head: HeadKind = "lm",
+    vocab_pad_multiple: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint at ``out_dir``."""
+    spec, reader = validate_hf_dir(hf_dir, head=head)
+    build_kwargs: dict[str, Any] = {"dtype": dtype, "head": head}
+    if vocab_pad_multiple is not None:
+        build_kwargs["vocab_pad_multiple"] = vocab_pad_multiple
+    build = ModelBuildConfig(**build_kwargs)
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp {tp} / --pp {pp}: both must be >= 1")
+    transformer_config_from_hf(spec, build, tp_size=tp, pp_size=pp)  # fails early, naming the field
+    tmp_dir = _share_from_coordinator(_prepare_output(out_dir, overwrite) if _is_coordinator() else None)
+    try:
+        rss = run_on_ranks(_convert_rank, tp * pp, os.path.abspath(hf_dir), tmp_dir, tp, pp, build, progress)
+    except BaseException:
+        if _is_coordinator():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    if _is_coordinator():
+        _commit_output(tmp_dir, out_dir)
+    if under_torchrun():
+        dist.barrier()
+    return ConversionReport(
+        out_dir=os.path.abspath(out_dir),
+        num_tensors=len(reader.names()),
+        peak_rss_mib_per_rank=[r for r in rss if r is not None],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a converted checkpoint against transformers.
+# ---------------------------------------------------------------------------------------------
+
+
+def check_batch(vocab_size: int, *, seq_len: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A few token sequences for checks: one full row, one left-padded, one right-padded. [3, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (3, seq_len), generator=gen)
+    mask = torch.ones(3, seq_len, dtype=torch.long)
+    mask[1, : seq_len // 4] = 0
+    mask[2, seq_len - seq_len // 6 :] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def hf_reference_outputs(hf_dir: str, batch: dict[str, torch.Tensor], *, head: HeadKind, round_to: str) -> torch.Tensor:
+    """transformers' logits [B, T, V] (or per-token scores [B, T, 1]) in float32.
+
+    Weights are rounded to ``round_to`` and computed in float32, so the comparison measures the
+    conversion, not the precision of the stored dtype.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from verl.models.forward import position_ids_from_mask
+
+    cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    model = cls.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(_DTYPES[round_to]).float())
+        kwargs = dict(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=position_ids_from_mask(batch["attention_mask"]),
+        )
+        if head == "lm":
+            return model(**kwargs).logits.float()
+        hidden = model.model(**kwargs).last_hidden_state
+        return model.score(hidden).float()
+
+
+def _check_rank(ckpt_dir: str, expected_path: str, tp: int, pp: int) -> float:
+    from verl.models.builder import build_model_chunks
+    from verl.models.checkpoint import load_checkpoint, read_checkpoint_meta
+    from verl.models.forward import forward_backward
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    meta, spec = read_checkpoint_meta(ckpt_dir)
+    chunks = build_model_chunks(spec, ModelBuildConfig(dtype="fp32", head=meta.head), pg)
+    load_checkpoint(chunks, ckpt_dir, pg=pg)
+    data = torch.load(expected_path)
+    batch = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
+    kind = "logits" if meta.head == "lm" else "values"
+    result = forward_backward(chunks, batch, pg=pg, micro_batch_size=1, output=kind, broadcast=False)
+    diff = torch.zeros(())
+    if pg.pp.rank() == pg.pp.size() - 1:
+        mask = batch["attention_mask"].bool()
+        expected = data["expected"]
+        if kind == "logits":
+            actual = result.outputs["logits"].float()  # [B, T, V/TP]
+            start = pg.tp.rank() * actual.shape[-1]
+            stop = min(start + actual.shape[-1], spec.vocab_size)
+            if stop > start:
+                diff = (actual[..., : stop - start] - expected[..., start:stop])[mask].abs().max()
+        else:
+            diff = (result.outputs["values"] - expected.squeeze(-1))[mask].abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff)
+
+
+def check_conversion(*, ckpt_dir: str, hf_dir: str, tp: int, pp: int) -> float:
+    """Max |logit difference| between the checkpoint loaded at TP x PP and transformers on ``hf_dir``."""
+    from verl.models.checkpoint import read_checkpoint_meta
+
+    meta, spec = read_checkpoint_meta(ckpt_dir)
+    if meta.head != "lm":
+        reader = SafetensorsReader(hf_dir)
+        if "score.weight" not in reader:
+            raise ValueError(
+                f"--check of a {meta.head} head needs score.weight in {hf_dir} (a *ForSequenceClassification "
+                "checkpoint); an LM checkpoint gives the head a fresh initialisation there is nothing to compare with"
+            )
+    work = None
+    if _is_coordinator():
+        batch = check_batch(spec.vocab_size, seq_len=min(24, spec.max_position_embeddings))
+        expected = hf_reference_outputs(hf_dir, batch, head=meta.head, round_to=meta.dtype)
+        work = tempfile.mkdtemp(prefix="verl-check-")
+        torch.save({**batch, "expected": expected}, os.path.join(work, "expected.pt"))
+        del expected
+    work = _share_from_coordinator(work)
+    try:
+        diffs = run_on_ranks(_check_rank, tp * pp, os.path.abspath(ckpt_dir), os.path.join(work, "expected.pt"), tp, pp)
+    finally:
+        if under_torchrun():
+            dist.barrier()
+        if _is_coordinator():
+            shutil.rmtree(work, ignore_errors=True)
+    return max(d for d in diffs if d is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron -> HF.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_storage_files(ckpt_dir: str) -> None:
+    """Every data file the checkpoint's metadata references must exist (catches partial copies)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
+        raise ValueError(f"{ckpt_dir}: .metadata is missing — not a complete distributed checkpoint")
+    storage = dcp.FileSystemReader(ckpt_dir).read_metadata().storage_data or {}
+    files = {getattr(info, "relative_path", None) for info in storage.values()}
+    missing = sorted(f for f in files if f and not os.path.isfile(os.path.join(ckpt_dir, f)))
+    if missing:
+        raise ValueError(f"{ckpt_dir}: data files {', '.join(missing)} are missing (an interrupted copy?)")
+
+
+def megatron_to_hf(
+    *,
+    megatron_dir: str,
+    out_dir: str,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 2 * 1024**3,
+    progress: bool = True,
+) -> ConversionReport:
+    """Write a Hugging Face checkpoint (safetensors + config + tokenizer) from a verl Megatron checkpoint.
+
+    ``dtype`` None keeps the stored dtype (the round trip HF -> Megatron -> HF is then bit-exact).
+    """
+    from verl.models.checkpoint import HF_SUBDIR, iter_checkpoint_hf_weights, read_checkpoint_meta
+
+    meta, spec = read_checkpoint_meta(megatron_dir)
+    _check_storage_files(megatron_dir)
+    out_dtype = dtype or meta.dtype
+    if out_dtype not in _DTYPES:
+        raise ValueError(f"--dtype {out_dtype!r}; use one of {sorted(_DTYPES)}")
+    tmp_dir = _prepare_output(out_dir, overwrite)
+    try:
+        writer = SafetensorsWriter(tmp_dir, max_shard_bytes=max_shard_bytes)
+        items = iter_checkpoint_hf_weights(megatron_dir)
+        total = len(hf_param_names(spec, head=meta.head))
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, total=total, desc="megatron -> HF", unit="tensor")
+        count = 0
+        for name, tensor in items:
+            writer.add(name, tensor.to(_DTYPES[out_dtype]))
+            del tensor
+            count += 1
+        writer.finish()
+        copy_side_files(os.path.join(megatron_dir, HF_SUBDIR), tmp_dir, include_config=False)
+        config = dict(spec.raw)
+        config["dtype"] = _TORCH_DTYPE_NAMES[out_dtype]
+        if "torch_dtype" in config:
+            config["torch_dtype"] = _TORCH_DTYPE_NAMES[out_dtype]
+        if meta.head == "lm":
+            config.setdefault("architectures", [_CAUSAL_LM_ARCH[spec.model_type]])
+        else:
+            config["architectures"] = [_SEQ_CLS_ARCH[spec.model_type]]
+            config["num_labels"] = 1
+            config["id2label"] = {"0": "LABEL_0"}
+            config["label2id"] = {"LABEL_0": 0}
+        with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    _commit_output(tmp_dir, out_dir)
+    return ConversionReport(out_dir=os.path.abspath(out_dir), num_tensors=count, peak_rss_mib_per_rank=[_peak_rss_mib()])
+
+
+@contextlib.contextmanager
+def quiet_megatron_warnings():
+    """Silence the warnings Megatron and torch.distributed.checkpoint print on every run (tools only).
+
+    They concern apex/Transformer Engine being absent and deprecations inside those libraries,
+    nothing a user of the tools can act on.
+    """
+    import warnings
+
+    saved = os.environ.get("PYTHONWARNINGS")
+    # Spawned ranks start a fresh interpreter: they read the filters from the environment.
+    os.environ["PYTHONWARNINGS"] = "ignore::FutureWarning,ignore::UserWarning"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
