@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 
 def _fail(message: str) -> None:
-    sys.stderr.write(f"{PROG}: error: {message}\n")
+    if os.environ.get("RANK", "0") == "0":  # every rank exits; one of them says why
+        sys.stderr.write(f"{PROG}: error: {message}\n")
     raise SystemExit(2)
 
 
@@ -56,7 +57,7 @@ def init_distributed(device: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
-    from verl.utils.logging import setup_logging
+    from verl.utils.logging import log_rank0, setup_logging
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
@@ -78,12 +79,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch.distributed as dist
 
+    from verl.parallel import megatron_state
+
     init_distributed(cfg.trainer.device)
     try:
-        with SFTTrainer(cfg) as trainer:
+        try:
+            trainer = SFTTrainer(cfg)
+        except ValueError as exc:  # a setting that only the data or the model reveals (run length, shapes)
+            megatron_state.destroy_model_parallel()
+            _fail(str(exc))
+        with trainer:
             metrics = trainer.fit()
-        logging.getLogger("verl.trainer.main_sft").info(
-            "done: step %d, %s", trainer.global_step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+        log_rank0(
+            logging.getLogger("verl.trainer.main_sft"),
+            logging.INFO,
+            "done: step %d, %s",
+            trainer.global_step,
+            ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
         )
     finally:
         dist.destroy_process_group()

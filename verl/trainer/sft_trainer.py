@@ -35,7 +35,7 @@ from verl.data.sampler import StatefulDataLoader
 from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
 from verl.parallel import megatron_state
-from verl.roles.engine import MegatronEngine
+from verl.roles.engine import MegatronEngine, lr_schedule_steps
 from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
@@ -108,6 +108,7 @@ class SFTTrainer:
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.steps_per_epoch
         schedule_steps = cfg.optim.total_training_steps if cfg.optim.total_training_steps > 0 else self.total_steps
+        lr_schedule_steps(cfg.optim, schedule_steps)  # a bad warm-up fails here, before the model is built
         self.engine = MegatronEngine(
             model=cfg.model,
             megatron=cfg.megatron,
