@@ -15,7 +15,8 @@ Outputs (all [B, T], float32, aligned with ``input_ids``):
   vocabulary-parallel logits without gathering the vocabulary; ``entropy[:, t]`` is the entropy
   of that same predictive distribution. Both are 0 at pads and at each row's first real token
   (nothing predicts it).
-- ``values[:, t]`` = the scalar head on the hidden state of token t (critic / reward model).
+- ``values[:, t]`` = the scalar head on the hidden state of token t (critic / reward model;
+  :func:`last_token_values` turns it into one reward per sequence).
 - ``logits`` [B, T, V/TP]: this rank's vocabulary slice (checks and tests only).
 
 Results exist on the last pipeline stage; ``broadcast=True`` sends them to every stage.
@@ -72,6 +73,17 @@ def unpack(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(packed)
     out.scatter_(1, index, packed)
     return out
+
+
+def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A reward model's score per row: the scalar head at the row's last real token. [B, T] -> [B].
+
+    Rows without any real token score 0.
+    """
+    t = attention_mask.shape[1]
+    index = torch.arange(t, device=attention_mask.device).expand_as(attention_mask)
+    last = (index * (attention_mask != 0)).argmax(dim=1)  # [B]
+    return values.gather(1, last.unsqueeze(1)).squeeze(1) * (attention_mask.sum(1) > 0)
 
 
 @dataclass
@@ -229,7 +241,9 @@ def forward_backward(
         if loss_fn is None:
             return output_tensor.new_zeros((), dtype=torch.float32), record
         loss, metrics = loss_fn(outputs, mb.tensors)
-        record["metrics"] = {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
+        # clone: the schedule divides the returned loss in place (by the micro-batch count), and a
+        # metric that is the loss itself would otherwise be reported scaled.
+        record["metrics"] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in metrics.items()}
         return loss, record
 
     def step(data_iterator, chunk):

@@ -110,11 +110,12 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeSpec:
             f"is '{rope_type}', which verl's Megatron models do not implement",
             f"Supported: {', '.join(SUPPORTED_ROPE_TYPES)}.",
         )
+    partial_field = f"{field_name}.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise _err(
             source,
-            f"{field_name}.partial_rotary_factor",
+            partial_field,
             f"is {partial}",
             "Only full rotary embeddings (1.0) are supported.",
         )

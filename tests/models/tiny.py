@@ -1,0 +1,123 @@
+"""Tiny random Hugging Face models for the model tests, made locally (never downloaded).
+
+Hidden 64, 2 layers, 2 query heads of 32 and a vocabulary of 1001, so that tensor parallel 2
+must pad the vocabulary. Each family exercises its own features: llama3 rope scaling (with a
+short original context so the scaling changes every frequency band), Qwen2 q/k/v biases with
+tied or untied embeddings, and a Mistral sliding window shorter than the test sequences.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 1001
+
+FAMILIES = {
+    "llama3": dict(
+        model_type="llama",
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama_gqa": dict(model_type="llama", num_key_value_heads=1, rope_theta=10000.0),
+    "qwen2_tied": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2_untied": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=5),
+}
+
+
+def make_tiny_model(
+    directory: str, family: str, *, seed: int = 0, sequence_classification: bool = False, **overrides
+) -> str:
+    """Save a randomly initialised model of ``family`` to ``directory``; returns the directory."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+    )
+
+    settings = dict(FAMILIES[family])
+    model_type = settings.pop("model_type")
+    settings.update(overrides)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+        **settings,
+    )
+    torch.manual_seed(seed)
+    if sequence_classification:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        # transformers initialises norms to ones and biases to zeros: randomise them so a
+        # mapping mistake there cannot hide.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def padded_batch(batch_size: int = 4, seq_len: int = 12, *, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Token ids [B, T] and a mask with a full row, left-padded prompts and right-padded ends."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=gen)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    for row in range(1, batch_size):
+        left = (3 * row) % 5
+        right = (2 * row) % 4
+        mask[row, :left] = 0
+        if right:
+            mask[row, seq_len - right :] = 0
+    ids = ids * mask  # pad id 0 where masked
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def hf_outputs(model_dir: str, batch: dict[str, torch.Tensor], *, sequence_classification: bool = False):
+    """transformers' float32 logits [B, T, V] (or per-token scores [B, T, 1]) with the usual positions."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if sequence_classification else AutoModelForCausalLM
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        if sequence_classification:
+            hidden = model.model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).last_hidden_state
+            return model.score(hidden)
+        return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
+
+
+def reference_logprobs_entropy(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor):
+    """Full-vocabulary logprobs/entropy aligned like verl's ([B, T], 0 at pads and first tokens)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy_all = -(logp.exp() * logp).sum(-1)  # [B, T]
+    b, t = input_ids.shape
+    logprobs = torch.zeros(b, t)
+    entropy = torch.zeros(b, t)
+    for row in range(b):
+        real = mask[row].nonzero().squeeze(-1).tolist()
+        for prev, cur in zip(real[:-1], real[1:]):
+            logprobs[row, cur] = logp[row, prev, input_ids[row, cur]]
+            entropy[row, cur] = entropy_all[row, prev]
+    return logprobs, entropy
