@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -331,7 +332,10 @@ def _read_regions(ckpt_dir: str, regions: dict[str, tuple[tuple[int, ...], torch
 
     state = {key: dest for key, (_, dest) in regions.items()}
     planner = _RegionLoadPlanner.make({key: offsets for key, (offsets, _) in regions.items()})
-    dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt_dir), planner=planner, no_dist=True)
+    with warnings.catch_warnings():
+        # "torch.distributed is ... uninitialized, assuming ... a single process": exactly the intent.
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt_dir), planner=planner, no_dist=True)
     return state
 
 
