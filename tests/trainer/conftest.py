@@ -7,7 +7,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny Qwen2 (hidden 64, 2 layers, 2 heads of 32, 2 KV heads so TP=2 splits them, q/k/v bias) made by the project's tool."""
+    """A tiny Qwen2 made by the project's tool.
+
+    Hidden 64, 2 layers, 2 heads of 32, 2 KV heads (so TP=2 splits them), q/k/v bias.
+    """
     from verl.data.tiny_model import TinyModelSpec, make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-qwen2")
@@ -16,7 +19,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def arithmetic_files(tmp_path_factory) -> dict[str, str]:
-    """1-digit addition: ``train`` (4000 rows drawn from the 100-problem table), and ``val`` (its first 64 rows)."""
+    """1-digit addition: ``train`` (4000 rows drawn from the 100-problem table), ``val`` (its first 64)."""
     from verl.data.io import write_parquet
     from verl.data.tasks import arithmetic
 

@@ -50,7 +50,10 @@ def test_keep_last_n(tmp_path):
     mgr = CheckpointManager(str(tmp_path), max_to_keep=2)
     for step in (1, 2, 3, 4, 5):
         mgr.save(step, _writer(str(step)), {})
-    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("global_step")) == ["global_step_4", "global_step_5"]
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("global_step")) == [
+        "global_step_4",
+        "global_step_5",
+    ]
     assert _tracker(tmp_path) == "5"
     with pytest.raises(ValueError, match="max_to_keep"):
         CheckpointManager(str(tmp_path), max_to_keep=0)
@@ -127,7 +130,9 @@ def test_corrupt_checkpoint_is_named_never_used(tmp_path):
     mgr.save(2, _writer("two"), {})
     weights = tmp_path / "global_step_2" / "actor" / "weights.bin"
     weights.write_text("tw")  # truncated
-    with pytest.raises(CheckpointError, match=r"global_step_2 is corrupt: actor/weights.bin has 2 bytes, the manifest says 3"):
+    with pytest.raises(
+        CheckpointError, match=r"global_step_2 is corrupt: actor/weights.bin has 2 bytes, the manifest says 3"
+    ):
         mgr.latest()
     weights.unlink()
     with pytest.raises(CheckpointError, match=r"actor/weights.bin is missing"):
@@ -140,7 +145,9 @@ def test_partial_checkpoint_without_manifest(tmp_path):
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(4, _writer("x"), {})
     (tmp_path / "global_step_4" / MANIFEST_FILE).unlink()
-    with pytest.raises(CheckpointError, match=r"global_step_4 is incomplete: checkpoint_complete.json is missing"):
+    with pytest.raises(
+        CheckpointError, match=r"global_step_4 is incomplete: checkpoint_complete.json is missing"
+    ):
         mgr.latest()
     with pytest.raises(CheckpointError, match="does not exist"):
         mgr.resolve_resume("resume_path", str(tmp_path / "global_step_9"))

@@ -19,7 +19,9 @@ ROWS = 8
 MAX_LENGTH = 32
 
 
-def _engine_steps(model_dir: str, data_file: str, tp: int, pp: int, micro: int, export_dir: str | None) -> list[tuple[float, float]]:
+def _engine_steps(
+    model_dir: str, data_file: str, tp: int, pp: int, micro: int, export_dir: str | None
+) -> list[tuple[float, float]]:
     from verl.algos import GlobalBatchInfo, agg_loss
     from verl.config import MegatronConfig, ModelConfig, OptimConfig
     from verl.data.sft_dataset import SFTDataset
@@ -39,7 +41,9 @@ def _engine_steps(model_dir: str, data_file: str, tp: int, pp: int, micro: int, 
         optim=OptimConfig(optimizer="sgd", lr=1.0, clip_grad=1.0, weight_decay=0.0),
         total_training_steps=10,
     )
-    dataset = SFTDataset(data_file, load_tokenizer(model_dir), max_length=MAX_LENGTH, response_key="extra_info.answer")
+    dataset = SFTDataset(
+        data_file, load_tokenizer(model_dir), max_length=MAX_LENGTH, response_key="extra_info.answer"
+    )
     rows = [dataset[i] for i in range(ROWS)]
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
@@ -48,7 +52,9 @@ def _engine_steps(model_dir: str, data_file: str, tp: int, pp: int, micro: int, 
     info = GlobalBatchInfo.from_masks([local["loss_mask"].float()], group=pg.dp)
 
     def loss_fn(outputs, micro_batch):
-        return agg_loss(-outputs["logprobs"], micro_batch["loss_mask"].float(), "token-mean", global_batch_info=info), {}
+        return agg_loss(
+            -outputs["logprobs"], micro_batch["loss_mask"].float(), "token-mean", global_batch_info=info
+        ), {}
 
     results = []
     for _ in range(2):
@@ -64,7 +70,9 @@ def _engine_steps(model_dir: str, data_file: str, tp: int, pp: int, micro: int, 
 def reference(tiny_model_dir, arithmetic_files, tmp_path_factory):
     """Single rank, one micro-batch of all 8 rows."""
     export = str(tmp_path_factory.mktemp("ref-export"))
-    steps = run_distributed(_engine_steps, 1, tiny_model_dir, arithmetic_files["train"], 1, 1, ROWS, export)[0]
+    steps = run_distributed(_engine_steps, 1, tiny_model_dir, arithmetic_files["train"], 1, 1, ROWS, export)[
+        0
+    ]
     return steps, export
 
 
@@ -74,12 +82,16 @@ def reference(tiny_model_dir, arithmetic_files, tmp_path_factory):
     [(1, 1, 1, 2), (2, 2, 1, 4), (2, 1, 1, 4), (2, 1, 2, 2)],
     ids=["micro2x4", "tp2", "dp2", "pp2"],
 )
-def test_layout_matches_single_rank(reference, tiny_model_dir, arithmetic_files, tmp_path, world, tp, pp, micro):
+def test_layout_matches_single_rank(
+    reference, tiny_model_dir, arithmetic_files, tmp_path, world, tp, pp, micro
+):
     from safetensors.torch import load_file
 
     expected_steps, ref_export = reference
     export = str(tmp_path / "export")
-    per_rank = run_distributed(_engine_steps, world, tiny_model_dir, arithmetic_files["train"], tp, pp, micro, export)
+    per_rank = run_distributed(
+        _engine_steps, world, tiny_model_dir, arithmetic_files["train"], tp, pp, micro, export
+    )
     # Every rank reports the same numbers (metrics are reduced over DP and sent to every stage).
     for rank_steps in per_rank[1:]:
         assert rank_steps == per_rank[0]
@@ -96,4 +108,6 @@ def test_layout_matches_single_rank(reference, tiny_model_dir, arithmetic_files,
     for name, tensor in expected_weights.items():
         # Two clipped SGD steps of norm <= 1 from the same start: weights differ by rounding
         # only (~1e-7 x the step); a layout bug in the export would be off by O(0.01-1).
-        torch.testing.assert_close(actual_weights[name], tensor, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual_weights[name], tensor, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -47,7 +47,9 @@ def _sft_config(model_dir: str, files: dict[str, str], run_dir: str, *extra: str
     )
 
 
-def _resume_body(model_dir: str, files: dict[str, str], root: str) -> tuple[dict[int, float], dict[int, float], list[str]]:
+def _resume_body(
+    model_dir: str, files: dict[str, str], root: str
+) -> tuple[dict[int, float], dict[int, float], list[str]]:
     from verl.trainer.sft_trainer import SFTTrainer
 
     whole = f"{root}/whole"
@@ -66,7 +68,9 @@ def _resume_body(model_dir: str, files: dict[str, str], root: str) -> tuple[dict
 
 @pytest.mark.timeout(240)
 def test_resumed_run_continues_identically(tiny_model_dir, arithmetic_files, tmp_path):
-    whole, parts, listing = run_distributed(_resume_body, 1, tiny_model_dir, arithmetic_files, str(tmp_path))[0]
+    whole, parts, listing = run_distributed(_resume_body, 1, tiny_model_dir, arithmetic_files, str(tmp_path))[
+        0
+    ]
     assert sorted(whole) == [1, 2, 3, 4, 5]
     # The interrupted run logged steps 1-4, the resumed one 4 (again) and 5; the jsonl appends.
     expected = [whole[s] for s in (4, 5)]
@@ -93,7 +97,11 @@ def test_short_sft_run_learns_the_task(tiny_model_dir, arithmetic_files, tmp_pat
 
     run = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "verl.trainer.main_sft", "--config", "sft_tiny_cpu",
+        sys.executable,
+        "-m",
+        "verl.trainer.main_sft",
+        "--config",
+        "sft_tiny_cpu",
         f"model.path={tiny_model_dir}",
         f"data.train_files={arithmetic_files['train']}",
         f"data.val_files={arithmetic_files['val']}",
@@ -120,7 +128,9 @@ def test_short_sft_run_learns_the_task(tiny_model_dir, arithmetic_files, tmp_pat
     assert train[0] > 5.0 and train[-1] < 1.0
     assert val[-1] < val[0] < 1.0
     before = evaluate_generation(tiny_model_dir, arithmetic_files["val"], max_samples=64, max_new_tokens=8)
-    after = evaluate_generation(str(run / "huggingface"), arithmetic_files["val"], max_samples=64, max_new_tokens=8)
+    after = evaluate_generation(
+        str(run / "huggingface"), arithmetic_files["val"], max_samples=64, max_new_tokens=8
+    )
     assert before.accuracy <= 0.05, before.examples
     assert after.accuracy >= 0.5, after.examples
 
@@ -131,8 +141,15 @@ def test_torchrun_tensor_parallel_run(tiny_model_dir, arithmetic_files, tmp_path
     trains, checkpoints, and exports a Hugging Face model that transformers loads."""
     run = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "verl.trainer.main_sft", "--config", "sft_tiny_cpu",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "verl.trainer.main_sft",
+        "--config",
+        "sft_tiny_cpu",
         f"model.path={tiny_model_dir}",
         f"data.train_files={arithmetic_files['train']}",
         f"data.val_files={arithmetic_files['val']}",

@@ -22,7 +22,9 @@ def test_jsonl_and_tensorboard_files(tmp_path, caplog):
             log_dir=str(tmp_path),
             rank=0,
         ) as tracking:
-            tracking.log({"train/loss": torch.tensor(1.5), "train/lr": 1e-5, "note": "text is skipped"}, step=1)
+            tracking.log(
+                {"train/loss": torch.tensor(1.5), "train/lr": 1e-5, "note": "text is skipped"}, step=1
+            )
             tracking.log({"train/loss": 0.75, "val/loss": 0.5}, step=2)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == [
@@ -43,13 +45,20 @@ def test_jsonl_and_tensorboard_files(tmp_path, caplog):
 
 def test_jsonl_appends_on_resume(tmp_path):
     for step in (1, 2):
-        with Tracking(backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0) as t:
+        with Tracking(
+            backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0
+        ) as t:
             t.log({"x": float(step)}, step=step)
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+    ]
 
 
 def test_only_rank0_writes(tmp_path):
-    with Tracking(backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=1) as t:
+    with Tracking(
+        backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=1
+    ) as t:
         t.log({"x": 1.0}, step=1)
     assert not (tmp_path / "metrics.jsonl").exists()
     bar = progress_bar(total=3, rank=1)
@@ -63,7 +72,9 @@ def test_unknown_and_missing_loggers(tmp_path):
     for name in ("wandb", "mlflow"):
         if importlib.util.find_spec(name) is None:
             with pytest.raises(ValueError, match=rf"'{name}' package is not installed; `pip install {name}`"):
-                Tracking(backends=[name], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0)
+                Tracking(
+                    backends=[name], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0
+                )
     assert {"console", "jsonl", "tensorboard", "wandb", "mlflow"} <= set(LOGGERS)
 
 

@@ -133,11 +133,15 @@ def _inner(module: torch.nn.Module) -> torch.nn.Module:
 
 def _load_spec(model: ModelConfig) -> HFModelSpec:
     if not model.path:
-        raise ValueError("model.path is not set; point it at a Hugging Face model directory (config.json + safetensors)")
+        raise ValueError(
+            "model.path is not set; point it at a Hugging Face model directory (config.json + safetensors)"
+        )
     path = os.path.expanduser(model.path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"model.path={model.path!r}: no config.json there; give a Hugging Face model directory")
+        raise ValueError(
+            f"model.path={model.path!r}: no config.json there; give a Hugging Face model directory"
+        )
     with open(config_path, encoding="utf-8") as f:
         raw = json.load(f)
     raw.update(model.override_config)
@@ -173,8 +177,9 @@ class MegatronEngine:
 
         if megatron.override_transformer_config:
             raise ValueError(
-                "megatron.override_transformer_config is not applied by verl's model builder; the TransformerConfig "
-                f"is derived from the Hugging Face config (got keys {sorted(megatron.override_transformer_config)}); "
+                "megatron.override_transformer_config is not applied by verl's model builder; the "
+                "TransformerConfig is derived from the Hugging Face config (got keys "
+                f"{sorted(megatron.override_transformer_config)}); "
                 "remove them, or use model.override_config for Hugging Face fields"
             )
         self.model_config = model
@@ -183,7 +188,11 @@ class MegatronEngine:
         self.pg = pg
         self.spec = _load_spec(model)
         self.hf_dir = os.path.expanduser(model.path)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self.build_config = ModelBuildConfig(
             dtype=resolve_dtype(megatron.dtype),
             head=head,
@@ -235,7 +244,8 @@ class MegatronEngine:
         log_rank0(
             logger,
             logging.INFO,
-            "engine ready: %s %s head, %s, tp=%d pp=%d dp=%d, %s lr=%g (%s, warm-up %d, decay %d of %d steps), clip %g",
+            "engine ready: %s %s head, %s, tp=%d pp=%d dp=%d, %s lr=%g "
+            "(%s, warm-up %d, decay %d of %d steps), clip %g",
             self.spec.model_type,
             head,
             self.build_config.dtype,
@@ -329,13 +339,17 @@ class MegatronEngine:
 
     def _require_trainable(self, what: str) -> None:
         if not self.trainable:
-            raise ValueError(f"MegatronEngine.{what}: this engine was built without an optimizer (optim=None)")
+            raise ValueError(
+                f"MegatronEngine.{what}: this engine was built without an optimizer (optim=None)"
+            )
 
     # ------------------------------------------------------------------------------------------
     # compute
 
     def _to_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return {
+            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+        }
 
     @torch.no_grad()
     def forward(
@@ -375,7 +389,9 @@ class MegatronEngine:
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> EngineStepResult:
-        """One optimizer step on this rank's share of the batch (``input_ids``/``attention_mask`` [B, T] + loss inputs).
+        """One optimizer step on this rank's share of the batch.
+
+        ``batch`` holds ``input_ids`` and ``attention_mask`` [B, T] plus whatever ``loss_fn`` reads.
 
         ``loss_fn`` returns each micro-batch's share of the global loss (module docstring);
         every metric it returns must be a scalar and present for every micro-batch.
@@ -385,12 +401,15 @@ class MegatronEngine:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        rows = next(iter(v for v in batch.values() if torch.is_tensor(v))).shape[0]
+        rows = batch["input_ids"].shape[0]
         num_micro = -(-rows // micro_batch_size)
 
         def scaled(outputs: dict[str, torch.Tensor], micro_batch: Mapping[str, torch.Tensor]):
             loss, metrics = loss_fn(outputs, micro_batch)
-            record = {k: (v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
+            record = {
+                k: (v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v)))
+                for k, v in metrics.items()
+            }
             record["__loss__"] = loss.detach().float()
             # Megatron divides by the number of micro-batches; the share is already global.
             return loss * num_micro, record
@@ -445,7 +464,9 @@ class MegatronEngine:
         if self.pg.pp.size() > 1:
             holder = [keys]
             src = dist.get_global_rank(self.pg.pp, self.pg.pp.size() - 1)
-            dist.broadcast_object_list(holder, src=src, group=self.pg.pp, device=self.device if self.device.type == "cuda" else None)
+            dist.broadcast_object_list(
+                holder, src=src, group=self.pg.pp, device=self.device if self.device.type == "cuda" else None
+            )
             keys = holder[0]
         values = torch.zeros(1 + len(keys), dtype=torch.float64, device=self.device)
         if self.is_last_stage:
@@ -453,16 +474,20 @@ class MegatronEngine:
             for i, k in enumerate(keys):
                 missing = [j for j, m in enumerate(per_micro) if k not in m]
                 if missing:
-                    raise ValueError(f"loss_fn returned metric {k!r} for some micro-batches but not for {missing}")
+                    raise ValueError(
+                        f"loss_fn returned metric {k!r} for some micro-batches but not for {missing}"
+                    )
                 values[1 + i] = sum(float(m[k]) for m in per_micro) / len(per_micro)
         dp = self.dp_size
         if dp > 1:
             dist.all_reduce(values, group=self.pg.dp)
             values /= dp  # the loss shares carry a dp_size factor; the metric means are averaged
         if self.pg.pp.size() > 1:
-            dist.broadcast(values, src=dist.get_global_rank(self.pg.pp, self.pg.pp.size() - 1), group=self.pg.pp)
+            dist.broadcast(
+                values, src=dist.get_global_rank(self.pg.pp, self.pg.pp.size() - 1), group=self.pg.pp
+            )
         out = values.tolist()
-        return out[0], dict(zip(keys, out[1:]))
+        return out[0], dict(zip(keys, out[1:], strict=True))
 
     # ------------------------------------------------------------------------------------------
     # checkpoints
@@ -540,7 +565,9 @@ class MegatronEngine:
 
         meta_path = os.path.join(ckpt_dir, ENGINE_META)
         if not os.path.isfile(meta_path):
-            raise ValueError(f"{ckpt_dir}: {ENGINE_META} is missing; not a checkpoint written by MegatronEngine.save")
+            raise ValueError(
+                f"{ckpt_dir}: {ENGINE_META} is missing; not a checkpoint written by MegatronEngine.save"
+            )
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
         load_checkpoint(self.chunks, os.path.join(ckpt_dir, MODEL_SUBDIR), pg=self.pg)
@@ -548,7 +575,8 @@ class MegatronEngine:
             optim_dir = os.path.join(ckpt_dir, OPTIM_SUBDIR)
             if not os.path.isfile(os.path.join(optim_dir, "metadata.json")):
                 raise ValueError(
-                    f"{ckpt_dir}: {OPTIM_SUBDIR}/ holds no optimizer checkpoint; it was saved by a frozen engine "
+                    f"{ckpt_dir}: {OPTIM_SUBDIR}/ holds no optimizer checkpoint; it was saved by a frozen "
+                    "engine "
                     "or is incomplete — load with load_optimizer=False to take the weights only"
                 )
             sharded = self.optimizer.sharded_state_dict(self._model_sharded_state_dict(), is_loading=True)
@@ -559,7 +587,9 @@ class MegatronEngine:
         if not os.path.isfile(extra_path):
             extra_path = os.path.join(ckpt_dir, EXTRA_SUBDIR, "rank_00000.pt")
         if not os.path.isfile(extra_path):
-            raise ValueError(f"{ckpt_dir}: {EXTRA_SUBDIR}/rank_00000.pt is missing (scheduler and RNG states)")
+            raise ValueError(
+                f"{ckpt_dir}: {EXTRA_SUBDIR}/rank_00000.pt is missing (scheduler and RNG states)"
+            )
         extra = torch.load(extra_path, weights_only=False)
         if self.trainable and load_optimizer and extra["scheduler"] is not None:
             self.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to the current one
@@ -570,14 +600,15 @@ class MegatronEngine:
         else:
             warn_once(
                 logger,
-                "%s was written by %d ranks, this run has %d: RNG states not restored (weights and optimizer are)",
+                "%s was written by %d ranks, this run has %d: RNG states not restored "
+                "(weights and optimizer are)",
                 ckpt_dir,
                 meta["world_size"],
                 dist.get_world_size(),
             )
 
     def export_hf(self, out_dir: str) -> None:
-        """Write a Hugging Face checkpoint (config, tokenizer, safetensors) of the current weights (collective).
+        """Write a Hugging Face checkpoint (config, tokenizer, safetensors) of the weights (collective).
 
         Each pipeline stage's first DP/TP rank writes its stage's tensors; global rank 0 then
         renumbers the files and writes the index, so no rank ever holds the whole model.
@@ -607,7 +638,9 @@ class MegatronEngine:
             _merge_stage_dirs(out_dir, pp_size)
             copy_side_files(self.hf_dir, out_dir, include_config=False)
             config = dict(self.spec.raw)
-            config["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.build_config.dtype]
+            config["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[
+                self.build_config.dtype
+            ]
             with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
         dist.barrier()

@@ -198,10 +198,16 @@ class CheckpointManager:
         for name in sorted(os.listdir(self.root)):
             if name.startswith(_TMP_PREFIX):
                 path = os.path.join(self.root, name)
-                replaced = name[len(_TMP_PREFIX + _OLD_PREFIX) :] if name.startswith(_TMP_PREFIX + _OLD_PREFIX) else None
+                replaced = (
+                    name[len(_TMP_PREFIX + _OLD_PREFIX) :]
+                    if name.startswith(_TMP_PREFIX + _OLD_PREFIX)
+                    else None
+                )
                 if replaced is not None and not os.path.exists(os.path.join(self.root, replaced)):
                     # Killed between moving the old copy aside and renaming the new one in.
-                    logger.warning("restoring %s from %s (a save was interrupted while replacing it)", replaced, path)
+                    logger.warning(
+                        "restoring %s from %s (a save was interrupted while replacing it)", replaced, path
+                    )
                     os.replace(path, os.path.join(self.root, replaced))
                     continue
                 logger.warning("removing %s left by an interrupted save", path)
@@ -239,13 +245,17 @@ class CheckpointManager:
 
     @staticmethod
     def validate(path: str) -> int:
-        """Check that ``path`` is a complete checkpoint; returns its step. Raises CheckpointError naming what is wrong."""
+        """Check that ``path`` is a complete checkpoint; returns its step.
+
+        Raises CheckpointError naming what is wrong.
+        """
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint {path} does not exist")
         manifest_path = os.path.join(path, MANIFEST_FILE)
         if not os.path.isfile(manifest_path):
             raise CheckpointError(
-                f"checkpoint {path} is incomplete: {MANIFEST_FILE} is missing (the save was interrupted or the "
+                f"checkpoint {path} is incomplete: {MANIFEST_FILE} is missing (the save was interrupted or "
+                "the "
                 "directory was copied partially); resume from an earlier checkpoint with "
                 "trainer.resume_mode=resume_path trainer.resume_from_path=...global_step_K"
             )
@@ -264,7 +274,9 @@ class CheckpointManager:
             elif os.path.getsize(full) != size:
                 problems.append(f"{rel} has {os.path.getsize(full)} bytes, the manifest says {size}")
         if problems:
-            shown = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            shown = "; ".join(problems[:5]) + (
+                f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            )
             raise CheckpointError(f"checkpoint {path} is corrupt: {shown}")
         return step
 
@@ -300,12 +312,14 @@ class CheckpointManager:
             except CheckpointError as exc:
                 logger.warning("skipping %s", exc)
                 continue
-            logger.warning("no %s in %s: using the newest complete checkpoint %s", TRACKER_FILE, self.root, path)
+            logger.warning(
+                "no %s in %s: using the newest complete checkpoint %s", TRACKER_FILE, self.root, path
+            )
             return CheckpointInfo(step=step, path=path)
         return None
 
     def resolve_resume(self, resume_mode: str, resume_from_path: str | None) -> CheckpointInfo | None:
-        """The checkpoint ``trainer.resume_mode`` selects: auto (latest here, if any), disable (None), resume_path.
+        """The checkpoint ``trainer.resume_mode`` selects: auto (latest, if any), disable (None), resume_path.
 
         Collective when torch.distributed is initialised: rank 0 first clears what an
         interrupted save left behind (restoring a checkpoint it was replacing).

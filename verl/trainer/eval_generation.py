@@ -87,7 +87,9 @@ def evaluate_generation(
         chunk = rows[start : start + batch_size]
         encoded = []
         for r in chunk:
-            text, templated = prompt_to_text(tokenizer, r["prompt"], apply_chat_template=True, where=r["where"])
+            text, templated = prompt_to_text(
+                tokenizer, r["prompt"], apply_chat_template=True, where=r["where"]
+            )
             encoded.append(encode_text(tokenizer, text, templated=templated))
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
@@ -104,34 +106,57 @@ def evaluate_generation(
             eos_token_id=tokenizer.eos_token_id,
         )
         responses = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        for r, response in zip(chunk, responses):
+        for r, response in zip(chunk, responses, strict=True):
             score = _score(default_compute_score(r["data_source"], response, r["ground_truth"]))
             total += score
             if len(examples) < num_examples:
-                examples.append({"prompt": r["prompt"], "response": response, "ground_truth": r["ground_truth"], "score": score})
+                examples.append(
+                    {
+                        "prompt": r["prompt"],
+                        "response": response,
+                        "ground_truth": r["ground_truth"],
+                        "score": score,
+                    }
+                )
     return GenerationEval(accuracy=total / n, num_samples=n, examples=examples)
 
 
 def main(argv: list[str] | None = None) -> int:
     from verl.utils.logging import setup_logging
 
-    p = argparse.ArgumentParser(prog="python -m verl.trainer.eval_generation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m verl.trainer.eval_generation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="prompt file(s) in the verl RL format")
-    p.add_argument("--max-samples", type=int, default=None, help="evaluate the first N prompts (default: all)")
+    p.add_argument(
+        "--max-samples", type=int, default=None, help="evaluate the first N prompts (default: all)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=16, help="generation budget (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default %(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=64, help="prompts per generate call (default %(default)s)"
+    )
     args = p.parse_args(argv)
     setup_logging(logging.INFO)
     try:
         result = evaluate_generation(
-            args.model, args.data, max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+            args.model,
+            args.data,
+            max_samples=args.max_samples,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
         )
     except ValueError as exc:
         p.error(str(exc))
-    sys.stdout.write(json.dumps({"accuracy": result.accuracy, "num_samples": result.num_samples,
-                                 "examples": result.examples}, default=str) + "\n")
+    sys.stdout.write(
+        json.dumps(
+            {"accuracy": result.accuracy, "num_samples": result.num_samples, "examples": result.examples},
+            default=str,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -1,7 +1,8 @@
 """Supervised fine-tuning entry point.
 
-    python -m verl.trainer.main_sft model.path=DIR data.train_files=train.parquet data.val_files=test.parquet ...
-    torchrun --nproc_per_node=2 -m verl.trainer.main_sft trainer.n_gpus_per_node=2 megatron.tensor_model_parallel_size=2 ...
+    python -m verl.trainer.main_sft model.path=DIR data.train_files=train.parquet data.val_files=test.parquet
+    torchrun --nproc_per_node=2 -m verl.trainer.main_sft trainer.n_gpus_per_node=2 \
+        megatron.tensor_model_parallel_size=2 ...
     python -m verl.trainer.main_sft --config sft_tiny_cpu model.path=DIR ...   # a file under configs/
     python -m verl.trainer.main_sft --help                                     # every option
 
@@ -34,7 +35,7 @@ def _fail(message: str) -> None:
 
 
 def init_distributed(device: str) -> str:
-    """Initialise torch.distributed from torchrun's environment, or as a world of one; returns the device type."""
+    """Initialise torch.distributed from torchrun's environment, or as a world of one; returns the device."""
     import torch
     import torch.distributed as dist
 
@@ -47,7 +48,9 @@ def init_distributed(device: str) -> str:
     else:
         use_cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:  # plain `python -m`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")

@@ -51,9 +51,13 @@ def check_sft_paths(cfg: SFTConfig) -> None:
     """Fail early (ValueError naming the field) when the model or data files are not there."""
     problems = []
     if not cfg.model.path:
-        problems.append("model.path is not set; give the Hugging Face model directory to fine-tune (model.path=DIR)")
+        problems.append(
+            "model.path is not set; give the Hugging Face model directory to fine-tune (model.path=DIR)"
+        )
     elif not os.path.isfile(os.path.join(os.path.expanduser(cfg.model.path), "config.json")):
-        problems.append(f"model.path={cfg.model.path!r} has no config.json; give a Hugging Face model directory")
+        problems.append(
+            f"model.path={cfg.model.path!r} has no config.json; give a Hugging Face model directory"
+        )
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         if files is None:
@@ -80,7 +84,9 @@ class SFTTrainer:
 
     def __init__(self, cfg: SFTConfig) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("SFTTrainer needs torch.distributed initialised (python -m verl.trainer.main_sft does it)")
+            raise RuntimeError(
+                "SFTTrainer needs torch.distributed initialised (python -m verl.trainer.main_sft does it)"
+            )
         cfg.validate(world_size=dist.get_world_size())
         check_sft_paths(cfg)
         self.cfg = cfg
@@ -95,7 +101,9 @@ class SFTTrainer:
         self.dp_size = self.pg.dp.size()
         self.dp_rank = self.pg.dp.rank()
         tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
-        self.tokenizer = load_tokenizer(os.path.expanduser(tokenizer_path), trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            os.path.expanduser(tokenizer_path), trust_remote_code=cfg.model.trust_remote_code
+        )
         self.train_dataset = self._dataset(cfg.data.train_files)
         self.val_dataset = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
         self.loader = StatefulDataLoader(
@@ -107,7 +115,9 @@ class SFTTrainer:
         )
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.steps_per_epoch
-        schedule_steps = cfg.optim.total_training_steps if cfg.optim.total_training_steps > 0 else self.total_steps
+        schedule_steps = (
+            cfg.optim.total_training_steps if cfg.optim.total_training_steps > 0 else self.total_steps
+        )
         lr_schedule_steps(cfg.optim, schedule_steps)  # a bad warm-up fails here, before the model is built
         self.engine = MegatronEngine(
             model=cfg.model,
@@ -117,7 +127,9 @@ class SFTTrainer:
             total_training_steps=schedule_steps,
             max_sequence_length=max(cfg.data.max_length, 1),
         )
-        self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, max_to_keep=cfg.trainer.max_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(
+            cfg.trainer.default_local_dir, max_to_keep=cfg.trainer.max_ckpt_to_keep
+        )
         self.tracking = Tracking(
             backends=cfg.trainer.logger,
             project_name=cfg.trainer.project_name,
@@ -131,7 +143,8 @@ class SFTTrainer:
         log_rank0(
             logger,
             logging.INFO,
-            "SFT: %d training rows (%d steps per epoch of %d rows, %d steps in all), %s validation rows, dp=%d",
+            "SFT: %d training rows (%d steps per epoch of %d rows, %d steps in all), "
+            "%s validation rows, dp=%d",
             len(self.train_dataset),
             self.steps_per_epoch,
             cfg.data.train_batch_size,
@@ -171,7 +184,9 @@ class SFTTrainer:
             return loss, {}
 
         start = time.perf_counter()
-        result = self.engine.train_step(local, micro_batch_size=self.cfg.data.micro_batch_size_per_gpu, loss_fn=loss_fn)
+        result = self.engine.train_step(
+            local, micro_batch_size=self.cfg.data.micro_batch_size_per_gpu, loss_fn=loss_fn
+        )
         elapsed = time.perf_counter() - start
         return {
             "train/loss": result.loss,
@@ -258,7 +273,9 @@ class SFTTrainer:
                 for batch in self.loader:
                     self.global_step += 1
                     metrics = self.train_step(batch)
-                    metrics["train/epoch"] = self.loader.epoch + self.loader.offset / max(len(self.train_dataset), 1)
+                    metrics["train/epoch"] = self.loader.epoch + self.loader.offset / max(
+                        len(self.train_dataset), 1
+                    )
                     if t.test_freq > 0 and self.global_step % t.test_freq == 0:
                         val = self.validate()
                         metrics.update(val)

@@ -135,7 +135,9 @@ class _TensorboardSink:
 
 
 class _WandbSink:
-    def __init__(self, *, project_name: str, experiment_name: str, log_dir: str, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self, *, project_name: str, experiment_name: str, log_dir: str, config: Mapping[str, Any]
+    ) -> None:
         import wandb
 
         self._wandb = wandb
@@ -205,7 +207,9 @@ def _tensorboard(*, log_dir: str, **_: Any) -> MetricSink:
 @register_logger("wandb")
 def _wandb(*, project_name: str, experiment_name: str, log_dir: str, config: Mapping[str, Any]) -> MetricSink:
     _require("wandb", "wandb")
-    return _WandbSink(project_name=project_name, experiment_name=experiment_name, log_dir=log_dir, config=config)
+    return _WandbSink(
+        project_name=project_name, experiment_name=experiment_name, log_dir=log_dir, config=config
+    )
 
 
 @register_logger("mlflow")
@@ -250,11 +254,14 @@ class Tracking:
             return
         for name in backends:
             self.sinks[name] = LOGGERS[name](
-                project_name=project_name, experiment_name=experiment_name, log_dir=log_dir, config=dict(config or {})
+                project_name=project_name,
+                experiment_name=experiment_name,
+                log_dir=log_dir,
+                config=dict(config or {}),
             )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Record scalar ``metrics`` (floats, ints or one-element tensors) for ``step``; others are ignored."""
+        """Record scalar ``metrics`` (floats, ints, one-element tensors) for ``step``; others are ignored."""
         if not self.sinks:
             return
         values = _scalars(metrics)
@@ -288,7 +295,7 @@ class _NoBar:
 
 
 def progress_bar(*, total: int, initial: int = 0, desc: str = "training", rank: int | None = None):
-    """A tqdm bar over ``total`` steps starting at ``initial`` on global rank 0; a silent stand-in elsewhere."""
+    """A tqdm bar over ``total`` steps from ``initial`` on global rank 0; a silent stand-in elsewhere."""
     if (global_rank() if rank is None else rank) != 0:
         return _NoBar()
     from tqdm import tqdm
