@@ -1,0 +1,117 @@
+"""tools/hf2megatron.py and tools/megatron2hf.py as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.models.tiny import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HF2MEG = os.path.join(ROOT, "tools", "hf2megatron.py")
+MEG2HF = os.path.join(ROOT, "tools", "megatron2hf.py")
+
+
+def _run(*args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_explains_every_flag():
+    for tool, flags in (
+        (HF2MEG, ["--hf-dir", "--out-dir", "--tp", "--pp", "--dtype", "--head", "--vocab-pad-multiple", "--check",
+                  "--tolerance", "--overwrite", "--no-progress"]),
+        (MEG2HF, ["--megatron-dir", "--out-dir", "--dtype", "--max-shard-gib", "--overwrite", "--no-progress"]),
+    ):
+        out = _run(tool, "--help")
+        assert out.returncode == 0
+        for flag in flags:
+            assert flag in out.stdout, (tool, flag)
+
+
+def test_missing_and_partial_inputs_are_clear_errors(tmp_path):
+    out = _run(HF2MEG, "--hf-dir", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "o"))
+    assert out.returncode == 2 and "no such directory" in out.stderr
+    model = make_tiny_model(str(tmp_path / "hf"), "llama_gqa")
+    os.remove(os.path.join(model, "model.safetensors"))
+    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "o"))
+    assert out.returncode == 2 and "no *.safetensors" in out.stderr
+    out = _run(MEG2HF, "--megatron-dir", model, "--out-dir", str(tmp_path / "o"))
+    assert out.returncode == 2 and "verl_model.json is missing" in out.stderr
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_layout_that_cannot_split_names_the_field(tmp_path):
+    model = make_tiny_model(str(tmp_path / "hf"), "llama_gqa")  # one key/value head
+    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "o"), "--tp", "2")
+    assert out.returncode == 2 and "num_key_value_heads=1" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A Mistral model converted by the CLI at TP2 in bf16 with --check, and the CLI's output."""
+    root = tmp_path_factory.mktemp("tools")
+    model = make_tiny_model(str(root / "hf"), "mistral", seed=2)
+    ckpt = root / "ckpt"
+    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(ckpt), "--tp", "2", "--dtype", "bf16", "--check", "--no-progress")
+    return model, ckpt, out
+
+
+def test_convert_with_check(converted):
+    model, ckpt, out = converted
+    assert out.returncode == 0, out.stderr[-3000:]
+    diff = float(out.stdout.split("max_abs_diff=")[1].split()[0])
+    assert diff < 1e-4  # float32 compute on bf16-rounded weights on both sides: rounding only
+    assert "peak_rss_mib_per_rank=" in out.stdout
+    assert os.path.isfile(ckpt / "hf" / "config.json") and os.path.isfile(ckpt / "verl_model.json")
+    again = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(ckpt))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_back_to_hf_loads_in_transformers(converted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, ckpt, _ = converted
+    back = tmp_path / "back"
+    out = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    original = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(back))
+    assert reloaded.dtype == torch.bfloat16
+    expected = {k: v.to(torch.bfloat16) for k, v in original.state_dict().items()}
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_check_detects_a_wrong_checkpoint(converted, tmp_path):
+    from verl.models.convert import check_conversion
+
+    _, ckpt, _ = converted
+    other = make_tiny_model(str(tmp_path / "other"), "mistral", seed=6)
+    assert check_conversion(ckpt_dir=str(ckpt), hf_dir=other, tp=1, pp=1) > 1e-2
+
+
+def test_killed_conversion_leaves_nothing_under_the_target(tmp_path):
+    model = make_tiny_model(str(tmp_path / "hf"), "llama3")
+    target = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, HF2MEG, "--hf-dir", model, "--out-dir", str(target), "--tp", "2", "--no-progress"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not glob.glob(str(tmp_path / ".ckpt.partial-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "conversion finished before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGKILL)  # the tool and the ranks it spawned
+    proc.wait()
+    assert not target.exists()
