@@ -297,7 +297,7 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         warmup, decay = lr_schedule_steps(optim, total_training_steps)
-        return OptimizerParamScheduler(
+        scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if warmup > 0 else optim.lr,
             max_lr=optim.lr,
@@ -312,6 +312,11 @@ class MegatronEngine:
             # A resumed run continues the saved schedule.
             use_checkpoint_opt_param_scheduler=True,
         )
+        # Megatron's schedule gives position 0 the initial lr (0 with warm-up); starting at 1
+        # makes the k-th update use position k, so no update is spent at lr 0 and the last one
+        # (k = decay steps) reaches min_lr.
+        scheduler.step(1)
+        return scheduler
 
     # ------------------------------------------------------------------------------------------
     # properties

@@ -294,10 +294,38 @@ class _NoBar:
         pass
 
 
-def progress_bar(*, total: int, initial: int = 0, desc: str = "training", rank: int | None = None):
-    """A tqdm bar over ``total`` steps from ``initial`` on global rank 0; a silent stand-in elsewhere."""
+class _Bar:
+    """A tqdm bar whose lifetime also routes log records through ``tqdm.write``, so log lines
+    (the console logger's metrics) print above the bar instead of through it."""
+
+    def __init__(self, *, total: int, initial: int, desc: str) -> None:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+        self._redirect = logging_redirect_tqdm()
+        self._redirect.__enter__()
+
+    def update(self, n: int = 1) -> None:
+        self._bar.update(n)
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        self._bar.set_postfix(*args, **kwargs)
+
+    def close(self) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        self._bar.close()
+
+
+def progress_bar(
+    *, total: int, initial: int = 0, desc: str = "training", rank: int | None = None
+) -> _Bar | _NoBar:
+    """A tqdm bar over ``total`` steps from ``initial`` on global rank 0; a silent stand-in elsewhere.
+
+    Call ``close()`` when done (it also ends the redirection of log lines above the bar).
+    """
     if (global_rank() if rank is None else rank) != 0:
         return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+    return _Bar(total=total, initial=initial, desc=desc)
