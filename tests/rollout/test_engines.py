@@ -176,8 +176,11 @@ def test_same_seed_same_samples(engine, prompts):
     assert torch.equal(first["responses"], again["responses"])
     assert torch.equal(first["rollout_log_probs"], again["rollout_log_probs"])
     assert not torch.equal(first["responses"], other["responses"])
-    # Without an explicit seed, successive calls draw fresh samples.
+    # Without an explicit seed, successive calls draw fresh samples from the engine's own
+    # stream; the caller's global RNG is neither used nor advanced.
+    global_state = torch.get_rng_state()
     assert not torch.equal(engine.generate(prompts)["responses"], engine.generate(prompts)["responses"])
+    assert torch.equal(torch.get_rng_state(), global_state)
 
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)

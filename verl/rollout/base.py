@@ -31,6 +31,7 @@ and memory hooks; ``generate`` (unpad -> sample -> assemble -> metrics) lives he
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -55,11 +56,6 @@ __all__ = [
     "rollout_metrics",
     "sampling_spec",
 ]
-
-# Seeds of successive generate() calls are this far apart, so that (call, row, sample) never
-# collide for fewer than a million sequences per call.
-_SEED_STRIDE_PER_CALL = 1_000_003
-
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSpec:
@@ -220,17 +216,24 @@ class RolloutEngine(abc.ABC):
     def __init__(self, cfg: RolloutConfig, *, pad_token_id: int) -> None:
         self.cfg = cfg
         self.pad_token_id = int(pad_token_id)
-        self._calls = 0
+        self._rng_state: torch.Tensor | None = None  # the engine's own CPU RNG stream
+        self._cuda_rng_state: torch.Tensor | None = None  # and CUDA stream, when sampling on CUDA
         self._last_metrics: dict[str, float] = {}
+        # Added to every seed: engines that are data-parallel replicas set it per replica so
+        # they do not draw the same random numbers for their different prompts.
+        self.seed_offset = 0
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
         """Sample responses for a batch of left-padded prompts (see the module docstring for keys).
 
         ``validate=True`` samples with ``val_kwargs`` (greedy by default, its own ``n``).
-        ``seed`` fixes this call's samples; by default call ``k`` of an engine uses
-        ``cfg.seed + k * 1_000_003``, so a run is reproducible and successive steps differ.
-        Sample ``j`` of prompt ``i`` is drawn with seed ``base + i * n + j``.
+
+        Randomness: an engine draws from its own RNG stream, seeded with ``cfg.seed`` and carried
+        from call to call (so a run is reproducible and successive steps differ); the process's
+        global RNG is neither used nor advanced. ``seed`` samples this one call from a fresh
+        stream seeded with it instead (same prompts + same seed -> same samples) and leaves the
+        engine's stream where it was.
         """
         for key in ("input_ids", "attention_mask"):
             if key not in prompts:
@@ -242,16 +245,43 @@ class RolloutEngine(abc.ABC):
                 "truncate the prompts (data.max_prompt_length)"
             )
         spec = sampling_spec(self.cfg, validate=validate)
-        base_seed = self.cfg.seed + self._calls * _SEED_STRIDE_PER_CALL if seed is None else int(seed)
-        self._calls += 1
         token_lists = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"])
         start = time.perf_counter()
-        samples = self._sample(token_lists, spec, base_seed)
+        with self._rng_stream(seed):
+            samples = self._sample(token_lists, spec)
         seconds = time.perf_counter() - start
         self._last_metrics = rollout_metrics(samples, seconds)
         return assemble_rollout(
             prompts, samples, n=spec.n, response_length=spec.max_tokens, pad_token_id=self.pad_token_id
         )
+
+    @property
+    def samples_on_cuda(self) -> bool:
+        """Whether sampling draws from the CUDA RNG (engines on GPU override this)."""
+        return False
+
+    @contextlib.contextmanager
+    def _rng_stream(self, seed: int | None) -> Iterator[None]:
+        """Run the body on the engine's RNG stream (or a fresh one seeded with ``seed``).
+
+        The global RNG states are saved and restored around it, so sampling neither depends on
+        nor disturbs the caller's RNG (training dropout, data shuffling).
+        """
+        cuda = self.samples_on_cuda
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+            if seed is not None:
+                torch.manual_seed(int(seed) + self.seed_offset)
+            elif self._rng_state is None:
+                torch.manual_seed(self.cfg.seed + self.seed_offset)
+            else:
+                torch.set_rng_state(self._rng_state)
+                if cuda:
+                    torch.cuda.set_rng_state(self._cuda_rng_state)
+            yield
+            if seed is None:
+                self._rng_state = torch.get_rng_state()
+                if cuda:
+                    self._cuda_rng_state = torch.cuda.get_rng_state()
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -264,8 +294,11 @@ class RolloutEngine(abc.ABC):
         return dict(self._last_metrics)
 
     @abc.abstractmethod
-    def _sample(self, prompts: list[list[int]], spec: SamplingSpec, base_seed: int) -> list[Sample]:
-        """``len(prompts) * spec.n`` samples, prompt-major (the ``n`` samples of a prompt adjacent)."""
+    def _sample(self, prompts: list[list[int]], spec: SamplingSpec) -> list[Sample]:
+        """``len(prompts) * spec.n`` samples, prompt-major (the ``n`` samples of a prompt adjacent).
+
+        Runs inside :meth:`_rng_stream`: draw randomness from torch's default generators.
+        """
 
     # ------------------------------------------------------------------ weights
     @abc.abstractmethod

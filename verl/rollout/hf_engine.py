@@ -10,9 +10,8 @@ continuous batching). Selected with ``actor_rollout_ref.rollout.name: hf``.
   applied, as vLLM's ``processed_logprobs``): ``log_softmax(score)`` of the sampled token.
 - Stop tokens (eos unless ``ignore_eos``, plus ``stop_token_ids``) and stop strings end a
   response; the stopping token is kept, as in vLLM.
-- ``seed``: the whole call draws from one generator seeded with the call's base seed (the
-  global RNG is left untouched), so a call is reproducible for the same batch; samples differ
-  from vLLM's, which seeds each prompt separately.
+- Randomness comes from the engine's own RNG stream (see ``RolloutEngine.generate``); samples
+  differ from vLLM's for the same seed (different samplers).
 
 :func:`hf_response_logprobs` recomputes per-token logprobs of a rollout batch with a plain
 forward pass (the trainer's computation, for checks and benchmarks).
@@ -95,17 +94,19 @@ class HFRollout(RolloutEngine):
         logger.info("HF rollout engine up: %s on %s, %s", model_path, self.device, dtype)
 
     # ------------------------------------------------------------------ generation
-    def _sample(self, prompts: list[list[int]], spec: SamplingSpec, base_seed: int) -> list[Sample]:
+    @property
+    def samples_on_cuda(self) -> bool:
+        """Sampling draws from the CUDA generator when the model is on a GPU."""
+        return self.device.type == "cuda"
+
+    def _sample(self, prompts: list[list[int]], spec: SamplingSpec) -> list[Sample]:
         if self.model.device != self.device:
             raise RuntimeError("HFRollout.generate called after release(); call resume() first")
         rows = [p for p in prompts for _ in range(spec.n)]
         step = self.micro_batch_size or len(rows)
-        generator_devices = [self.device] if self.device.type == "cuda" else []
         samples: list[Sample] = []
-        with torch.random.fork_rng(devices=generator_devices):
-            torch.manual_seed(base_seed)
-            for start in range(0, len(rows), step):
-                samples.extend(self._generate_rows(rows[start : start + step], spec))
+        for start in range(0, len(rows), step):
+            samples.extend(self._generate_rows(rows[start : start + step], spec))
         return samples
 
     def _generate_rows(self, rows: list[list[int]], spec: SamplingSpec) -> list[Sample]:

@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["VLLMRollout", "require_vllm", "vllm_package_name"]
 
 WeightMethod = Literal["load_weights", "reload_weights"]
+_SEED_STRIDE_PER_REPLICA = 1_000_003
 
 
 def vllm_package_name() -> str:
@@ -132,6 +133,17 @@ def _default_group_kept() -> Iterator[None]:
         dist.destroy_process_group = original
 
 
+def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+    """The logprob of each sampled token from vLLM's ``logprobs=0`` output (flat or per-token dicts)."""
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs):
+        # logprobs=0: exactly one entry per position, the sampled token.
+        assert logprobs.token_ids == token_ids, "vLLM flat logprobs are not the sampled tokens"
+        return list(logprobs.logprobs)
+    return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
+
+
 def _ipc_socket_paths() -> list[str]:
     """Files of the ipc sockets this process bound for vLLM's group broadcast queues."""
     from vllm.distributed import parallel_state
@@ -198,6 +210,9 @@ class VLLMRollout(RolloutEngine):
             self._lifetime.close()
             raise
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
+        if not self._owns_world:
+            # Ranks of one TP' group share a stream (they must sample alike); replicas differ.
+            self.seed_offset = (dist.get_rank() // cfg.tensor_model_parallel_size) * _SEED_STRIDE_PER_REPLICA
         init_method = getattr(self._worker, "distributed_init_method", "") or ""
         if self._owns_world and init_method.startswith("file://"):
             self._dist_file = init_method.removeprefix("file://")
@@ -278,13 +293,21 @@ class VLLMRollout(RolloutEngine):
         self._llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ generation
-    def _sample(self, prompts: list[list[int]], spec: SamplingSpec, base_seed: int) -> list[Sample]:
+    @property
+    def samples_on_cuda(self) -> bool:
+        """GPU vLLM samples with the CUDA generator; the CPU build with the CPU one."""
+        return not self.on_cpu
+
+    def _sample(self, prompts: list[list[int]], spec: SamplingSpec) -> list[Sample]:
         if self._released:
             raise RuntimeError("VLLMRollout.generate called after release(); call resume() first")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        common = dict(
+        # No per-request seeds: vLLM then samples from torch's default generators, which
+        # generate() has switched to this engine's own stream (per-request generators cost
+        # ~20% throughput on CPU and force FlashInfer's sampler off on GPU).
+        params = SamplingParams(
             n=spec.n,
             temperature=spec.temperature,
             top_p=spec.top_p,
@@ -294,12 +317,9 @@ class VLLMRollout(RolloutEngine):
             stop_token_ids=list(spec.stop_token_ids) or None,
             ignore_eos=spec.ignore_eos,
             logprobs=0,  # vLLM v1: 0 returns exactly the sampled token's logprob
+            flat_logprobs=True,  # a few flat lists per sequence instead of a dict per token
             detokenize=bool(spec.stop),  # stop strings need text; token ids are all we return
         )
-        params = [
-            SamplingParams(**common, seed=None if spec.greedy else base_seed + i * spec.n)
-            for i in range(len(prompts))
-        ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
         samples: list[Sample] = []
@@ -308,8 +328,9 @@ class VLLMRollout(RolloutEngine):
             assert len(completions) == spec.n, f"{len(completions)} completions for n={spec.n}"
             for c in completions:
                 ids = list(c.token_ids)
-                lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
-                samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
+                samples.append(
+                    Sample(token_ids=ids, logprobs=_sampled_logprobs(ids, c.logprobs), hit_length_limit=c.finish_reason == "length")
+                )
         return samples
 
     # ------------------------------------------------------------------ weights
