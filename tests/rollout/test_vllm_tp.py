@@ -1,8 +1,10 @@
-"""vLLM in-process under a 2-rank torch.distributed world: TP'=2 (one engine over both ranks).
+"""vLLM in-process under a 2-rank torch.distributed world (external_launcher).
 
-Everything runs in ONE call on the persistent 2-rank pool (engine start-up dominates): build,
-sample, in-place update and restore, release/resume, shutdown. Each rank returns what it saw;
-the checks run here. The model is a tiny untied Llama.
+TP'=2: one engine over both ranks (same prompts, same samples on both). TP'=1: two data-parallel
+replicas, one per rank, each with its own prompts. Each case runs in ONE call on the persistent
+2-rank pool (engine start-up dominates): build, sample, update and restore the weights,
+release/resume, shutdown. Each rank returns what it saw; the checks run here. The model is a
+tiny untied Llama.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ PROMPT_LEN, RESPONSE_LEN, N, TEMPERATURE = 8, 8, 2, 1.0
 LOGPROB_ATOL = 1e-4
 
 
-def _tp2_body(model_dir: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+def _engine_body(model_dir: str, input_ids: torch.Tensor, attention_mask: torch.Tensor, tp: int) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -32,8 +34,10 @@ def _tp2_body(model_dir: str, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     cfg = RolloutConfig(
         name="vllm", n=N, temperature=TEMPERATURE, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
-        tensor_model_parallel_size=2,
+        tensor_model_parallel_size=tp,
     )
+    if tp == 1:  # data-parallel replicas: each rank samples its own half of the prompts
+        input_ids, attention_mask = input_ids[dist.get_rank() :: 2], attention_mask[dist.get_rank() :: 2]
     prompts = Batch.from_dict({"input_ids": input_ids, "attention_mask": attention_mask})
     rpc_dir = os.environ["VLLM_RPC_BASE_PATH"]
     rpc_before = set(os.listdir(rpc_dir)) if os.path.isdir(rpc_dir) else set()
@@ -47,9 +51,7 @@ def _tp2_body(model_dir: str, input_ids: torch.Tensor, attention_mask: torch.Ten
         result["attention_mask"] = out["attention_mask"]
         result["position_ids"] = out["position_ids"]
         result["response_mask"] = out["response_mask"]
-        params = dict(engine.named_parameters())
-        # This rank's shards: 2 q heads + 1 kv head (k and v) of 32 split over 2 ranks... the
-        # single kv head is replicated, so rows = 32 (q) + 32 (k) + 32 (v).
+        params = dict(engine.named_parameters())  # this rank's shards, vLLM layout
         result["qkv_shape"] = tuple(params["model.layers.0.self_attn.qkv_proj.weight"].shape)
         result["vocab_shard_rows"] = params["model.embed_tokens.weight"].shape[0]
 
@@ -77,32 +79,46 @@ def _tp2_body(model_dir: str, input_ids: torch.Tensor, attention_mask: torch.Ten
     return result
 
 
-def test_vllm_tp2_in_process(tiny_models, one_thread):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _prompts(tok):
+    return tok(["one two", "three four five six", "x", "seven eight nine"], padding="max_length", truncation=True,
+               max_length=PROMPT_LEN, padding_side="left", return_tensors="pt")
 
+
+def _check_logprobs(hf, out: dict) -> None:
     from verl.rollout.checks import logprob_agreement
     from verl.rollout.hf_engine import hf_response_logprobs
 
-    model_dir = tiny_models["llama"]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    enc = tok(["one two", "three four five six", "x"], padding="max_length", truncation=True,
-              max_length=PROMPT_LEN, padding_side="left", return_tensors="pt")
-    rank0, rank1 = run_distributed(_tp2_body, 2, model_dir, enc["input_ids"], enc["attention_mask"], timeout=360.0)
-
-    # Both ranks of the TP'=2 engine return the same samples.
-    assert torch.equal(rank0["responses"], rank1["responses"])
-    assert torch.equal(rank0["rollout_log_probs"], rank1["rollout_log_probs"])
-    assert rank0["qkv_shape"] == (96, 64)  # q: 1 of 2 heads, k and v: the one kv head (replicated)
-    assert rank0["vocab_shard_rows"] * 2 >= len(tok)
-    assert rank0["changed"] and rank0["restored"] and rank0["same_after_resume"]
-    assert rank0["world_alive"] and rank1["world_alive"]
-    assert rank0["shm_left"] == [] and rank1["shm_left"] == []
-    assert rank0["sockets_left"] == [] and rank1["sockets_left"] == []
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     expected = hf_response_logprobs(
-        hf, rank0["input_ids"], rank0["attention_mask"], rank0["position_ids"],
+        hf, out["input_ids"], out["attention_mask"], out["position_ids"],
         response_length=RESPONSE_LEN, temperature=TEMPERATURE,
     )
-    agreement = logprob_agreement(rank0["rollout_log_probs"], expected, rank0["response_mask"])
+    agreement = logprob_agreement(out["rollout_log_probs"], expected, out["response_mask"])
     assert agreement["logprob_max_abs_diff"] < LOGPROB_ATOL, agreement
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1-dp2"])
+def test_vllm_in_process_on_two_ranks(tiny_models, one_thread, tp):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tiny_models["llama"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    enc = _prompts(tok)
+    ranks = run_distributed(_engine_body, 2, model_dir, enc["input_ids"], enc["attention_mask"], tp, timeout=360.0)
+    rank0, rank1 = ranks
+    if tp == 2:
+        # Both ranks of the TP'=2 engine return the same samples.
+        assert torch.equal(rank0["responses"], rank1["responses"])
+        assert torch.equal(rank0["rollout_log_probs"], rank1["rollout_log_probs"])
+        assert rank0["qkv_shape"] == (96, 64)  # q: 1 of 2 heads; k, v: the one kv head, replicated
+        assert rank0["vocab_shard_rows"] * 2 >= len(tok)
+    else:
+        # Two replicas, each its own prompts (rows 0, 2 and 1, 3) and full weights.
+        assert torch.equal(rank0["input_ids"][:, :PROMPT_LEN], enc["input_ids"][0::2].repeat_interleave(N, 0))
+        assert torch.equal(rank1["input_ids"][:, :PROMPT_LEN], enc["input_ids"][1::2].repeat_interleave(N, 0))
+        assert rank0["qkv_shape"] == (128, 64)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for r in ranks:
+        assert r["changed"] and r["restored"] and r["same_after_resume"]
+        assert r["world_alive"]
+        assert r["shm_left"] == [] and r["sockets_left"] == []
+        _check_logprobs(hf, r)

@@ -25,8 +25,9 @@ exist, the KV cache is freed and re-allocated in-process (``verl.rollout.vllm_cp
 Side effects of starting vLLM that are undone here: the CPU worker replaces
 ``torch.set_num_threads`` with a no-op and lowers the thread count to 1, and every worker
 seeds the global RNGs (python, numpy, torch); all are restored after the engine is built.
-(The CPU model runner also turns ``torch.accelerator.synchronize``/``empty_cache`` into
-no-ops, which it relies on while running; they are restored at ``shutdown``.)
+The engine core's ``gc.freeze()`` of every live object is undone too. (The CPU model runner
+also turns ``torch.accelerator.synchronize``/``empty_cache`` into no-ops, which it relies on
+while running; they are restored at ``shutdown``.)
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _preserve_process_state() -> Iterator[None]:
-    """Restore the RNG states, torch's thread count and ``torch.set_num_threads`` on exit."""
+    """Restore the RNG states, torch's thread count and ``torch.set_num_threads`` on exit, and
+    undo the engine core's ``gc.freeze()``."""
     py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    # Only the current device: touching every GPU would create a CUDA context on each.
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
@@ -101,8 +104,11 @@ def _preserve_process_state() -> Iterator[None]:
         random.setstate(py_state)
         np.random.set_state(np_state)
         torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+        # The engine core gc.freeze()s every object alive at start-up (the caller's too):
+        # give them back to the collector.
+        gc.unfreeze()
 
 
 @contextlib.contextmanager
