@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from verl.testing.distributed import run_distributed
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout the whole group (torchrun's ranks too) is killed."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:6])} ... timed out after {timeout} s; stderr tail:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _losses(log_dir: str) -> dict[int, float]:
@@ -115,7 +130,7 @@ def test_short_sft_run_learns_the_task(tiny_model_dir, arithmetic_files, tmp_pat
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    proc = _run(cmd, env, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(run / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
@@ -167,7 +182,7 @@ def test_torchrun_tensor_parallel_run(tiny_model_dir, arithmetic_files, tmp_path
         f"trainer.log_dir={run}/logs",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    proc = _run(cmd, env, timeout=170)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(run / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
