@@ -23,7 +23,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd[:6])} ... timed out after {timeout} s; stderr tail:\n{err[-4000:]}")
+        raise AssertionError(f"{cmd[:6]} ... timed out after {timeout} s; stderr tail:\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
