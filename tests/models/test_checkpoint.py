@@ -44,7 +44,7 @@ def _save_body(model_dir, ckpt_dir, tp, pp, pad_multiple, sp, batch):
 
 def _load_body(ckpt_dir, tp, pp, pad_multiple, batch):
     from verl.models.builder import ModelBuildConfig, build_model_chunks
-    from verl.models.checkpoint import iter_hf_weights, load_checkpoint, read_checkpoint_meta
+    from verl.models.checkpoint import iter_hf_pieces, iter_hf_weights, load_checkpoint, read_checkpoint_meta
     from verl.models.forward import forward_backward
     from verl.parallel.megatron_state import initialize_model_parallel
 
@@ -53,6 +53,10 @@ def _load_body(ckpt_dir, tp, pp, pad_multiple, batch):
     chunks = build_model_chunks(spec, ModelBuildConfig(vocab_pad_multiple=pad_multiple), pg)
     load_checkpoint(chunks, ckpt_dir, pg=pg)
     weights = {name: t.clone() for name, t in iter_hf_weights(chunks, pg=pg)}
+    # The communication-free per-shard view must describe the same tensors.
+    for piece, tensor in iter_hf_pieces(chunks, pg=pg):
+        expected = weights[piece.name].narrow(piece.dim, piece.start, piece.stop - piece.start)
+        assert torch.equal(tensor, expected), piece
     logits = None
     if batch is not None:
         logits = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logits").outputs["logits"]

@@ -206,3 +206,27 @@ def test_gradients_match_transformers(models, tp, sp, world):
         # any mapping or reduction error (which would be O(grad)).
         torch.testing.assert_close(actual[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     torch.testing.assert_close(torch.stack(results[0][1]), torch.stack([l.detach() for l in losses]), rtol=0, atol=ATOL)
+
+
+def _vpp_body(model_dir, batch):
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.checkpoint import load_hf_weights
+    from verl.models.forward import forward_backward
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(), pg, vpp_size=2)
+    load_hf_weights(chunks, model_dir, pg=pg)
+    result = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs")
+    return [c.verl_layer_offset for c in chunks], result.outputs["logprobs"]
+
+
+def test_interleaved_pipeline_matches_transformers(tmp_path):
+    model_dir = make_tiny_model(str(tmp_path / "hf"), "llama3", num_hidden_layers=4)
+    batch = padded_batch(4, 12, seed=9)
+    results = run_distributed(_vpp_body, 2, model_dir, batch)
+    assert [r[0] for r in results] == [[0, 2], [1, 3]]  # stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
+    expected, _ = reference_logprobs_entropy(hf_outputs(model_dir, batch), batch["input_ids"], batch["attention_mask"])
+    for _, logprobs in results:
+        torch.testing.assert_close(logprobs, expected, rtol=0, atol=ATOL)

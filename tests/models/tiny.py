@@ -46,9 +46,7 @@ def make_tiny_model(
 
     settings = dict(FAMILIES[family])
     model_type = settings.pop("model_type")
-    settings.update(overrides)
-    config = AutoConfig.for_model(
-        model_type,
+    base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
@@ -57,8 +55,10 @@ def make_tiny_model(
         max_position_embeddings=128,
         rms_norm_eps=1e-5,
         pad_token_id=0,
-        **settings,
     )
+    base.update(settings)
+    base.update(overrides)
+    config = AutoConfig.for_model(model_type, **base)
     torch.manual_seed(seed)
     if sequence_classification:
         config.num_labels = 1

@@ -60,6 +60,8 @@ class ModelBuildConfig:
     """Full activation recomputation of every layer (saves memory on long sequences)."""
     max_sequence_length: int | None = None
     """Longest sequence the model will see; None takes ``max_position_embeddings`` from the config."""
+    init_weights: bool = True
+    """Randomly initialise parameters; False leaves them uninitialised (every one is about to be loaded)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -191,6 +193,7 @@ def transformer_config_from_hf(
         # HF sliding window w: token i attends to j with i - w < j <= i.
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
         transformer_impl="transformer_engine" if use_te else "local",
+        perform_initialization=cfg.init_weights,
     )
     if cfg.recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -240,7 +240,7 @@ def hf_to_megatron(
 ) -> ConversionReport:
     """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint at ``out_dir``."""
     spec, reader = validate_hf_dir(hf_dir, head=head)
-    build_kwargs: dict[str, Any] = {"dtype": dtype, "head": head}
+    build_kwargs: dict[str, Any] = {"dtype": dtype, "head": head, "init_weights": False}
     if vocab_pad_multiple is not None:
         build_kwargs["vocab_pad_multiple"] = vocab_pad_multiple
     build = ModelBuildConfig(**build_kwargs)
@@ -315,7 +315,7 @@ def _check_rank(ckpt_dir: str, expected_path: str, tp: int, pp: int) -> float:
 
     pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     meta, spec = read_checkpoint_meta(ckpt_dir)
-    chunks = build_model_chunks(spec, ModelBuildConfig(dtype="fp32", head=meta.head), pg)
+    chunks = build_model_chunks(spec, ModelBuildConfig(dtype="fp32", head=meta.head, init_weights=False), pg)
     load_checkpoint(chunks, ckpt_dir, pg=pg)
     data = torch.load(expected_path)
     batch = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}

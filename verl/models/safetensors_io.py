@@ -1,7 +1,7 @@
 """Streaming reads and writes of Hugging Face safetensors checkpoints.
 
-Reads go through ``safe_open(...).get_slice``, so a caller that needs one tensor-parallel
-shard of a tensor reads only those bytes. Writes buffer at most one output file
+Reads parse the safetensors header and ``pread`` only the bytes a caller needs (one
+tensor-parallel shard of a tensor), so a converter's memory stays near one model shard. Writes buffer at most one output file
 (``max_shard_bytes``) before flushing it.
 """
 
@@ -14,7 +14,6 @@ import shutil
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verl.models.weight_mapping import HFPiece
@@ -50,13 +49,40 @@ def copy_side_files(src_dir: str, dst_dir: str, *, include_config: bool = True) 
     return copied
 
 
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_header(path: str) -> tuple[int, dict]:
+    """(offset of the data section, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
 class SafetensorsReader:
-    """Lazy, slice-level access to the tensors of a Hugging Face safetensors checkpoint dir."""
+    """Slice-level reads from the safetensors files of a Hugging Face checkpoint directory.
+
+    Reads use ``os.pread`` on exactly the bytes needed (a row range of a tensor is contiguous in
+    the file) rather than memory-mapping whole files, so a converter's resident memory is its
+    model shard plus the tensor in flight, not the page cache of every file it touched.
+    """
 
     def __init__(self, model_dir: str) -> None:
         self.model_dir = model_dir
         index_path = os.path.join(model_dir, "model.safetensors.index.json")
-        self._file_of: dict[str, str] = {}
         if os.path.isfile(index_path):
             with open(index_path, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
@@ -66,7 +92,7 @@ class SafetensorsReader:
                     f"{index_path} lists files that are not in {model_dir}: {', '.join(missing)} "
                     "(a partial download or copy?); restore them."
                 )
-            self._file_of = {name: os.path.join(model_dir, fn) for name, fn in weight_map.items()}
+            files = sorted(set(weight_map.values()))
         else:
             files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
             if not files:
@@ -77,57 +103,93 @@ class SafetensorsReader:
                     else ""
                 )
                 raise ValueError(f"{model_dir}: no *.safetensors weights found.{hint}")
-            for fn in files:
-                path = os.path.join(model_dir, fn)
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():
-                        self._file_of[name] = path
-        self._handles: dict[str, object] = {}
-
-    def _handle(self, path: str):
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path]
+        self._entries: dict[str, tuple[str, int, dict]] = {}
+        for fn in files:
+            path = os.path.join(model_dir, fn)
+            try:
+                data_start, header = _read_header(path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: not a readable safetensors file ({exc}); a truncated copy?") from exc
+            for name, entry in header.items():
+                self._entries[name] = (path, data_start, entry)
+        self._fds: dict[str, int] = {}
 
     def names(self) -> list[str]:
         """All tensor names in the checkpoint."""
-        return list(self._file_of)
+        return list(self._entries)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._entries
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of tensor ``name`` without reading it."""
-        return tuple(self._handle(self._path(name)).get_slice(name).get_shape())
-
-    def _path(self, name: str) -> str:
-        if name not in self._file_of:
+    def _entry(self, name: str) -> tuple[str, int, dict]:
+        if name not in self._entries:
             raise ValueError(
                 f"{self.model_dir}: tensor '{name}' is missing from the checkpoint (a partial copy, or a "
                 "config.json that does not match the weights)."
             )
-        return self._file_of[name]
+        return self._entries[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` without reading it."""
+        return tuple(self._entry(name)[2]["shape"])
+
+    def _read_bytes(self, path: str, offset: int, length: int) -> bytearray:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        buf = bytearray(length)
+        view = memoryview(buf)
+        done = 0
+        while done < length:
+            n = os.preadv(self._fds[path], [view[done:]], offset + done)
+            if n <= 0:
+                raise ValueError(f"{path}: file ends early (truncated copy?)")
+            done += n
+        return buf
+
+    def _read_rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        path, data_start, entry = self._entry(name)
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor '{name}' has dtype {entry['dtype']}, which verl does not read")
+        shape = list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        row = itemsize
+        for dim in shape[1:]:
+            row *= dim
+        if start is None:
+            start, stop = 0, shape[0] if shape else 1
+        if (stop - start) * row > end - begin or not shape and end - begin != itemsize:
+            raise ValueError(f"{path}: tensor '{name}' header is inconsistent with its data")
+        buf = self._read_bytes(path, data_start + begin + start * row, (stop - start) * row)
+        tensor = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        return tensor.reshape([stop - start, *shape[1:]] if shape else [])
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor ``name``."""
-        return self._handle(self._path(name)).get_tensor(name)
+        return self._read_rows(name)
 
     def read_piece(self, piece: HFPiece) -> torch.Tensor:
         """Only the rows/columns of ``piece``, checking the stored shape against the config."""
-        sl = self._handle(self._path(piece.name)).get_slice(piece.name)
-        shape = tuple(sl.get_shape())
+        shape = self.shape(piece.name)
         if shape != piece.full_shape:
             raise ValueError(
                 f"{self.model_dir}: tensor '{piece.name}' has shape {shape} but config.json implies "
                 f"{piece.full_shape}; the weights do not belong to this config."
             )
-        index = [slice(None)] * len(shape)
-        index[piece.dim] = slice(piece.start, piece.stop)
-        return sl[tuple(index)]
+        if piece.dim == 0:
+            return self._read_rows(piece.name, piece.start, piece.stop)
+        # A column range is strided in the file: read the tensor once, keep the columns.
+        return self._read_rows(piece.name).narrow(piece.dim, piece.start, piece.stop - piece.start).contiguous()
 
     def close(self) -> None:
-        """Drop open file handles."""
-        self._handles.clear()
+        """Close open files."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class SafetensorsWriter:
