@@ -35,13 +35,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 logger = logging.getLogger("verl.tools.bench")
 
 Runner = Callable[[argparse.Namespace], dict[str, Any]]
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Runner]]] = {}
+ParserBuilder = Callable[[argparse.ArgumentParser], Runner]
+SUBCOMMANDS: dict[str, tuple[str, ParserBuilder]] = {}
 
 
-def subcommand(name: str, help: str) -> Callable[[Callable[[argparse.ArgumentParser], Runner]], Callable[[argparse.ArgumentParser], Runner]]:
+def subcommand(name: str, help: str) -> Callable[[ParserBuilder], ParserBuilder]:
     """Register ``fn(parser) -> runner`` as ``bench.py <name>``."""
 
-    def deco(fn: Callable[[argparse.ArgumentParser], Runner]) -> Callable[[argparse.ArgumentParser], Runner]:
+    def deco(fn: ParserBuilder) -> ParserBuilder:
         if name in SUBCOMMANDS:
             raise ValueError(f"bench subcommand {name!r} registered twice")
         SUBCOMMANDS[name] = (help, fn)
@@ -73,7 +74,9 @@ def _prompt_batch(tokenizer: Any, count: int, prompt_length: int, seed: int):
     )
 
 
-def _timed_rollouts(engines: dict[str, Any], prompts: Any, seed: int, repeats: int) -> tuple[Any, dict[str, list[dict[str, float]]]]:
+def _timed_rollouts(
+    engines: dict[str, Any], prompts: Any, seed: int, repeats: int
+) -> tuple[Any, dict[str, list[dict[str, float]]]]:
     """Warm every engine up, then time ``repeats`` rounds, the engines interleaved in each round
     (so a load spike on a shared machine hits both). Returns the first engine's last output and
     the per-round metrics of every engine."""

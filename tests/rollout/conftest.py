@@ -12,9 +12,12 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     from verl.data.tiny_model import TinyModelSpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("rollout-models")
+    # A smaller tokenizer corpus than the default keeps this fixture at a few seconds.
+    qwen2 = TinyModelSpec(family="qwen2", tie_embeddings=True, corpus_lines=600, seed=1)
+    llama = TinyModelSpec(family="llama", corpus_lines=600, seed=2)
     return {
-        "qwen2": make_tiny_model(str(root / "qwen2"), TinyModelSpec(family="qwen2", tie_embeddings=True, corpus_lines=600, seed=1)),
-        "llama": make_tiny_model(str(root / "llama"), TinyModelSpec(family="llama", corpus_lines=600, seed=2)),
+        "qwen2": make_tiny_model(str(root / "qwen2"), qwen2),
+        "llama": make_tiny_model(str(root / "llama"), llama),
     }
 
 

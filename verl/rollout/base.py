@@ -150,7 +150,9 @@ def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]
 
 
-def assemble_rollout(prompts: Batch, samples: list[Sample], *, n: int, response_length: int, pad_token_id: int) -> Batch:
+def assemble_rollout(
+    prompts: Batch, samples: list[Sample], *, n: int, response_length: int, pad_token_id: int
+) -> Batch:
     """The output batch (see module docstring) from ``B * n`` samples in prompt-major order.
 
     Every column of ``prompts`` (tensors and non-tensors) is repeated ``n`` times, interleaved;
@@ -184,7 +186,8 @@ def assemble_rollout(prompts: Batch, samples: list[Sample], *, n: int, response_
     out["response_mask"] = response_mask.to(prompt_ids.device)
     out["rollout_log_probs"] = logprobs.to(prompt_ids.device)
     out["input_ids"] = torch.cat([prompt_ids, out["responses"]], dim=1)
-    out["attention_mask"] = torch.cat([prompt_mask.to(out["attention_mask"].dtype), out["response_mask"].to(out["attention_mask"].dtype)], dim=1)
+    mask_dtype = out["attention_mask"].dtype
+    out["attention_mask"] = torch.cat([prompt_mask.to(mask_dtype), out["response_mask"].to(mask_dtype)], dim=1)
     out["position_ids"] = torch.cat([prompt_pos, response_pos.to(prompt_pos.device)], dim=1)
     return out
 

@@ -26,15 +26,18 @@ if TYPE_CHECKING:
 __all__ = ["logprob_agreement", "megatron_response_logprobs"]
 
 
-def logprob_agreement(rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+def logprob_agreement(
+    rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """Agreement metrics (see module docstring) over the tokens where ``response_mask`` is 1. All ``[B, R]``."""
     if not (rollout_log_probs.shape == trainer_log_probs.shape == response_mask.shape):
         raise ValueError(
             f"shapes differ: rollout_log_probs {list(rollout_log_probs.shape)}, trainer_log_probs "
             f"{list(trainer_log_probs.shape)}, response_mask {list(response_mask.shape)}"
         )
-    mask = response_mask.to(torch.bool)
-    diff = (rollout_log_probs.double() - trainer_log_probs.double().to(rollout_log_probs.device))[mask.to(rollout_log_probs.device)].abs()
+    device = rollout_log_probs.device
+    mask = response_mask.to(device=device, dtype=torch.bool)
+    diff = (rollout_log_probs.double() - trainer_log_probs.double().to(device))[mask].abs()
     if diff.numel() == 0:
         return {"logprob_max_abs_diff": 0.0, "logprob_mean_abs_diff": 0.0, "token_mult_prob_error": 1.0, "num_tokens": 0}
     mean = float(diff.mean())

@@ -80,7 +80,9 @@ class HFRollout(RolloutEngine):
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.micro_batch_size = micro_batch_size
-        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
         dtype = _torch_dtype(cfg.dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code
@@ -118,7 +120,8 @@ class HFRollout(RolloutEngine):
         for i, r in enumerate(rows):
             input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, width - len(r) :] = 1
-        stop_ids = ([] if spec.ignore_eos or self.eos_token_id is None else [self.eos_token_id]) + list(spec.stop_token_ids)
+        eos = [] if spec.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        stop_ids = eos + list(spec.stop_token_ids)
         # Greedy: leave the sampling knobs unset (transformers warns about unused ones).
         sampling = {} if spec.greedy else dict(
             temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0

@@ -334,9 +334,8 @@ class VLLMRollout(RolloutEngine):
             assert len(completions) == spec.n, f"{len(completions)} completions for n={spec.n}"
             for c in completions:
                 ids = list(c.token_ids)
-                samples.append(
-                    Sample(token_ids=ids, logprobs=_sampled_logprobs(ids, c.logprobs), hit_length_limit=c.finish_reason == "length")
-                )
+                lps = _sampled_logprobs(ids, c.logprobs)
+                samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
         return samples
 
     # ------------------------------------------------------------------ weights
@@ -353,7 +352,9 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError("the engine's weights are asleep; call resume() before touching them")
         return self._model().named_parameters()
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, method: WeightMethod = "load_weights") -> None:
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, method: WeightMethod = "load_weights"
+    ) -> None:
         """Load (Hugging Face name, full tensor) pairs into the running engine.
 
         ``load_weights`` (default) writes any subset of tensors into the existing parameters;
