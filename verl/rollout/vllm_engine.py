@@ -218,7 +218,8 @@ class VLLMRollout(RolloutEngine):
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
         if not self._owns_world:
             # Ranks of one TP' group share a stream (they must sample alike); replicas differ.
-            self.seed_offset = (dist.get_rank() // cfg.tensor_model_parallel_size) * _SEED_STRIDE_PER_REPLICA
+            replica = dist.get_rank() // cfg.tensor_model_parallel_size
+            self.seed_offset = replica * _SEED_STRIDE_PER_REPLICA
         init_method = getattr(self._worker, "distributed_init_method", "") or ""
         if self._owns_world and init_method.startswith("file://"):
             self._dist_file = init_method.removeprefix("file://")
@@ -278,7 +279,8 @@ class VLLMRollout(RolloutEngine):
                 self._lifetime.enter_context(vllm_cpu.plain_cpu_linear())
                 # The CPU model runner makes torch.accelerator.{synchronize,empty_cache} no-ops
                 # process-wide (it calls them at run time): undone at shutdown.
-                self._lifetime.enter_context(_restored_attributes(torch.accelerator, ("synchronize", "empty_cache")))
+                accelerator_hooks = _restored_attributes(torch.accelerator, ("synchronize", "empty_cache"))
+                self._lifetime.enter_context(accelerator_hooks)
                 if world > 1:
                     build.enter_context(vllm_cpu.unique_shm_names(self._shm_names))
             llm = LLM(**kwargs)
