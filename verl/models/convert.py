@@ -140,9 +140,8 @@ def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable, args: tup
 def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks with torch.distributed initialised.
 
-    Under torchrun the current world runs it (its size must equal ``world_size``) and the
-    result list holds only this rank's value at its index; otherwise ``world_size`` processes
-    are spawned and every rank's value is returned.
+    Under torchrun the current world runs it (its size must equal ``world_size``); otherwise
+    ``world_size`` processes are spawned. Returns every rank's value, indexed by rank.
     """
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
@@ -159,7 +158,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         finally:
             destroy_model_parallel()
         out: list[Any] = [None] * world_size
-        out[dist.get_rank()] = value
+        dist.all_gather_object(out, value)
         return out
 
     import torch.multiprocessing as mp

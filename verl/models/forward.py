@@ -274,7 +274,7 @@ def forward_backward(
         result.outputs = {k: torch.cat([r["outputs"][k] for r in records])[:real_rows] for k in keys}
         result.metrics = [r.get("metrics", {}) for r in records]
     if broadcast and pp_size > 1:
-        result.outputs = _broadcast_from_last_stage(result.outputs, batch, output, pg, inner)
+        result.outputs = _broadcast_from_last_stage(result.outputs, batch, output, with_entropy, pg, inner)
     return result
 
 
@@ -282,27 +282,21 @@ def _broadcast_from_last_stage(
     outputs: dict[str, torch.Tensor],
     batch: Mapping[str, torch.Tensor],
     kind: OutputKind,
+    with_entropy: bool,
     pg: "ProcessGroupCollection",
     inner: torch.nn.Module,
 ) -> dict[str, torch.Tensor]:
+    """Every pipeline stage gets the last stage's outputs (same keys and shapes on all stages)."""
     b, t = batch["input_ids"].shape
     device = batch["input_ids"].device
     if kind == "logprobs":
-        shapes = {"logprobs": (b, t)}
-        if "entropy" in outputs or pg.pp.rank() != pg.pp.size() - 1:
-            shapes["entropy"] = (b, t)
+        shapes = {"logprobs": (b, t), **({"entropy": (b, t)} if with_entropy else {})}
     elif kind == "values":
         shapes = {"values": (b, t)}
     else:
         shapes = {"logits": (b, t, inner.verl_padded_vocab // pg.tp.size())}
     src = dist.get_global_rank(pg.pp, pg.pp.size() - 1)
     is_src = pg.pp.rank() == pg.pp.size() - 1
-    # The number of tensors must agree on all stages: the last stage says whether entropy exists.
-    flag = torch.tensor([1 if "entropy" in outputs else 0], device=device)
-    if kind == "logprobs":
-        dist.broadcast(flag, src=src, group=pg.pp)
-        if not flag.item():
-            shapes.pop("entropy", None)
     result = {}
     for key, shape in shapes.items():
         if is_src:
