@@ -290,6 +290,15 @@ def build_gpt_model(
     return model
 
 
+def unwrap_model(module: torch.nn.Module) -> "GPTModel":
+    """The verl-built GPTModel inside ``module`` (DDP and other wrappers expose it as ``.module``)."""
+    while not hasattr(module, "verl_spec") and hasattr(module, "module"):
+        module = module.module
+    if not hasattr(module, "verl_spec"):
+        raise ValueError("model chunk was not built by verl.models.builder (no verl_spec attribute)")
+    return module
+
+
 def _layer_offset(config: "TransformerConfig", vp_stage: int | None, pp_rank: int) -> int:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 

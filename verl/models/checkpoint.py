@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
+from verl.models.builder import unwrap_model
 from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.safetensors_io import SafetensorsReader, copy_side_files
 from verl.models.weight_mapping import (
@@ -68,14 +69,6 @@ class CheckpointMeta:
     """TP size of the writer (informational; loading reshards)."""
     written_pp: int
     """PP size of the writer (informational; loading reshards)."""
-
-
-def _inner(module: torch.nn.Module) -> torch.nn.Module:
-    while not hasattr(module, "verl_spec") and hasattr(module, "module"):
-        module = module.module
-    if not hasattr(module, "verl_spec"):
-        raise ValueError("model chunk was not built by verl.models.builder (no verl_spec attribute)")
-    return module
 
 
 def _mapping_for(inner: torch.nn.Module, name: str, tp_rank: int, tp_size: int):
@@ -134,7 +127,7 @@ def load_hf_weights(
     tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
     work = []
     for chunk in chunks:
-        inner = _inner(chunk)
+        inner = unwrap_model(chunk)
         work += [(inner, name, param) for name, param in inner.named_parameters()]
     iterator = work
     if progress:
@@ -162,7 +155,7 @@ def iter_hf_pieces(
     """
     tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
     for chunk in chunks:
-        inner = _inner(chunk)
+        inner = unwrap_model(chunk)
         for name, param in inner.named_parameters():
             mapping = _mapping_for(inner, name, tp_rank, tp_size)
             if mapping.duplicate:
@@ -179,7 +172,7 @@ def iter_hf_weights(
     """
     tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
     for chunk in chunks:
-        inner = _inner(chunk)
+        inner = unwrap_model(chunk)
         for name, param in inner.named_parameters():
             mapping = _mapping_for(inner, name, tp_rank, tp_size)
             if mapping.duplicate:
@@ -200,8 +193,8 @@ def iter_hf_weights(
 
 def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     if len(chunks) == 1:
-        return {"model": _inner(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": unwrap_model(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def save_checkpoint(
@@ -218,7 +211,7 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    inner = _inner(chunks[0])
+    inner = unwrap_model(chunks[0])
     spec, build = inner.verl_spec, inner.verl_build
     os.makedirs(ckpt_dir, exist_ok=True)
     dist_checkpointing.save(_sharded_state_dict(chunks), ckpt_dir)
@@ -275,7 +268,7 @@ def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, *, pg: "Proces
     from megatron.core import dist_checkpointing
 
     meta, spec = read_checkpoint_meta(ckpt_dir)
-    inner = _inner(chunks[0])
+    inner = unwrap_model(chunks[0])
     if inner.verl_build.head != meta.head:
         raise ValueError(
             f"{ckpt_dir} holds a model with head={meta.head!r}, the model was built with head={inner.verl_build.head!r}"
@@ -289,7 +282,7 @@ def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, *, pg: "Proces
     state = dist_checkpointing.load(sharded, ckpt_dir)
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
-        _inner(chunk).load_state_dict(state[key], strict=True)
+        unwrap_model(chunk).load_state_dict(state[key], strict=True)
 
 
 def _layer_key_suffixes(spec: HFModelSpec, head: str) -> list[str]:
@@ -297,33 +290,30 @@ def _layer_key_suffixes(spec: HFModelSpec, head: str) -> list[str]:
     return [n[len("decoder.layers.0."):] for n in names]
 
 
-class _RegionLoadPlanner:
-    """Builds a DCP load planner that reads sub-regions (e.g. one layer) of stored tensors.
+def _region_planner(regions: dict[str, tuple[int, ...]]):
+    """A DCP load planner that reads sub-regions (e.g. one layer) of stored tensors.
 
-    ``regions`` maps a stored key to the offsets of the destination tensor's first element in
-    the global tensor; the destination tensors in the state dict give the region sizes.
+    ``regions`` maps a stored key to the global offsets of the destination's first element; the
+    destination tensors in the state dict give the region sizes.
     """
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    @staticmethod
-    def make(regions: dict[str, tuple[int, ...]]):
-        from torch.distributed.checkpoint import DefaultLoadPlanner
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    class RegionLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            requests = []
+            for fqn, tensor in self.state_dict.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(regions[fqn]), sizes=tensor.size())
+                requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            return LoadPlan(requests)
 
-        class Planner(DefaultLoadPlanner):
-            def create_local_plan(self) -> LoadPlan:
-                requests = []
-                for fqn, tensor in self.state_dict.items():
-                    chunk = ChunkStorageMetadata(offsets=torch.Size(regions[fqn]), sizes=tensor.size())
-                    requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
-                return LoadPlan(requests)
+        def lookup_tensor(self, index):
+            # The destination is the region itself; transform_tensor narrows within it.
+            return self.state_dict[index.fqn]
 
-            def lookup_tensor(self, index):
-                # The destination is the region itself; transform_tensor narrows within it.
-                return self.state_dict[index.fqn]
-
-        return Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    return RegionLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 def _read_regions(ckpt_dir: str, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -331,7 +321,7 @@ def _read_regions(ckpt_dir: str, regions: dict[str, tuple[tuple[int, ...], torch
     import torch.distributed.checkpoint as dcp
 
     state = {key: dest for key, (_, dest) in regions.items()}
-    planner = _RegionLoadPlanner.make({key: offsets for key, (offsets, _) in regions.items()})
+    planner = _region_planner({key: offsets for key, (offsets, _) in regions.items()})
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": exactly the intent.
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)

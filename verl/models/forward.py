@@ -106,14 +106,6 @@ class ForwardResult:
     """``loss_fn`` metrics per micro-batch (last stage only)."""
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while not hasattr(module, "verl_spec") and hasattr(module, "module"):
-        module = module.module
-    if not hasattr(module, "verl_spec"):
-        raise ValueError("model was not built by verl.models.builder (no verl_spec attribute)")
-    return module
-
-
 def _head_outputs(
     output: torch.Tensor,
     mb: _MicroBatch,
@@ -207,10 +199,12 @@ def forward_backward(
         broadcast: send ``outputs`` from the last pipeline stage to every stage.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from verl.models.builder import unwrap_model
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     chunks = model if isinstance(model, list) else [model]
-    inner = _unwrap(chunks[0])
+    inner = unwrap_model(chunks[0])
     spec, build = inner.verl_spec, inner.verl_build
     if output == "logprobs" and build.head != "lm" or output == "values" and build.head == "lm":
         raise ValueError(f"output={output!r} does not fit a model built with head={build.head!r}")
