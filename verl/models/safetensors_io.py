@@ -195,9 +195,9 @@ class SafetensorsReader:
 class SafetensorsWriter:
     """Writes (name, tensor) pairs into size-capped safetensors files plus an index.
 
-    Files are written as ``model-XXXXX.safetensors`` while streaming and renamed to the
-    Hugging Face ``model-XXXXX-of-YYYYY.safetensors`` scheme (or ``model.safetensors`` when
-    there is only one) by :meth:`finish`.
+    Files are written as ``model-00001.safetensors``, ``model-00002...`` while streaming and
+    renamed to the Hugging Face ``model-00001-of-00003.safetensors`` scheme (or
+    ``model.safetensors`` when there is only one) by :meth:`finish`.
     """
 
     def __init__(self, out_dir: str, *, max_shard_bytes: int = 2 * 1024**3) -> None:
