@@ -531,7 +531,7 @@ class MegatronEngine:
 
         Layout: ``model/`` (``verl.models.save_checkpoint``: distributed checkpoint + ``hf/``
         config and tokenizer), ``optim/`` (distributed checkpoint of the optimizer state),
-        ``extra/rank_XXXXX.pt`` (this rank's RNG states and the scheduler), ``engine.json``.
+        ``extra/rank_<5-digit rank>.pt`` (this rank's RNG states and the scheduler), ``engine.json``.
         """
         from megatron.core import dist_checkpointing
 

@@ -65,3 +65,32 @@ def convert_file(
     if not records:
         raise ValueError(f"{input_path}: no rows to convert")
     return records
+
+
+def convert_file_cli(argv: list[str] | None, *, task: Any, dataset: str, doc: str) -> None:
+    """The command line of a ``tools/data/<task>.py`` converter: ``--input``, ``--output``, ``--split``.
+
+    ``task`` is a module of :mod:`verl.data.tasks` with ``convert_row`` and ``DATA_SOURCE``;
+    ``dataset`` names the public dataset in the help text. Bad input exits with status 2 and
+    the message of the ``ValueError`` (it names the file, the row and the field).
+    """
+    import argparse
+    import logging
+
+    from verl.data.io import write_parquet
+    from verl.utils.logging import setup_logging
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help=f"{dataset} file: .jsonl, .parquet or .arrow in the public schema")
+    p.add_argument("--output", required=True, help="output parquet file in the verl format")
+    p.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
+    args = p.parse_args(argv)
+    setup_logging()
+    try:
+        records = convert_file(args.input, task.convert_row, split=args.split)
+        write_parquet(records, args.output)
+    except ValueError as e:
+        p.error(str(e))
+    logging.getLogger(f"tools.data.{task.__name__.rsplit('.', 1)[-1]}").info(
+        "wrote %d %s records to %s", len(records), task.DATA_SOURCE, args.output
+    )
