@@ -19,6 +19,7 @@ import logging  # noqa: E402
 
 from verl.data.io import write_parquet  # noqa: E402
 from verl.data.tasks import arithmetic  # noqa: E402
+from verl.utils.logging import setup_logging  # noqa: E402
 
 logger = logging.getLogger("tools.data.arithmetic")
 
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default="+", help="operators to draw from, e.g. '+-*' (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     args = p.parse_args(argv)
-    # Not verl.utils.logging.setup_logging: it imports torch, which these tools do not need.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         train, val = arithmetic.generate_splits(
             train=args.train, val=args.val, digits=args.digits, ops=tuple(args.ops), seed=args.seed

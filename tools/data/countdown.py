@@ -20,6 +20,7 @@ import logging  # noqa: E402
 from verl.data.io import write_parquet  # noqa: E402
 from verl.data.tasks import countdown  # noqa: E402
 from verl.data.tasks.common import convert_file  # noqa: E402
+from verl.utils.logging import setup_logging  # noqa: E402
 
 logger = logging.getLogger("tools.data.countdown")
 
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         "--split", default="train", help="split name stored in extra_info.split (default %(default)s)"
     )
     args = p.parse_args(argv)
-    # Not verl.utils.logging.setup_logging: it imports torch, which these tools do not need.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         if args.command == "generate":
             for split, n, seed in (("train", args.train, args.seed), ("test", args.val, args.seed + 1)):

@@ -35,6 +35,7 @@ from fractions import Fraction
 
 from verl.rewards.extract import answer_after_marker, as_text, last_boxed, normalize_minus
 from verl.rewards.timeout import time_limit
+from verl.utils.logging import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,6 @@ def math_verify_equal(prediction: str, ground_truth: str, timeout_s: float | Non
     try:
         verify = _math_verify().verify
     except Exception as exc:  # not installed, or an install that fails to import
-        from verl.utils.logging import warn_once  # here: it imports torch, which workers avoid
-
         warn_once(
             logger,
             "math-verify cannot be used (%s: %s): MATH answers are compared by the normaliser only",
