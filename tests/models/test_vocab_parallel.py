@@ -61,6 +61,7 @@ def _tp2_body():
     return lp.detach(), ent.detach(), local.grad
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_2_matches_full_vocab():
     logits, target, (w_lp, w_ent) = _inputs()
     expected_logits = logits.clone().requires_grad_()

@@ -76,6 +76,7 @@ def reference(tiny_model_dir, arithmetic_files, tmp_path_factory):
     return steps, export
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("world", "tp", "pp", "micro"),

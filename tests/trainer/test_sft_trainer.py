@@ -81,6 +81,7 @@ def _resume_body(
     return _losses(f"{whole}/logs"), _losses(f"{parts}/logs"), sorted(os.listdir(parts))
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_resumed_run_continues_identically(tiny_model_dir, arithmetic_files, tmp_path):
     whole, parts, listing = run_distributed(_resume_body, 1, tiny_model_dir, arithmetic_files, str(tmp_path))[
@@ -99,6 +100,7 @@ def test_resumed_run_continues_identically(tiny_model_dir, arithmetic_files, tmp
     assert listing == ["global_step_5", "latest_checkpointed_iteration.txt", "logs"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_short_sft_run_learns_the_task(tiny_model_dir, arithmetic_files, tmp_path):
     """`python -m verl.trainer.main_sft` (no torchrun: a world of one) teaches 1-digit addition.
@@ -150,6 +152,8 @@ def test_short_sft_run_learns_the_task(tiny_model_dir, arithmetic_files, tmp_pat
     assert after.accuracy >= 0.5, after.examples
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_tensor_parallel_run(tiny_model_dir, arithmetic_files, tmp_path):
     """`torchrun --nproc_per_node=2 -m verl.trainer.main_sft` with TP=2 + sequence parallel:
