@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -161,16 +162,19 @@ def assemble_rollout(
     b = len(prompts)
     assert len(samples) == b * n, f"{len(samples)} samples for {b} prompts x n={n}"
     r = response_length
-    responses = torch.full((b * n, r), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((b * n, r), dtype=torch.long)
-    logprobs = torch.zeros((b * n, r), dtype=torch.float32)
+    lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.long)  # [B*n]
     for i, s in enumerate(samples):
-        k = len(s.token_ids)
-        assert k <= r and len(s.logprobs) == k, f"sample {i}: {k} tokens, {len(s.logprobs)} logprobs, limit {r}"
-        if k:
-            responses[i, :k] = torch.tensor(s.token_ids, dtype=torch.long)
-            logprobs[i, :k] = torch.tensor(s.logprobs, dtype=torch.float32)
-            response_mask[i, :k] = 1
+        assert len(s.token_ids) <= r and len(s.logprobs) == len(s.token_ids), (
+            f"sample {i}: {len(s.token_ids)} tokens, {len(s.logprobs)} logprobs, limit {r}"
+        )
+    # Each row's tokens are a prefix of the row, so the row-major order of the mask's ones is
+    # the order of the samples' tokens one after the other.
+    filled = torch.arange(r).unsqueeze(0) < lengths.unsqueeze(1)  # [B*n, R]
+    flat_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in samples)), dtype=torch.long)
+    flat_lps = torch.tensor(list(itertools.chain.from_iterable(s.logprobs for s in samples)), dtype=torch.float32)
+    responses = torch.full((b * n, r), pad_token_id, dtype=torch.long).masked_scatter_(filled, flat_ids)
+    logprobs = torch.zeros((b * n, r), dtype=torch.float32).masked_scatter_(filled, flat_lps)
+    response_mask = filled.to(torch.long)
 
     out = prompts.repeat(n, interleave=True)
     prompt_ids = out["input_ids"]  # [B*n, P]
