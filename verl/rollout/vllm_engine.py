@@ -25,9 +25,20 @@ exist, the KV cache is freed and re-allocated in-process (``verl.rollout.vllm_cp
 Side effects of starting vLLM that are undone here: the CPU worker replaces
 ``torch.set_num_threads`` with a no-op and lowers the thread count to 1, and every worker
 seeds the global RNGs (python, numpy, torch); all are restored after the engine is built.
-The engine core's ``gc.freeze()`` of every live object is undone too. (The CPU model runner
+(The CPU model runner
 also turns ``torch.accelerator.synchronize``/``empty_cache`` into no-ops, which it relies on
-while running; they are restored at ``shutdown``.)
+while running; they are restored when the last engine of the process shuts down.)
+
+Garbage collection: the engine core ``gc.freeze()``s every object alive when it starts (vLLM's
+design, kept): the cyclic collector then skips that static heap (~700k objects with torch,
+transformers and vLLM loaded). Undoing it made every ~15th tiny-model rollout pay a ~370 ms
+full collection (5% on average). The cost: objects that were alive at engine start and later
+become unreachable *cycles* wait until ``shutdown``, where vLLM unfreezes them and verl collects
+(reference counting frees everything else as usual).
+
+Logprobs: on the CPU build the sampled tokens' logprobs are read from the sampler by
+``verl.rollout.vllm_cpu.SampledLogprobCapture`` (the same numbers, without vLLM's per-token
+Python objects: ~11% of a tiny model's rollout); elsewhere vLLM returns them (``logprobs=0``).
 """
 
 from __future__ import annotations
@@ -90,8 +101,7 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _preserve_process_state() -> Iterator[None]:
-    """Restore the RNG states, torch's thread count and ``torch.set_num_threads`` on exit, and
-    undo the engine core's ``gc.freeze()``."""
+    """Restore the RNG states, torch's thread count and ``torch.set_num_threads`` on exit."""
     py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     # Only the current device: touching every GPU would create a CUDA context on each.
     cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
@@ -106,20 +116,6 @@ def _preserve_process_state() -> Iterator[None]:
         torch.set_rng_state(torch_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
-        # The engine core gc.freeze()s every object alive at start-up (the caller's too):
-        # give them back to the collector.
-        gc.unfreeze()
-
-
-@contextlib.contextmanager
-def _restored_attributes(obj: Any, names: tuple[str, ...]) -> Iterator[None]:
-    """Put ``obj``'s attributes ``names`` back as they were on exit."""
-    saved = {n: getattr(obj, n) for n in names}
-    try:
-        yield
-    finally:
-        for n, v in saved.items():
-            setattr(obj, n, v)
 
 
 @contextlib.contextmanager
@@ -148,6 +144,18 @@ def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
         assert logprobs.token_ids == token_ids, "vLLM flat logprobs are not the sampled tokens"
         return list(logprobs.logprobs)
     return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
+
+
+def _captured_logprobs(captured: dict[str, tuple[list[int], list[float]]], request_id: str, token_ids: list[int]) -> list[float]:
+    """The captured logprobs of request ``request_id``, checked against the sampled tokens of vLLM's own output."""
+    tokens, logprobs = captured.get(request_id, ([], []))
+    if tokens != token_ids:
+        raise RuntimeError(
+            f"vLLM request {request_id}: the sampled tokens captured from the model runner differ from the "
+            "request's output; vLLM's runner internals differ from what "
+            "verl.rollout.vllm_cpu.SampledLogprobCapture expects"
+        )
+    return logprobs
 
 
 def _ipc_socket_paths() -> list[str]:
@@ -216,6 +224,12 @@ class VLLMRollout(RolloutEngine):
             self._lifetime.close()
             raise
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
+        self._logprob_capture: Any = None
+        if self.on_cpu:
+            from verl.rollout import vllm_cpu
+
+            if vllm_cpu.fast_logprobs_supported(self._worker.model_runner):
+                self._logprob_capture = vllm_cpu.SampledLogprobCapture(self._worker.model_runner)
         if not self._owns_world:
             # Ranks of one TP' group share a stream (they must sample alike); replicas differ.
             replica = dist.get_rank() // cfg.tensor_model_parallel_size
@@ -278,9 +292,8 @@ class VLLMRollout(RolloutEngine):
                 # Kept for the engine's lifetime: reload_weights re-processes layers too.
                 self._lifetime.enter_context(vllm_cpu.plain_cpu_linear())
                 # The CPU model runner makes torch.accelerator.{synchronize,empty_cache} no-ops
-                # process-wide (it calls them at run time): undone at shutdown.
-                accelerator_hooks = _restored_attributes(torch.accelerator, ("synchronize", "empty_cache"))
-                self._lifetime.enter_context(accelerator_hooks)
+                # process-wide (it calls them at run time): undone when the last engine is gone.
+                self._lifetime.enter_context(vllm_cpu.accelerator_hooks_restored())
                 if world > 1:
                     build.enter_context(vllm_cpu.unique_shm_names(self._shm_names))
             llm = LLM(**kwargs)
@@ -312,11 +325,14 @@ class VLLMRollout(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        capture = self._logprob_capture
         # No per-request seeds: vLLM then samples from torch's default generators, which
         # generate() has switched to this engine's own stream (per-request generators cost
         # ~20% throughput on CPU and force FlashInfer's sampler off on GPU).
         params = SamplingParams(
-            n=spec.n,
+            # A prompt's n samples are n requests (what vLLM's own n fans out into; it refuses
+            # n > 1 with greedy decoding): one request id per sample, in prompt-major order.
+            n=1,
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k if spec.top_k > 0 else 0,
@@ -324,20 +340,25 @@ class VLLMRollout(RolloutEngine):
             stop=list(spec.stop) or None,
             stop_token_ids=list(spec.stop_token_ids) or None,
             ignore_eos=spec.ignore_eos,
-            logprobs=0,  # vLLM v1: 0 returns exactly the sampled token's logprob
+            # The CPU build's capture reads the sampled tokens' logprobs from the sampler; else
+            # vLLM v1's logprobs=0 returns exactly the sampled token's logprob.
+            logprobs=None if capture is not None else 0,
             flat_logprobs=True,  # a few flat lists per sequence instead of a dict per token
             detokenize=bool(spec.stop),  # stop strings need text; token ids are all we return
         )
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(spec.n)]
+        with capture.collecting() if capture is not None else contextlib.nullcontext():
+            request_ids = self._llm.enqueue(requests, params, use_tqdm=False)
+            # Sorted by request number, i.e. in the order enqueued.
+            outputs = self._llm.wait_for_completion(use_tqdm=False)
+        assert len(outputs) == len(request_ids) == len(requests), f"{len(outputs)} outputs for {len(requests)} requests"
+        captured = capture.take() if capture is not None else None
         samples: list[Sample] = []
-        for out in outputs:
-            completions = sorted(out.outputs, key=lambda c: c.index)
-            assert len(completions) == spec.n, f"{len(completions)} completions for n={spec.n}"
-            for c in completions:
-                ids = list(c.token_ids)
-                lps = _sampled_logprobs(ids, c.logprobs)
-                samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
+        for request_id, out in zip(request_ids, outputs):
+            [c] = out.outputs
+            ids = list(c.token_ids)
+            lps = _sampled_logprobs(ids, c.logprobs) if captured is None else _captured_logprobs(captured, request_id, ids)
+            samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
         return samples
 
     # ------------------------------------------------------------------ weights
@@ -426,6 +447,9 @@ class VLLMRollout(RolloutEngine):
         if llm is None:
             return
         sockets = _ipc_socket_paths()
+        if getattr(self, "_logprob_capture", None) is not None:
+            self._logprob_capture.uninstall()
+            self._logprob_capture = None
         try:
             # vLLM's engine-core shutdown ends with cleanup_dist_env_and_memory(): its own
             # groups, then the default process group. A caller-owned world must survive it.
@@ -448,6 +472,9 @@ class VLLMRollout(RolloutEngine):
 
                 vllm_cpu.remove_shm_segments(self._shm_names)
             self._lifetime.close()
+            # vLLM's engine-core shutdown unfreezes the start-up heap; again here in case it
+            # failed half-way, so the engine's objects can be collected.
+            gc.unfreeze()
             gc.collect()
             # ZMQ leaves the ipc socket files of the TP' broadcast queues behind.
             for path in sockets:
