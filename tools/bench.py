@@ -1,16 +1,22 @@
 """Benchmarks of verl's phases; each subcommand prints ONE JSON object on stdout (logs go to stderr).
 
     python tools/bench.py rollout --model HF_DIR --engine vllm --prompts 64 --n 4 --max-tokens 32
-    python tools/bench.py rollout --model HF_DIR --engine vllm --baseline hf   # + speed-up vs transformers
+    python tools/bench.py rollout --model HF_DIR --engine vllm --baseline hf hf-generate   # + speed-ups
 
 Subcommands register themselves with ``@subcommand(name, help)``: a function that adds its
 arguments to a parser and returns the function that runs it (``args -> dict``).
 
 rollout: samples ``--prompts`` prompts ``--n`` times with the chosen engine (after a warm-up
-call; ``--repeats`` rounds, medians reported; with ``--baseline`` the two engines are
-timed alternately), then recomputes the logprobs of the same samples with the trainer's model and reports
+call; ``--repeats`` rounds, medians reported; with ``--baseline`` every engine is timed in
+each round, one after the other, so a load spike on a shared machine hits all of them), then
+recomputes the logprobs of the same samples with the trainer's model and reports
 ``tokens_per_s``, ``logprob_max_abs_diff``, ``logprob_mean_abs_diff`` and
 ``token_mult_prob_error`` (exp of the mean absolute per-token logprob difference).
+Baselines: ``hf`` is verl's transformers engine (``generate`` with ``output_scores`` for the
+logprobs, same output batch); ``hf-generate`` a plain ``model.generate`` call on the same
+left-padded prompts (``num_return_sequences=n``, same length limit and sampling settings, no
+scores or logprobs: the floor for transformers). ``cpu_s`` is the process CPU time of a round,
+less sensitive than wall time to other processes on a shared machine.
 ``--reference megatron`` (default) is the actor's Megatron model (verl.models, one rank, TP=1),
 ``hf`` a transformers forward; ``logprob_reference`` in the output says which was used.
 """
@@ -78,8 +84,8 @@ def _timed_rollouts(
     engines: dict[str, Any], prompts: Any, seed: int, repeats: int
 ) -> tuple[Any, dict[str, list[dict[str, float]]]]:
     """Warm every engine up, then time ``repeats`` rounds, the engines interleaved in each round
-    (so a load spike on a shared machine hits both). Returns the first engine's last output and
-    the per-round metrics of every engine."""
+    (so a load spike on a shared machine hits all of them). Returns the first engine's last output
+    and the per-round metrics of every engine (``cpu_s`` added: process CPU time of the call)."""
     for engine in engines.values():
         engine.generate(prompts[: min(4, len(prompts))], seed=seed + 1)  # first-call costs
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
@@ -87,11 +93,69 @@ def _timed_rollouts(
     first = next(iter(engines))
     for _ in range(repeats):
         for name, engine in engines.items():
+            cpu = time.process_time()
             result = engine.generate(prompts, seed=seed)
-            rounds[name].append(engine.last_metrics)
+            metrics = dict(engine.last_metrics, cpu_s=time.process_time() - cpu)
+            rounds[name].append(metrics)
             if name == first:
                 out = result
     return out, rounds
+
+
+class _PlainGenerate:
+    """transformers' ``model.generate`` as a user would call it, timed like an engine.
+
+    The batch's left-padded prompts, ``num_return_sequences=n``, ``max_new_tokens``, the same
+    temperature with top-k/top-p off (set explicitly: transformers' default top-k is 50), eos and
+    pad from the tokenizer; no scores, no logprobs, no output batch. ``last_metrics`` counts
+    each response up to and including its first eos, as the engines do.
+    """
+
+    def __init__(self, model_dir: str, tokenizer: Any, *, n: int, max_tokens: int, temperature: float) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        # Where verl's transformers engine would run it (float32, as the engines on CPU).
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+        self.n, self.max_tokens, self.temperature = n, max_tokens, temperature
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
+        self.last_metrics: dict[str, float] = {}
+
+    def generate(self, prompts: Any, *, seed: int) -> None:
+        import torch
+
+        sampling = (
+            dict(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0)
+            if self.temperature > 0 else dict(do_sample=False)
+        )
+        cuda = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), torch.no_grad():
+            torch.manual_seed(seed)
+            start = time.perf_counter()
+            out = self.model.generate(
+                input_ids=prompts["input_ids"].to(self.device), attention_mask=prompts["attention_mask"].to(self.device),
+                num_return_sequences=self.n, max_new_tokens=self.max_tokens,
+                eos_token_id=self.eos, pad_token_id=self.pad, **sampling,
+            )
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        generated = out[:, prompts["input_ids"].shape[1]:].cpu()  # [B*n, T]
+        is_eos = generated == self.eos
+        # Up to and including the first eos; the whole row when there is none.
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])
+        tokens = float(lengths.sum())
+        self.last_metrics = {
+            "rollout/tokens_per_s": tokens / seconds,
+            "rollout/time_s": seconds,
+            "rollout/num_tokens": tokens,
+            "rollout/num_sequences": float(generated.shape[0]),
+        }
+
+    def shutdown(self) -> None:
+        self.model = None
 
 
 def _median(values: list[float]) -> float:
@@ -143,8 +207,9 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
                    help="torch threads for every engine (default %(default)s: on a shared CPU more threads spin)")
     p.add_argument("--reference", choices=["megatron", "hf", "none"], default="megatron",
                    help="trainer model that recomputes the logprobs (default %(default)s)")
-    p.add_argument("--baseline", choices=["hf", "vllm"], default=None,
-                   help="also time this engine on the same prompts and report the speed-up")
+    p.add_argument("--baseline", nargs="+", choices=["hf", "hf-generate", "vllm"], default=[],
+                   help="also time these on the same prompts and report the speed-ups: hf (verl's transformers "
+                        "engine), hf-generate (a plain model.generate without logprobs), vllm")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds after a warm-up; medians are reported (default %(default)s)")
 
@@ -167,13 +232,18 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
 
         from verl.rollout import build_rollout_engine
 
-        names = [args.engine] + ([args.baseline] if args.baseline and args.baseline != args.engine else [])
+        names = [args.engine] + [b for b in dict.fromkeys(args.baseline) if b != args.engine]
         engines: dict[str, Any] = {}
         startup: dict[str, float] = {}
         try:
             for name in names:
                 start = time.perf_counter()
-                engines[name] = build_rollout_engine(cfg_for(name), args.model, tokenizer)
+                if name == "hf-generate":
+                    engines[name] = _PlainGenerate(
+                        args.model, tokenizer, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature
+                    )
+                else:
+                    engines[name] = build_rollout_engine(cfg_for(name), args.model, tokenizer)
                 startup[name] = time.perf_counter() - start
             out, rounds = _timed_rollouts(engines, prompts, args.seed, args.repeats)
         finally:
@@ -193,6 +263,7 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             "sequences": int(metrics["rollout/num_sequences"]),
             "tokens": int(metrics["rollout/num_tokens"]),
             "time_s": _median([m["rollout/time_s"] for m in rounds[args.engine]]),
+            "cpu_s": _median([m["cpu_s"] for m in rounds[args.engine]]),
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_rounds": [m["rollout/tokens_per_s"] for m in rounds[args.engine]],
             "startup_s": startup[args.engine],
@@ -200,15 +271,26 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             "max_response_length": metrics["rollout/response_length/max"],
             "clip_ratio": metrics["rollout/clip_ratio"],
         }
-        if len(names) > 1:
-            base = _median([m["rollout/tokens_per_s"] for m in rounds[args.baseline]])
-            result["baseline_engine"] = args.baseline
-            result["baseline_tokens_per_s"] = base
-            result["baseline_tokens_per_s_rounds"] = [m["rollout/tokens_per_s"] for m in rounds[args.baseline]]
-            result["speedup_vs_baseline"] = tokens_per_s / base
-            result["speedup_vs_baseline_rounds"] = [
-                a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"] for a, b in zip(rounds[args.engine], rounds[args.baseline])
-            ]
+        baselines: dict[str, Any] = {}
+        for name in names[1:]:
+            base = _median([m["rollout/tokens_per_s"] for m in rounds[name]])
+            baselines[name] = {
+                "tokens_per_s": base,
+                "tokens_per_s_rounds": [m["rollout/tokens_per_s"] for m in rounds[name]],
+                "cpu_s": _median([m["cpu_s"] for m in rounds[name]]),
+                "speedup": tokens_per_s / base,
+                # Per round: the engines ran back to back, under about the same load.
+                "speedup_rounds": [
+                    a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"] for a, b in zip(rounds[args.engine], rounds[name])
+                ],
+                "startup_s": startup[name],
+            }
+        if baselines:
+            first = names[1]
+            result["baseline_engine"] = first
+            result["baseline_tokens_per_s"] = baselines[first]["tokens_per_s"]
+            result["speedup_vs_baseline"] = baselines[first]["speedup"]
+            result["baselines"] = baselines
         if args.reference != "none":
             reference = _reference_logprobs(args.reference, args.model, out, args.max_tokens, args.temperature)
             agreement = logprob_agreement(out["rollout_log_probs"], reference, out["response_mask"])
