@@ -8,7 +8,7 @@
 #   OUT=/path bash launch/sft_tiny_cpu.sh key=value ...   # outputs elsewhere; extra config overrides
 #
 # Outputs (model, data, checkpoints, metrics.jsonl, the exported HF model) land in $OUT
-# (default: outputs/sft_tiny_cpu in the repository root).
+# (default: outputs/sft_tiny_cpu in the repository root); metrics.jsonl under $OUT/logs.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +39,8 @@ fi
 "${launcher[@]}" --config sft_tiny_cpu \
   model.path="$out/model" \
   data.train_files="$out/data/train.parquet" data.val_files="$out/data/test.parquet" \
-  trainer.default_local_dir="$out/checkpoints" trainer.hf_export_dir="$out/sft_model" "$@"
+  trainer.default_local_dir="$out/checkpoints" trainer.log_dir="$out/logs" \
+  trainer.hf_export_dir="$out/sft_model" "$@"
 
 echo "== accuracy after SFT"
 "$python" -m verl.trainer.eval_generation --model "$out/sft_model" --data "$out/data/test.parquet"
