@@ -67,7 +67,8 @@ __all__ = ["VLLMRollout", "require_vllm", "vllm_package_name"]
 
 WeightMethod = Literal["load_weights", "reload_weights"]
 _SEED_STRIDE_PER_REPLICA = 1_000_003
-_CPU_BLOCK_SIZE = 128  # vLLM CPU's default KV block (tokens); multiples of 32 are its fast path
+_CPU_BLOCK_MAX = 128  # vLLM CPU's default KV block (tokens)
+_CPU_BLOCK_ALIGN = 32  # block sizes the CPU attention kernels are optimised for are multiples of this
 
 
 def vllm_package_name() -> str:
@@ -174,6 +175,13 @@ def _ipc_socket_paths() -> list[str]:
     return paths
 
 
+def _cpu_block_size(max_model_len: int) -> int:
+    """KV block size on the CPU build: vLLM's 128 tokens, or the smallest multiple of 32 that holds
+    a whole sequence when sequences are shorter."""
+    whole = -(-max_model_len // _CPU_BLOCK_ALIGN) * _CPU_BLOCK_ALIGN
+    return min(_CPU_BLOCK_MAX, whole)
+
+
 def _engine_dtype(cfg: RolloutConfig, on_cpu: bool) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
@@ -277,10 +285,13 @@ class VLLMRollout(RolloutEngine):
         if self.on_cpu:
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
-            # Prefix caching shares only full KV blocks. A prompt shorter than one block (128
-            # tokens, the CPU build's default, set here explicitly so the two agree) has none, so
-            # the cache could never hit and would only cost per-token block hashing (~2-3%).
-            kwargs.update(block_size=_CPU_BLOCK_SIZE, enable_prefix_caching=cfg.prompt_length >= _CPU_BLOCK_SIZE)
+            # KV blocks: the CPU build's default is 128 tokens; for shorter sequences a block that
+            # just holds a whole sequence is faster (measured: 64-token blocks made the forward
+            # of a 32+32-token rollout 5-8% faster, the whole rollout ~5%).
+            block_size = _cpu_block_size(max_model_len)
+            # Prefix caching shares only full blocks: a prompt shorter than one block has none,
+            # so the cache could never hit and would only cost per-token block hashing.
+            kwargs.update(block_size=block_size, enable_prefix_caching=cfg.prompt_length >= block_size)
         else:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
 
