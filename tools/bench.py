@@ -111,13 +111,16 @@ class _PlainGenerate:
     each response up to and including its first eos, as the engines do.
     """
 
-    def __init__(self, model_dir: str, tokenizer: Any, *, n: int, max_tokens: int, temperature: float) -> None:
+    def __init__(
+        self, model_dir: str, tokenizer: Any, *, n: int, max_tokens: int, temperature: float
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         # Where verl's transformers engine would run it (float32, as the engines on CPU).
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(self.device).eval()
         self.n, self.max_tokens, self.temperature = n, max_tokens, temperature
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
@@ -135,7 +138,8 @@ class _PlainGenerate:
             torch.manual_seed(seed)
             start = time.perf_counter()
             out = self.model.generate(
-                input_ids=prompts["input_ids"].to(self.device), attention_mask=prompts["attention_mask"].to(self.device),
+                input_ids=prompts["input_ids"].to(self.device),
+                attention_mask=prompts["attention_mask"].to(self.device),
                 num_return_sequences=self.n, max_new_tokens=self.max_tokens,
                 eos_token_id=self.eos, pad_token_id=self.pad, **sampling,
             )
@@ -208,8 +212,8 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--reference", choices=["megatron", "hf", "none"], default="megatron",
                    help="trainer model that recomputes the logprobs (default %(default)s)")
     p.add_argument("--baseline", nargs="+", choices=["hf", "hf-generate", "vllm"], default=[],
-                   help="also time these on the same prompts and report the speed-ups: hf (verl's transformers "
-                        "engine), hf-generate (a plain model.generate without logprobs), vllm")
+                   help="also time these on the same prompts and report the speed-ups: hf (verl's "
+                        "transformers engine), hf-generate (a plain model.generate without logprobs), vllm")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds after a warm-up; medians are reported (default %(default)s)")
 
@@ -240,7 +244,8 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
                 start = time.perf_counter()
                 if name == "hf-generate":
                     engines[name] = _PlainGenerate(
-                        args.model, tokenizer, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature
+                        args.model, tokenizer, n=args.n, max_tokens=args.max_tokens,
+                        temperature=args.temperature,
                     )
                 else:
                     engines[name] = build_rollout_engine(cfg_for(name), args.model, tokenizer)
@@ -281,7 +286,8 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
                 "speedup": tokens_per_s / base,
                 # Per round: the engines ran back to back, under about the same load.
                 "speedup_rounds": [
-                    a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"] for a, b in zip(rounds[args.engine], rounds[name])
+                    a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"]
+                    for a, b in zip(rounds[args.engine], rounds[name])
                 ],
                 "startup_s": startup[name],
             }

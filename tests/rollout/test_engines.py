@@ -353,7 +353,9 @@ def test_vllm_greedy_validation_with_several_samples(vllm_engine, prompts):
     assert torch.equal(out["responses"][0::2], out["responses"][1::2])
     # The copies sit at different places in the batch (other prefill chunks, other GEMM row
     # blocks), so their logprobs agree to float32 rounding, not bit for bit.
-    torch.testing.assert_close(out["rollout_log_probs"][1::2], out["rollout_log_probs"][0::2], rtol=0, atol=LOGPROB_ATOL)
+    torch.testing.assert_close(
+        out["rollout_log_probs"][1::2], out["rollout_log_probs"][0::2], rtol=0, atol=LOGPROB_ATOL
+    )
 
 
 def _rss_mib() -> float:

@@ -170,10 +170,12 @@ def assemble_rollout(
     # Each row's tokens are a prefix of the row, so the row-major order of the mask's ones is
     # the order of the samples' tokens one after the other.
     filled = torch.arange(r).unsqueeze(0) < lengths.unsqueeze(1)  # [B*n, R]
-    flat_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in samples)), dtype=torch.long)
-    flat_lps = torch.tensor(list(itertools.chain.from_iterable(s.logprobs for s in samples)), dtype=torch.float32)
-    responses = torch.full((b * n, r), pad_token_id, dtype=torch.long).masked_scatter_(filled, flat_ids)
-    logprobs = torch.zeros((b * n, r), dtype=torch.float32).masked_scatter_(filled, flat_lps)
+    flat_ids = list(itertools.chain.from_iterable(s.token_ids for s in samples))
+    flat_lps = list(itertools.chain.from_iterable(s.logprobs for s in samples))
+    responses = torch.full((b * n, r), pad_token_id, dtype=torch.long)
+    responses.masked_scatter_(filled, torch.tensor(flat_ids, dtype=torch.long))
+    logprobs = torch.zeros((b * n, r), dtype=torch.float32)
+    logprobs.masked_scatter_(filled, torch.tensor(flat_lps, dtype=torch.float32))
     response_mask = filled.to(torch.long)
 
     out = prompts.repeat(n, interleave=True)

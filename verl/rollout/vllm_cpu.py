@@ -244,9 +244,9 @@ class SampledLogprobCapture:
             import vllm
 
             raise RuntimeError(
-                f"SampledLogprobCapture: vllm {vllm.__version__}'s model runner is not the one it was written for "
-                f"({', '.join(v + 'x' for v in FAST_LOGPROB_VERSIONS)}, processed_logprobs, no speculative "
-                "decoding or async scheduling); request logprobs from vLLM instead"
+                f"SampledLogprobCapture: vllm {vllm.__version__}'s model runner is not the one it was "
+                f"written for ({', '.join(v + 'x' for v in FAST_LOGPROB_VERSIONS)}, processed_logprobs, no "
+                "speculative decoding or async scheduling); request logprobs from vLLM instead"
             )
         self._runner = runner
         self._sampler = runner.sampler

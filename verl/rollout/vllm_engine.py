@@ -148,8 +148,10 @@ def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
 
 
-def _captured_logprobs(captured: dict[str, tuple[list[int], list[float]]], request_id: str, token_ids: list[int]) -> list[float]:
-    """The captured logprobs of request ``request_id``, checked against the sampled tokens of vLLM's own output."""
+def _captured_logprobs(
+    captured: dict[str, tuple[list[int], list[float]]], request_id: str, token_ids: list[int]
+) -> list[float]:
+    """The captured logprobs of request ``request_id``, checked against the sampled tokens of its output."""
     tokens, logprobs = captured.get(request_id, ([], []))
     if tokens != token_ids:
         raise RuntimeError(
@@ -367,13 +369,16 @@ class VLLMRollout(RolloutEngine):
             request_ids = self._llm.enqueue(requests, params, use_tqdm=False)
             # Sorted by request number, i.e. in the order enqueued.
             outputs = self._llm.wait_for_completion(use_tqdm=False)
-        assert len(outputs) == len(request_ids) == len(requests), f"{len(outputs)} outputs for {len(requests)} requests"
+        assert len(outputs) == len(request_ids) == len(requests), f"{len(outputs)} of {len(requests)} outputs"
         captured = capture.take() if capture is not None else None
         samples: list[Sample] = []
         for request_id, out in zip(request_ids, outputs):
             [c] = out.outputs
             ids = list(c.token_ids)
-            lps = _sampled_logprobs(ids, c.logprobs) if captured is None else _captured_logprobs(captured, request_id, ids)
+            if captured is None:
+                lps = _sampled_logprobs(ids, c.logprobs)
+            else:
+                lps = _captured_logprobs(captured, request_id, ids)
             samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
         return samples
 
