@@ -358,6 +358,22 @@ def test_vllm_greedy_validation_with_several_samples(vllm_engine, prompts):
     )
 
 
+def test_vllm_interrupted_generate_leaves_no_requests(vllm_engine, prompts, monkeypatch):
+    """A generate interrupted mid-way aborts its requests: the next call returns only its own."""
+    llm = vllm_engine._llm
+
+    def one_step_then_fail(**kwargs):
+        llm.llm_engine.step()
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(llm, "wait_for_completion", one_step_then_fail)
+        with pytest.raises(KeyboardInterrupt):
+            vllm_engine.generate(prompts)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(vllm_engine.generate(prompts)) == len(prompts) * N
+
+
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

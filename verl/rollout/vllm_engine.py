@@ -365,10 +365,18 @@ class VLLMRollout(RolloutEngine):
             detokenize=bool(spec.stop),  # stop strings need text; token ids are all we return
         )
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(spec.n)]
+        request_ids: list[str] = []
         with capture.collecting() if capture is not None else contextlib.nullcontext():
-            request_ids = self._llm.enqueue(requests, params, use_tqdm=False)
-            # Sorted by request number, i.e. in the order enqueued.
-            outputs = self._llm.wait_for_completion(use_tqdm=False)
+            try:
+                request_ids = self._llm.enqueue(requests, params, use_tqdm=False)
+                # Sorted by request number, i.e. in the order enqueued.
+                outputs = self._llm.wait_for_completion(use_tqdm=False)
+            except BaseException:
+                # No half-finished request may stay queued for the next call (enqueue itself
+                # aborts what it added when it fails).
+                if request_ids:
+                    self._llm.llm_engine.abort_request(request_ids, internal=True)
+                raise
         assert len(outputs) == len(request_ids) == len(requests), f"{len(outputs)} of {len(requests)} outputs"
         captured = capture.take() if capture is not None else None
         samples: list[Sample] = []
