@@ -279,16 +279,17 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
         baselines: dict[str, Any] = {}
         for name in names[1:]:
             base = _median([m["rollout/tokens_per_s"] for m in rounds[name]])
+            # Per round: the engines ran back to back, under about the same load.
+            per_round = [
+                a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"] for a, b in zip(rounds[args.engine], rounds[name])
+            ]
             baselines[name] = {
                 "tokens_per_s": base,
                 "tokens_per_s_rounds": [m["rollout/tokens_per_s"] for m in rounds[name]],
                 "cpu_s": _median([m["cpu_s"] for m in rounds[name]]),
-                "speedup": tokens_per_s / base,
-                # Per round: the engines ran back to back, under about the same load.
-                "speedup_rounds": [
-                    a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"]
-                    for a, b in zip(rounds[args.engine], rounds[name])
-                ],
+                "speedup": tokens_per_s / base,  # ratio of the medians
+                "speedup_rounds": per_round,
+                "speedup_rounds_median": _median(per_round),
                 "startup_s": startup[name],
             }
         if baselines:

@@ -31,6 +31,7 @@ def test_bench_rollout_prints_one_json_object(tiny_models):
     plain = result["baselines"]["hf-generate"]
     assert result["baseline_engine"] == "hf-generate"
     assert plain["tokens_per_s"] > 0 and len(plain["speedup_rounds"]) == 1
+    assert plain["speedup_rounds_median"] == pytest.approx(plain["speedup_rounds"][0])
     assert result["speedup_vs_baseline"] == pytest.approx(result["tokens_per_s"] / plain["tokens_per_s"])
     assert result["logprob_reference"] == "hf"
     # Same engine, same weights, float32: agreement to rounding (see test_engines.py).
