@@ -281,7 +281,8 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             base = _median([m["rollout/tokens_per_s"] for m in rounds[name]])
             # Per round: the engines ran back to back, under about the same load.
             per_round = [
-                a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"] for a, b in zip(rounds[args.engine], rounds[name])
+                a["rollout/tokens_per_s"] / b["rollout/tokens_per_s"]
+                for a, b in zip(rounds[args.engine], rounds[name])
             ]
             baselines[name] = {
                 "tokens_per_s": base,
