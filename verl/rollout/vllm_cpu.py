@@ -55,6 +55,7 @@ __all__ = [
     "accelerator_hooks_restored",
     "allocate_kv_cache",
     "check_kv_release_supported",
+    "fast_logprobs_supported",
     "free_kv_cache",
     "plain_cpu_linear",
     "remove_shm_segments",
