@@ -363,35 +363,42 @@ class AlgorithmConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
-class TrainerConfig(ConfigBase):
-    """Run length, cluster shape, logging, checkpointing and validation of a PPO/GRPO run."""
+class RunConfig(ConfigBase):
+    """Run control shared by the RL and SFT trainers: length, cluster shape, logging, checkpoints."""
 
-    total_epochs: int = option(30, "Passes over the training prompts.", ge=1)
-    total_training_steps: int | None = option(None, "Stop after this many steps; None: total_epochs x batches per epoch.", ge=1)
+    total_epochs: int = option(30, "Passes over the training data.", ge=1)
+    total_training_steps: int | None = option(None, "Stop after this many steps; None: total_epochs x steps per epoch.", ge=1)
     project_name: str = option("verl", "Project name for loggers and the checkpoint directory.")
-    experiment_name: str = option("ppo", "Run name for loggers and the checkpoint directory.")
+    experiment_name: str = option("run", "Run name for loggers and the checkpoint directory.")
     logger: list[LoggerName] = option(["console"], "Metric sinks. (Reference default adds wandb, which needs an account.)")
     nnodes: int = option(1, "Nodes in the job.", ge=1)
     n_gpus_per_node: int = option(1, "Ranks (GPUs, or CPU processes) per node; nnodes x n_gpus_per_node must equal the launched world size. (Reference: 8.)", ge=1)
     device: DeviceName = option("auto", "Device: auto (cuda when available, else cpu), cuda or cpu. (Reference: cuda.)")
-    seed: int = option(42, "Seed of the trainer's own RNG (everything not seeded elsewhere).")
+    seed: int = option(42, "Seed of data shuffling and the trainer's own RNG (everything not seeded elsewhere).")
     save_freq: int = option(-1, "Save a checkpoint every this many steps (and at the end); -1: never.", ge=-1)
     test_freq: int = option(-1, "Validate every this many steps (and at the end); -1: never.", ge=-1)
-    val_before_train: bool = option(True, "Validate once before the first step.")
     default_local_dir: str = option(
         "checkpoints/{project_name}/{experiment_name}", "Checkpoint directory; {project_name} and {experiment_name} are filled in."
     )
     resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
     resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
-    max_actor_ckpt_to_keep: int | None = option(None, "Keep at most this many actor checkpoints; None: keep all.", ge=1)
-    max_critic_ckpt_to_keep: int | None = option(None, "Keep at most this many critic checkpoints; None: keep all.", ge=1)
-    critic_warmup: int = option(0, "Steps that update only the critic before the actor starts.", ge=0)
-    balance_batch: bool = option(True, "Reorder each batch so data-parallel ranks get similar token counts.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
 
+
+@dataclass(kw_only=True)
+class TrainerConfig(RunConfig):
+    """Run length, cluster shape, logging, checkpointing and validation of a PPO/GRPO run."""
+
+    total_epochs: int = option(30, "Passes over the training prompts.", ge=1)
+    experiment_name: str = option("ppo", "Run name for loggers and the checkpoint directory.")
+    val_before_train: bool = option(True, "Validate once before the first step.")
+    max_actor_ckpt_to_keep: int | None = option(None, "Keep at most this many actor checkpoints; None: keep all.", ge=1)
+    max_critic_ckpt_to_keep: int | None = option(None, "Keep at most this many critic checkpoints; None: keep all.", ge=1)
+    critic_warmup: int = option(0, "Steps that update only the critic before the actor starts.", ge=0)
+    balance_batch: bool = option(True, "Reorder each batch so data-parallel ranks get similar token counts.")
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:
     # str.replace, not str.format: a user path may contain other braces.
@@ -489,25 +496,11 @@ class SFTDataConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
-class SFTTrainerConfig(ConfigBase):
+class SFTTrainerConfig(RunConfig):
     """Run control of an SFT run."""
 
     total_epochs: int = option(4, "Passes over the training data.", ge=1)
-    total_training_steps: int | None = option(None, "Stop after this many steps; None: total_epochs x steps per epoch.", ge=1)
-    project_name: str = option("verl", "Project name for loggers and the checkpoint directory.")
     experiment_name: str = option("sft", "Run name for loggers and the checkpoint directory.")
-    logger: list[LoggerName] = option(["console"], "Metric sinks.")
-    nnodes: int = option(1, "Nodes in the job.", ge=1)
-    n_gpus_per_node: int = option(1, "Ranks (GPUs, or CPU processes) per node; nnodes x n_gpus_per_node must equal the launched world size.", ge=1)
-    device: DeviceName = option("auto", "Device: auto (cuda when available, else cpu), cuda or cpu.")
-    seed: int = option(42, "Seed of data shuffling and the trainer's RNG.")
-    save_freq: int = option(-1, "Save a checkpoint every this many steps (and at the end); -1: never.", ge=-1)
-    test_freq: int = option(-1, "Validate every this many steps (and at the end); -1: never.", ge=-1)
-    default_local_dir: str = option(
-        "checkpoints/{project_name}/{experiment_name}", "Checkpoint directory; {project_name} and {experiment_name} are filled in."
-    )
-    resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
-    resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
     max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (oldest deleted first); None: keep all.", ge=1)
     log_dir: str = option(
         "logs/{project_name}/{experiment_name}", "Folder of the jsonl and tensorboard loggers; {project_name} and {experiment_name} are filled in."
@@ -517,7 +510,6 @@ class SFTTrainerConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
         self.log_dir = _fill_run_names(self.log_dir, self.project_name, self.experiment_name)
 
 
