@@ -26,10 +26,22 @@ def run_dist():
     return run_distributed
 
 
+_SEMAPHORES_BEFORE: set[str] = set()
+
+
+def pytest_sessionstart(session):
+    if os.path.isdir("/dev/shm"):
+        _SEMAPHORES_BEFORE.update(n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-"))
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the distributed worker pools with the session, so no worker outlives pytest."""
+    """Stop the distributed worker pools with the session, so no worker outlives pytest; then
+    unlink the named semaphores that processes killed on purpose (SIGKILL tests) left behind."""
     import sys
 
     module = sys.modules.get("verl.testing.distributed")
     if module is not None:
         module.shutdown_pools()
+    from verl.testing.distributed import remove_orphaned_semaphores
+
+    remove_orphaned_semaphores(_SEMAPHORES_BEFORE)

@@ -219,3 +219,34 @@ def test_workers_exit_when_their_parent_is_killed() -> None:
     pids = [int(x) for x in out.stdout.split()]
     assert len(pids) == 4, out.stderr[-2000:]
     assert all(_gone(pid) for pid in pids), "workers (or what they started) outlived a killed parent"
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"), reason="Linux /dev/shm and /proc")
+def test_orphaned_semaphores_are_those_no_process_maps() -> None:
+    """What SIGKILLed process groups leave in /dev/shm is found and removed; mapped or known
+    semaphore files are left alone."""
+    import mmap
+    import uuid
+
+    from verl.testing.distributed import orphaned_semaphores, remove_orphaned_semaphores
+
+    tag = uuid.uuid4().hex[:8]
+    names = {kind: f"sem.mp-verltest-{tag}-{kind}" for kind in ("orphan", "known", "mapped")}
+    paths = {kind: os.path.join("/dev/shm", name) for kind, name in names.items()}
+    for path in paths.values():
+        with open(path, "wb") as f:
+            f.write(b"\0" * 32)
+    mapped_file = open(paths["mapped"], "r+b")
+    mapping = mmap.mmap(mapped_file.fileno(), 32)
+    try:
+        found = [n for n in orphaned_semaphores({names["known"]}) if tag in n]
+        assert found == [names["orphan"]]
+        removed = remove_orphaned_semaphores({names["known"]})
+        assert names["orphan"] in removed and not os.path.exists(paths["orphan"])
+        assert os.path.exists(paths["known"]) and os.path.exists(paths["mapped"])
+    finally:
+        mapping.close()
+        mapped_file.close()
+        for path in paths.values():
+            if os.path.exists(path):
+                os.remove(path)
