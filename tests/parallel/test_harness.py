@@ -221,7 +221,9 @@ def test_workers_exit_when_their_parent_is_killed() -> None:
     assert all(_gone(pid) for pid in pids), "workers (or what they started) outlived a killed parent"
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"), reason="Linux /dev/shm and /proc")
+@pytest.mark.skipif(
+    not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"), reason="needs Linux /dev/shm and /proc"
+)
 def test_orphaned_semaphores_are_those_no_process_maps() -> None:
     """What SIGKILLed process groups leave in /dev/shm is found and removed; mapped or known
     semaphore files are left alone."""
