@@ -299,9 +299,12 @@ class SampledLogprobCapture:
     all-greedy batch the ``log_softmax`` of the logits, as vLLM computes it then) together with
     the tokens the runner keeps for each request (none for a partial prefill chunk).
     :meth:`take` returns ``{internal request id: (token ids, logprobs)}``.
+
+    The wrapped ``sample`` also draws all-random batches with :func:`inverse_cdf_sample` (always,
+    not only while collecting); other batches go to vLLM's own ``sample``.
     """
 
-    def __init__(self, runner: Any, *, fast_sampling: bool = True) -> None:
+    def __init__(self, runner: Any) -> None:
         if not fast_logprobs_supported(runner):
             import vllm
 
@@ -311,8 +314,6 @@ class SampledLogprobCapture:
                 "speculative decoding or async scheduling); request logprobs from vLLM instead"
             )
         self._runner = runner
-        self.fast_sampling = fast_sampling
-        """Draw random rows with :func:`inverse_cdf_sample` (else vLLM's CPU Gumbel kernel)."""
         self._sampler = runner.sampler
         self._original_sample = runner.sampler.sample
         self._original_bookkeeping = runner._bookkeeping_sync
@@ -326,7 +327,7 @@ class SampledLogprobCapture:
         runner._bookkeeping_sync = self._bookkeeping_sync
 
     def _sample(self, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.fast_sampling and not args and not kwargs and inverse_cdf_applies(sampling_metadata):
+        if not args and not kwargs and inverse_cdf_applies(sampling_metadata):
             sampled, processed = inverse_cdf_sample(logits, sampling_metadata)
         else:
             sampled, processed = self._original_sample(logits, sampling_metadata, *args, **kwargs)
