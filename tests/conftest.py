@@ -42,6 +42,6 @@ def pytest_sessionfinish(session, exitstatus):
     module = sys.modules.get("verl.testing.distributed")
     if module is not None:
         module.shutdown_pools()
-    from verl.testing.distributed import remove_orphaned_semaphores
+    from tests.semaphores import remove_orphaned_semaphores
 
     remove_orphaned_semaphores(_SEMAPHORES_BEFORE)

@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from verl.models.convert import check_conversion, hf_to_megatron, quiet_megatron_warnings, under_torchrun
+    from verl.models.convert import check_conversion, hf_to_megatron, quiet_megatron_warnings
+    from verl.parallel.bootstrap import under_torchrun
     from verl.utils.logging import global_rank, setup_logging
 
     setup_logging(logging.WARNING)

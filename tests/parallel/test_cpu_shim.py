@@ -115,9 +115,10 @@ def _idempotent() -> tuple[bool, int]:
 
 def _norm_fix() -> dict[str, object]:
     cpu_shim.apply_cpu_shim()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from verl.models.builder import RMSNorm, local_layer_spec
 
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=2, use_cpu_initialization=True,
@@ -128,10 +129,8 @@ def _norm_fix() -> dict[str, object]:
         megatron_refuses = False
     except AssertionError:
         megatron_refuses = True
-    norm = cpu_shim.SequenceParallelTorchNorm(config, 64, eps=1e-6)
-    block = cpu_shim.with_sequence_parallel_norms(
-        get_gpt_layer_local_spec(normalization="RMSNorm"), config, pp_rank=0
-    )
+    norm = RMSNorm(config, 64, eps=1e-6)
+    block = local_layer_spec(config, vp_stage=None, pp_rank=0)
     layer = block.layer_specs[0].submodules
     return {
         "megatron_refuses": megatron_refuses,
@@ -139,9 +138,9 @@ def _norm_fix() -> dict[str, object]:
         "tagged": all(getattr(p, "sequence_parallel", False) for p in norm.parameters()),
         "config_untouched": config.sequence_parallel,
         "num_layer_specs": len(block.layer_specs),
-        "final_norm": block.layer_norm is cpu_shim.SequenceParallelTorchNorm,
-        "input_norm": layer.input_layernorm is cpu_shim.SequenceParallelTorchNorm,
-        "pre_mlp_norm": layer.pre_mlp_layernorm is cpu_shim.SequenceParallelTorchNorm,
+        "final_norm": block.layer_norm is RMSNorm,
+        "input_norm": layer.input_layernorm is RMSNorm,
+        "pre_mlp_norm": layer.pre_mlp_layernorm is RMSNorm,
     }
 
 

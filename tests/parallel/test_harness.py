@@ -230,7 +230,7 @@ def test_orphaned_semaphores_are_those_no_process_maps() -> None:
     import mmap
     import uuid
 
-    from verl.testing.distributed import orphaned_semaphores, remove_orphaned_semaphores
+    from tests.semaphores import orphaned_semaphores, remove_orphaned_semaphores
 
     tag = uuid.uuid4().hex[:8]
     names = {kind: f"sem.mp-verltest-{tag}-{kind}" for kind in ("orphan", "known", "mapped")}

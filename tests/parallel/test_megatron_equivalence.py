@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from functools import partial
 
 import pytest
 import torch
@@ -98,14 +97,13 @@ def _train_step_losses(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.transformer import TransformerConfig
 
+    from verl.models.builder import local_layer_spec
     from verl.parallel import megatron_state as ms
-    from verl.parallel.cpu_shim import with_sequence_parallel_norms
 
     if pgs is None:
         pgs = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -128,21 +126,19 @@ def _train_step_losses(
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
-    spec = with_sequence_parallel_norms(
-        get_gpt_layer_local_spec(normalization="RMSNorm"), config, pp_rank=ms.pp_rank(pgs)
-    )
+    spec = local_layer_spec(config, vp_stage=None, pp_rank=pgs.pp.rank())
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        pre_process=ms.is_pipeline_first_stage(pgs),
-        post_process=ms.is_pipeline_last_stage(pgs),
+        pre_process=pgs.pp.rank() == 0,
+        post_process=pgs.pp.rank() == pp - 1,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         pg_collection=pgs,
     )
-    _load_sliced_weights(model, LAYERS // pp, ms.pp_rank(pgs), ms.tp_rank(pgs), tp)
+    _load_sliced_weights(model, LAYERS // pp, pgs.pp.rank(), pgs.tp.rank(), tp)
     ddp_model = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
@@ -158,7 +154,7 @@ def _train_step_losses(
     )
 
     inputs, labels = _batch()
-    dp_size, dp_rank = ms.dp_size(pgs), ms.dp_rank(pgs)
+    dp_size, dp_rank = pgs.dp.size(), pgs.dp.rank()
     per_rank = GLOBAL_BATCH // dp_size
     mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     micro_batches = [(inputs[i : i + 1], labels[i : i + 1]) for i in mine]
@@ -180,7 +176,7 @@ def _train_step_losses(
         finalize_model_grads([ddp_model], pg_collection=pgs)
         # The loss lives on the last stage; average it over DP and hand it to every stage.
         loss = torch.zeros(1)
-        if ms.is_pipeline_last_stage(pgs):
+        if pgs.pp.rank() == pp - 1:
             loss += torch.stack([x["loss"] for x in losses]).mean()
         dist.all_reduce(loss, group=pgs.dp)
         dist.all_reduce(loss, group=pgs.pp)

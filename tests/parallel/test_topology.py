@@ -30,7 +30,7 @@ def _split_topology() -> Topology:
 @pytest.mark.parametrize(
     ("roles", "world_size", "fragment"),
     [
-        ({"actor": RoleLayout(ranks=range(4), tensor_parallel=3)}, 4, "tp x pp x cp = 3 x 1 x 1 = 3 does not divide its 4 ranks"),
+        ({"actor": RoleLayout(ranks=range(4), tensor_parallel=3)}, 4, "tensor_parallel=3 x pipeline_parallel=1 x context_parallel=1 = 3 does not divide its 4 ranks"),
         ({"actor": RoleLayout(ranks=range(4), pipeline_parallel=0)}, 4, "pipeline_parallel=0 must be an integer >= 1"),
         ({"actor": RoleLayout(ranks=range(6))}, 4, "owns ranks [4, 5] outside the world (0..3)"),
         ({"actor": RoleLayout(ranks=(0, 1))}, 4, "ranks [2, 3] own no role"),

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from verl.config.core import ConfigError, did_you_mean
+from verl.parallel.layout import LayoutNames, layout_problems
 
 if TYPE_CHECKING:
     from verl.config.schema import MegatronConfig, PPOConfig, SFTConfig
@@ -80,29 +81,22 @@ def _world(trainer: Any, world_size: int | None, problems: list[str]) -> tuple[i
 def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: str, problems: list[str]) -> tuple[int, str] | None:
     """Check one role's Megatron layout; return (data-parallel size, how it was derived) or None."""
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    model_parallel = tp * pp * cp
-    ok = True
-    if world % model_parallel:
-        problems.append(
-            f"the {role} layout does not fit the world: {prefix}.tensor_model_parallel_size={tp} x "
-            f"pipeline_model_parallel_size={pp} x context_parallel_size={cp} = {model_parallel} "
-            f"does not divide the world size {world_text}; choose degrees whose product divides {world}"
-        )
-        ok = False
-    vpp = m.virtual_pipeline_model_parallel_size
-    if vpp is not None and pp == 1:
-        problems.append(
-            f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
-            f"(got {pp}); set it to null or raise the pipeline degree"
-        )
-    if m.sequence_parallel and tp == 1:
-        problems.append(
-            f"{prefix}.sequence_parallel=true needs tensor_model_parallel_size > 1 (got 1); "
-            f"set {prefix}.sequence_parallel=false or raise the tensor degree"
-        )
-    if not ok:
+    found = layout_problems(
+        ranks=world,
+        ranks_text=f"the world size {world_text}",
+        tensor=tp,
+        pipeline=pp,
+        context=cp,
+        virtual_pipeline=m.virtual_pipeline_model_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+        names=LayoutNames(prefix=f"{prefix}."),
+    )
+    for problem in found:
+        lead = f"the {role} layout does not fit the world: " if problem.kind == "divide" else ""
+        problems.append(lead + problem.text)
+    if any(problem.kind in ("degree", "divide") for problem in found):
         return None
-    dp = world // model_parallel
+    dp = world // (tp * pp * cp)
     return dp, f"{dp} (world {world} / (tensor {tp} x pipeline {pp} x context {cp}))"
 
 

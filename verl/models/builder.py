@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""verl's short dtype names -> torch dtypes."""
+HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""verl's short dtype names -> the names of Hugging Face configs (``torch_dtype``) and ``megatron.dtype``."""
 
 
 @dataclass(kw_only=True)
@@ -64,8 +67,8 @@ class ModelBuildConfig:
     """Randomly initialise parameters; False leaves them uninitialised (every one is about to be loaded)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"ModelBuildConfig.dtype={self.dtype!r}; use one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelBuildConfig.dtype={self.dtype!r}; use one of {sorted(DTYPES)}")
         if self.head not in ("lm", "value", "reward"):
             raise ValueError(f"ModelBuildConfig.head={self.head!r}; use 'lm', 'value' or 'reward'")
         if self.transformer_impl not in ("auto", "local", "transformer_engine"):
@@ -78,7 +81,7 @@ class ModelBuildConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of ``dtype``."""
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 def transformer_engine_available() -> bool:
@@ -200,22 +203,30 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(config: "TransformerConfig", *, use_te: bool, vp_stage: int | None, pp_rank: int):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
+def local_layer_spec(config: "TransformerConfig", *, vp_stage: int | None, pp_rank: int):
+    """Megatron's local (no Transformer Engine) block spec of this stage with verl's :class:`RMSNorm`.
+
+    Megatron's own local norm (``WrappedTorchNorm``) refuses sequence parallel; verl's computes
+    the transformers formula and tags its weight for sequence parallel.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if use_te:
-        return get_gpt_decoder_block_spec(
-            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
-        )
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+
+
+def _layer_spec(config: "TransformerConfig", *, use_te: bool, vp_stage: int | None, pp_rank: int):
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    return local_layer_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 
 def build_gpt_model(

@@ -19,29 +19,26 @@ target name.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
 import resource
 import shutil
-import socket
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from verl.models.builder import ModelBuildConfig, transformer_config_from_hf
+from verl.models.builder import DTYPES, HF_DTYPE_NAMES, ModelBuildConfig, transformer_config_from_hf
 from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.safetensors_io import SafetensorsReader, SafetensorsWriter, copy_side_files
 from verl.models.weight_mapping import HeadKind, hf_param_names
+from verl.parallel.bootstrap import init_distributed, run_on_ranks, under_torchrun
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SEQ_CLS_ARCH = {
     "llama": "LlamaForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
@@ -95,85 +92,8 @@ def _commit_output(tmp_dir: str, out_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Running a function on TP x PP ranks.
-# ---------------------------------------------------------------------------------------------
-
-
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun (or similar) launch."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def _backend(world_size: int) -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
-def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    backend = _backend(world_size)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
-    try:
-        results.put((rank, fn(*args)))
-    finally:
-        from verl.parallel.megatron_state import destroy_model_parallel
-
-        destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` ranks with torch.distributed initialised.
-
-    Under torchrun the current world runs it (its size must equal ``world_size``); otherwise
-    ``world_size`` processes are spawned. Returns every rank's value, indexed by rank.
-    """
-    if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != world_size:
-            raise ValueError(
-                f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but the layout needs {world_size} ranks "
-                "(--tp x --pp); start torchrun with that many processes, or run without torchrun"
-            )
-        if not dist.is_initialized():
-            dist.init_process_group(_backend(world_size))
-        from verl.parallel.megatron_state import destroy_model_parallel
-
-        try:
-            value = fn(*args)
-        finally:
-            destroy_model_parallel()
-        out: list[Any] = [None] * world_size
-        dist.all_gather_object(out, value)
-        return out
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    mp.start_processes(
-        _spawned_rank, args=(world_size, port, fn, args, results), nprocs=world_size, join=True, start_method="spawn"
-    )
-    values: list[Any] = [None] * world_size
-    while not results.empty():
-        rank, value = results.get()
-        values[rank] = value
-    return values
 
 
 def _is_coordinator() -> bool:
@@ -184,8 +104,7 @@ def _share_from_coordinator(value: Any) -> Any:
     """Under torchrun, every rank gets rank 0's ``value``; otherwise ``value`` itself."""
     if not under_torchrun():
         return value
-    if not dist.is_initialized():
-        dist.init_process_group(_backend(int(os.environ["WORLD_SIZE"])))
+    init_distributed()
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -294,7 +213,7 @@ def hf_reference_outputs(hf_dir: str, batch: dict[str, torch.Tensor], *, head: H
     model.eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.to(_DTYPES[round_to]).float())
+            p.copy_(p.to(DTYPES[round_to]).float())
         kwargs = dict(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -402,8 +321,8 @@ def megatron_to_hf(
     meta, spec = read_checkpoint_meta(megatron_dir)
     _check_storage_files(megatron_dir)
     out_dtype = dtype or meta.dtype
-    if out_dtype not in _DTYPES:
-        raise ValueError(f"--dtype {out_dtype!r}; use one of {sorted(_DTYPES)}")
+    if out_dtype not in DTYPES:
+        raise ValueError(f"--dtype {out_dtype!r}; use one of {sorted(DTYPES)}")
     tmp_dir = _prepare_output(out_dir, overwrite)
     try:
         writer = SafetensorsWriter(tmp_dir, max_shard_bytes=max_shard_bytes)
@@ -415,15 +334,15 @@ def megatron_to_hf(
             items = tqdm(items, total=total, desc="megatron -> HF", unit="tensor")
         count = 0
         for name, tensor in items:
-            writer.add(name, tensor.to(_DTYPES[out_dtype]))
+            writer.add(name, tensor.to(DTYPES[out_dtype]))
             del tensor
             count += 1
         writer.finish()
         copy_side_files(os.path.join(megatron_dir, HF_SUBDIR), tmp_dir, include_config=False)
         config = dict(spec.raw)
-        config["dtype"] = _TORCH_DTYPE_NAMES[out_dtype]
+        config["dtype"] = HF_DTYPE_NAMES[out_dtype]
         if "torch_dtype" in config:
-            config["torch_dtype"] = _TORCH_DTYPE_NAMES[out_dtype]
+            config["torch_dtype"] = HF_DTYPE_NAMES[out_dtype]
         if meta.head == "lm":
             config.setdefault("architectures", [_CAUSAL_LM_ARCH[spec.model_type]])
         else:

@@ -15,10 +15,10 @@ them, and does nothing when CUDA is available (the GPU path is never altered):
    ``tensor.cuda()`` in ``tensor_parallel.broadcast_data``.
 4. ``torch.cuda.synchronize()`` is a no-op (p2p communication with ``batch_p2p_comm=True``
    calls it after ``batch_isend_irecv``).
-5. ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``: see
-   ``SequenceParallelTorchNorm`` / ``with_sequence_parallel_norms`` (a build-time helper, not a
-   patch; the norm is built with sequence parallel off, then its parameters are tagged
-   ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces their grads over TP).
+5. ``WrappedTorchNorm`` (the local spec's norm) asserts ``not config.sequence_parallel``: no
+   patch; verl's models use ``verl.models.builder.RMSNorm`` in the local spec
+   (``local_layer_spec``), which accepts sequence parallel and tags its weight
+   ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces its grads over TP.
 6. ``torch.cuda.current_stream()`` returns a dummy stream (megatron-core 0.19 calls it in
    the DDP grad-sync path; 0.16 does not).
 
@@ -35,7 +35,6 @@ The RNG fix swaps names inside ``megatron.core.tensor_parallel.random`` only.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.abc
 import importlib.machinery
 import logging
@@ -358,87 +357,3 @@ def apply_cpu_shim() -> None:
         torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign]
         _applied = True
     logger.debug("Megatron-core CPU shim applied")
-
-
-# ---------------------------------------------------------------------------------------------
-# Fix 5: torch norms under sequence parallel (a build-time helper).
-# ---------------------------------------------------------------------------------------------
-
-
-class SequenceParallelTorchNorm:
-    """Drop-in for Megatron's ``WrappedTorchNorm`` that accepts ``config.sequence_parallel``.
-
-    Under sequence parallel each TP rank normalises its own slice of the sequence, so the
-    norm itself is unchanged; only its weight grads differ per rank and must be summed over
-    TP. Megatron does that for parameters tagged ``sequence_parallel=True``
-    (``finalize_model_grads``), so: build the torch norm with sequence parallel off, then tag.
-    """
-
-    def __new__(
-        cls,
-        config: Any,
-        hidden_size: int,
-        eps: float = 1e-5,
-        persist_layer_norm: bool = False,
-        zero_centered_gamma: bool = False,
-        normalization: str = "LayerNorm",
-    ) -> torch.nn.Module:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        config_no_sp = copy.copy(config)  # shallow: no __post_init__ re-validation
-        config_no_sp.sequence_parallel = False
-        norm = WrappedTorchNorm(
-            config_no_sp,
-            hidden_size,
-            eps=eps,
-            persist_layer_norm=persist_layer_norm,
-            zero_centered_gamma=zero_centered_gamma,
-            normalization=normalization,
-        )
-        if config.sequence_parallel:
-            for param in norm.parameters():
-                param.sequence_parallel = True
-        return norm
-
-
-def _replace_torch_norms(spec: Any, memo: dict[int, Any]) -> Any:
-    """Copy of a ModuleSpec tree with every ``WrappedTorchNorm`` replaced by the SP-aware norm."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if spec is WrappedTorchNorm:
-        return SequenceParallelTorchNorm
-    if id(spec) in memo:
-        return memo[id(spec)]
-    if isinstance(spec, ModuleSpec):
-        new = copy.copy(spec)
-        new.module = _replace_torch_norms(spec.module, memo)
-        new.submodules = _replace_torch_norms(spec.submodules, memo)
-        memo[id(spec)] = new
-        return new
-    if spec is not None and hasattr(spec, "__dataclass_fields__") and not isinstance(spec, type):
-        new = copy.copy(spec)
-        for field_name in spec.__dataclass_fields__:
-            setattr(new, field_name, _replace_torch_norms(getattr(spec, field_name), memo))
-        memo[id(spec)] = new
-        return new
-    if isinstance(spec, list):
-        return [_replace_torch_norms(item, memo) for item in spec]
-    return spec
-
-
-def with_sequence_parallel_norms(
-    layer_spec: Any, config: Any, *, vp_stage: int | None = None, pp_rank: int | None = None
-) -> Any:
-    """Transformer-block spec whose torch norms (layer norms and the final norm) accept sequence parallel.
-
-    ``layer_spec`` is a transformer-layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()``)
-    or a ``TransformerBlockSubmodules``. Returns a ``TransformerBlockSubmodules`` for this
-    pipeline stage (``pp_rank``/``vp_stage`` as in ``get_num_layers_to_build``) to pass as
-    ``GPTModel(transformer_layer_spec=...)``. Specs without ``WrappedTorchNorm`` (Transformer
-    Engine, apex) come back unchanged in content, so the call is safe on GPU too.
-    """
-    from megatron.core.transformer import transformer_block as tb
-
-    block = tb._get_block_submodules(config, layer_spec, vp_stage=vp_stage, pp_rank=pp_rank)
-    return _replace_torch_norms(block, {})

@@ -1,8 +1,8 @@
 """The one module that touches ``megatron.core.parallel_state``.
 
 Everything else in verl receives Megatron's process groups explicitly, as a
-``ProcessGroupCollection`` (``pg_collection``), and asks the accessors here for ranks and
-sizes. ``initialize_model_parallel`` applies the CPU shim when CUDA is absent, builds
+``ProcessGroupCollection`` (``pg_collection``), and reads ranks and sizes from it
+(``pg.tp.rank()``, ``pg.pp.size()``); nothing reads a global collection. ``initialize_model_parallel`` applies the CPU shim when CUDA is absent, builds
 Megatron's global groups for the whole world, seeds Megatron's RNG streams and returns the
 collection; ``destroy_model_parallel`` undoes it (called between distributed tests too).
 """
@@ -19,63 +19,13 @@ import torch
 import torch.distributed as dist
 
 from verl.parallel.cpu_shim import apply_cpu_shim, shim_needed
+from verl.parallel.layout import layout_problems
 from verl.utils.logging import log_rank0
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
 logger = logging.getLogger(__name__)
-
-_PG_COLLECTION: ProcessGroupCollection | None = None
-_VIRTUAL_PP_SIZE: int | None = None
-
-
-def validate_parallel_degrees(
-    *,
-    world_size: int,
-    tensor_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
-    context_parallel_size: int,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    where: str = "megatron",
-) -> int:
-    """Check the degrees against ``world_size``; returns the data-parallel size.
-
-    Raises one ``ValueError`` that prints every degree and the world size.
-    """
-    degrees = (
-        f"tensor_model_parallel_size={tensor_model_parallel_size}, "
-        f"pipeline_model_parallel_size={pipeline_model_parallel_size}, "
-        f"context_parallel_size={context_parallel_size}, "
-        f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}, "
-        f"world_size={world_size}"
-    )
-    problems = []
-    for name, value in (
-        ("tensor_model_parallel_size", tensor_model_parallel_size),
-        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
-        ("context_parallel_size", context_parallel_size),
-        ("world_size", world_size),
-    ):
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"{name} must be an integer >= 1")
-    if virtual_pipeline_model_parallel_size is not None:
-        if virtual_pipeline_model_parallel_size < 1:
-            problems.append("virtual_pipeline_model_parallel_size must be None or >= 1")
-        elif pipeline_model_parallel_size < 2:
-            problems.append(
-                "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2 "
-                "(set it to None without pipeline parallelism)"
-            )
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    if not problems and world_size % model_parallel != 0:
-        problems.append(
-            f"world_size must be a multiple of tensor x pipeline x context = {model_parallel}; "
-            "change the degrees or the number of ranks"
-        )
-    if problems:
-        raise ValueError(f"{where}: invalid parallel layout ({degrees}): " + "; ".join(problems))
-    return world_size // model_parallel
 
 
 def initialize_model_parallel(
@@ -90,24 +40,26 @@ def initialize_model_parallel(
 
     torch.distributed must already be initialised. Data parallel is derived:
     ``world_size // (tp * pp * cp)``. Returns the ``ProcessGroupCollection`` to pass to
-    Megatron models, DDP and ``finalize_model_grads``; it is also what the accessors in this
-    module read when called without a collection.
+    Megatron models, DDP and ``finalize_model_grads``.
     """
-    global _PG_COLLECTION, _VIRTUAL_PP_SIZE
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "initialize_model_parallel: torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first (torchrun, or verl.testing.run_distributed)"
+            "verl.parallel.bootstrap.init_distributed first (torchrun, or verl.testing.run_distributed)"
         )
     world_size = dist.get_world_size()
-    validate_parallel_degrees(
-        world_size=world_size,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        where="initialize_model_parallel",
+    problems = layout_problems(
+        ranks=world_size,
+        ranks_text=f"the world size {world_size}",
+        tensor=tensor_model_parallel_size,
+        pipeline=pipeline_model_parallel_size,
+        context=context_parallel_size,
+        virtual_pipeline=virtual_pipeline_model_parallel_size,
     )
+    if problems:
+        raise ValueError(
+            "initialize_model_parallel: invalid parallel layout: " + "; ".join(p.text for p in problems)
+        )
     if shim_needed():
         apply_cpu_shim()
 
@@ -132,8 +84,7 @@ def initialize_model_parallel(
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    _PG_COLLECTION = ProcessGroupCollection.use_mpu_process_groups()
-    _VIRTUAL_PP_SIZE = virtual_pipeline_model_parallel_size
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     log_rank0(
         logger,
         logging.INFO,
@@ -146,19 +97,20 @@ def initialize_model_parallel(
         world_size,
         backend,
     )
-    return _PG_COLLECTION
+    return pg_collection
 
 
 def is_initialized() -> bool:
-    """Whether ``initialize_model_parallel`` has run (and not been destroyed) in this process."""
-    return _PG_COLLECTION is not None
+    """Whether Megatron's global parallel state is set up in this process (by either entry point)."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return False
+    from megatron.core import parallel_state
+
+    return bool(parallel_state.model_parallel_is_initialized())
 
 
 def destroy_model_parallel() -> None:
     """Tear down Megatron's global parallel state; safe to call when nothing was initialised."""
-    global _PG_COLLECTION, _VIRTUAL_PP_SIZE
-    _PG_COLLECTION = None
-    _VIRTUAL_PP_SIZE = None
     if "megatron.core.parallel_state" not in sys.modules:
         return
     from megatron.core import parallel_state
@@ -169,88 +121,6 @@ def destroy_model_parallel() -> None:
     for name in ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS"):
         setattr(parallel_state, name, None)
     initialize_rng_tracker(force_reset=True)
-
-
-def get_process_group_collection() -> ProcessGroupCollection:
-    """The collection built by ``initialize_model_parallel``."""
-    if _PG_COLLECTION is None:
-        raise RuntimeError(
-            "Megatron model parallel is not initialised; call "
-            "verl.parallel.megatron_state.initialize_model_parallel(...) first"
-        )
-    return _PG_COLLECTION
-
-
-def _pgs(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
-    return pg_collection if pg_collection is not None else get_process_group_collection()
-
-
-def tp_rank(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """This rank's index in its tensor-parallel group."""
-    return dist.get_rank(group=_pgs(pg_collection).tp)
-
-
-def tp_size(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """Tensor-parallel degree."""
-    return dist.get_world_size(group=_pgs(pg_collection).tp)
-
-
-def pp_rank(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """This rank's pipeline stage."""
-    return dist.get_rank(group=_pgs(pg_collection).pp)
-
-
-def pp_size(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """Pipeline-parallel degree (number of stages)."""
-    return dist.get_world_size(group=_pgs(pg_collection).pp)
-
-
-def cp_rank(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """This rank's index in its context-parallel group."""
-    return dist.get_rank(group=_pgs(pg_collection).cp)
-
-
-def cp_size(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """Context-parallel degree."""
-    return dist.get_world_size(group=_pgs(pg_collection).cp)
-
-
-def dp_group(pg_collection: ProcessGroupCollection | None = None) -> dist.ProcessGroup:
-    """The data-parallel group (without context parallel ranks)."""
-    return _pgs(pg_collection).dp
-
-
-def dp_rank(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """This rank's index in its data-parallel group."""
-    return dist.get_rank(group=_pgs(pg_collection).dp)
-
-
-def dp_size(pg_collection: ProcessGroupCollection | None = None) -> int:
-    """Data-parallel degree."""
-    return dist.get_world_size(group=_pgs(pg_collection).dp)
-
-
-def virtual_pp_size() -> int | None:
-    """The virtual pipeline size given to ``initialize_model_parallel`` (None without interleaving)."""
-    return _VIRTUAL_PP_SIZE
-
-
-def is_pipeline_first_stage(
-    pg_collection: ProcessGroupCollection | None = None, *, vp_stage: int | None = None
-) -> bool:
-    """True on the first pipeline stage (and, with interleaving, for its first model chunk)."""
-    if vp_stage is not None and vp_stage != 0:
-        return False
-    return pp_rank(pg_collection) == 0
-
-
-def is_pipeline_last_stage(
-    pg_collection: ProcessGroupCollection | None = None, *, vp_stage: int | None = None
-) -> bool:
-    """True on the last pipeline stage (and, with interleaving, for its last model chunk)."""
-    if vp_stage is not None and _VIRTUAL_PP_SIZE is not None and vp_stage != _VIRTUAL_PP_SIZE - 1:
-        return False
-    return pp_rank(pg_collection) == pp_size(pg_collection) - 1
 
 
 def process_group_collection(groups: Mapping[str, dist.ProcessGroup | None]) -> ProcessGroupCollection:
@@ -369,7 +239,6 @@ def initialize_role(pg_collection: ProcessGroupCollection, *, seed: int = 1234) 
     and the TP/DP RNG streams (the TP stream differs per TP rank). Undone by
     ``destroy_model_parallel``.
     """
-    global _PG_COLLECTION
     if shim_needed():
         apply_cpu_shim()
     from megatron.core import parallel_state
@@ -381,5 +250,3 @@ def initialize_role(pg_collection: ProcessGroupCollection, *, seed: int = 1234) 
     tp = dist.get_rank(group=pg_collection.tp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, tp_rank=tp, ep_rank=0, etp_rank=tp, force_reset_rng=True)
-    if _PG_COLLECTION is None:
-        _PG_COLLECTION = pg_collection

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from verl.parallel.layout import LayoutNames, layout_problems
 from verl.utils.logging import log_rank0
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
     "ep": (),  # expert parallel is 1: each rank alone
 }
 _ROLLOUT_KINDS = ("tp", "dp")
+_ROLE_LAYOUT_NAMES = LayoutNames(tensor="tensor_parallel", pipeline="pipeline_parallel", context="context_parallel")
 _MEGATRON_KINDS = (*GROUP_AXES, "embd", "pos_embd")
 
 
@@ -195,10 +197,6 @@ class Topology:
             self._fail(f"ranks {idle} own no role; give them to a role or lower world_size")
 
     def _validate_role(self, role: str, layout: RoleLayout) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
-            value = getattr(layout, name)
-            if not isinstance(value, int) or value < 1:
-                self._fail(f"role {role!r}: {name}={value!r} must be an integer >= 1")
         if not layout.ranks:
             self._fail(f"role {role!r} owns no ranks")
         if len(set(layout.ranks)) != len(layout.ranks):
@@ -210,12 +208,16 @@ class Topology:
                 f"role {role!r} owns ranks {outside} outside the world (0..{self.world_size - 1}); "
                 "raise world_size or change the role's ranks"
             )
-        if len(layout.ranks) % layout.model_parallel != 0:
-            self._fail(
-                f"role {role!r}: tp x pp x cp = {layout.tensor_parallel} x {layout.pipeline_parallel} x "
-                f"{layout.context_parallel} = {layout.model_parallel} does not divide its "
-                f"{len(layout.ranks)} ranks"
-            )
+        problems = layout_problems(
+            ranks=len(layout.ranks),
+            ranks_text=f"its {len(layout.ranks)} ranks",
+            tensor=layout.tensor_parallel,
+            pipeline=layout.pipeline_parallel,
+            context=layout.context_parallel,
+            names=_ROLE_LAYOUT_NAMES,
+        )
+        if problems:
+            self._fail(f"role {role!r}: " + "; ".join(p.text for p in problems))
         if role not in MEGATRON_ROLES and (layout.pipeline_parallel != 1 or layout.context_parallel != 1):
             self._fail(
                 f"role {role!r} is served by the rollout engine, which takes tensor parallel only; "

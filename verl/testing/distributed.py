@@ -42,16 +42,15 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+from verl.utils.env import environ
 
 __all__ = [
     "DistributedTestError",
     "DistributedTimeoutError",
-    "resolve_backend",
-    "orphaned_semaphores",
     "rank_device",
-    "remove_orphaned_semaphores",
     "run_distributed",
     "shutdown_pools",
 ]
@@ -84,25 +83,6 @@ class DistributedTestError(RuntimeError):
 
 class DistributedTimeoutError(DistributedTestError):
     """Some ranks did not finish within the call's timeout (e.g. a hung collective)."""
-
-
-def resolve_backend(world_size: int, backend: str | None = None) -> str:
-    """``backend`` if given, else NCCL when CUDA has >= ``world_size`` devices, else gloo."""
-    import torch
-
-    if backend is None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-            return "nccl"
-        return "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"run_distributed: backend={backend!r}; use 'gloo', 'nccl' or None (auto)")
-    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(
-            f"run_distributed: backend='nccl' needs {world_size} CUDA devices, this machine has {count}; "
-            "use backend=None (auto) or 'gloo'"
-        )
-    return backend
 
 
 def rank_device():
@@ -192,9 +172,6 @@ def _run_call(
     parent_sys_path: list[str],
 ) -> tuple[bool, bytes]:
     """Run one call on this rank; returns (ok, pickled result or traceback text)."""
-    import torch
-    import torch.distributed as dist
-
     for entry in parent_sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
@@ -210,20 +187,16 @@ def _run_call(
     )
     # At the deadline, dump every thread's stack into this rank's log (the parent reads it).
     faulthandler.dump_traceback_later(timeout, exit=False, file=sys.stderr)
-    initialised = False
     try:
         fn, args, kwargs = pickle.loads(payload)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
         _init_process_group(store, call_id, rank, world_size, backend, timeout)
-        initialised = True
         result = fn(*args, **kwargs)
         return True, pickle.dumps(result)
     except BaseException:
         return False, traceback.format_exc().encode()
     finally:
         faulthandler.cancel_dump_traceback_later()
-        _teardown(initialised)
+        _teardown()
 
 
 def _init_process_group(store: Any, call_id: int, rank: int, world_size: int, backend: str, timeout: float) -> None:
@@ -235,11 +208,13 @@ def _init_process_group(store: Any, call_id: int, rank: int, world_size: int, ba
     """
     import torch.distributed as dist
 
+    from verl.parallel.bootstrap import init_distributed
+
     for attempt in range(_INIT_ATTEMPTS):
         prefix = f"verl-call-{call_id}-try{attempt}"
         error: BaseException | None = None
         try:
-            dist.init_process_group(
+            init_distributed(
                 backend=backend,
                 store=dist.PrefixStore(prefix, store),
                 rank=rank,
@@ -264,16 +239,11 @@ def _init_process_group(store: Any, call_id: int, rank: int, world_size: int, ba
             raise RuntimeError(f"run_distributed: ranks {failed} could not join the process group")
 
 
-def _teardown(initialised: bool) -> None:
+def _teardown() -> None:
     """Undo what a body may have set up, so the next call starts clean."""
-    import torch.distributed as dist
+    from verl.parallel.bootstrap import destroy_distributed
 
-    if "verl.parallel.megatron_state" in sys.modules or "megatron.core.parallel_state" in sys.modules:
-        from verl.parallel import megatron_state
-
-        megatron_state.destroy_model_parallel()
-    if initialised and dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_distributed()
     # Groups the body kept alive through reference cycles (Megatron modules, collections) would
     # hold their gloo sockets open into the next call.
     gc.collect()
@@ -282,21 +252,6 @@ def _teardown(initialised: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 # Parent side.
 # ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _environ(overrides: dict[str, str]) -> Iterator[None]:
-    """Temporarily set environment variables (spawned children inherit the environment at start)."""
-    saved = {key: os.environ.get(key) for key in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class _WorkerPool:
@@ -316,7 +271,7 @@ class _WorkerPool:
         self._result_q = self._ctx.Queue()
         self._task_qs = [self._ctx.Queue() for _ in range(world_size)]
         self._procs: list[Any] = []
-        with _environ(_WORKER_ENV):
+        with environ(_WORKER_ENV):
             for rank in range(world_size):
                 proc = self._ctx.Process(
                     target=_worker_main,
@@ -495,71 +450,6 @@ def shutdown_pools(world_size: int | None = None) -> None:
         pool.shutdown(graceful=True)
 
 
-_SHM_DIR = "/dev/shm"
-_SEMAPHORE_PREFIX = "sem.mp-"  # multiprocessing's named semaphores (spawn/forkserver contexts)
-
-
-def _mapped_shm_inodes() -> set[int]:
-    """Inodes of the /dev/shm files that some live process (that we may inspect) has mapped.
-
-    By inode, not name: glibc's ``sem_open`` creates a semaphore under a temporary name, maps
-    it and only then links it to its final name, so its creator's mapping shows the temporary
-    (deleted) name.
-    """
-    inodes: set[int] = set()
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    if _SHM_DIR + "/" in line:
-                        # address perms offset dev inode pathname
-                        inodes.add(int(line.split(None, 5)[4]))
-        except (OSError, ValueError, IndexError):  # gone, not ours to read, or an odd line
-            continue
-    return inodes
-
-
-def orphaned_semaphores(known: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """multiprocessing semaphore files in /dev/shm that no live process has mapped, except ``known``.
-
-    A process group killed with SIGKILL (on purpose in tests, or a killed worker pool) takes its
-    resource tracker with it, so the named semaphores it created are never unlinked.
-    """
-    if not os.path.isdir(_SHM_DIR):
-        return []
-    candidates = [n for n in os.listdir(_SHM_DIR) if n.startswith(_SEMAPHORE_PREFIX) and n not in known]
-    if not candidates:
-        return []
-    mapped = _mapped_shm_inodes()
-    orphans = []
-    for name in candidates:
-        try:
-            inode = os.stat(os.path.join(_SHM_DIR, name)).st_ino
-        except FileNotFoundError:
-            continue
-        if inode not in mapped:
-            orphans.append(name)
-    return sorted(orphans)
-
-
-def remove_orphaned_semaphores(known: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """Unlink :func:`orphaned_semaphores` (those not in ``known``); returns the names removed.
-
-    Pass the names present before the work whose leftovers you clean (``known``), so that
-    semaphores of unrelated jobs that are between creating and mapping one are left alone.
-    """
-    removed = []
-    for name in orphaned_semaphores(known):
-        try:
-            os.remove(os.path.join(_SHM_DIR, name))
-            removed.append(name)
-        except FileNotFoundError:  # its owner unlinked it meanwhile
-            pass
-    return removed
-
-
 def _get_pool(world_size: int) -> _WorkerPool:
     global _ATEXIT_REGISTERED
     pool = _POOLS.get(world_size)
@@ -594,7 +484,12 @@ def run_distributed(
         raise ValueError(f"run_distributed: world_size={world_size!r}; it must be an integer >= 1")
     if timeout <= 0:
         raise ValueError(f"run_distributed: timeout={timeout!r}; it must be > 0 seconds")
-    resolved = resolve_backend(world_size, backend)
+    from verl.parallel.bootstrap import resolve_backend
+
+    try:
+        resolved = resolve_backend(world_size, backend)
+    except ValueError as exc:
+        raise ValueError(f"run_distributed: {exc}") from None
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as exc:

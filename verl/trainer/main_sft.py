@@ -15,46 +15,16 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from collections.abc import Sequence
 
 PROG = "python -m verl.trainer.main_sft"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fail(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # every rank exits; one of them says why
         sys.stderr.write(f"{PROG}: error: {message}\n")
     raise SystemExit(2)
-
-
-def init_distributed(device: str) -> str:
-    """Initialise torch.distributed from torchrun's environment, or as a world of one; returns the device."""
-    import torch
-    import torch.distributed as dist
-
-    if device == "cpu":
-        use_cuda = False
-    elif device == "cuda":
-        if not torch.cuda.is_available():
-            _fail("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-        use_cuda = True
-    else:
-        use_cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:  # plain `python -m`: a world of one
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-        )
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return "cuda" if use_cuda else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,17 +50,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.trainer.device == "cpu":
         # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    import torch.distributed as dist
+    from verl.parallel.bootstrap import destroy_distributed, init_distributed
 
-    from verl.parallel import megatron_state
-
-    init_distributed(cfg.trainer.device)
+    try:
+        init_distributed(device=cfg.trainer.device)
+    except ValueError as exc:
+        _fail(f"trainer.device={cfg.trainer.device}: {exc}")
     try:
         try:
             trainer = SFTTrainer(cfg)
         except ValueError as exc:  # a setting that only the data or the model reveals (run length, shapes)
-            megatron_state.destroy_model_parallel()
-            _fail(str(exc))
+            _fail(str(exc))  # the finally below tears the world down
         with trainer:
             metrics = trainer.fit()
         log_rank0(
@@ -101,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
         )
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
     return 0
 
 

@@ -1,0 +1,83 @@
+"""``verl.parallel.bootstrap``: the one place a distributed world is started and torn down."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from verl.parallel.bootstrap import free_port, resolve_backend, run_on_ranks
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_backend_follows_the_device_and_the_gpus():
+    assert resolve_backend(2, device="cpu") == "gloo"
+    assert resolve_backend(2, backend="gloo") == "gloo"
+    assert resolve_backend(1, device="auto") == ("nccl" if GPUS >= 1 else "gloo")
+    # auto never asks NCCL for more ranks than there are GPUs on this machine
+    assert resolve_backend(GPUS + 1, device="auto") == "gloo"
+
+
+def test_impossible_or_unknown_backends_name_the_fix():
+    with pytest.raises(ValueError, match=rf"backend='nccl' needs {GPUS + 1} CUDA devices .* this machine has {GPUS}"):
+        resolve_backend(GPUS + 1, backend="nccl")
+    with pytest.raises(ValueError, match=rf"device=cuda needs {GPUS + 1} CUDA devices"):
+        resolve_backend(GPUS + 1, device="cuda")
+    with pytest.raises(ValueError, match="backend='mpi'; use 'gloo', 'nccl' or None"):
+        resolve_backend(1, backend="mpi")
+    with pytest.raises(ValueError, match="device='tpu'; use 'auto', 'cpu' or 'cuda'"):
+        resolve_backend(1, device="tpu")
+
+
+_WORLD_OF_ONE = """
+import torch.distributed as dist
+from verl.parallel.bootstrap import destroy_distributed, init_distributed
+device = init_distributed(device="cpu")
+print(device, dist.get_world_size(), dist.get_rank(), dist.get_backend())
+assert init_distributed(device="cpu") == device  # already initialised: nothing changes
+destroy_distributed()
+print("initialised after destroy:", dist.is_initialized())
+"""
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    clean.update(env, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean)
+
+
+def test_a_plain_process_is_a_world_of_one():
+    out = _python(_WORLD_OF_ONE, {})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["cpu 1 0 gloo", "initialised after destroy: False"]
+
+
+def test_a_half_torchrun_environment_is_refused():
+    out = _python("from verl.parallel.bootstrap import init_distributed\ninit_distributed()", {"RANK": "0"})
+    assert out.returncode != 0
+    assert "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not" in out.stderr
+
+
+def _rank_and_world() -> tuple[int, int, str]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+@pytest.mark.distributed
+def test_run_on_ranks_spawns_a_world():
+    backend = "nccl" if GPUS >= 2 else "gloo"
+    assert run_on_ranks(_rank_and_world, 2) == [(0, 2, backend), (1, 2, backend)]
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))

@@ -1,0 +1,198 @@
+"""Starting and stopping the torch.distributed world: the one place every entry point calls.
+
+- :func:`init_distributed` chooses the backend (:func:`resolve_backend`: NCCL when CUDA has a
+  device for every rank of this node, else gloo, or what the caller asks for), pins the rank's
+  GPU, and initialises the default process group with a timeout, from torchrun's environment,
+  from an explicit store, rank and world size (the test harness), or as a world of one (a
+  plain ``python -m ...``). It returns the rank's device.
+- :func:`destroy_distributed` undoes it: Megatron's parallel state first, then the group.
+- :func:`run_on_ranks` runs a function on N ranks: the ranks of an enclosing torchrun, or N
+  spawned processes that each call :func:`init_distributed`.
+
+The trainers (``main_sft``, and ``main_ppo`` to come), the conversion tools and
+``verl.testing.run_distributed`` all start their worlds here; the code is the same on gloo
+and NCCL.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "destroy_distributed",
+    "free_port",
+    "init_distributed",
+    "resolve_backend",
+    "run_on_ranks",
+    "under_torchrun",
+]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a collective may wait for its peers before torch.distributed raises."""
+
+Device = Literal["auto", "cpu", "cuda"]
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (or similar ``env://``) launch."""
+    return all(k in os.environ for k in _TORCHRUN_VARS)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a world this process starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_backend(local_world_size: int, backend: str | None = None, *, device: Device = "auto") -> str:
+    """The process-group backend for ``local_world_size`` ranks on this machine.
+
+    ``backend`` ("gloo"/"nccl") is checked and returned when given. Otherwise ``device``
+    decides: ``cpu`` is gloo, ``cuda`` is NCCL (which needs one visible GPU per local rank),
+    ``auto`` is NCCL when there are enough GPUs, else gloo. Raises ValueError naming the fix.
+    """
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}; use 'gloo', 'nccl' or None (auto)")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={device!r}; use 'auto', 'cpu' or 'cuda'")
+    gpus = _cuda_devices()
+    wants_nccl = backend == "nccl" or (backend is None and device == "cuda")
+    if wants_nccl and gpus < local_world_size:
+        what = "backend='nccl'" if backend == "nccl" else "device=cuda"
+        raise ValueError(
+            f"{what} needs {local_world_size} CUDA devices (one per rank on this machine), this machine "
+            f"has {gpus}; use device cpu (gloo) or auto"
+        )
+    if backend is not None:
+        return backend
+    if device == "cpu":
+        return "gloo"
+    return "nccl" if gpus >= local_world_size else "gloo"
+
+
+def init_distributed(
+    *,
+    device: Device = "auto",
+    backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    store: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.device:
+    """Initialise the default process group of this process; returns the rank's device.
+
+    - ``store`` given: join that store's world as ``rank`` of ``world_size`` (the test harness);
+      every rank is on this machine.
+    - torchrun's environment present: ``env://`` with its RANK / WORLD_SIZE / LOCAL_RANK.
+    - neither: a world of one on a free local port (``python -m verl.trainer.main_sft``).
+
+    Under NCCL the current CUDA device is the rank's local GPU. Collectives that wait longer
+    than ``timeout`` raise. When the world is already initialised, nothing changes and the
+    device of its backend is returned.
+    """
+    if not dist.is_initialized():
+        if store is not None:
+            if rank is None or world_size is None:
+                raise ValueError("init_distributed: a store needs rank and world_size")
+            local_rank, local_world = rank, world_size
+        else:
+            if rank is not None or world_size is not None:
+                raise ValueError("init_distributed: rank and world_size are given with a store only")
+            if "RANK" not in os.environ:
+                os.environ.update(
+                    RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                )
+            elif not under_torchrun():
+                missing = [k for k in _TORCHRUN_VARS if k not in os.environ]
+                raise ValueError(
+                    f"RANK is set but {', '.join(missing)} not: start the job with torchrun, or unset RANK"
+                )
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        chosen = resolve_backend(local_world, backend, device=device)
+        if chosen == "nccl":
+            torch.cuda.set_device(local_rank)
+        if store is not None:
+            dist.init_process_group(backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=chosen, timeout=timeout)  # env://
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state (if it was built) and the default process group."""
+    if "verl.parallel.megatron_state" in sys.modules or "megatron.core.parallel_state" in sys.modules:
+        from verl.parallel import megatron_state
+
+        megatron_state.destroy_model_parallel()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    init_distributed()
+    try:
+        results.put((rank, fn(*args)))
+    finally:
+        destroy_distributed()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks with torch.distributed initialised.
+
+    Under torchrun the current world runs it (its size must equal ``world_size``); otherwise
+    ``world_size`` processes are spawned (a picklable, module-level ``fn``). Megatron's parallel
+    state is torn down after ``fn``. Returns every rank's value, indexed by rank.
+    """
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ValueError(
+                f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but the layout needs {world_size} ranks; "
+                "start torchrun with that many processes, or run without torchrun"
+            )
+        init_distributed()
+        from verl.parallel.megatron_state import destroy_model_parallel
+
+        try:
+            value = fn(*args)
+        finally:
+            destroy_model_parallel()
+        out: list[Any] = [None] * world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _spawned_rank, args=(world_size, free_port(), fn, args, results), nprocs=world_size, join=True,
+        start_method="spawn",
+    )
+    values: list[Any] = [None] * world_size
+    while not results.empty():
+        r, value = results.get()
+        values[r] = value
+    return values
