@@ -104,3 +104,21 @@ def test_rope_frequencies_equal_transformers(rope_parameters):
         expected, _ = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
     actual = rope_inv_freq(spec.rope, spec.head_dim)
     assert torch.equal(actual, expected.float())
+
+
+@pytest.mark.parametrize(("model_type", "expected"), [("llama", 2048), ("qwen2", 32768)])
+def test_missing_max_position_embeddings_takes_the_transformers_default_and_says_so(
+    model_type, expected, caplog, monkeypatch
+):
+    from verl.utils import logging as verl_logging
+
+    monkeypatch.setattr(verl_logging, "_warned", set())  # warn_once: a fresh slate for each case
+    assert "max_position_embeddings" not in BASE
+    with caplog.at_level("WARNING", logger="verl.models.hf_config"):
+        spec = parse_hf_config(dict(BASE, model_type=model_type), source=f"{model_type}/config.json")
+    assert spec.max_position_embeddings == expected
+    assert f"{model_type}/config.json has no max_position_embeddings: using {expected}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="verl.models.hf_config"):
+        spec = parse_hf_config(dict(BASE, model_type=model_type, max_position_embeddings=64))
+    assert spec.max_position_embeddings == 64 and "max_position_embeddings" not in caplog.text

@@ -143,7 +143,7 @@ def _grad_body(model_dir, tp, sp, batch):
 
     from verl.models.builder import ModelBuildConfig, build_model_chunks
     from verl.models.checkpoint import load_hf_weights
-    from verl.models.forward import forward_backward
+    from verl.models.forward import LossShare, forward_backward
     from verl.models.hf_config import parse_hf_config
     from verl.models.weight_mapping import param_mapping, split_shard
     from verl.parallel.megatron_state import initialize_model_parallel
@@ -161,7 +161,8 @@ def _grad_body(model_dir, tp, sp, batch):
         mask = mb["attention_mask"].float()
         n = mask.sum()
         loss = -(outputs["logprobs"] * mask).sum() / n + 0.1 * (outputs["entropy"] * mask).sum() / n
-        return loss, {"loss": loss.detach()}
+        # The step's loss is the mean of its two micro-batch means: each one's share is half of it.
+        return LossShare(loss / 2, {"loss": loss.detach()})
 
     ddp.zero_grad_buffer()
     result = forward_backward([ddp], batch, pg=pg, micro_batch_size=2, output="logprobs", loss_fn=loss_fn)

@@ -27,7 +27,7 @@ def _engine_steps(
     from verl.data.sft_dataset import SFTDataset
     from verl.data.tokenizer import load_tokenizer
     from verl.parallel import megatron_state as ms
-    from verl.roles.engine import MegatronEngine
+    from verl.engine import LossShare, MegatronEngine
 
     pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=7)
     engine = MegatronEngine(
@@ -52,9 +52,9 @@ def _engine_steps(
     info = GlobalBatchInfo.from_masks([local["loss_mask"].float()], group=pg.dp)
 
     def loss_fn(outputs, micro_batch):
-        return agg_loss(
-            -outputs["logprobs"], micro_batch["loss_mask"].float(), "token-mean", global_batch_info=info
-        ), {}
+        return LossShare(
+            agg_loss(-outputs["logprobs"], micro_batch["loss_mask"].float(), "token-mean", global_batch_info=info)
+        )
 
     results = []
     for _ in range(2):

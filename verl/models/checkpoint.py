@@ -191,7 +191,8 @@ def iter_hf_weights(
                 yield from merge_pieces(pieces)
 
 
-def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    """Megatron's sharded state dict of the model chunks: ``model`` (or ``model0``, ``model1``, ...)."""
     if len(chunks) == 1:
         return {"model": unwrap_model(chunks[0]).sharded_state_dict()}
     return {f"model{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
@@ -214,7 +215,7 @@ def save_checkpoint(
     inner = unwrap_model(chunks[0])
     spec, build = inner.verl_spec, inner.verl_build
     os.makedirs(ckpt_dir, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(chunks), ckpt_dir)
+    dist_checkpointing.save(model_sharded_state_dict(chunks), ckpt_dir)
     if dist.get_rank() == 0:
         hf_out = os.path.join(ckpt_dir, HF_SUBDIR)
         os.makedirs(hf_out, exist_ok=True)
@@ -278,7 +279,7 @@ def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, *, pg: "Proces
         mine, theirs = getattr(inner.verl_spec, field_name), getattr(spec, field_name)
         if mine != theirs:
             raise ValueError(f"{ckpt_dir}: checkpoint has {field_name}={theirs}, the model was built with {mine}")
-    sharded = _sharded_state_dict(chunks)
+    sharded = model_sharded_state_dict(chunks)
     state = dist_checkpointing.load(sharded, ckpt_dir)
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"

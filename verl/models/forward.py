@@ -20,6 +20,19 @@ Outputs (all [B, T], float32, aligned with ``input_ids``):
 - ``logits`` [B, T, V/TP]: this rank's vocabulary slice (checks and tests only).
 
 Results exist on the last pipeline stage; ``broadcast=True`` sends them to every stage.
+
+The loss contract (the only one in verl). A loss function is a :data:`LossShareFn`:
+``loss_fn(outputs, micro_batch) -> LossShare``, where ``LossShare.loss`` is this micro-batch's
+*share of the global-batch loss*: its per-token (or per-sequence) losses summed and divided by
+the denominator of the whole optimizer step — tokens or sequences over every micro-batch on
+every data-parallel rank — times the data-parallel size. ``verl.algos.agg_loss(...,
+global_batch_info=GlobalBatchInfo.from_masks(...))`` computes exactly that. The shares of all
+micro-batches then add up, on every rank, to the step's loss times the DP size, so after
+Megatron's DDP averages gradients over DP they are those of the step's loss whatever the
+micro-batch size or DP size. :func:`forward_backward` multiplies each share by the number of
+micro-batches before handing it to Megatron's schedule, which divides by that number; that
+one rescaling is the whole adapter. A function returning anything but a ``LossShare`` (for
+instance a bare micro-batch mean) is refused at the first micro-batch.
 """
 
 from __future__ import annotations
@@ -38,11 +51,21 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
 OutputKind = Literal["logprobs", "values", "logits"]
-LossFn = Callable[[dict[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``loss_fn(outputs, micro_batch) -> (loss, metrics)``: ``outputs`` are this micro-batch's
-model outputs ([b, T], differentiable), ``micro_batch`` its slice of every batch tensor. The
-loss should be the micro-batch mean; Megatron's schedule divides it by the number of
-micro-batches, so gradients are those of the batch mean."""
+
+
+@dataclass(frozen=True)
+class LossShare:
+    """A micro-batch's share of the global-batch loss (the module docstring's loss contract)."""
+
+    loss: torch.Tensor
+    """Scalar, differentiable: this micro-batch's losses over the whole step's denominator, x DP size."""
+    metrics: Mapping[str, torch.Tensor | float] = field(default_factory=dict)
+    """Scalars to report (the engine averages them over micro-batches and DP ranks)."""
+
+
+LossShareFn = Callable[[dict[str, torch.Tensor], Mapping[str, torch.Tensor]], LossShare]
+"""``loss_fn(outputs, micro_batch) -> LossShare``: ``outputs`` are this micro-batch's model
+outputs ([b, T], differentiable), ``micro_batch`` its slice of every batch tensor."""
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -102,8 +125,10 @@ class ForwardResult:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token outputs over the whole batch ([B, T] / [B, T, V/TP]); empty off the last stage
     unless broadcast."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Each micro-batch's ``LossShare.loss`` (last stage only, detached, float32)."""
     metrics: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """``loss_fn`` metrics per micro-batch (last stage only)."""
+    """Each micro-batch's ``LossShare.metrics`` as float32 tensors (last stage only)."""
 
 
 def _head_outputs(
@@ -145,9 +170,7 @@ def _head_outputs(
 def _micro_batches(
     batch: Mapping[str, torch.Tensor], micro_batch_size: int, seq_len: int
 ) -> tuple[list[_MicroBatch], int]:
-    input_ids = batch["input_ids"]
-    mask = batch["attention_mask"]
-    b = input_ids.shape[0]
+    b = batch["input_ids"].shape[0]
     n = -(-b // micro_batch_size)
     pad_rows = n * micro_batch_size - b
     tensors = dict(batch)
@@ -179,7 +202,7 @@ def forward_backward(
     pg: "ProcessGroupCollection",
     micro_batch_size: int,
     output: OutputKind = "logprobs",
-    loss_fn: LossFn | None = None,
+    loss_fn: LossShareFn | None = None,
     temperature: float = 1.0,
     with_entropy: bool = True,
     broadcast: bool = True,
@@ -192,8 +215,8 @@ def forward_backward(
         pg: the process groups the model was built with.
         micro_batch_size: rows per micro-batch (B is padded up to a multiple; extra rows dropped).
         output: ``logprobs`` (+ ``entropy``), ``values`` or ``logits`` (see module docstring).
-        loss_fn: with a loss, gradients are accumulated into ``.grad``/``.main_grad`` (no
-            optimizer step); without, forward only under ``torch.no_grad``.
+        loss_fn: with a loss (the module docstring's contract), gradients are accumulated into
+            ``.grad``/``.main_grad`` (no optimizer step); without, forward only under ``torch.no_grad``.
         temperature: logits are divided by it before logprobs/entropy.
         with_entropy: also compute entropy (``output='logprobs'``).
         broadcast: send ``outputs`` from the last pipeline stage to every stage.
@@ -219,6 +242,7 @@ def forward_backward(
     t = batch["input_ids"].shape[1]
     seq_len = -(-t // tp_size) * tp_size if config.sequence_parallel else t
     micro_batches, real_rows = _micro_batches(batch, micro_batch_size, seq_len)
+    num_micro = len(micro_batches)
     forward_only = loss_fn is None
     head = functools.partial(
         _head_outputs,
@@ -234,11 +258,21 @@ def forward_backward(
         record = {"outputs": {k: v.detach() for k, v in outputs.items()}}
         if loss_fn is None:
             return output_tensor.new_zeros((), dtype=torch.float32), record
-        loss, metrics = loss_fn(outputs, mb.tensors)
-        # clone: the schedule divides the returned loss in place (by the micro-batch count), and a
-        # metric that is the loss itself would otherwise be reported scaled.
-        record["metrics"] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in metrics.items()}
-        return loss, record
+        share = loss_fn(outputs, mb.tensors)
+        if not isinstance(share, LossShare):
+            raise TypeError(
+                f"loss_fn returned {type(share).__name__}, not a LossShare: verl loss functions return "
+                "LossShare(loss=..., metrics=...), the micro-batch's share of the global-batch loss "
+                "(verl.models.forward's module docstring). A micro-batch mean is not a share: use "
+                "verl.algos.agg_loss(..., global_batch_info=GlobalBatchInfo.from_masks(...))"
+            )
+        record["loss"] = share.loss.detach().float()
+        record["metrics"] = {
+            k: v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in share.metrics.items()
+        }
+        # Megatron's schedule divides every micro-batch loss by the number of micro-batches; the
+        # share is already a share of the global loss, so that division is undone here.
+        return share.loss * num_micro, record
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -250,7 +284,7 @@ def forward_backward(
         forward_step_func=step,
         data_iterator=[iter(micro_batches) for _ in chunks],
         model=chunks,
-        num_microbatches=len(micro_batches),
+        num_microbatches=num_micro,
         seq_length=seq_len,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
@@ -266,7 +300,9 @@ def forward_backward(
     if last_stage:
         keys = records[0]["outputs"].keys()
         result.outputs = {k: torch.cat([r["outputs"][k] for r in records])[:real_rows] for k in keys}
-        result.metrics = [r.get("metrics", {}) for r in records]
+        if not forward_only:
+            result.losses = [r["loss"] for r in records]
+            result.metrics = [r["metrics"] for r in records]
     if broadcast and pp_size > 1:
         result.outputs = _broadcast_from_last_stage(result.outputs, batch, output, with_entropy, pg, inner)
     return result

@@ -12,12 +12,17 @@ Both the transformers v4 layout (``rope_theta`` + ``rope_scaling``) and the v5 l
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from verl.utils.logging import warn_once
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -141,6 +146,22 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeSpec:
     return RopeSpec(**kwargs)
 
 
+def _max_positions(cfg: dict[str, Any], model_type: str, source: str) -> int:
+    """``max_position_embeddings``, or (with a warning) the default transformers gives ``model_type``."""
+    if "max_position_embeddings" in cfg:
+        return int(cfg["max_position_embeddings"])
+    from transformers import AutoConfig
+
+    default = int(AutoConfig.for_model(model_type).max_position_embeddings)
+    warn_once(
+        logger,
+        "%s has no max_position_embeddings: using %d, the default transformers gives %s "
+        "(set it in the config to silence this; it bounds the sequence length verl builds for)",
+        source, default, model_type,
+    )
+    return default
+
+
 def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str | None = None) -> HFModelSpec:
     """Validate a Hugging Face config (dict, config.json path, or model dir) into an HFModelSpec.
 
@@ -224,7 +245,7 @@ def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str |
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_parse_rope(cfg, source),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_max_positions(cfg, model_type, source),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         sliding_window=sliding_window,

@@ -192,12 +192,42 @@ class SafetensorsReader:
         self.close()
 
 
+ShardFile = tuple[str, list[str], int]
+"""A written safetensors file: (path, tensor names in it, tensor bytes)."""
+
+
+def commit_shards(out_dir: str, shards: list[ShardFile]) -> list[str]:
+    """Move written files into ``out_dir`` under the Hugging Face names and write the index.
+
+    One file becomes ``model.safetensors``; several become ``model-0000i-of-0000n.safetensors``
+    (in the order given) with ``model.safetensors.index.json`` mapping every tensor to its file.
+    Returns the final file names.
+    """
+    n = len(shards)
+    if n == 1:
+        os.replace(shards[0][0], os.path.join(out_dir, "model.safetensors"))
+        return ["model.safetensors"]
+    weight_map: dict[str, str] = {}
+    final = []
+    for i, (path, names, _) in enumerate(shards):
+        new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(path, os.path.join(out_dir, new))
+        final.append(new)
+        weight_map.update({name: new for name in names})
+    total = sum(nbytes for _, _, nbytes in shards)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return final
+
+
 class SafetensorsWriter:
     """Writes (name, tensor) pairs into size-capped safetensors files plus an index.
 
     Files are written as ``model-00001.safetensors``, ``model-00002...`` while streaming and
     renamed to the Hugging Face ``model-00001-of-00003.safetensors`` scheme (or
-    ``model.safetensors`` when there is only one) by :meth:`finish`.
+    ``model.safetensors`` when there is only one) by :meth:`finish`. Writers of several
+    processes (pipeline stages) can instead :meth:`close` and hand their files to one
+    :func:`commit_shards`.
     """
 
     def __init__(self, out_dir: str, *, max_shard_bytes: int = 2 * 1024**3) -> None:
@@ -205,12 +235,12 @@ class SafetensorsWriter:
         self.max_shard_bytes = max_shard_bytes
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
-        self._files: list[tuple[str, list[str]]] = []
+        self._files: list[ShardFile] = []
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue one tensor; flushes a file when the size cap would be exceeded."""
-        if name in self._buffer or any(name in names for _, names in self._files):
+        if name in self._buffer or any(name in names for _, names, _ in self._files):
             raise ValueError(f"tensor '{name}' written twice")
         nbytes = tensor.numel() * tensor.element_size()
         if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
@@ -228,26 +258,17 @@ class SafetensorsWriter:
     def _flush(self) -> None:
         if not self._buffer:
             return
-        fn = f"model-{len(self._files) + 1:05d}.safetensors"
-        save_file(self._buffer, os.path.join(self.out_dir, fn), metadata={"format": "pt"})
-        self._files.append((fn, list(self._buffer)))
+        path = os.path.join(self.out_dir, f"model-{len(self._files) + 1:05d}.safetensors")
+        save_file(self._buffer, path, metadata={"format": "pt"})
+        self._files.append((path, list(self._buffer), self._buffer_bytes))
         self._buffer = {}
         self._buffer_bytes = 0
 
+    def close(self) -> list[ShardFile]:
+        """Flush the last file; returns every file written, under its streaming name."""
+        self._flush()
+        return list(self._files)
+
     def finish(self) -> list[str]:
         """Flush, give files their final names, write the index; returns the file names."""
-        self._flush()
-        n = len(self._files)
-        if n == 1:
-            os.replace(os.path.join(self.out_dir, self._files[0][0]), os.path.join(self.out_dir, "model.safetensors"))
-            return ["model.safetensors"]
-        weight_map = {}
-        final = []
-        for i, (fn, names) in enumerate(self._files):
-            new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(os.path.join(self.out_dir, fn), os.path.join(self.out_dir, new))
-            final.append(new)
-            weight_map.update({name: new for name in names})
-        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
-        return final
+        return commit_shards(self.out_dir, self.close())

@@ -62,7 +62,7 @@ def megatron_response_logprobs(
 ) -> torch.Tensor:
     """Logprobs of the last ``response_length`` tokens under verl's Megatron model of ``model_dir``.
 
-    The actor's computation: ``verl.roles.engine.MegatronEngine`` (frozen) built from the
+    The actor's computation: ``verl.engine.MegatronEngine`` (frozen) built from the
     Hugging Face directory, ``forward(..., output="logprobs", temperature=...)``. Inputs are
     rollout rows ``[B, P+R]``; returns ``[B, R]`` on every rank. ``torch.distributed`` must be
     initialised; without ``pg``, Megatron's global state is built over the whole world with
@@ -70,7 +70,7 @@ def megatron_response_logprobs(
     """
     from verl.config.schema import MegatronConfig, ModelConfig
     from verl.parallel import megatron_state
-    from verl.roles.engine import MegatronEngine
+    from verl.engine import MegatronEngine
 
     own_state = pg is None
     if own_state:

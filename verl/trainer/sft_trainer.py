@@ -35,7 +35,7 @@ from verl.data.sampler import StatefulDataLoader
 from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
 from verl.parallel import megatron_state
-from verl.roles.engine import MegatronEngine, lr_schedule_steps
+from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
@@ -180,8 +180,7 @@ class SFTTrainer:
 
         def loss_fn(outputs: Mapping[str, torch.Tensor], micro: Mapping[str, torch.Tensor]):
             mask = micro["loss_mask"].to(outputs["logprobs"].dtype)
-            loss = agg_loss(-outputs["logprobs"], mask, "token-mean", global_batch_info=info)
-            return loss, {}
+            return LossShare(agg_loss(-outputs["logprobs"], mask, "token-mean", global_batch_info=info))
 
         start = time.perf_counter()
         result = self.engine.train_step(

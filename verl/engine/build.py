@@ -1,0 +1,203 @@
+"""Building an engine: the model chunks from a Hugging Face directory, the optimizer, the LR schedule.
+
+- :func:`load_model_spec`: the HF config of ``model.path`` with ``model.override_config`` applied;
+- :func:`build_trainable_chunks`: Megatron model chunks on the role's layout with the HF weights
+  loaded, wrapped in Megatron's ``DistributedDataParallel`` when the role trains;
+- :func:`build_optimizer` (``get_megatron_optimizer``: Adam/SGD, fp32 master weights) and
+  :func:`build_scheduler` (``OptimizerParamScheduler``: linear warm-up, then constant, linear,
+  cosine or inverse-square-root decay; :func:`lr_schedule_steps` resolves its lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
+from verl.models.builder import HF_DTYPE_NAMES, ModelBuildConfig, build_model_chunks
+from verl.models.checkpoint import load_hf_weights
+from verl.models.hf_config import HFModelSpec, parse_hf_config
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "build_trainable_chunks",
+    "load_model_spec",
+    "lr_schedule_steps",
+    "resolve_dtype",
+]
+
+# Megatron's names for the decay styles of OptimConfig.lr_decay_style.
+_DECAY_STYLES = {
+    "constant": "constant",
+    "linear": "linear",
+    "cosine": "cosine",
+    "inverse_square_root": "inverse-square-root",
+}
+_SHORT_DTYPE = {hf: short for short, hf in HF_DTYPE_NAMES.items()}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``megatron.dtype`` -> the builder's dtype name: auto is bf16 on GPU, fp32 on CPU."""
+    if dtype == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    return _SHORT_DTYPE[dtype]
+
+
+def lr_schedule_steps(optim: OptimConfig, total_training_steps: int) -> tuple[int, int]:
+    """(warm-up steps, decay steps) of ``optim`` for a run of ``total_training_steps`` optimizer steps.
+
+    Raises ValueError naming the fields when warm-up does not end before the decay does.
+    """
+    if total_training_steps < 1:
+        raise ValueError(
+            f"total_training_steps={total_training_steps}: the learning-rate schedule needs the run length "
+            "(>= 1); the trainer fills optim.total_training_steps from the data and epochs"
+        )
+    warmup = optim.lr_warmup_steps
+    if warmup is None:
+        warmup = int(optim.lr_warmup_steps_ratio * total_training_steps)
+    decay = optim.lr_decay_steps if optim.lr_decay_steps is not None else total_training_steps
+    if optim.lr_decay_style == "constant":
+        # Megatron's scheduler wants decay > warm-up even when nothing decays.
+        decay = max(decay, warmup + 1)
+    if warmup >= decay:
+        raise ValueError(
+            f"optim.lr_warmup_steps resolves to {warmup}, not below the decay length {decay} "
+            f"(optim.lr_decay_steps={optim.lr_decay_steps}, total_training_steps={total_training_steps}); "
+            "shorten the warm-up or lengthen the decay"
+        )
+    return warmup, decay
+
+
+def load_model_spec(model: ModelConfig) -> HFModelSpec:
+    """The Hugging Face config at ``model.path`` with ``model.override_config`` applied."""
+    if not model.path:
+        raise ValueError(
+            "model.path is not set; point it at a Hugging Face model directory (config.json + safetensors)"
+        )
+    path = os.path.expanduser(model.path)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(
+            f"model.path={model.path!r}: no config.json there; give a Hugging Face model directory"
+        )
+    with open(config_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    raw.update(model.override_config)
+    return parse_hf_config(raw, source=config_path)
+
+
+def build_trainable_chunks(
+    spec: HFModelSpec,
+    build: ModelBuildConfig,
+    hf_dir: str,
+    pg: "ProcessGroupCollection",
+    *,
+    device: torch.device,
+    vpp_size: int | None,
+    megatron: MegatronConfig,
+    trainable: bool,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks with the weights of ``hf_dir``; DDP-wrapped when ``trainable``,
+    frozen (no grads, eval mode) otherwise."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    chunks = build_model_chunks(spec, build, pg, vpp_size=vpp_size)
+    if device.type == "cuda":
+        chunks = [c.to(device) for c in chunks]
+    load_hf_weights(chunks, hf_dir, pg=pg)
+    if not trainable:
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+            chunk.eval()
+        return chunks
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=megatron.use_distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            c.config,
+            ddp_config,
+            c,
+            # Megatron's convention: only the first chunk's buffers are bucketed.
+            disable_bucketing=i > 0,
+            pg_collection=pg,
+        )
+        for i, c in enumerate(chunks)
+    ]
+    for chunk in wrapped:
+        # The pipeline schedule calls these; forward_backward passes pg_collection through.
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(
+    optim: OptimConfig,
+    chunks: list[torch.nn.Module],
+    pg: "ProcessGroupCollection",
+    *,
+    dtype: torch.dtype,
+    use_distributed_optimizer: bool,
+):
+    """Megatron's optimizer over the DDP-wrapped ``chunks`` (gradient clipping is the engine's)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if len(optim.betas) != 2:
+        raise ValueError(f"optim.betas must hold two numbers (beta1, beta2), got {optim.betas}")
+    config = OptimizerConfig(
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        weight_decay=optim.weight_decay,
+        adam_beta1=float(optim.betas[0]),
+        adam_beta2=float(optim.betas[1]),
+        adam_eps=optim.eps,
+        sgd_momentum=0.0,
+        # Clipping is done by verl.engine.step.optimizer_step (Megatron's asserts CUDA tensors).
+        clip_grad=0.0,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False, pg_collection=pg)
+    for chunk in chunks:
+        chunk.config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_scheduler(optimizer, optim: OptimConfig, total_training_steps: int):
+    """The LR / weight-decay schedule of ``optim`` for a run of ``total_training_steps`` updates."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup, decay = lr_schedule_steps(optim, total_training_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=_DECAY_STYLES[optim.lr_decay_style],
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+        # A resumed run continues the saved schedule.
+        use_checkpoint_opt_param_scheduler=True,
+    )
+    # Megatron's schedule gives position 0 the initial lr (0 with warm-up); starting at 1
+    # makes the k-th update use position k, so no update is spent at lr 0 and the last one
+    # (k = decay steps) reaches min_lr.
+    scheduler.step(1)
+    return scheduler

@@ -1,0 +1,297 @@
+"""``MegatronEngine``: the model, optimizer and schedule of one Megatron role on one rank.
+
+It owns, for SFT and every trained role (actor, critic, reference, reward model), composed from
+the modules of ``verl.engine``:
+
+- the model chunks built from a Hugging Face directory on the role's parallel layout
+  (TP/PP/SP/DP from the ``ProcessGroupCollection`` it is given), wrapped in Megatron's DDP
+  when it trains, and its optimizer and LR schedule (:mod:`verl.engine.build`);
+- ``forward`` and ``train_step``: micro-batched forward/backward through the pipeline schedule
+  (``verl.models.forward.forward_backward``; its module docstring states the loss contract,
+  ``LossShare``), gradient finalisation over DP (and TP for sequence-parallel norms), clipping,
+  one optimizer and scheduler step (:mod:`verl.engine.step`);
+- ``save``/``load`` (:mod:`verl.engine.state`) and ``export_hf`` (:mod:`verl.engine.export`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
+from verl.engine.build import (
+    build_optimizer,
+    build_scheduler,
+    build_trainable_chunks,
+    load_model_spec,
+    resolve_dtype,
+)
+from verl.engine.export import export_hf_checkpoint
+from verl.engine.state import EngineState, load_engine_state, save_engine_state
+from verl.engine.step import optimizer_step, reduce_step_metrics
+from verl.models.builder import ModelBuildConfig
+from verl.models.forward import ForwardResult, LossShareFn, OutputKind, forward_backward
+from verl.models.weight_mapping import HeadKind
+from verl.utils.logging import log_rank0
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineStepResult", "MegatronEngine"]
+
+
+@dataclass(kw_only=True)
+class EngineStepResult:
+    """What one ``train_step`` reports (identical on every rank of the role)."""
+
+    loss: float
+    """Loss of the whole step (sum of every micro-batch's share on every DP rank, over the DP size)."""
+    grad_norm: float
+    """Global gradient L2 norm before clipping."""
+    lr: float
+    """Learning rate the step was taken with."""
+    update_successful: bool
+    """False when the step was skipped (non-finite gradient norm)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Other ``loss_fn`` metrics, averaged over micro-batches and DP ranks."""
+
+
+class MegatronEngine:
+    """Model chunks + optimizer + LR scheduler of one Megatron role on this rank.
+
+    Args:
+        model: the Hugging Face model to start from (``path``, ``override_config``, gradient checkpointing).
+        megatron: the role's Megatron options (dtype, sequence parallel, distributed optimizer, VPP).
+        pg: the role's process groups (TP/PP/DP/CP); every rank of the role builds its engine together.
+        optim: optimizer and LR schedule; None builds a frozen, forward-only engine (a reference policy).
+        total_training_steps: optimizer steps of the run (sizes the LR schedule); ignored without ``optim``.
+        head: ``lm`` (policy), ``value`` (critic) or ``reward``.
+        max_sequence_length: longest sequence the model will see; None: the HF config's maximum.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        megatron: MegatronConfig,
+        pg: "ProcessGroupCollection",
+        optim: OptimConfig | None = None,
+        total_training_steps: int | None = None,
+        head: HeadKind = "lm",
+        max_sequence_length: int | None = None,
+    ) -> None:
+        if megatron.override_transformer_config:
+            raise ValueError(
+                "megatron.override_transformer_config is not applied by verl's model builder; the "
+                "TransformerConfig is derived from the Hugging Face config (got keys "
+                f"{sorted(megatron.override_transformer_config)}); "
+                "remove them, or use model.override_config for Hugging Face fields"
+            )
+        self.model_config = model
+        self.megatron_config = megatron
+        self.optim_config = optim
+        self.pg = pg
+        self.spec = load_model_spec(model)
+        self.hf_dir = os.path.expanduser(model.path)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.build_config = ModelBuildConfig(
+            dtype=resolve_dtype(megatron.dtype),
+            head=head,
+            sequence_parallel=megatron.sequence_parallel,
+            recompute_activations=model.enable_gradient_checkpointing,
+            max_sequence_length=max_sequence_length,
+        )
+        self.trainable = optim is not None
+        self.chunks: list[torch.nn.Module] = build_trainable_chunks(
+            self.spec,
+            self.build_config,
+            self.hf_dir,
+            pg,
+            device=self.device,
+            vpp_size=megatron.virtual_pipeline_model_parallel_size,
+            megatron=megatron,
+            trainable=self.trainable,
+        )
+        self.transformer_config = self.chunks[0].config
+        self.optimizer = None
+        self.scheduler = None
+        self.steps_taken = 0
+        self.total_training_steps = 0
+        if not self.trainable:
+            return
+        self.optimizer = build_optimizer(
+            optim,
+            self.chunks,
+            pg,
+            dtype=self.build_config.torch_dtype,
+            use_distributed_optimizer=megatron.use_distributed_optimizer,
+        )
+        self.total_training_steps = int(total_training_steps or 0)
+        self.scheduler = build_scheduler(self.optimizer, optim, self.total_training_steps)
+        log_rank0(
+            logger,
+            logging.INFO,
+            "engine ready: %s %s head, %s, tp=%d pp=%d dp=%d, %s lr=%g "
+            "(%s, warm-up %d, decay %d of %d steps), clip %g",
+            self.spec.model_type,
+            head,
+            self.build_config.dtype,
+            pg.tp.size(),
+            pg.pp.size(),
+            pg.dp.size(),
+            optim.optimizer,
+            optim.lr,
+            optim.lr_decay_style,
+            self.scheduler.lr_warmup_steps,
+            self.scheduler.lr_decay_steps,
+            self.total_training_steps,
+            optim.clip_grad,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # properties
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree of this role."""
+        return self.pg.dp.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the role's data-parallel group."""
+        return self.pg.dp.rank()
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (where outputs and losses live)."""
+        return self.pg.pp.rank() == self.pg.pp.size() - 1
+
+    def current_lr(self) -> float:
+        """The learning rate the next step will use."""
+        if self.optimizer is None:
+            return 0.0
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise ValueError(
+                f"MegatronEngine.{what}: this engine was built without an optimizer (optim=None)"
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # compute
+
+    def _to_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+        }
+
+    @torch.no_grad()
+    def forward(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        micro_batch_size: int,
+        output: OutputKind = "logprobs",
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> ForwardResult:
+        """Forward only: per-token outputs ([B, T]) of ``batch`` on every pipeline stage."""
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            return forward_backward(
+                self.chunks,
+                self._to_device(batch),
+                pg=self.pg,
+                micro_batch_size=micro_batch_size,
+                output=output,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                broadcast=True,
+            )
+        finally:
+            for chunk in self.chunks:
+                chunk.train(self.trainable)
+
+    def train_step(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        micro_batch_size: int,
+        loss_fn: LossShareFn,
+        output: OutputKind = "logprobs",
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> EngineStepResult:
+        """One optimizer step on this rank's share of the batch.
+
+        ``batch`` holds ``input_ids`` and ``attention_mask`` [B, T] plus whatever ``loss_fn`` reads.
+        ``loss_fn`` returns each micro-batch's ``LossShare`` of the global loss (the contract of
+        ``verl.models.forward``); every metric it returns must be a scalar and present for every
+        micro-batch.
+        """
+        self._require_trainable("train_step")
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        result = forward_backward(
+            self.chunks,
+            self._to_device(batch),
+            pg=self.pg,
+            micro_batch_size=micro_batch_size,
+            output=output,
+            loss_fn=loss_fn,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            broadcast=False,
+        )
+        lr = self.current_lr()
+        grad_norm, ok = optimizer_step(self.optimizer, self.optim_config.clip_grad)
+        if ok:
+            self.scheduler.step(1)
+            self.steps_taken += 1
+        loss, metrics = reduce_step_metrics(result.losses, result.metrics, self.pg, self.device)
+        return EngineStepResult(loss=loss, grad_norm=grad_norm, lr=lr, update_successful=ok, metrics=metrics)
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints and export
+
+    def _state(self) -> EngineState:
+        return EngineState(
+            chunks=self.chunks,
+            pg=self.pg,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            steps_taken=self.steps_taken,
+        )
+
+    def save(self, ckpt_dir: str) -> None:
+        """Write model, optimizer, scheduler and RNG states under ``ckpt_dir`` (collective over the world;
+        layout in :mod:`verl.engine.state`)."""
+        save_engine_state(self._state(), ckpt_dir, hf_dir=self.hf_dir)
+
+    def load(self, ckpt_dir: str, *, load_optimizer: bool = True) -> None:
+        """Restore what :meth:`save` wrote (collective). The model and optimizer reshard to this layout;
+        RNG states are restored only when the world size matches (else a warning)."""
+        state = self._state()
+        load_engine_state(state, ckpt_dir, load_optimizer=load_optimizer)
+        self.steps_taken = state.steps_taken
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write a Hugging Face checkpoint (config, tokenizer, safetensors) of the weights (collective)."""
+        export_hf_checkpoint(
+            self.chunks, self.pg, spec=self.spec, dtype=self.build_config.dtype, hf_dir=self.hf_dir, out_dir=out_dir
+        )
