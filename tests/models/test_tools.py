@@ -92,6 +92,16 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_an_output_onto_the_input_is_refused_even_with_overwrite(converted):
+    model, ckpt, _ = converted
+    before = sorted(os.listdir(ckpt)), sorted(os.listdir(model))
+    out = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(ckpt), "--overwrite", "--no-progress")
+    assert out.returncode == 2 and f"--out-dir={ckpt} is --megatron-dir={ckpt}" in out.stderr, out.stderr
+    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", os.path.join(model, "megatron"), "--overwrite")
+    assert out.returncode == 2 and "is inside --hf-dir" in out.stderr, out.stderr
+    assert (sorted(os.listdir(ckpt)), sorted(os.listdir(model))) == before
+
+
 def test_check_detects_a_wrong_checkpoint(converted, tmp_path):
     from verl.models.convert import check_conversion
 

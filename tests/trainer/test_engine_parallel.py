@@ -112,3 +112,51 @@ def test_layout_matches_single_rank(
         torch.testing.assert_close(
             actual_weights[name], tensor, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def _export_targets(model_dir: str, root: str) -> dict[str, object]:
+    """Export a frozen engine onto its own model, a user's directory, and the same place twice."""
+    import os
+
+    from verl.config import MegatronConfig, ModelConfig
+    from verl.engine import MegatronEngine
+    from verl.parallel import megatron_state as ms
+    from verl.utils.outputs import OutputPathError
+
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=2)
+    engine = MegatronEngine(model=ModelConfig(path=model_dir), megatron=MegatronConfig(tensor_model_parallel_size=2),
+                            pg=pg)
+    refusals = {}
+    mine = os.path.join(root, "mine")
+    for name, target in (("model", model_dir), ("inside-model", os.path.join(model_dir, "hf")), ("users", mine)):
+        try:
+            engine.export_hf(target)
+            refusals[name] = None
+        except OutputPathError as exc:  # raised on every rank, not only where the check ran
+            refusals[name] = str(exc)
+    out = os.path.join(root, "export")
+    engine.export_hf(out)
+    first = sorted(os.listdir(out))
+    engine.export_hf(out)  # a verl export is replaced without being asked
+    return {"refusals": refusals, "first": first, "second": sorted(os.listdir(out)),
+            "siblings": sorted(os.listdir(root))}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_export_never_destroys_the_model_or_a_users_files(tiny_model_dir, tmp_path):
+    import os
+
+    model_files = {name: open(os.path.join(tiny_model_dir, name), "rb").read() for name in os.listdir(tiny_model_dir)}
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    results = run_distributed(_export_targets, 2, tiny_model_dir, str(tmp_path))
+    assert results[0] == results[1]
+    refusals = results[0]["refusals"]
+    assert "is model.path" in refusals["model"] and "is inside model.path" in refusals["inside-model"]
+    assert "was not written by verl" in refusals["users"]
+    assert results[0]["first"] == results[0]["second"]
+    assert ".verl_output.json" in results[0]["first"] and "model.safetensors" in results[0]["first"]
+    assert results[0]["siblings"] == ["export", "mine"]  # no staging or old copies left
+    assert {n: open(os.path.join(tiny_model_dir, n), "rb").read() for n in os.listdir(tiny_model_dir)} == model_files
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from verl.trainer.main_sft import main
@@ -65,3 +67,45 @@ def test_help_lists_the_sft_options(capsys):
         "optim.lr_warmup_steps",
     ):
         assert key in out
+
+
+def _outputs_run(capsys, tiny_model_dir, arithmetic_files, *extra: str) -> str:
+    return _run(capsys, [f"model.path={tiny_model_dir}", f"data.train_files={arithmetic_files['train']}",
+                         "data.val_files=null", *extra])
+
+
+def _listing(path) -> dict[str, bytes]:
+    return {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))}
+
+
+def test_exporting_onto_the_model_is_refused_before_anything_is_built(capsys, tiny_model_dir, arithmetic_files):
+    before = _listing(tiny_model_dir)
+    err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, f"trainer.hf_export_dir={tiny_model_dir}")
+    assert f"trainer.hf_export_dir={tiny_model_dir} is model.path={tiny_model_dir}" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert _listing(tiny_model_dir) == before
+
+
+def test_exporting_onto_a_users_directory_or_the_checkpoints_is_refused(
+    capsys, tiny_model_dir, arithmetic_files, tmp_path
+):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, f"trainer.hf_export_dir={mine}",
+                       f"trainer.default_local_dir={tmp_path}/ckpt")
+    assert f"trainer.hf_export_dir={mine} already exists, is not empty and was not written by verl" in err
+    assert (mine / "notes.txt").read_text() == "keep me"
+    err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, f"trainer.hf_export_dir={tmp_path}",
+                       f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs")
+    assert f"trainer.hf_export_dir={tmp_path} contains trainer.default_local_dir={tmp_path}/ckpt" in err
+
+
+@pytest.mark.parametrize("key", ["trainer.default_local_dir", "trainer.log_dir"])
+def test_an_unwritable_output_location_fails_at_start_up(capsys, tiny_model_dir, arithmetic_files, tmp_path, key):
+    (tmp_path / "file").write_text("")
+    bad = f"{tmp_path}/file/sub"
+    settings = {"trainer.default_local_dir": f"{tmp_path}/ckpt", "trainer.log_dir": f"{tmp_path}/logs", key: bad}
+    err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, "trainer.save_freq=10", "trainer.logger=[jsonl]",
+                       *(f"{k}={v}" for k, v in settings.items()))
+    assert f"{key}={bad} cannot be written" in err

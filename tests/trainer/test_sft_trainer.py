@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,11 +89,13 @@ def test_resumed_run_continues_identically(tiny_model_dir, arithmetic_files, tmp
         0
     ]
     assert sorted(whole) == [1, 2, 3, 4, 5]
-    # The interrupted run logged steps 1-4, the resumed one 4 (again) and 5; the jsonl appends.
+    # The interrupted run logged steps 1-4; the resumed one dropped its step 4 (re-done from the
+    # step-3 checkpoint) before logging 4 and 5: every step appears once.
     expected = [whole[s] for s in (4, 5)]
     with open(tmp_path / "parts" / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
-    actual = [r["train/loss"] for r in records if r["step"] in (4, 5)][-2:]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    actual = [r["train/loss"] for r in records if r["step"] in (4, 5)]
     # Same process, same single thread, same data and states: bit-identical.
     assert actual == expected
     assert [parts[s] for s in (1, 2, 3)] == [whole[s] for s in (1, 2, 3)]
@@ -197,3 +200,76 @@ def test_torchrun_tensor_parallel_run(tiny_model_dir, arithmetic_files, tmp_path
 
     model = AutoModelForCausalLM.from_pretrained(str(run / "huggingface"))
     assert model.config.num_key_value_heads == 2
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_once(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """SIGKILL of `main_sft` after a checkpoint: the children it started (Megatron's checkpoint-writer
+    manager, the resource tracker) go with it; the restarted run resumes and metrics.jsonl holds
+    every step once."""
+    import time
+
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "verl.trainer.main_sft", "--config", "sft_tiny_cpu",
+        f"model.path={tiny_model_dir}", f"data.train_files={arithmetic_files['train']}", "data.val_files=null",
+        "data.train_batch_size=16", "data.micro_batch_size_per_gpu=16", "trainer.total_training_steps=12",
+        "optim.lr_warmup_steps=1", "trainer.test_freq=-1", "trainer.save_freq=3", "trainer.save_hf=false",
+        "trainer.logger=[jsonl]", f"trainer.default_local_dir={run}", f"trainer.log_dir={run}/logs",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while not (run / "global_step_3").is_dir():
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint within 200 s"
+            time.sleep(0.2)
+        children = _descendants(proc.pid)
+        assert children, "the trainer started no child process (Megatron's checkpoint writer starts one)"
+        proc.kill()  # SIGKILL of the trainer only, as an OOM killer or a user would
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)], "children outlived the killed trainer"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = _run(cmd, env, timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    with open(run / "logs" / "metrics.jsonl", encoding="utf-8") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == list(range(1, 13))

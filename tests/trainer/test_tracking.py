@@ -55,6 +55,34 @@ def test_jsonl_appends_on_resume(tmp_path):
     ]
 
 
+def test_rewind_drops_the_steps_a_resumed_run_redoes(tmp_path, caplog):
+    """A run killed after logging step 4 resumes from its step-2 checkpoint: metrics.jsonl and
+    TensorBoard keep steps 1-2 and show the re-done 3-4 once (a line cut short by the kill goes)."""
+    kw = dict(backends=["jsonl", "tensorboard"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=0)
+    with Tracking(**kw) as t:
+        for step in (1, 2, 3, 4):
+            t.log({"x": float(step)}, step=step)
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 5, "x": 5')  # killed mid-write
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.tracking"), Tracking(**kw) as t:
+        t.rewind(2)
+        for step in (3, 4):
+            t.log({"x": 10.0 * step}, step=step)
+    assert "dropped 3 records after step 2" in caplog.text
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    with Tracking(**kw) as t:  # nothing after the step: the file is left as it is
+        before = (tmp_path / "metrics.jsonl").read_bytes()
+        t.rewind(4)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
 def test_only_rank0_writes(tmp_path):
     with Tracking(
         backends=["jsonl"], project_name="p", experiment_name="e", log_dir=str(tmp_path), rank=1

@@ -36,6 +36,7 @@ from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.safetensors_io import SafetensorsReader, SafetensorsWriter, copy_side_files
 from verl.models.weight_mapping import HeadKind, hf_param_names
 from verl.parallel.bootstrap import init_distributed, run_on_ranks, under_torchrun
+from verl.utils.outputs import check_output_dir, commit_output, staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -59,37 +60,6 @@ class ConversionReport:
     """Peak resident memory of each conversion rank (MiB)."""
     max_abs_diff: float | None = None
     """Largest |logit difference| against transformers when checked."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Output directory handling.
-# ---------------------------------------------------------------------------------------------
-
-
-def _prepare_output(out_dir: str, overwrite: bool) -> str:
-    """Create a temporary sibling of ``out_dir``; the conversion writes there."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
-        raise ValueError(f"{out_dir} already exists and is not empty; choose another --out-dir or pass --overwrite")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
-
-
-def _commit_output(tmp_dir: str, out_dir: str) -> None:
-    """Move the finished ``tmp_dir`` to ``out_dir`` (replacing an old one only now)."""
-    out_dir = os.path.abspath(out_dir)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
-    old = None
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-        os.rmdir(old)
-        os.rename(out_dir, old)
-    os.rename(tmp_dir, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _peak_rss_mib() -> float:
@@ -165,7 +135,11 @@ def hf_to_megatron(
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp {tp} / --pp {pp}: both must be >= 1")
     transformer_config_from_hf(spec, build, tp_size=tp, pp_size=pp)  # fails early, naming the field
-    tmp_dir = _share_from_coordinator(_prepare_output(out_dir, overwrite) if _is_coordinator() else None)
+    tmp_dir = None
+    if _is_coordinator():
+        check_output_dir(out_dir, key="--out-dir", inputs={"--hf-dir": hf_dir}, overwrite=overwrite)
+        tmp_dir = staging_dir(out_dir)
+    tmp_dir = _share_from_coordinator(tmp_dir)
     try:
         rss = run_on_ranks(_convert_rank, tp * pp, os.path.abspath(hf_dir), tmp_dir, tp, pp, build, progress)
     except BaseException:
@@ -173,7 +147,7 @@ def hf_to_megatron(
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     if _is_coordinator():
-        _commit_output(tmp_dir, out_dir)
+        commit_output(tmp_dir, out_dir, what="Megatron checkpoint (tools/hf2megatron.py)")
     if under_torchrun():
         dist.barrier()
     return ConversionReport(
@@ -323,7 +297,8 @@ def megatron_to_hf(
     out_dtype = dtype or meta.dtype
     if out_dtype not in DTYPES:
         raise ValueError(f"--dtype {out_dtype!r}; use one of {sorted(DTYPES)}")
-    tmp_dir = _prepare_output(out_dir, overwrite)
+    check_output_dir(out_dir, key="--out-dir", inputs={"--megatron-dir": megatron_dir}, overwrite=overwrite)
+    tmp_dir = staging_dir(out_dir)
     try:
         writer = SafetensorsWriter(tmp_dir, max_shard_bytes=max_shard_bytes)
         items = iter_checkpoint_hf_weights(megatron_dir)
@@ -355,7 +330,7 @@ def megatron_to_hf(
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    _commit_output(tmp_dir, out_dir)
+    commit_output(tmp_dir, out_dir, what="Hugging Face checkpoint (tools/megatron2hf.py)")
     return ConversionReport(out_dir=os.path.abspath(out_dir), num_tensors=count, peak_rss_mib_per_rank=[_peak_rss_mib()])
 
 

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verl.utils.env import environ
+from verl.utils.process import exit_with_parent
 
 __all__ = [
     "DistributedTestError",
@@ -115,7 +116,7 @@ def _worker_main(
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.environ.update(_WORKER_ENV)
-    threading.Thread(target=_watch_parent, name="verl-dist-parent-watch", daemon=True).start()
+    exit_with_parent(kill_group=True)  # a killed test run takes its workers (and their children) along
     try:
         import torch
         import torch.distributed as dist
@@ -151,14 +152,6 @@ def _kill_own_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _watch_parent() -> None:
-    """If the parent dies without shutting the pool down (killed test run), go with it, even mid-call."""
-    parent = multiprocessing.parent_process()
-    while parent is None or parent.is_alive():
-        time.sleep(1.0)
-    _kill_own_group()
 
 
 def _run_call(

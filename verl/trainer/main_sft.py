@@ -8,7 +8,8 @@
 
 Started without torchrun it runs as a world of one process. The config is checked against
 the launched world size before anything is built; a bad key, value or layout, a missing
-model directory or data file exits with status 2 and a message naming the field.
+model directory or data file, an output location that cannot be written or would overwrite
+something exits with status 2 and a message naming the field, before any model is built.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ import sys
 from collections.abc import Sequence
 
 PROG = "python -m verl.trainer.main_sft"
+
+if __name__ == "__mp_main__":
+    # This module is the parent's __main__, imported by one of its multiprocessing children
+    # (Megatron's checkpoint writer, DataLoader workers): that child dies with the trainer.
+    from verl.utils.process import exit_with_parent
+
+    exit_with_parent()
 
 
 def _fail(message: str) -> None:
@@ -41,10 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_size=world_size,
     )
     setup_logging(logging.INFO)
-    from verl.trainer.sft_trainer import SFTTrainer, check_sft_paths
+    from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 
     try:
         check_sft_paths(cfg)
+        check_sft_outputs(cfg)
     except ValueError as exc:
         _fail(str(exc))
     if cfg.trainer.device == "cpu":

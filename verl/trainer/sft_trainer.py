@@ -39,10 +39,11 @@ from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
+from verl.utils.outputs import check_output_dir, probe_writable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFTTrainer", "check_sft_paths", "sft_loss_sums"]
+__all__ = ["SFTTrainer", "check_sft_outputs", "check_sft_paths", "hf_export_dir", "sft_loss_sums"]
 
 ACTOR_SUBDIR = "actor"
 
@@ -69,6 +70,45 @@ def check_sft_paths(cfg: SFTConfig) -> None:
         raise ValueError("; ".join(problems))
 
 
+def hf_export_dir(cfg: SFTConfig) -> str:
+    """Where ``trainer.save_hf`` writes the final model (``<default_local_dir>/huggingface`` by default)."""
+    t = cfg.trainer
+    return os.path.expanduser(t.hf_export_dir or os.path.join(t.default_local_dir, "huggingface"))
+
+
+def check_sft_outputs(cfg: SFTConfig) -> None:
+    """Fail early (``OutputPathError`` naming the setting) when an output location cannot be used.
+
+    Every directory the run will write is created and probed with a test file now, not at the
+    first checkpoint; the Hugging Face export may not replace an input, another output of the
+    run, or a non-empty directory verl did not write.
+    """
+    t = cfg.trainer
+    data_files = [f for key in ("train_files", "val_files") for f in _as_list(getattr(cfg.data, key))]
+    if t.save_freq > 0 or t.resume_mode != "disable":
+        probe_writable(t.default_local_dir, key="trainer.default_local_dir")
+    if any(name in t.logger for name in ("jsonl", "tensorboard")):
+        probe_writable(t.log_dir, key="trainer.log_dir")
+    if t.save_hf:
+        export = hf_export_dir(cfg)
+        key = "trainer.hf_export_dir" if t.hf_export_dir else "trainer.default_local_dir (its huggingface/ export)"
+        check_output_dir(
+            export,
+            key=key,
+            inputs={"model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
+                    "data files": data_files},
+            protected={"trainer.default_local_dir": t.default_local_dir, "trainer.log_dir": t.log_dir},
+            replace_verl_outputs=True,
+        )
+        probe_writable(os.path.dirname(os.path.abspath(export)), key=key)
+
+
+def _as_list(files: str | list[str] | None) -> list[str]:
+    if files is None:
+        return []
+    return [os.path.expanduser(f) for f in ([files] if isinstance(files, str) else files)]
+
+
 def sft_loss_sums(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of -log p over target tokens, number of target tokens) of logprobs/loss_mask [B, T]."""
     mask = loss_mask.to(logprobs.dtype)
@@ -89,6 +129,7 @@ class SFTTrainer:
             )
         cfg.validate(world_size=dist.get_world_size())
         check_sft_paths(cfg)
+        check_sft_outputs(cfg)
         self.cfg = cfg
         m = cfg.megatron
         self.pg = megatron_state.initialize_model_parallel(
@@ -240,20 +281,16 @@ class SFTTrainer:
         self._resumed = True
         t = self.cfg.trainer
         found = self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
-        if found is None:
-            return 0
-        state = self.checkpoints.read_trainer_state(found.path)
-        self.engine.load(os.path.join(found.path, ACTOR_SUBDIR))
-        self.loader.load_state_dict(state["dataloader"])
-        self.global_step = int(state["global_step"])
-        self._last_saved_step = self.global_step
-        log_rank0(logger, logging.INFO, "resumed from %s (step %d)", found.path, self.global_step)
+        if found is not None:
+            state = self.checkpoints.read_trainer_state(found.path)
+            self.engine.load(os.path.join(found.path, ACTOR_SUBDIR))
+            self.loader.load_state_dict(state["dataloader"])
+            self.global_step = int(state["global_step"])
+            self._last_saved_step = self.global_step
+            log_rank0(logger, logging.INFO, "resumed from %s (step %d)", found.path, self.global_step)
+        # Steps after the checkpoint are re-done: their old records go from the metrics files.
+        self.tracking.rewind(self.global_step)
         return self.global_step
-
-    def hf_export_dir(self) -> str:
-        """Where ``trainer.save_hf`` writes the final model."""
-        t = self.cfg.trainer
-        return os.path.expanduser(t.hf_export_dir or os.path.join(t.default_local_dir, "huggingface"))
 
     def fit(self, *, stop_after: int | None = None) -> dict[str, Any]:
         """Train to ``total_steps`` (resuming first); returns the last train and validation metrics.
@@ -301,7 +338,7 @@ class SFTTrainer:
         if t.save_freq > 0 and self._last_saved_step != self.global_step:
             self.save_checkpoint()
         if t.save_hf:
-            self.engine.export_hf(self.hf_export_dir())
+            self.engine.export_hf(hf_export_dir(self.cfg))
         return {**last, **val}
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ object with ``log(metrics, step)`` and ``close()``. Only global rank 0 creates s
 ranks ``Tracking`` is a no-op, so trainers call it unconditionally.
 
 Files go under ``log_dir``: ``metrics.jsonl`` (one JSON object per step: ``{"step": N,
-"train/loss": ...}``) and ``tensorboard/`` (event files). W&B and MLflow are used when their
+"train/loss": ...}``) and ``tensorboard/`` (event files); ``rewind(step)`` drops what they hold
+after a step, so a resumed run's re-done steps appear once. W&B and MLflow are used when their
 packages are installed; selecting one that is missing is a ValueError that names the
 package to install. ``progress_bar`` gives a tqdm bar on rank 0 (a silent stand-in elsewhere).
 """
@@ -32,6 +33,10 @@ class MetricSink(Protocol):
     """What a logger factory returns."""
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def rewind(self, step: int) -> None:
+        """Forget what was logged after ``step`` (a resumed run re-does those steps)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -99,6 +104,9 @@ class _ConsoleSink:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._logger.info("%s", format_metrics(metrics, step))
 
+    def rewind(self, step: int) -> None:
+        pass  # lines already printed stay printed
+
     def close(self) -> None:
         pass
 
@@ -107,13 +115,39 @@ class _JsonlSink:
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
-        # Append: a resumed run continues the same file.
+        # Append: a resumed run continues the same file (after rewind drops the re-done steps).
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}}
         self._f.write(json.dumps(record, sort_keys=True) + "\n")
         self._f.flush()
+
+    def rewind(self, step: int) -> None:
+        """Keep the records of steps <= ``step`` (and drop a line cut short by a kill), atomically."""
+        self._f.close()
+        kept, dropped = [], 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record_step = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):  # a line a killed run did not finish
+                    dropped += 1
+                    continue
+                if record_step <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            logger.warning("%s: dropped %d records after step %d (this run continues from step %d)",
+                           self.path, dropped, step, step)
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
     def close(self) -> None:
         self._f.close()
@@ -123,12 +157,19 @@ class _TensorboardSink:
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self._log_dir = log_dir
+        self._writer_cls = SummaryWriter
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
+
+    def rewind(self, step: int) -> None:
+        # TensorBoard's own mechanism: events at or after purge_step are discarded when read.
+        self.writer.close()
+        self.writer = self._writer_cls(log_dir=self._log_dir, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()
@@ -145,6 +186,9 @@ class _WandbSink:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def rewind(self, step: int) -> None:
+        pass  # a W&B run is append-only; re-logged steps are shown as logged
 
     def close(self) -> None:
         self.run.finish()
@@ -164,6 +208,9 @@ class _MlflowSink:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         # MLflow metric names may not contain some characters W&B accepts ('@', ...); '/' is fine.
         self._mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
+
+    def rewind(self, step: int) -> None:
+        pass  # MLflow keeps every logged value; re-logged steps get a second point
 
     def close(self) -> None:
         self._mlflow.end_run()
@@ -267,6 +314,12 @@ class Tracking:
         values = _scalars(metrics)
         for sink in self.sinks.values():
             sink.log(values, step)
+
+    def rewind(self, step: int) -> None:
+        """Drop what the file sinks hold after ``step``: a run resumed at ``step`` (0: from scratch)
+        re-does the later steps, so ``metrics.jsonl`` and TensorBoard show each step once."""
+        for sink in self.sinks.values():
+            sink.rewind(step)
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""

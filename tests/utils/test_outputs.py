@@ -1,0 +1,98 @@
+"""``verl.utils.outputs``: an output location never destroys an input, another output or a user's files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from verl.utils.outputs import (
+    MARKER_FILE,
+    OutputPathError,
+    check_output_dir,
+    commit_output,
+    probe_writable,
+    staging_dir,
+)
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("target", "relation"),
+    [("model", "is"), ("model/export", "is inside"), (".", "contains")],
+    ids=["equal", "inside", "contains"],
+)
+def test_an_output_may_not_overlap_an_input(tmp_path, model, target, relation):
+    path = str(tmp_path / target)
+    with pytest.raises(OutputPathError, match=rf"--out-dir={path} {relation} --hf-dir={model}: writing there"):
+        check_output_dir(path, key="--out-dir", inputs={"--hf-dir": str(model)}, overwrite=True)
+    assert sorted(os.listdir(model)) == ["config.json", "tokenizer.json"]
+
+
+def test_overlap_is_found_through_symlinks_and_user_paths(tmp_path, model):
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    with pytest.raises(OutputPathError, match="is model.path"):
+        check_output_dir(str(link), key="x", inputs={"model.path": str(model)})
+    with pytest.raises(OutputPathError, match="is inside data files"):
+        check_output_dir(str(model / "a"), key="x", inputs={"data files": [str(tmp_path / "nope"), str(model)]})
+
+
+def test_an_output_may_lie_inside_but_not_hold_another_output(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    check_output_dir(str(ckpt / "huggingface"), key="x", protected={"trainer.default_local_dir": str(ckpt)})
+    for target, relation in ((ckpt, "is"), (tmp_path, "contains")):
+        with pytest.raises(OutputPathError, match=rf"{relation} trainer.default_local_dir={ckpt}: replacing it"):
+            check_output_dir(str(target), key="x", protected={"trainer.default_local_dir": str(ckpt)})
+
+
+def test_a_users_non_empty_directory_is_refused_unless_overwrite(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for replace in (False, True):
+        with pytest.raises(OutputPathError, match="was not written by verl"):
+            check_output_dir(str(mine), key="trainer.hf_export_dir", replace_verl_outputs=replace)
+    assert check_output_dir(str(mine), key="--out-dir", overwrite=True) == str(mine)
+    (tmp_path / "empty").mkdir()
+    check_output_dir(str(tmp_path / "empty"), key="x")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputPathError, match="exists and is not a directory"):
+        check_output_dir(str(tmp_path / "file"), key="x", overwrite=True)
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_staging_and_commit_replace_a_verl_output_only_once_the_new_one_is_complete(tmp_path):
+    out = tmp_path / "export"
+    first = staging_dir(str(out))
+    assert os.path.dirname(first) == str(tmp_path) and os.path.basename(first).startswith(".export.partial-")
+    (tmp_path / first / "model.safetensors").write_text("one")
+    commit_output(first, str(out), what="test")
+    assert (out / MARKER_FILE).is_file() and not os.path.exists(first)
+    # A second export may replace it without --overwrite (verl wrote it) ...
+    check_output_dir(str(out), key="x", replace_verl_outputs=True)
+    second = staging_dir(str(out))
+    assert (out / "model.safetensors").read_text() == "one"  # still the old one while the new is written
+    (tmp_path / second / "model.safetensors").write_text("two")
+    commit_output(second, str(out), what="test")
+    assert (out / "model.safetensors").read_text() == "two"
+    assert sorted(os.listdir(tmp_path)) == ["export"]  # no staging or old copies left
+    # ... but a converter, which replaces only with --overwrite, still refuses.
+    with pytest.raises(OutputPathError, match="or pass --overwrite"):
+        check_output_dir(str(out), key="--out-dir")
+
+
+def test_probe_finds_unwritable_locations_at_start_up(tmp_path):
+    probe_writable(str(tmp_path / "new" / "deep"), key="trainer.default_local_dir")
+    assert os.listdir(tmp_path / "new" / "deep") == []  # created, probe removed
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputPathError, match=rf"trainer.log_dir={tmp_path}/file/logs cannot be written"):
+        probe_writable(str(tmp_path / "file" / "logs"), key="trainer.log_dir")

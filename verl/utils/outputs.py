@@ -1,0 +1,142 @@
+"""Output locations that lose nothing: checked before work starts, written beside the target, renamed in.
+
+Every directory verl produces as a whole (a converted checkpoint, a Hugging Face export) goes
+through three steps:
+
+1. :func:`check_output_dir` before any work: the target may not be an input, hold an input or
+   sit inside one (exporting onto the model being trained would delete its tokenizer); an
+   existing non-empty directory is refused unless verl wrote it (its :data:`MARKER_FILE`) and
+   the caller allows replacing such outputs, or the user passed an explicit overwrite.
+2. :func:`staging_dir`: the work is written into a hidden sibling of the target.
+3. :func:`commit_output`: the finished sibling is renamed to the target (an old verl output is
+   moved aside first and deleted only once the new one is in place), so an interrupted run
+   never leaves a partial directory under the target name and never deletes the old one early.
+
+:func:`probe_writable` finds an unwritable location at start-up instead of at the first save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+
+__all__ = ["MARKER_FILE", "OutputPathError", "check_output_dir", "commit_output", "probe_writable", "staging_dir"]
+
+MARKER_FILE = ".verl_output.json"
+"""Written into every directory :func:`commit_output` puts in place: who wrote it, and when."""
+
+
+class OutputPathError(ValueError):
+    """An output location that cannot be used as asked (the message names the setting and the fix)."""
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or below it (both real, absolute)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def written_by_verl(path: str) -> bool:
+    """Whether ``path`` is a directory :func:`commit_output` created."""
+    return os.path.isfile(os.path.join(path, MARKER_FILE))
+
+
+def check_output_dir(
+    path: str,
+    *,
+    key: str,
+    inputs: Mapping[str, str | Iterable[str] | None] = {},
+    protected: Mapping[str, str | None] = {},
+    overwrite: bool = False,
+    replace_verl_outputs: bool = False,
+) -> str:
+    """Refuse an output directory that would lose something; returns its absolute path.
+
+    Args:
+        path: the directory a whole output will be renamed to.
+        key: how the user named it (``trainer.hf_export_dir``, ``--out-dir``), for messages.
+        inputs: setting -> path(s) the run reads; the output may not equal, contain or lie inside one.
+        protected: setting -> another output of the run (checkpoints, logs); the output may lie
+            inside one but not equal or contain it (replacing it would delete that output).
+        overwrite: the user asked to replace whatever is there (``--overwrite``).
+        replace_verl_outputs: an existing directory verl wrote earlier may be replaced without
+            ``overwrite`` (a trainer's export at the end of every run).
+    """
+    target = _real(path)
+    for name, value in inputs.items():
+        paths = [value] if isinstance(value, str) else list(value or [])
+        for item in paths:
+            source = _real(item)
+            if _inside(target, source) or _inside(source, target):
+                relation = "is" if target == source else ("is inside" if _inside(target, source) else "contains")
+                raise OutputPathError(
+                    f"{key}={path} {relation} {name}={item}: writing there would delete or change what this run "
+                    f"reads; choose a {key} outside it"
+                )
+    for name, item in protected.items():
+        if item and _inside(_real(item), target):
+            relation = "is" if _real(item) == target else "contains"
+            raise OutputPathError(
+                f"{key}={path} {relation} {name}={item}: replacing it would delete that output; "
+                f"choose a {key} that does not hold it"
+            )
+    if os.path.lexists(target):
+        if not os.path.isdir(target):
+            raise OutputPathError(f"{key}={path} exists and is not a directory; choose another {key}")
+        if os.listdir(target) and not overwrite and not (replace_verl_outputs and written_by_verl(target)):
+            hint = "" if replace_verl_outputs else " or pass --overwrite"
+            raise OutputPathError(
+                f"{key}={path} already exists, is not empty and was not written by verl; "
+                f"choose another {key}{hint} (nothing was changed)"
+            )
+    return target
+
+
+def probe_writable(path: str, *, key: str) -> None:
+    """Create ``path`` (and its parents) and write and remove a probe file; OutputPathError if that fails."""
+    target = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(target, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise OutputPathError(
+            f"{key}={path} cannot be written ({exc.strerror or exc}); choose a directory this user can write"
+        ) from None
+
+
+def staging_dir(out_dir: str) -> str:
+    """A fresh hidden sibling of ``out_dir`` to write the output into (its parent is created)."""
+    target = os.path.abspath(out_dir)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=parent)
+
+
+def commit_output(tmp_dir: str, out_dir: str, *, what: str) -> None:
+    """Put the finished ``tmp_dir`` in place as ``out_dir``; an old ``out_dir`` is deleted only afterwards.
+
+    ``what`` (e.g. "Hugging Face export") goes into the marker file.
+    """
+    target = os.path.abspath(out_dir)
+    with open(os.path.join(tmp_dir, MARKER_FILE), "w", encoding="utf-8") as f:
+        json.dump({"written_by": "verl", "what": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+    old = None
+    if os.path.lexists(target):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target))
+        os.rmdir(old)
+        os.rename(target, old)
+    os.rename(tmp_dir, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
