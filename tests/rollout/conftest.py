@@ -21,6 +21,25 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
+@pytest.fixture
+def interrupt_generate(monkeypatch):
+    """``interrupt_generate(engine, prompts)``: a vLLM generate interrupted after one engine step."""
+
+    def interrupt(engine, prompts) -> None:
+        llm = engine._llm
+
+        def one_step_then_fail(**kwargs):
+            llm.llm_engine.step()
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patched:
+            patched.setattr(llm, "wait_for_completion", one_step_then_fail)
+            with pytest.raises(KeyboardInterrupt):
+                engine.generate(prompts)
+
+    return interrupt
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Engines run with one torch thread: on a shared 2-core machine more threads spin and crawl."""

