@@ -235,6 +235,7 @@ class RolloutConfig(ConfigBase):
     enforce_eager: bool = option(True, "Disable CUDA graphs / torch.compile in the engine (fast start-up).")
     free_cache_engine: bool = option(True, "Release the KV cache after each rollout so training gets the memory back.")
     tensor_model_parallel_size: int = option(1, "Engine tensor-parallel degree (TP'), drawn from the actor's ranks.", ge=1)
+    update_weights_bucket_megabytes: int = option(512, "Bucket size of the weight transfer from the actor into the engine (MiB); the transfer's extra memory is at most two buckets.", ge=1)
     max_num_batched_tokens: int = option(8192, "Tokens the engine schedules per step; must be >= prompt_length + response_length.", ge=1)
     log_prob_micro_batch_size_per_gpu: int = option(4, "Sequences per old-log-prob forward on one rank. (Reference: no default.)", ge=1)
     seed: int = option(0, "Engine sampling seed.")

@@ -314,9 +314,18 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, given as (Hugging Face name, full tensor) pairs, without a restart."""
 
+    weights_layout: str = "hf"
+    """How :meth:`named_parameters` lays the weights out: ``"hf"`` (transformers' names and whole
+    tensors) or ``"vllm"`` (vLLM's stacked, vocabulary-padded TP' shards); the hybrid engine's
+    reshard plan writes into them (``verl.hybrid.layout``)."""
+
     @abc.abstractmethod
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine's own parameters, in the engine's layout, for in-place writes."""
+
+    def weights_updated(self) -> None:
+        """Called after writing into :meth:`named_parameters` in place: drop what was computed with
+        the old weights (the vLLM engine's prefix cache). Nothing to drop by default."""
 
     # ------------------------------------------------------------------ memory
     @abc.abstractmethod

@@ -180,6 +180,8 @@ class VLLMRollout(RolloutEngine):
         trust_remote_code: allow custom modelling code of the checkpoint.
     """
 
+    weights_layout = "vllm"
+
     def __init__(
         self,
         cfg: RolloutConfig,

@@ -1,0 +1,190 @@
+"""Executing a reshard plan on one rank: local copies, then buckets exchanged with every peer in turn.
+
+Schedule (the same on gloo and NCCL): step 0 copies the ranges this rank both holds and needs,
+tensor to tensor, with one ``copy_ranges_`` call. Step ``k`` (1 .. W-1) sends to rank
+``rank + k`` and receives from ``rank - k`` (mod W): the ranges of each pair, in the plan's
+order, are cut into buckets of at most ``bucket_elements`` (a range crossing a bucket border
+is split; sender and receiver cut the same way, from the same plan); for each bucket the
+sender packs its ranges into the send buffer with one ``copy_ranges_`` call, the two sides
+post ``isend``/``irecv`` together, and the receiver unpacks the receive buffer with one call
+straight into the destination tensors. A pair with nothing to move costs nothing, so with
+TP == TP' and PP = 1 nothing crosses the network.
+
+Memory: one send and one receive buffer, each at most a bucket (and no larger than the largest
+pair's traffic), allocated once per push: peak extra memory <= 2 x bucket (plus one cast
+buffer when the actor's dtype differs from the engine's, where the receiver casts the bucket
+before unpacking).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl.hybrid.copy_shards import copy_shards_
+from verl.hybrid.plan import DST_OFFSET, DST_TENSOR, LENGTH, SRC_OFFSET, SRC_TENSOR, ReshardPlan
+
+__all__ = ["TransferStats", "bucket_cuts", "execute_plan"]
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one rank moved in :func:`execute_plan` (bytes) and how long it took."""
+
+    local_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    buffer_bytes: int
+    """Bytes of the send, receive (and cast) buffers allocated: the push's extra memory."""
+    seconds: float
+
+
+def bucket_cuts(ranges: np.ndarray, bucket_elements: int) -> list[np.ndarray]:
+    """Cut ``ranges`` [N, 5] into buckets of at most ``bucket_elements``; returns, per bucket, ranges
+    [M, 6]: the 5 plan columns plus the range's offset inside the bucket (splitting ranges at the borders)."""
+    if bucket_elements < 1:
+        raise ValueError(f"bucket size must be >= 1 element, got {bucket_elements}")
+    if len(ranges) == 0:
+        return []
+    lengths = ranges[:, LENGTH]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    total = int(ends[-1])
+    out = []
+    for b0 in range(0, total, bucket_elements):
+        b1 = min(b0 + bucket_elements, total)
+        sel = np.nonzero((ends > b0) & (starts < b1))[0]
+        part = ranges[sel].copy()
+        lo = np.maximum(starts[sel], b0)
+        hi = np.minimum(ends[sel], b1)
+        skip = lo - starts[sel]
+        part[:, SRC_OFFSET] += skip
+        part[:, DST_OFFSET] += skip
+        part[:, LENGTH] = hi - lo
+        out.append(np.concatenate([part, (lo - b0)[:, None]], axis=1))
+    return out
+
+
+def copy_ranges_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], ranges: torch.Tensor) -> None:
+    """Copy rows (src index, src offset, dst index, dst offset, length) between flat tensors: one bounds-checked
+    ``copy_shards_`` call per (source, destination) tensor pair."""
+    r = ranges.numpy()
+    order = np.lexsort((r[:, 2], r[:, 0]))
+    r = r[order]
+    pair = r[:, 0] * (len(dsts) + 1) + r[:, 2]
+    bounds = np.flatnonzero(np.diff(pair)) + 1
+    for block in np.split(r, bounds):
+        if len(block):
+            copy_shards_(dsts[int(block[0, 2])], srcs[int(block[0, 0])],
+                         torch.from_numpy(np.ascontiguousarray(block[:, [1, 3, 4]])))
+
+
+def _pack_ranges(cut: np.ndarray) -> torch.Tensor:
+    """(src tensor, src offset, bucket 0, bucket offset, length) rows of a bucket cut."""
+    r = np.stack([cut[:, SRC_TENSOR], cut[:, SRC_OFFSET], np.zeros(len(cut), np.int64), cut[:, 5], cut[:, LENGTH]], 1)
+    return torch.from_numpy(np.ascontiguousarray(r))
+
+
+def _unpack_ranges(cut: np.ndarray) -> torch.Tensor:
+    """(bucket 0, bucket offset, dst tensor, dst offset, length) rows of a bucket cut."""
+    r = np.stack([np.zeros(len(cut), np.int64), cut[:, 5], cut[:, DST_TENSOR], cut[:, DST_OFFSET], cut[:, LENGTH]], 1)
+    return torch.from_numpy(np.ascontiguousarray(r))
+
+
+def _single_dtype(tensors: Sequence[torch.Tensor], what: str) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"{what} tensors have several dtypes {sorted(map(str, dtypes))}; the transfer needs one")
+    return next(iter(dtypes))
+
+
+@torch.no_grad()
+def execute_plan(
+    plan: ReshardPlan,
+    rank: int,
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    *,
+    bucket_elements: int,
+    group: dist.ProcessGroup | None = None,
+) -> TransferStats:
+    """Move this rank's part of ``plan`` (collective over ``group``, every rank calls it).
+
+    ``sources`` / ``destinations``: this rank's tensors in ``plan.src_keys[rank]`` /
+    ``plan.dst_keys[rank]`` order, contiguous, one dtype per side, on one device.
+    """
+    start = time.perf_counter()
+    world = plan.world_size
+    src_dtype = _single_dtype(sources, "source")
+    dst_dtype = _single_dtype(destinations, "destination")
+    device = destinations[0].device
+    elem = torch.empty((), dtype=src_dtype).element_size()
+    # Buffers sized for the largest bucket this rank will send or receive.
+    sends = [plan.ranges(rank, (rank + k) % world) for k in range(1, world)]
+    recvs = [plan.ranges((rank - k) % world, rank) for k in range(1, world)]
+    local = plan.ranges(rank, rank)
+    cast_needed = src_dtype != dst_dtype
+    largest = max([int(r[:, LENGTH].sum()) for r in (*sends, *recvs)] + [0])
+    if cast_needed:
+        largest = max(largest, int(local[:, LENGTH].sum()))
+    size = min(bucket_elements, largest)
+    send_buf = torch.empty(size, dtype=src_dtype, device=device)
+    recv_buf = torch.empty(size, dtype=src_dtype, device=device)
+    cast_buf = torch.empty(size if cast_needed else 0, dtype=dst_dtype, device=device)
+    buffer_bytes = 2 * size * elem + cast_buf.numel() * cast_buf.element_size()
+
+    def unpack(buf: torch.Tensor, cut: np.ndarray) -> None:
+        n = int(cut[:, 5][-1] + cut[:, LENGTH][-1])
+        if cast_needed:
+            cast_buf[:n].copy_(buf[:n])
+            buf = cast_buf
+        copy_ranges_(list(destinations), [buf], _unpack_ranges(cut))
+
+    if len(local):
+        if cast_needed:  # through the buffers, cast on the way
+            for cut in bucket_cuts(local, size):
+                copy_ranges_([send_buf], list(sources), _pack_ranges(cut))
+                unpack(send_buf, cut)
+        else:
+            copy_ranges_(list(destinations), list(sources), torch.from_numpy(np.ascontiguousarray(local)))
+    sent = received = 0
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        out_cuts = bucket_cuts(sends[k - 1], size) if size else []
+        in_cuts = bucket_cuts(recvs[k - 1], size) if size else []
+        for j in range(max(len(out_cuts), len(in_cuts))):
+            ops = []
+            if j < len(out_cuts):
+                cut = out_cuts[j]
+                n = int(cut[:, 5][-1] + cut[:, LENGTH][-1])
+                copy_ranges_([send_buf], list(sources), _pack_ranges(cut))
+                ops.append(dist.P2POp(dist.isend, send_buf[:n], _peer(to, group), group))
+                sent += n
+            if j < len(in_cuts):
+                cut = in_cuts[j]
+                n = int(cut[:, 5][-1] + cut[:, LENGTH][-1])
+                ops.append(dist.P2POp(dist.irecv, recv_buf[:n], _peer(frm, group), group))
+                received += n
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+            if j < len(in_cuts):
+                unpack(recv_buf, in_cuts[j])
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return TransferStats(
+        local_bytes=int(local[:, LENGTH].sum()) * elem,
+        sent_bytes=sent * elem,
+        received_bytes=received * elem,
+        buffer_bytes=buffer_bytes,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _peer(group_rank: int, group: dist.ProcessGroup | None) -> int:
+    """The global rank of ``group_rank`` (P2P ops take global ranks)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)

@@ -1,0 +1,243 @@
+"""``WeightSync``: the trainer's one entry point to the 3D-HybridEngine's weight transfer.
+
+    sync = WeightSync(actor, rollout, bucket_bytes=rollout_cfg.update_weights_bucket_megabytes * 2**20)
+    metrics = sync.push()          # collective: the actor's current weights are in the engine
+
+At construction (collective over the world, where actor and rollout are colocated) it checks
+the layouts (the rollout TP' must divide the actor's ranks and the model's heads; every engine
+parameter must be one the plan fills, and the other way round; every rank raises the same
+error), computes the :class:`~verl.hybrid.plan.ReshardPlan` from the actor's layout (TP, PP,
+VPP, DP) and the destination's, and keeps it. ``push`` executes the plan
+(:func:`verl.hybrid.transfer.execute_plan`): each rank copies what it holds and needs locally,
+exchanges buckets with its peers, and writes straight into the destination's tensors; no rank
+gathers a whole tensor it does not serve. Destinations: the vLLM engine's parameters (vLLM
+layout, in place), the transformers fallback engine (whole Hugging Face tensors, TP' = 1), or
+:class:`HFShards` (Hugging Face tensors split for a rollout rank; tests and tools).
+
+:func:`naive_push` is the path the reference verl takes (every TP rank gathers each whole
+tensor, pipeline stages broadcast theirs, the engine slices): kept as the baseline that
+``tools/bench.py reshard`` measures side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from verl.hybrid.layout import Layout, check_megatron_layout, check_rollout_degrees, fill_from_hf, hf_layout, hf_shape
+from verl.hybrid.layout import megatron_layout, vllm_layout
+from verl.hybrid.plan import ReshardPlan, build_plan
+from verl.hybrid.transfer import execute_plan
+from verl.models.builder import unwrap_model
+from verl.models.hf_config import HFModelSpec
+
+if TYPE_CHECKING:
+    from verl.engine import MegatronEngine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFShards", "WeightSync", "destination_layout", "naive_push"]
+
+class HFShards:
+    """A destination that is a dict of Hugging Face tensors as rollout rank ``tp_rank`` of ``tp``
+    would hold them (split like vLLM, unstacked, unpadded; whole tensors at ``tp = 1``)."""
+
+    weights_layout = "hf-shards"
+
+    def __init__(self, spec: HFModelSpec, *, tp: int, tp_rank: int, dtype: torch.dtype, device: torch.device | str):
+        self.spec, self.tp, self.tp_rank = spec, tp, tp_rank
+        self.layout = hf_layout(spec, tp=tp, tp_rank=tp_rank)
+        self.tensors = {k: torch.zeros(s, dtype=dtype, device=device) for k, s in self.layout.shapes.items()}
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, by Hugging Face name."""
+        return iter(self.tensors.items())
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Slice whole Hugging Face tensors into this rank's shards (what an engine's loader does)."""
+        fill_from_hf(self.spec, self.layout, self.tensors, weights)
+
+    def weights_updated(self) -> None:
+        """Nothing is cached."""
+
+
+def _rollout_tp(destination: Any) -> int:
+    layout = getattr(destination, "weights_layout", None)
+    if layout == "vllm":
+        return int(destination.cfg.tensor_model_parallel_size)
+    if layout == "hf":
+        return 1
+    if layout == "hf-shards":
+        return destination.tp
+    raise ValueError(f"WeightSync: {type(destination).__name__} is not a rollout engine or HFShards destination")
+
+
+def destination_layout(destination: Any, spec: HFModelSpec, *, rank: int, rollout_tp: int) -> Layout:
+    """The tensors rollout rank ``rank`` holds in ``destination``'s layout (TP' rank = rank % TP')."""
+    kind = destination.weights_layout
+    if kind == "vllm":
+        return vllm_layout(spec, tp=rollout_tp, tp_rank=rank % rollout_tp)
+    if kind == "hf":
+        return hf_layout(spec)
+    return hf_layout(spec, tp=rollout_tp, tp_rank=rank % rollout_tp)
+
+
+def _tensor_problems(layout: Layout, tensors: dict[str, torch.Tensor], what: str) -> list[str]:
+    problems = []
+    missing = sorted(set(layout.shapes) - set(tensors))
+    extra = sorted(set(tensors) - set(layout.shapes))
+    if missing:
+        problems.append(f"{what} lacks {len(missing)} parameter(s) the plan fills, e.g. {missing[:3]}")
+    if extra:
+        problems.append(f"{what} has {len(extra)} parameter(s) the plan does not know, e.g. {extra[:3]}")
+    for key in sorted(set(layout.shapes) & set(tensors)):
+        if tuple(tensors[key].shape) != tuple(layout.shapes[key]):
+            problems.append(f"{what} parameter {key} has shape {list(tensors[key].shape)}, the plan {list(layout.shapes[key])}")
+        elif not tensors[key].is_contiguous():
+            problems.append(f"{what} parameter {key} is not contiguous")
+    return problems
+
+
+class WeightSync:
+    """Pushes the actor's weights into a colocated rollout destination (see the module docstring).
+
+    Args:
+        actor: the actor's ``MegatronEngine`` (any TP x PP x VPP x DP over the whole world).
+        rollout: the rollout engine (vLLM: TP' from its config, replicas of consecutive ranks;
+            transformers: TP' = 1) or an :class:`HFShards`.
+        bucket_bytes: the transfer's bucket size (from
+            ``actor_rollout_ref.rollout.update_weights_bucket_megabytes``); peak extra memory is
+            at most two buckets.
+    """
+
+    def __init__(self, actor: "MegatronEngine", rollout: Any, *, bucket_bytes: int) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"WeightSync: bucket_bytes={bucket_bytes}; it must be >= 1")
+        self.actor, self.rollout = actor, rollout
+        spec = actor.spec
+        world, rank = dist.get_world_size(), dist.get_rank()
+        pg = actor.pg
+        tp, pp, dp, cp = pg.tp.size(), pg.pp.size(), pg.dp.size(), pg.cp.size()
+        vpp = actor.megatron_config.virtual_pipeline_model_parallel_size
+        rollout_tp = _rollout_tp(rollout)
+        degrees = (
+            f"actor tp={tp} pp={pp} vpp={vpp} cp={cp} dp={dp}, rollout TP'={rollout_tp} "
+            f"x DP'={world // rollout_tp if rollout_tp and world % rollout_tp == 0 else '?'}, world_size={world}"
+        )
+        problems = []
+        if tp * pp * cp * dp != world:
+            problems.append("the actor must span the whole world (the rollout is colocated with it)")
+        if cp != 1:
+            problems.append("context parallel actors are not resharded yet (cp must be 1)")
+        if world % rollout_tp:
+            problems.append(f"rollout TP'={rollout_tp} does not divide the actor's {world} ranks")
+        problems += check_rollout_degrees(spec, rollout_tp)
+        local: list[str] = []
+        if not problems:
+            source = megatron_layout(
+                spec, tp=tp, tp_rank=pg.tp.rank(), pp=pp, pp_rank=pg.pp.rank(), vpp=vpp,
+                vocab_pad_multiple=actor.build_config.vocab_pad_multiple,
+            )
+            try:
+                check_megatron_layout(source, actor.chunks, where=f"rank {rank}")
+            except ValueError as exc:
+                local.append(str(exc))
+            dest = destination_layout(rollout, spec, rank=rank, rollout_tp=rollout_tp)
+            local += [f"rank {rank}: {p}" for p in _tensor_problems(dest, dict(rollout.named_parameters()), "the rollout engine")]
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, ((pg.tp.rank(), pg.pp.rank()), local))
+        problems += [p for _, errs in gathered for p in errs]
+        if problems:  # the same list on every rank: every rank raises
+            raise ValueError(f"WeightSync: cannot reshard ({degrees}): " + "; ".join(dict.fromkeys(problems)))
+        sources = [
+            megatron_layout(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, vpp=vpp,
+                            vocab_pad_multiple=actor.build_config.vocab_pad_multiple)
+            for (t, p), _ in gathered
+        ]
+        destinations = [destination_layout(rollout, spec, rank=r, rollout_tp=rollout_tp) for r in range(world)]
+        self.plan: ReshardPlan = build_plan(sources, destinations)
+        self.rollout_tp = rollout_tp
+        self.degrees = degrees
+        dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
+        self.bucket_elements = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        self.last_metrics: dict[str, float] = {}
+        stats = self.plan.rank_stats(rank)
+        logger.info(
+            "weight sync planned (%s): rank %d copies %d elements locally, receives %d from %d peers",
+            degrees, rank, stats.local_elements, stats.received_elements, len(stats.received),
+        )
+
+    def _sources(self) -> list[torch.Tensor]:
+        params = {}
+        for v, chunk in enumerate(self.actor.chunks):
+            for name, param in unwrap_model(chunk).named_parameters():
+                params[f"{v}/{name}"] = param.data
+        return [params[k].view(-1) for k in self.plan.src_keys[dist.get_rank()]]
+
+    def _destinations(self) -> list[torch.Tensor]:
+        params = {k: p.data for k, p in self.rollout.named_parameters()}
+        return [params[k].view(-1) for k in self.plan.dst_keys[dist.get_rank()]]
+
+    def push(self) -> dict[str, float]:
+        """Write the actor's current weights into the destination (collective); returns step metrics."""
+        stats = execute_plan(
+            self.plan, dist.get_rank(), self._sources(), self._destinations(), bucket_elements=self.bucket_elements
+        )
+        self.rollout.weights_updated()
+        self.last_metrics = {
+            "timing_s/update_weights": stats.seconds,
+            "update_weights/bytes_local": float(stats.local_bytes),
+            "update_weights/bytes_sent": float(stats.sent_bytes),
+            "update_weights/bytes_received": float(stats.received_bytes),
+            "update_weights/buffer_bytes": float(stats.buffer_bytes),
+        }
+        return dict(self.last_metrics)
+
+
+@torch.no_grad()
+def naive_push(actor: "MegatronEngine", rollout: Any) -> int:
+    """The baseline: whole Hugging Face tensors on every rank, sliced by the destination (collective).
+
+    Every TP rank of a stage gathers each whole tensor of its stage (``iter_hf_weights``); with
+    PP > 1 each stage broadcasts its tensors over the pipeline groups, so every rank sees the
+    whole model; the destination's ``update_weights`` slices its share. Returns the bytes this
+    rank received.
+    """
+    from verl.models.checkpoint import iter_hf_weights
+
+    pg = actor.pg
+    spec = actor.spec
+    pp, pp_rank = pg.pp.size(), pg.pp.rank()
+    received = 0
+    dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    layouts = [
+        megatron_layout(spec, tp=pg.tp.size(), tp_rank=pg.tp.rank(), pp=pp, pp_rank=s,
+                        vpp=actor.megatron_config.virtual_pipeline_model_parallel_size,
+                        vocab_pad_multiple=actor.build_config.vocab_pad_multiple)
+        for s in range(pp)
+    ]
+    tp = pg.tp.size()
+    for stage in range(pp):
+        names = list(dict.fromkeys(box.hf_name for box in layouts[stage].boxes))
+        stream = iter_hf_weights(actor.chunks, pg=pg) if stage == pp_rank else None
+        for name in names:
+            if stream is not None:
+                got, tensor = next(stream)
+                assert got == name, f"naive_push: iter_hf_weights yielded {got}, the layout expected {name}"
+                tensor = tensor.contiguous()
+                received += tensor.numel() * elem * (tp - 1) // tp  # the all-gather over TP
+            else:
+                shape = hf_shape(spec, name)
+                tensor = torch.empty(shape if shape[1] > 1 else shape[:1], dtype=dtype, device=actor.device)
+                received += tensor.numel() * elem
+            if pp > 1:
+                dist.broadcast(tensor, src=dist.get_global_rank(pg.pp, stage), group=pg.pp)
+            rollout.update_weights([(name, tensor)])
+            del tensor
+    rollout.weights_updated()
+    return received
