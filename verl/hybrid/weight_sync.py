@@ -1,7 +1,9 @@
 """``WeightSync``: the trainer's one entry point to the 3D-HybridEngine's weight transfer.
 
     sync = WeightSync(actor, rollout, bucket_bytes=rollout_cfg.update_weights_bucket_megabytes * 2**20)
-    metrics = sync.push()          # collective: the actor's current weights are in the engine
+    with sync.rollout_phase():     # collective: KV cache back, the actor's current weights pushed
+        batch = rollout.generate(prompts)
+    # here the KV cache is released again and training continues
 
 At construction (collective over the world, where actor and rollout are colocated) it checks
 the layouts (the rollout TP' must divide the actor's ranks and the model's heads; every engine
@@ -21,6 +23,7 @@ tensor, pipeline stages broadcast theirs, the engine slices): kept as the baseli
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -196,6 +199,19 @@ class WeightSync:
             "update_weights/buffer_bytes": float(stats.buffer_bytes),
         }
         return dict(self.last_metrics)
+
+    @contextlib.contextmanager
+    def rollout_phase(self) -> Iterator[dict[str, float]]:
+        """The rollout half of a step (collective): the engine resumes its KV cache, the actor's
+        weights are pushed, the body generates; on exit the KV cache is released for training.
+
+        Yields the push's metrics (``timing_s/update_weights``, ``update_weights/bytes_*``).
+        """
+        self.rollout.resume()
+        try:
+            yield self.push()
+        finally:
+            self.rollout.release()
 
 
 @torch.no_grad()
