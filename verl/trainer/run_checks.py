@@ -27,7 +27,9 @@ def as_file_list(files: str | Sequence[str] | None) -> list[str]:
     return [os.path.expanduser(f) for f in ([files] if isinstance(files, str) else files)]
 
 
-def missing_inputs(*, models: Mapping[str, str | None], data: Mapping[str, str | Sequence[str] | None]) -> list[str]:
+def missing_inputs(
+    *, models: Mapping[str, str | None], data: Mapping[str, str | Sequence[str] | None]
+) -> list[str]:
     """One message per problem: ``models`` maps a config key to a Hugging Face directory that must
     hold ``config.json`` (None: the key is not set), ``data`` a config key to files that must exist."""
     problems = []
@@ -60,7 +62,11 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
         probe_writable(t.log_dir, key="trainer.log_dir")
     if t.save_hf:
         export = hf_export_dir(t)
-        key = "trainer.hf_export_dir" if t.hf_export_dir else "trainer.default_local_dir (its huggingface/ export)"
+        key = (
+            "trainer.hf_export_dir"
+            if t.hf_export_dir
+            else "trainer.default_local_dir (its huggingface/ export)"
+        )
         check_output_dir(
             export,
             key=key,

@@ -34,12 +34,12 @@ from verl.config import SFTConfig, to_dict
 from verl.data.sampler import StatefulDataLoader
 from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
-from verl.parallel import megatron_state
 from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
+from verl.parallel import megatron_state
 from verl.trainer.checkpoint import CheckpointManager
-from verl.trainer.tracking import Tracking, progress_bar
 from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs
 from verl.trainer.run_checks import hf_export_dir as run_hf_export_dir
+from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
 
 logger = logging.getLogger(__name__)
