@@ -70,7 +70,15 @@ def test_rollout_tp_that_does_not_divide_the_heads(run, inputs):
 def test_batch_sizes_that_do_not_divide(run, inputs):
     # 16 prompts x n=4 = 64 sequences; mini-batches of 6 prompts do not divide 16, and 6 x 4 = 24
     # sequences do not split into micro-batches of 8 on 2 data-parallel ranks.
-    err = run([*inputs, "actor_rollout_ref.actor.ppo_mini_batch_size=6"], world_size=2)
+    err = run(
+        [
+            *inputs,
+            "data.train_batch_size=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        ],
+        world_size=2,
+    )
     assert (
         "data.train_batch_size=16 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=6" in err
     )
@@ -137,7 +145,7 @@ def test_tutorial_command_line(tiny_model_dir, arithmetic_files, caplog, monkeyp
     assert cfg.actor_rollout_ref.model.path == tiny_model_dir
     assert cfg.trainer.total_epochs == 1
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8
-    assert cfg.data.train_batch_size == 16  # from the file
+    assert cfg.data.train_batch_size == 64  # from the file
     alias_lines = [r.getMessage() for r in caplog.records if "is an alias of" in r.getMessage()]
     for alias in (
         "model.pretrained_model_name_or_path",
