@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 PROG = "python -m verl.trainer.main_ppo"
@@ -30,15 +29,9 @@ if __name__ == "__mp_main__":
     exit_with_parent()
 
 
-def _fail(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # every rank exits; one of them says why
-        sys.stderr.write(f"{PROG}: error: {message}\n")
-    raise SystemExit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, check, train; returns the process exit status."""
-    from verl.utils.logging import log_rank0, setup_logging
+    from verl.utils.logging import setup_logging
 
     setup_logging(logging.INFO)  # before parsing: the aliases are logged as they are read
     from verl.config import CONFIG_DIR, PPOConfig, parse_cli
@@ -51,40 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_config_file=str(CONFIG_DIR / "ppo_trainer.yaml"),
         world_size=world_size,
     )
+    from verl.trainer.entry import run_trainer
     from verl.trainer.ppo_checks import check_ppo_inputs
+    from verl.trainer.rl_trainer import RLTrainer
 
-    try:
-        check_ppo_inputs(cfg)
-    except ValueError as exc:
-        _fail(str(exc))
-    if cfg.trainer.device == "cpu":
-        # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from verl.parallel.bootstrap import destroy_distributed, init_distributed
-
-    try:
-        init_distributed(device=cfg.trainer.device)
-    except ValueError as exc:
-        _fail(f"trainer.device={cfg.trainer.device}: {exc}")
-    try:
-        from verl.trainer.rl_trainer import RLTrainer
-
-        try:
-            trainer = RLTrainer(cfg)
-        except ValueError as exc:  # a setting that only the data or the model reveals (run length, shapes)
-            _fail(str(exc))  # the finally below tears the world down
-        with trainer:
-            metrics = trainer.fit()
-        log_rank0(
-            logging.getLogger("verl.trainer.main_ppo"),
-            logging.INFO,
-            "done: step %d, %s",
-            trainer.global_step,
-            _summary(metrics),
-        )
-    finally:
-        destroy_distributed()
-    return 0
+    return run_trainer(
+        cfg, prog=PROG, check=check_ppo_inputs, make_trainer=RLTrainer, summary=lambda _, m: _summary(m)
+    )
 
 
 def _summary(metrics: dict[str, float]) -> str:

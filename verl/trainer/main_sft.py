@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 PROG = "python -m verl.trainer.main_sft"
@@ -29,16 +28,10 @@ if __name__ == "__mp_main__":
     exit_with_parent()
 
 
-def _fail(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # every rank exits; one of them says why
-        sys.stderr.write(f"{PROG}: error: {message}\n")
-    raise SystemExit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
-    from verl.utils.logging import log_rank0, setup_logging
+    from verl.utils.logging import setup_logging
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
@@ -49,39 +42,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_size=world_size,
     )
     setup_logging(logging.INFO)
+    from verl.trainer.entry import run_trainer
     from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 
-    try:
+    def check(cfg: SFTConfig) -> None:
         check_sft_paths(cfg)
         check_sft_outputs(cfg)
-    except ValueError as exc:
-        _fail(str(exc))
-    if cfg.trainer.device == "cpu":
-        # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from verl.parallel.bootstrap import destroy_distributed, init_distributed
 
-    try:
-        init_distributed(device=cfg.trainer.device)
-    except ValueError as exc:
-        _fail(f"trainer.device={cfg.trainer.device}: {exc}")
-    try:
-        try:
-            trainer = SFTTrainer(cfg)
-        except ValueError as exc:  # a setting that only the data or the model reveals (run length, shapes)
-            _fail(str(exc))  # the finally below tears the world down
-        with trainer:
-            metrics = trainer.fit()
-        log_rank0(
-            logging.getLogger("verl.trainer.main_sft"),
-            logging.INFO,
-            "done: step %d, %s",
-            trainer.global_step,
-            ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
-        )
-    finally:
-        destroy_distributed()
-    return 0
+    return run_trainer(
+        cfg,
+        prog=PROG,
+        check=check,
+        make_trainer=SFTTrainer,
+        summary=lambda trainer, metrics: ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
+    )
 
 
 if __name__ == "__main__":
