@@ -117,6 +117,18 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
     rm = cfg.reward_model
     if not rm.enable or not rm.model.path:
         return []
+    problems = []
+    if rm.max_length is not None:
+        problems.append(
+            f"reward_model.max_length={rm.max_length}: truncating the reward model's inputs is not "
+            "supported; leave it null (the reward model reads whole prompt + response sequences)"
+        )
+    if rm.model.input_tokenizer is not None:
+        problems.append(
+            f"reward_model.model.input_tokenizer={rm.model.input_tokenizer}: re-tokenising responses for the "
+            "reward model is not supported; leave it null (the reward model must share the policy's "
+            "tokenizer)"
+        )
     from verl.data.tokenizer import load_tokenizer
 
     policy = cfg.actor_rollout_ref.model
@@ -125,12 +137,12 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
     )
     rm_tok = load_tokenizer(os.path.expanduser(rm.model.path), trust_remote_code=rm.model.trust_remote_code)
     if policy_tok.get_vocab() != rm_tok.get_vocab():
-        return [
+        problems += [
             f"reward_model.model.path={rm.model.path}: its tokenizer differs from the policy's; the reward "
             "model scores the policy's token ids, so it must use the same tokenizer (re-tokenising is not "
             "supported)"
         ]
-    return []
+    return problems
 
 
 def check_ppo_inputs(cfg: PPOConfig) -> None:

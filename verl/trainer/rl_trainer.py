@@ -302,7 +302,7 @@ class RLTrainer:
                 ),
                 megatron=rm.megatron,
                 pg=groups["reward_model"].pg_collection,
-                max_sequence_length=rm.max_length or max_len,
+                max_sequence_length=max_len,
                 balance=balance,
             )
         return RewardModel(
