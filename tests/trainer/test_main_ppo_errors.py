@@ -67,6 +67,13 @@ def test_rollout_tp_that_does_not_divide_the_heads(run, inputs):
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size=4" in err and "num_attention_heads=2" in err
 
 
+def test_layout_that_cannot_split_the_model(run, inputs):
+    # TP=4 divides the 4 ranks but not the tiny model's 2 attention and 2 key/value heads.
+    err = run([*inputs, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"], world_size=4)
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4" in err
+    assert "num_key_value_heads=2 is not divisible by tensor parallel 4" in err
+
+
 def test_batch_sizes_that_do_not_divide(run, inputs):
     # 16 prompts x n=4 = 64 sequences; mini-batches of 6 prompts do not divide 16, and 6 x 4 = 24
     # sequences do not split into micro-batches of 8 on 2 data-parallel ranks.

@@ -7,7 +7,8 @@ divide. :func:`check_ppo_inputs` adds what needs files or the algorithm registri
 - the model directories and data files exist;
 - the algorithm has the roles it needs: an estimator that reads critic values with the critic
   off, a KL estimator that needs whole distributions, pass@k with one sample per prompt;
-- the rollout TP' divides the model's attention heads (the engine shards them);
+- each role's TP/PP splits its model (heads, MLP, layers), and the rollout TP' divides the
+  model's attention heads (the engine shards them);
 - every ``data_source`` in the data files has a rule-based scorer (unless a reward model or a
   custom reward function scores them);
 - a reward model reads the policy's token ids, so it must share the policy's tokenizer;
@@ -75,16 +76,39 @@ def _algorithm_problems(cfg: PPOConfig) -> list[str]:
     return problems
 
 
-def _rollout_problems(cfg: PPOConfig) -> list[str]:
+def _split_problems(cfg: PPOConfig) -> list[str]:
+    """Each role's layout against its model's shapes (heads, MLP, layers), and the rollout TP'."""
     from verl.engine.build import load_model_spec
     from verl.hybrid.layout import check_rollout_degrees
+    from verl.models.builder import split_problems
 
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    spec = load_model_spec(cfg.actor_rollout_ref.model)
-    return [
+    arr = cfg.actor_rollout_ref
+    spec = load_model_spec(arr.model)
+    roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, spec)]
+    if cfg.use_reference:
+        roles.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron, spec))
+    if cfg.use_critic:
+        roles.append(("critic.megatron", cfg.critic.megatron, load_model_spec(cfg.critic.model)))
+    problems = []
+    for prefix, m, role_spec in roles:
+        found = split_problems(
+            role_spec,
+            tp_size=m.tensor_model_parallel_size,
+            pp_size=m.pipeline_model_parallel_size,
+            cp_size=m.context_parallel_size,
+            vpp_size=m.virtual_pipeline_model_parallel_size,
+        )
+        problems += [
+            f"{prefix}.tensor_model_parallel_size={m.tensor_model_parallel_size} x "
+            f"pipeline_model_parallel_size={m.pipeline_model_parallel_size} cannot split the model: {p}"
+            for p in found
+        ]
+    tp = arr.rollout.tensor_model_parallel_size
+    problems += [
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {p}"
         for p in check_rollout_degrees(spec, tp)
     ]
+    return problems
 
 
 def _scorer_problems(cfg: PPOConfig) -> list[str]:
@@ -158,7 +182,7 @@ def check_ppo_inputs(cfg: PPOConfig) -> None:
     )
     problems += _algorithm_problems(cfg)
     if not problems:  # the files below exist
-        problems += _rollout_problems(cfg)
+        problems += _split_problems(cfg)
         problems += _scorer_problems(cfg)
         problems += _reward_model_problems(cfg)
     if problems:
