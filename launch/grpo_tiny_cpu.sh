@@ -9,6 +9,7 @@
 #   bash launch/grpo_tiny_cpu.sh                      # the whole demo
 #   OUT=/path bash launch/grpo_tiny_cpu.sh key=value  # outputs elsewhere; extra main_ppo overrides
 #   SFT_STEPS=500 bash launch/grpo_tiny_cpu.sh        # another warm-up length
+#   OPS=- TRAIN=5000 OUT=outputs/grpo_sub bash launch/grpo_tiny_cpu.sh   # another task: 2-digit subtraction
 #
 # Outputs land in $OUT (default: outputs/grpo_tiny_cpu in the repository root): the model, data,
 # SFT checkpoint, GRPO checkpoints, metrics.jsonl and the exported Hugging Face model; the last
@@ -21,6 +22,8 @@ python="${PYTHON:-$root/.venv/bin/python}"
 out="${OUT:-$root/outputs/grpo_tiny_cpu}"
 nproc="${NPROC:-2}"
 sft_steps="${SFT_STEPS:-600}"
+ops="${OPS:-+}"
+train="${TRAIN:-20000}"  # training problems (subtraction has fewer distinct 2-digit ones)
 # One thread per rank: at this model size more threads on a busy 2-core machine are much slower.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -34,7 +37,7 @@ if [ ! -f "$out/model/config.json" ]; then
   "$python" "$root/tools/make_tiny_model.py" --family qwen2 --out "$out/model"
 fi
 if [ ! -f "$out/data/train.parquet" ]; then
-  "$python" "$root/tools/data/arithmetic.py" --out-dir "$out/data" --train 20000 --val 200 --digits 2
+  "$python" "$root/tools/data/arithmetic.py" --out-dir "$out/data" --train "$train" --val 200 --digits 2 --ops "$ops"
 fi
 if [ ! -f "$out/sft_model/config.json" ]; then
   echo "== SFT warm-up: $sft_steps steps (the full SFT demo takes 1200 to ~97%)"
