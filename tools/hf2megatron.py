@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="lm: actor/reference model; value: critic; reward: reward model. value/reward take score.weight "
                              "from a *ForSequenceClassification checkpoint, or start a fresh head from an LM (default lm)")
     parser.add_argument("--vocab-pad-multiple", type=int, default=None,
-                        help="pad the vocabulary to a multiple of this times --tp (default 128; padded rows are zero and never used)")
+                        help="pad the vocabulary to a multiple of this times --tp (default: vLLM's padding, a multiple of 64 "
+                             "and of --tp, so rollout engines at the same TP hold the same rows; padded rows are zero and never used)")
     parser.add_argument("--check", action="store_true",
                         help="after writing, load the checkpoint at --tp x --pp and compare logits with transformers on a few "
                              "token sequences; prints max_abs_diff=<float> and exits 1 above --tolerance")
