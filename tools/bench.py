@@ -163,6 +163,17 @@ class _PlainGenerate:
         self.model = None
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -306,6 +317,274 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             result["logprob_reference"] = args.reference
             result.update({k: v for k, v in agreement.items() if k != "num_tokens"})
         return result
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard
+
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _reshard_layouts(spec: Any, args: argparse.Namespace, world: int) -> tuple[list, list]:
+    """Source (actor) and destination layouts of every rank, from the config alone."""
+    from verl.hybrid.layout import hf_layout, megatron_layout, vllm_layout
+    from verl.parallel.topology import Topology
+
+    topo = Topology.colocated(world_size=world, tensor_parallel=args.train_tp, pipeline_parallel=args.train_pp,
+                              rollout_tensor_parallel=args.rollout_tp)
+    sources, dests = [], []
+    for rank in range(world):
+        c = topo.coords("actor", rank)
+        sources.append(megatron_layout(spec, tp=args.train_tp, tp_rank=c.tp, pp=args.train_pp, pp_rank=c.pp,
+                                       vpp=args.train_vpp, vocab_pad_multiple=None))
+        t = rank % args.rollout_tp
+        dests.append(vllm_layout(spec, tp=args.rollout_tp, tp_rank=t) if args.destination == "vllm"
+                     else hf_layout(spec, tp=args.rollout_tp, tp_rank=t))
+    return sources, dests
+
+
+def _naive_estimate(spec: Any, sources: list, args: argparse.Namespace, elem: int) -> list[dict[str, int]]:
+    """What the naive path moves and holds per rank (counted from the layouts, for --plan-only).
+
+    Received: the all-gather over TP of every TP-split tensor of the rank's stage ((TP-1) shards of
+    each) plus every tensor of the other stages, whole (broadcast over the pipeline group).
+    Peak extra: the gather buffers of one parameter (TP shards = the whole parameter) plus the
+    merged whole Hugging Face tensors cut from them, for the largest parameter of the stage; a
+    tensor of another stage arrives whole (1x).
+    """
+    from verl.hybrid.layout import hf_shape
+
+    full = {}
+    for layout in sources:
+        for box in layout.boxes:
+            full[box.hf_name] = hf_shape(spec, box.hf_name)[0] * hf_shape(spec, box.hf_name)[1]
+    out = []
+    for layout in sources:
+        mine = {box.hf_name for box in layout.boxes}
+        by_tensor: dict[str, int] = {}
+        split = set()
+        for box in layout.boxes:
+            by_tensor[box.tensor] = by_tensor.get(box.tensor, 0) + box.numel
+            if box.numel < full[box.hf_name]:
+                split.add(box.tensor)
+        gathered = sum(n * (args.train_tp - 1) for k, n in by_tensor.items() if k in split)
+        others = sum(n for name, n in full.items() if name not in mine)
+        largest_own = max((n * args.train_tp * 2 for k, n in by_tensor.items() if k in split), default=0)
+        largest_other = max((n for name, n in full.items() if name not in mine), default=0)
+        out.append({"received_bytes": (gathered + others) * elem,
+                    "peak_extra_bytes": max(largest_own, largest_other) * elem})
+    return out
+
+
+def _memcpy_gbps(nbytes: int, repeats: int) -> float:
+    """This machine's copy bandwidth (read + write counted once, as the transfer's bytes are)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / _median(times) / 1e9
+
+
+def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Under torchrun: build the actor, push with the plan and with the naive path, measure both."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from verl.config import MegatronConfig, ModelConfig
+    from verl.engine import MegatronEngine
+    from verl.hybrid.weight_sync import HFShards, WeightSync, naive_push
+    from verl.parallel import megatron_state
+    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+    from verl.utils.allocations import track_allocations
+
+    init_distributed(device="cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model_dir = args.model
+    tmp = None
+    try:
+        if model_dir is None:  # random weights for a config.json
+            box = [tempfile.mkdtemp(prefix="verl-bench-reshard-") if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            tmp = box[0]
+            if rank == 0:
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(args.config)))
+                AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+            dist.barrier()
+            model_dir = tmp
+        megatron = MegatronConfig(tensor_model_parallel_size=args.train_tp, pipeline_model_parallel_size=args.train_pp,
+                                  virtual_pipeline_model_parallel_size=args.train_vpp)
+        pg = megatron_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.train_tp, pipeline_model_parallel_size=args.train_pp,
+            virtual_pipeline_model_parallel_size=args.train_vpp,
+        )
+        actor = MegatronEngine(model=ModelConfig(path=model_dir), megatron=megatron, pg=pg)
+        dtype = next(actor.chunks[0].parameters()).dtype
+        elem = torch.empty((), dtype=dtype).element_size()
+
+        def destination() -> HFShards:
+            return HFShards(actor.spec, tp=args.rollout_tp, tp_rank=rank % args.rollout_tp, dtype=dtype, device="cpu")
+
+        dest = destination()
+        sync = WeightSync(actor, dest, bucket_bytes=int(args.bucket_mb * 2**20))
+        sync.push()  # warm-up
+        pushes = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            pushes.append(sync.push())
+        with track_allocations() as reshard_peak:
+            sync.push()
+        naive_dest = destination()
+        naive_push(actor, naive_dest)  # warm-up
+        naive_times = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            naive_received = naive_push(actor, naive_dest)
+            naive_times.append(time.perf_counter() - start)
+        with track_allocations() as naive_peak:
+            naive_push(actor, naive_dest)
+        same = all(torch.equal(a, b) for a, b in zip(dest.tensors.values(), naive_dest.tensors.values()))
+        memcpy = _memcpy_gbps(int(args.memcpy_mb * 2**20), args.repeats)
+        local_s = _median([m["timing_s/update_weights_local"] for m in pushes])
+        mine = {
+            "rank": rank,
+            "bytes_local": pushes[0]["update_weights/bytes_local"],
+            "bytes_received": pushes[0]["update_weights/bytes_received"],
+            "bytes_sent": pushes[0]["update_weights/bytes_sent"],
+            "time_s": _median([m["timing_s/update_weights"] for m in pushes]),
+            "local_time_s": local_s,
+            "local_gbps": pushes[0]["update_weights/bytes_local"] / max(local_s, 1e-12) / 1e9,
+            "peak_extra_bytes": reshard_peak.peak_bytes,
+            "buffer_bytes": pushes[0]["update_weights/buffer_bytes"],
+            "naive_bytes_received": naive_received,
+            "naive_time_s": _median(naive_times),
+            "naive_peak_extra_bytes": naive_peak.peak_bytes,
+            "memcpy_gbps": memcpy,
+            "same_weights_as_naive": same,
+        }
+        ranks: list[Any] = [None] * world
+        dist.all_gather_object(ranks, mine)
+    finally:
+        destroy_distributed()
+        if tmp is not None and rank == 0:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    total = lambda key: sum(r[key] for r in ranks)  # noqa: E731
+    return {
+        "bench": "reshard",
+        "world_size": world,
+        "layout": f"TP{args.train_tp} x PP{args.train_pp} -> TP'{args.rollout_tp}",
+        "dtype_bytes": elem,
+        "bucket_mb": args.bucket_mb,
+        "ranks": ranks,
+        "network_bytes": total("bytes_received"),
+        "naive_network_bytes": total("naive_bytes_received"),
+        "network_ratio_naive_over_reshard": total("naive_bytes_received") / max(total("bytes_received"), 1),
+        "peak_extra_bytes_max": max(r["peak_extra_bytes"] for r in ranks),
+        "naive_peak_extra_bytes_max": max(r["naive_peak_extra_bytes"] for r in ranks),
+        "peak_ratio_naive_over_reshard": max(r["naive_peak_extra_bytes"] for r in ranks)
+        / max(max(r["peak_extra_bytes"] for r in ranks), 1),
+        "local_gbps_min": min(r["local_gbps"] for r in ranks),
+        "memcpy_gbps_median": _median([r["memcpy_gbps"] for r in ranks]),
+        "local_fraction_of_memcpy": min(r["local_gbps"] / r["memcpy_gbps"] for r in ranks),
+        "time_s_max": max(r["time_s"] for r in ranks),
+        "naive_time_s_max": max(r["naive_time_s"] for r in ranks),
+        "same_weights_as_naive": all(r["same_weights_as_naive"] for r in ranks),
+    }
+
+
+@subcommand("reshard", "3D-HybridEngine weight transfer (actor -> rollout layout) against the naive path")
+def _reshard(parser: argparse.ArgumentParser) -> Runner:
+    """Measured under torchrun (one process per rank), or computed for any cluster with --plan-only."""
+    parser.description = (
+        "Push the actor's weights (Megatron, --train-tp x --train-pp [x --train-vpp], DP = world / (TP x PP)) into "
+        "rollout-layout tensors at --rollout-tp, with verl's reshard plan and with the naive path (whole tensors "
+        "gathered on every rank); per rank and in total: bytes over the network, bytes copied locally, time, GB/s, "
+        "peak extra memory (allocation tracking), and this machine's memcpy bandwidth as the ceiling. Run it under "
+        "torchrun. With --plan-only --world N nothing is allocated: the plan's traffic and the memory bound are "
+        "computed from the config for N ranks (e.g. tools/model_configs/llama3_70b.json at TP8 x PP4 -> TP'8)."
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face model directory (its weights are pushed)")
+    source.add_argument("--config", help="a Hugging Face config.json (random weights; only config is read with --plan-only)")
+    parser.add_argument("--train-tp", type=_positive_int, default=1, help="actor tensor parallel (default 1)")
+    parser.add_argument("--train-pp", type=_positive_int, default=1, help="actor pipeline parallel (default 1)")
+    parser.add_argument("--train-vpp", type=_positive_int, default=None, help="actor virtual pipeline stages per rank")
+    parser.add_argument("--rollout-tp", type=_positive_int, default=1, help="rollout engine tensor parallel TP' (default 1)")
+    parser.add_argument("--bucket-mb", type=float, default=512.0, help="transfer bucket in MiB (default 512)")
+    parser.add_argument("--destination", choices=["hf-shards", "vllm"], default="hf-shards",
+                        help="destination layout for --plan-only (default hf-shards; measured runs use hf-shards)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16", help="weight dtype for --plan-only (default bf16)")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed pushes per path (median; default 5)")
+    parser.add_argument("--memcpy-mb", type=float, default=256.0, help="buffer for the memcpy ceiling in MiB (default 256)")
+    parser.add_argument("--plan-only", action="store_true", help="compute the plan's figures only (no processes, no weights)")
+    parser.add_argument("--world", type=_positive_int, default=None, help="ranks for --plan-only (default TP x PP)")
+    parser.add_argument("--table", action="store_true", help="also log the per-rank plan table to stderr")
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        if not args.plan_only:
+            return _reshard_run(args)
+        from verl.hybrid.plan import build_plan
+        from verl.models.hf_config import parse_hf_config
+
+        path = args.config or os.path.join(args.model, "config.json")
+        spec = parse_hf_config(path)
+        world = args.world or args.train_tp * args.train_pp
+        elem = _DTYPE_BYTES[args.dtype]
+        start = time.perf_counter()
+        sources, dests = _reshard_layouts(spec, args, world)
+        plan = build_plan(sources, dests)
+        seconds = time.perf_counter() - start
+        if args.table:
+            logger.info("reshard plan (%s):\n%s", path, plan.describe(elem))
+        bucket = int(args.bucket_mb * 2**20)
+        naive = _naive_estimate(spec, sources, args, elem)
+        ranks = []
+        for rank in range(world):
+            st = plan.rank_stats(rank)
+            largest_pair = max([*st.received.values(), *st.sent.values(), 0]) * elem
+            ranks.append({
+                "rank": rank,
+                "bytes_local": st.local_elements * elem,
+                "bytes_received": st.received_elements * elem,
+                "bytes_sent": st.sent_elements * elem,
+                "peers": len(st.received),
+                "tensors_touched": st.tensors_touched,
+                "peak_extra_bytes_bound": 2 * min(bucket, largest_pair),
+                "naive_bytes_received": naive[rank]["received_bytes"],
+                "naive_peak_extra_bytes": naive[rank]["peak_extra_bytes"],
+            })
+        return {
+            "bench": "reshard",
+            "plan_only": True,
+            "config": path,
+            "world_size": world,
+            "layout": f"TP{args.train_tp} x PP{args.train_pp} -> TP'{args.rollout_tp}",
+            "dtype_bytes": elem,
+            "bucket_mb": args.bucket_mb,
+            "plan_seconds": seconds,
+            "ranks": ranks,
+            "network_bytes": sum(r["bytes_received"] for r in ranks),
+            "naive_network_bytes": sum(r["naive_bytes_received"] for r in ranks),
+            "max_rank_received_bytes": max(r["bytes_received"] for r in ranks),
+            "naive_max_rank_received_bytes": max(r["naive_bytes_received"] for r in ranks),
+            "peak_extra_bytes_bound_max": max(r["peak_extra_bytes_bound"] for r in ranks),
+            "naive_peak_extra_bytes_max": max(r["naive_peak_extra_bytes"] for r in ranks),
+        }
 
     return run
 

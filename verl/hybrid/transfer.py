@@ -41,7 +41,10 @@ class TransferStats:
     received_bytes: int
     buffer_bytes: int
     """Bytes of the send, receive (and cast) buffers allocated: the push's extra memory."""
+    local_seconds: float
+    """Time of the local copies (step 0)."""
     seconds: float
+    """Time of the whole push on this rank."""
 
 
 def bucket_cuts(ranges: np.ndarray, bucket_elements: int) -> list[np.ndarray]:
@@ -145,6 +148,7 @@ def execute_plan(
             buf = cast_buf
         copy_ranges_(list(destinations), [buf], _unpack_ranges(cut))
 
+    local_start = time.perf_counter()
     if len(local):
         if cast_needed:  # through the buffers, cast on the way
             for cut in bucket_cuts(local, size):
@@ -152,6 +156,9 @@ def execute_plan(
                 unpack(send_buf, cut)
         else:
             copy_ranges_(list(destinations), list(sources), torch.from_numpy(np.ascontiguousarray(local)))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    local_seconds = time.perf_counter() - local_start
     sent = received = 0
     for k in range(1, world):
         to, frm = (rank + k) % world, (rank - k) % world
@@ -181,6 +188,7 @@ def execute_plan(
         sent_bytes=sent * elem,
         received_bytes=received * elem,
         buffer_bytes=buffer_bytes,
+        local_seconds=local_seconds,
         seconds=time.perf_counter() - start,
     )
 

@@ -163,6 +163,8 @@ class WeightSync:
         ]
         destinations = [destination_layout(rollout, spec, rank=r, rollout_tp=rollout_tp) for r in range(world)]
         self.plan: ReshardPlan = build_plan(sources, destinations)
+        self.destination: Layout = destinations[rank]
+        """This rank's destination layout (the boxes the plan writes)."""
         self.rollout_tp = rollout_tp
         self.degrees = degrees
         dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
@@ -193,6 +195,7 @@ class WeightSync:
         self.rollout.weights_updated()
         self.last_metrics = {
             "timing_s/update_weights": stats.seconds,
+            "timing_s/update_weights_local": stats.local_seconds,
             "update_weights/bytes_local": float(stats.local_bytes),
             "update_weights/bytes_sent": float(stats.sent_bytes),
             "update_weights/bytes_received": float(stats.received_bytes),
