@@ -192,6 +192,7 @@ INTERNALS: dict[str, Internal] = {
             tests=(
                 _TESTS + "test_runner_kv_caches_are_the_bound_cache_tensors",
                 _TESTS + "test_outside_the_versions_weights_memory_and_interrupts",
+                "tests/hybrid/test_memory.py::test_vllm_kv_cache_bytes_follow_release_and_resume",
             ),
             api=("kv_cache_bytes",),
             scope="any",
