@@ -55,6 +55,7 @@ __all__ = [
     "inverse_cdf_applies",
     "inverse_cdf_sample",
     "ipc_socket_files",
+    "kv_cache_bytes",
     "kv_cache_manager",
     "log_turned_off",
     "model_runner",
@@ -178,6 +179,23 @@ INTERNALS: dict[str, Internal] = {
             ),
             api=("check_kv_release_supported", "free_kv_cache", "allocate_kv_cache"),
             scope="cpu",
+            requires=("in_process_worker",),
+        ),
+        Internal(
+            name="kv_cache_tensors",
+            touches="GPUModelRunner.kv_caches (the per-layer views of the KV cache buffer, the CPU runner's too)",
+            versions=_V032,
+            why="vLLM reports its KV cache in blocks, not bytes; the cache tensors' storages are the bytes "
+            "the memory handoff accounts for (layers that share one buffer counted once)",
+            without="kv_cache_bytes() is computed from vLLM's public configs (blocks x block size x K/V bytes "
+            "per token of every attention layer: exact for dense attention)",
+            tests=(
+                _TESTS + "test_runner_kv_caches_are_the_bound_cache_tensors",
+                _TESTS + "test_outside_the_versions_weights_memory_and_interrupts",
+                "tests/hybrid/test_memory.py::test_vllm_kv_cache_bytes_follow_release_and_resume",
+            ),
+            api=("kv_cache_bytes",),
+            scope="any",
             requires=("in_process_worker",),
         ),
         Internal(
@@ -535,6 +553,28 @@ def allocate_kv_cache(worker: Any, kv_cache_config: Any) -> None:
     """Allocate the KV cache again with the block layout :func:`free_kv_cache` returned."""
     check_kv_release_supported()
     worker.initialize_from_config(kv_cache_config)
+
+
+# ------------------------------------------------------------------------------ kv_cache_tensors
+def kv_cache_bytes(worker: Any) -> int:
+    """Bytes of the KV cache tensors of the worker's model runner; 0 when freed.
+
+    vLLM 0.32 allocates one buffer and views it per layer (``runner.kv_caches``, a list of
+    tensors, or of tuples of tensors for some backends): each distinct storage counts once.
+    On GPU the storages keep their size while vLLM sleeps (its allocator unmaps the memory
+    underneath); the engine reports 0 for a released cache itself.
+    """
+    sizes: dict[int, int] = {}
+    pending = list(getattr(worker.model_runner, "kv_caches", ()))
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.nbytes():
+                sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
 
 
 # ------------------------------------------------------------------------------ inverse_cdf_sampler
