@@ -58,7 +58,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).max())
 
 
-def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name: str) -> dict:
+def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name: str, offload: bool) -> dict:
     import torch.distributed as dist
 
     from verl.algos import GlobalBatchInfo, agg_loss
@@ -74,7 +74,8 @@ def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name:
     pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=3)
     actor = MegatronEngine(
         model=ModelConfig(path=model_dir),
-        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                param_offload=offload, grad_offload=offload, optimizer_offload=offload),
         pg=pg, optim=OptimConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0), total_training_steps=10,
     )
     cfg = RolloutConfig(name=engine_name, n=N, temperature=1.0, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
@@ -128,7 +129,9 @@ def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name:
         rollout.release()  # as after the previous rollout: rollout_phase resumes it
         with sync.rollout_phase() as push_metrics:
             after = rollout.generate(prompts, seed=6)
+            result["held_during_rollout"] = sync._state_offload.held_bytes()
         result["phase_metrics"] = sorted(push_metrics)
+        result["memory"] = {k: v for k, v in sync.last_metrics.items() if k.startswith("memory/")}
         after_mask = after["response_mask"].float()
         result["after"] = _max_diff(after["rollout_log_probs"], _response_logprobs(actor, after, 1.0), after_mask)
         # The same samples under the weights before the step: what a stale engine would report.
@@ -150,17 +153,20 @@ def _stale_logprobs(model_dir: str, out) -> torch.Tensor:
     ).float()
 
 
-CASES = [  # (tp, pp, rollout TP', engine)
-    (2, 1, 2, "vllm"),  # TP == TP': nothing crosses the network
-    (2, 1, 1, "vllm"),  # two replicas of TP' = 1, each gathers from both TP ranks
-    (1, 2, 2, "vllm"),  # layers from two pipeline stages into one TP' = 2 engine
-    (2, 1, 1, "hf"),  # the transformers fallback: whole Hugging Face tensors
+CASES = [  # (tp, pp, rollout TP', engine, offload the training state during the rollout)
+    (2, 1, 2, "vllm", True),  # TP == TP': nothing crosses the network; params/grads/Adam state to host
+    (2, 1, 1, "vllm", False),  # two replicas of TP' = 1, each gathers from both TP ranks
+    (1, 2, 2, "vllm", False),  # layers from two pipeline stages into one TP' = 2 engine
+    (2, 1, 1, "hf", False),  # the transformers fallback: whole Hugging Face tensors
 ]
 
 
-@pytest.mark.parametrize(("tp", "pp", "rollout_tp", "engine"), CASES, ids=[f"tp{a}-pp{b}-to-{e}{c}" for a, b, c, e in CASES])
-def test_push_into_a_real_engine(model_dir, tp, pp, rollout_tp, engine):
-    results = run_distributed(_engine_body, 2, model_dir, tp, pp, rollout_tp, engine, timeout=480)
+@pytest.mark.parametrize(
+    ("tp", "pp", "rollout_tp", "engine", "offload"), CASES,
+    ids=[f"tp{a}-pp{b}-to-{e}{c}{'-offload' if o else ''}" for a, b, c, e, o in CASES],
+)
+def test_push_into_a_real_engine(model_dir, tp, pp, rollout_tp, engine, offload):
+    results = run_distributed(_engine_body, 2, model_dir, tp, pp, rollout_tp, engine, offload, timeout=480)
     for r in results:
         assert r["wrong"] == [], r["wrong"][:5]
         assert r["untouched_ok"], "the push wrote outside the plan's boxes (vLLM's padding rows)"
@@ -171,5 +177,13 @@ def test_push_into_a_real_engine(model_dir, tp, pp, rollout_tp, engine):
         assert "timing_s/update_weights" in r["phase_metrics"]
         if tp == rollout_tp and pp == 1:
             assert r["push"]["update_weights/bytes_sent"] == 0 and r["push"]["update_weights/bytes_received"] == 0
+        memory = r["memory"]
+        assert memory["memory/train/params_bytes"] > 0 and memory["memory/train/optimizer_bytes"] > 0
+        assert memory["memory/reloaded/params_bytes"] == memory["memory/train/params_bytes"]
+        if offload:  # all of the training state was on the host while the engine generated
+            assert r["held_during_rollout"] == {"params": 0, "grads": 0, "optimizer": 0}
+            assert memory["memory/offloaded/grads_bytes"] == 0 and memory["memory/offloaded/optimizer_bytes"] == 0
+        if engine == "vllm":
+            assert memory["memory/rollout/kv_cache_bytes"] > 0 and memory["memory/reloaded/kv_cache_bytes"] == 0
     if engine == "vllm":
         assert sum(r["padding_elements"] for r in results) > 0  # vLLM's padding rows exist and were left alone

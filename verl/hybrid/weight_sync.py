@@ -1,9 +1,9 @@
 """``WeightSync``: the trainer's one entry point to the 3D-HybridEngine's weight transfer.
 
     sync = WeightSync(actor, rollout, bucket_bytes=rollout_cfg.update_weights_bucket_megabytes * 2**20)
-    with sync.rollout_phase():     # collective: KV cache back, the actor's current weights pushed
+    with sync.rollout_phase():     # collective: training state out, KV cache in, weights pushed
         batch = rollout.generate(prompts)
-    # here the KV cache is released again and training continues
+    # here the KV cache is released again and the training state is back
 
 At construction (collective over the world, where actor and rollout are colocated) it checks
 the layouts (the rollout TP' must divide the actor's ranks and the model's heads; every engine
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from verl.hybrid.layout import Layout, check_megatron_layout, check_rollout_degrees, fill_from_hf, hf_layout, hf_shape
 from verl.hybrid.layout import megatron_layout, vllm_layout
+from verl.hybrid.memory import MemoryLedger, TrainingStateOffload
 from verl.hybrid.plan import ReshardPlan, build_plan
 from verl.hybrid.transfer import execute_plan
 from verl.models.builder import unwrap_model
@@ -66,6 +67,16 @@ class HFShards:
 
     def weights_updated(self) -> None:
         """Nothing is cached."""
+
+    def resume(self) -> None:
+        """No KV cache to take back."""
+
+    def release(self) -> None:
+        """No KV cache to give back."""
+
+    def kv_cache_bytes(self) -> int:
+        """No KV cache."""
+        return 0
 
 
 def _rollout_tp(destination: Any) -> int:
@@ -170,6 +181,13 @@ class WeightSync:
         dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
         self.bucket_elements = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         self.last_metrics: dict[str, float] = {}
+        flags = actor.megatron_config
+        # Two offloads: the parameters leave only after the push has read them.
+        self._state_offload = TrainingStateOffload(
+            actor, params=False, grads=flags.grad_offload, optimizer=flags.optimizer_offload
+        )
+        self._param_offload = TrainingStateOffload(actor, params=flags.param_offload, grads=False, optimizer=False)
+        self.ledger = MemoryLedger(actor.device)
         stats = self.plan.rank_stats(rank)
         logger.info(
             "weight sync planned (%s): rank %d copies %d elements locally, receives %d from %d peers",
@@ -205,16 +223,33 @@ class WeightSync:
 
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator[dict[str, float]]:
-        """The rollout half of a step (collective): the engine resumes its KV cache, the actor's
-        weights are pushed, the body generates; on exit the KV cache is released for training.
+        """The rollout half of a step (collective), with the memory handoff around it.
 
-        Yields the push's metrics (``timing_s/update_weights``, ``update_weights/bytes_*``).
+        On entry: the actor's gradients and optimizer state go to host memory (``grad_offload``,
+        ``optimizer_offload`` of ``actor_rollout_ref.actor.megatron``), the engine takes its KV cache
+        (and, on GPU, its weights) back, the actor's weights are pushed, then the actor's
+        parameters go to host memory too (``param_offload``; after the push, which reads them).
+        The body generates. On exit: the KV cache is released and the training state restored.
+        Yields the push's metrics; afterwards :attr:`last_metrics` also holds the per-phase memory
+        (``memory/{train,offloaded,rollout,reloaded}/*_bytes``, ``memory/peak_vs_sum``).
         """
+        ledger, held = self.ledger, self._state_offload.held_bytes
+        ledger.reset()
+        ledger.record("train", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
+        self._state_offload.offload()
+        ledger.record("offloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
         self.rollout.resume()
         try:
-            yield self.push()
+            metrics = self.push()
+            self._param_offload.offload()
+            yield metrics
+            ledger.record("rollout", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
         finally:
             self.rollout.release()
+            self._param_offload.reload()
+            self._state_offload.reload()
+        ledger.record("reloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
+        self.last_metrics.update(ledger.metrics())
 
 
 @torch.no_grad()
