@@ -252,6 +252,20 @@ class WeightSync:
         self.last_metrics.update(ledger.metrics())
 
 
+def _hf_order(actor: "MegatronEngine") -> list[str]:
+    """The Hugging Face tensors of this rank's stage in the order ``iter_hf_weights`` yields them."""
+    from verl.models.checkpoint import _mapping_for
+
+    names: list[str] = []
+    for chunk in actor.chunks:
+        inner = unwrap_model(chunk)
+        for param_name, _ in inner.named_parameters():
+            mapping = _mapping_for(inner, param_name, actor.pg.tp.rank(), actor.pg.tp.size())
+            if not mapping.duplicate:
+                names += [piece.name for piece in mapping.pieces if piece.name not in names]
+    return names
+
+
 @torch.no_grad()
 def naive_push(actor: "MegatronEngine", rollout: Any) -> int:
     """The baseline: whole Hugging Face tensors on every rank, sliced by the destination (collective).
@@ -269,20 +283,17 @@ def naive_push(actor: "MegatronEngine", rollout: Any) -> int:
     received = 0
     dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
     elem = torch.empty((), dtype=dtype).element_size()
-    layouts = [
-        megatron_layout(spec, tp=pg.tp.size(), tp_rank=pg.tp.rank(), pp=pp, pp_rank=s,
-                        vpp=actor.megatron_config.virtual_pipeline_model_parallel_size,
-                        vocab_pad_multiple=actor.build_config.vocab_pad_multiple)
-        for s in range(pp)
-    ]
     tp = pg.tp.size()
     for stage in range(pp):
-        names = list(dict.fromkeys(box.hf_name for box in layouts[stage].boxes))
+        # The order iter_hf_weights yields in (the model's parameter order), told to the other stages.
+        box: list[Any] = [_hf_order(actor) if stage == pp_rank else None]
+        if pp > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(pg.pp, stage), group=pg.pp)
         stream = iter_hf_weights(actor.chunks, pg=pg) if stage == pp_rank else None
-        for name in names:
+        for name in box[0]:
             if stream is not None:
                 got, tensor = next(stream)
-                assert got == name, f"naive_push: iter_hf_weights yielded {got}, the layout expected {name}"
+                assert got == name, f"naive_push: iter_hf_weights yielded {got}, expected {name}"
                 tensor = tensor.contiguous()
                 received += tensor.numel() * elem * (tp - 1) // tp  # the all-gather over TP
             else:
