@@ -605,8 +605,9 @@ def main(argv: list[str] | None = None) -> None:
     # Anything a library prints goes to stderr; stdout carries exactly one JSON object.
     with contextlib.redirect_stdout(sys.stderr):
         result = runners[args.command](args)
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the (gathered) result
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
