@@ -379,21 +379,6 @@ def _naive_estimate(spec: Any, sources: list, args: argparse.Namespace, elem: in
     return out
 
 
-def _memcpy_gbps(nbytes: int, repeats: int) -> float:
-    """This machine's copy bandwidth (read + write counted once, as the transfer's bytes are)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return nbytes / _median(times) / 1e9
-
-
 def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
     """Under torchrun: build the actor, push with the plan and with the naive path, measure both."""
     import tempfile
@@ -439,11 +424,21 @@ def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
 
         dest = destination()
         sync = WeightSync(actor, dest, bucket_bytes=int(args.bucket_mb * 2**20))
-        sync.push()  # warm-up
-        pushes = []
+        local_bytes = int(sync.push()["update_weights/bytes_local"])  # warm-up
+        # The ceiling: a plain copy of as many bytes as this rank copies locally, timed in each round
+        # just before the push, with every rank copying at once as they do in the push.
+        copy_src = torch.empty(max(local_bytes, 1 << 20), dtype=torch.uint8)
+        copy_dst = torch.empty_like(copy_src)
+        copy_dst.copy_(copy_src)
+        pushes, ceilings = [], []
         for _ in range(args.repeats):
             dist.barrier()
+            start = time.perf_counter()
+            copy_dst.copy_(copy_src)
+            ceilings.append(copy_src.numel() / (time.perf_counter() - start) / 1e9)
+            dist.barrier()
             pushes.append(sync.push())
+        del copy_src, copy_dst
         with track_allocations() as reshard_peak:
             sync.push()
         naive_dest = destination()
@@ -457,8 +452,12 @@ def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
         with track_allocations() as naive_peak:
             naive_push(actor, naive_dest)
         same = all(torch.equal(a, b) for a, b in zip(dest.tensors.values(), naive_dest.tensors.values()))
-        memcpy = _memcpy_gbps(int(args.memcpy_mb * 2**20), args.repeats)
+        memcpy = _median(ceilings)
         local_s = _median([m["timing_s/update_weights_local"] for m in pushes])
+        fractions = [
+            m["update_weights/bytes_local"] / max(m["timing_s/update_weights_local"], 1e-12) / 1e9 / c
+            for m, c in zip(pushes, ceilings)
+        ]
         mine = {
             "rank": rank,
             "bytes_local": pushes[0]["update_weights/bytes_local"],
@@ -473,6 +472,7 @@ def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
             "naive_time_s": _median(naive_times),
             "naive_peak_extra_bytes": naive_peak.peak_bytes,
             "memcpy_gbps": memcpy,
+            "local_fraction_of_memcpy": _median(fractions),
             "same_weights_as_naive": same,
         }
         ranks: list[Any] = [None] * world
@@ -500,7 +500,9 @@ def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
         / max(max(r["peak_extra_bytes"] for r in ranks), 1),
         "local_gbps_min": min(r["local_gbps"] for r in ranks),
         "memcpy_gbps_median": _median([r["memcpy_gbps"] for r in ranks]),
-        "local_fraction_of_memcpy": min(r["local_gbps"] / r["memcpy_gbps"] for r in ranks),
+        # Per rank, the median over rounds of (local copy GB/s) / (plain copy GB/s of the same bytes
+        # in the same round); the smallest rank's.
+        "local_fraction_of_memcpy": min(r["local_fraction_of_memcpy"] for r in ranks),
         "time_s_max": max(r["time_s"] for r in ranks),
         "naive_time_s_max": max(r["naive_time_s"] for r in ranks),
         "same_weights_as_naive": all(r["same_weights_as_naive"] for r in ranks),
@@ -530,7 +532,6 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
                         help="destination layout for --plan-only (default hf-shards; measured runs use hf-shards)")
     parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16", help="weight dtype for --plan-only (default bf16)")
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed pushes per path (median; default 5)")
-    parser.add_argument("--memcpy-mb", type=float, default=256.0, help="buffer for the memcpy ceiling in MiB (default 256)")
     parser.add_argument("--plan-only", action="store_true", help="compute the plan's figures only (no processes, no weights)")
     parser.add_argument("--world", type=_positive_int, default=None, help="ranks for --plan-only (default TP x PP)")
     parser.add_argument("--table", action="store_true", help="also log the per-rank plan table to stderr")

@@ -60,7 +60,7 @@ def test_measured_run_beats_the_naive_path(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "reshard",
          "--model", model, "--train-tp", "1", "--train-pp", "2", "--rollout-tp", "2", "--bucket-mb", "0.0625",
-         "--repeats", "2", "--memcpy-mb", "8"],
+         "--repeats", "2"],
         capture_output=True, text=True, timeout=280, cwd=REPO, env=env, start_new_session=True,
     )
     result = _json(proc)
