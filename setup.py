@@ -34,6 +34,7 @@ BASE_REQUIRES = [
     "tokenizers",
     "sentencepiece",
     "tqdm",
+    "xxhash",  # checkpoint content checksums (verl.utils.checksum)
     "math-verify",
     # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the newest that installs on 3.11.
     "megatron-core==0.16.1; python_version < '3.12'",
