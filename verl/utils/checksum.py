@@ -10,9 +10,10 @@
 
 Why XXH3-128: it guards against corruption (bit rot, a truncated or overwritten copy), not
 against tampering, and it is fast enough that verifying a checkpoint costs little next to
-loading it. Measured on a development machine (2 shared cores, 512 MiB in memory, best of 3):
-xxh3_128 about 5-12 GB/s per thread, blake2b 0.2-0.5 GB/s, sha256 0.3-1.4 GB/s; reading the
-files, not hashing them, is the limit with xxh3.
+loading it. Measured on a development machine (2 cores shared with other work, best of 3-5):
+in memory, xxh3_128 9.4 GB/s per thread against blake2b 0.8 GB/s; ``checksum_files`` on 8
+files of 128 MiB in the page cache 9.5 GB/s with 1 thread and 15.4 GB/s with 2, while
+``torch.load`` of the same files took 0.74 s (1.45 GB/s): verifying adds about a tenth.
 """
 
 from __future__ import annotations
