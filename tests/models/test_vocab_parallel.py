@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl.models.forward import pack_left, position_ids_from_mask, unpack
+from verl.models.forward import last_token_values, pack_left, position_ids_from_mask, unpack
 from verl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 from verl.testing.distributed import run_distributed
 
@@ -182,3 +182,16 @@ def test_pack_unpack_round_trip_random_masks(seed):
     ids = torch.randint(1, 50, (5, 9), generator=gen) * mask
     packed, order = pack_left(ids, mask, seq_len=9)
     assert torch.equal(unpack(packed, order), ids)
+
+
+def test_positions_of_leading_pads_are_zero_not_negative():
+    mask = torch.tensor([[0, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    expected = torch.tensor([[0, 0, 0, 1, 1], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]])
+    assert torch.equal(position_ids_from_mask(mask), expected)
+
+
+def test_last_token_values_and_rows_without_tokens():
+    values = torch.arange(1.0, 16.0).reshape(3, 5)  # [B, T], no zeros: a wrong pick shows
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    # Row 0: last real token at 2; row 1: at 4 (the end); row 2: no token, score 0.
+    assert torch.equal(last_token_values(values, mask), torch.tensor([3.0, 10.0, 0.0]))
