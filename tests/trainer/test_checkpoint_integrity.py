@@ -14,42 +14,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_checkpoint_manager import _flip_one_byte
+from tests.trainer.test_checkpoint_manager import each_file_flipped, flip_one_byte
+from tests.trainer.test_sft_trainer import _sft_config as sft_config
 from verl.testing.distributed import run_distributed
 from verl.trainer.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager
 
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-def _sft_config(model_dir: str, files: dict[str, str], run_dir: str):
-    """The resume test's SFT run (tests/trainer/test_sft_trainer.py) at TP=2 on two ranks, 4 steps,
-    checkpoints at 2 and 4 (both kept)."""
-    from verl.config import SFTConfig, load_config
+NAN_PARAM = "decoder.layers.0.mlp.linear_fc1.weight"  # column-parallel: rank 1 holds the second half
 
-    return load_config(
-        SFTConfig,
-        config_file="sft_tiny_cpu",
-        overrides=[
-            f"model.path={model_dir}",
-            f"data.train_files={files['train']}",
-            f"data.val_files={files['val']}",
-            "data.train_batch_size=16",
-            "data.micro_batch_size_per_gpu=8",
-            "megatron.tensor_model_parallel_size=2",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=4",
-            "trainer.save_freq=2",
-            "optim.lr_warmup_steps=1",
-            "trainer.max_ckpt_to_keep=null",
-            "trainer.test_freq=-1",
-            "trainer.logger=[jsonl]",
-            "trainer.save_hf=false",
-            f"trainer.default_local_dir={run_dir}",
-            f"trainer.log_dir={run_dir}/logs",
-        ],
+
+def _sft_config(model_dir: str, files: dict[str, str], run_dir: str):
+    """The resume test's SFT run at TP=2 on two ranks: 4 steps, checkpoints at 2 and 4, both kept."""
+    return sft_config(
+        model_dir, files, run_dir,
+        "megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=4",
+        "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null",
         world_size=2,
     )
-NAN_PARAM = "decoder.layers.0.mlp.linear_fc1.weight"  # column-parallel: rank 1 holds the second half
 
 
 class _Records(logging.Handler):
@@ -107,14 +90,9 @@ def test_one_flipped_byte_in_any_file_of_a_trainer_checkpoint_is_refused(sft_run
                     r"actor/model/verl_model\.json", re.escape(MANIFEST_FILE)):
         assert any(re.fullmatch(pattern, rel) for rel in rels), (pattern, rels)
     manager = CheckpointManager(str(run))
-    for rel in rels:
-        original = (path / rel).read_bytes()
-        _flip_one_byte(path / rel)
-        try:
-            with pytest.raises(CheckpointError, match=rf"global_step_4 .*{re.escape(rel)}"):
-                manager.validate(str(path))
-        finally:
-            (path / rel).write_bytes(original)
+    for rel in each_file_flipped(path):
+        with pytest.raises(CheckpointError, match=rf"global_step_4 .*{re.escape(rel)}"):
+            manager.validate(str(path))
     assert manager.validate(str(path)) == 4
 
 
@@ -122,7 +100,7 @@ def test_one_flipped_byte_in_any_file_of_a_trainer_checkpoint_is_refused(sft_run
 def test_resume_falls_back_past_a_corrupt_model_shard(sft_run, tmp_path, tiny_model_dir, arithmetic_files):
     run = _copy(sft_run, tmp_path)
     shard = sorted((run / "global_step_4" / "actor" / "model").glob("*.distcp"))[-1]
-    _flip_one_byte(shard)
+    flip_one_byte(shard)
     results = run_distributed(_sft_body, 2, tiny_model_dir, arithmetic_files, str(run), True)
     # Every rank resumed from step 2, before any engine loaded the bad shard.
     assert [r["resumed"] for r in results] == [2, 2]
@@ -208,6 +186,6 @@ def test_megatron2hf_refuses_nan_weights_and_corrupt_trainer_checkpoints(nan_che
     # A finite but corrupted shard of a trainer checkpoint: refused by its manifest, naming the file.
     run = _copy(sft_run, tmp_path)
     shard = sorted((run / "global_step_4" / "actor" / "model").glob("*.distcp"))[0]
-    _flip_one_byte(shard)
+    flip_one_byte(shard)
     out = _megatron2hf(run / "global_step_4" / "actor" / "model", tmp_path / "hf")
     assert out.returncode == 2 and f"actor/model/{shard.name} does not hold what was saved" in out.stderr, out.stderr[-3000:]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 import xxhash
@@ -246,7 +247,7 @@ def test_manifest_lists_every_file_with_its_size_and_checksum(tmp_path):
         assert manifest["files"][rel] == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, rel
 
 
-def _flip_one_byte(file) -> None:
+def flip_one_byte(file) -> None:
     data = bytearray(file.read_bytes())
     if not data:
         file.write_bytes(b"\0")  # an empty file cannot flip; it grows by one byte instead
@@ -255,29 +256,34 @@ def _flip_one_byte(file) -> None:
     file.write_bytes(bytes(data))
 
 
+def each_file_flipped(path) -> Iterator[str]:
+    """Each file under ``path`` in turn with one byte flipped (restored before the next): yields its relative path."""
+    for rel in _all_files(path):
+        original = (path / rel).read_bytes()
+        flip_one_byte(path / rel)
+        try:
+            yield rel
+        finally:
+            (path / rel).write_bytes(original)
+
+
 def test_one_flipped_byte_in_any_file_is_refused_and_resume_falls_back(tmp_path, caplog):
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(1, _rich_writer, {"k": 1})
     mgr.save(2, _rich_writer, {"k": 2})
     path = tmp_path / "global_step_2"
-    rels = _all_files(path)
-    assert len(rels) == 9  # the seven written, trainer_state.json and the manifest
-    for rel in rels:
-        original = (path / rel).read_bytes()
-        _flip_one_byte(path / rel)
-        try:
-            with pytest.raises(CheckpointError, match=rf"global_step_2.* {re.escape(rel)}"):
-                mgr.validate(str(path))
-            caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
-                found = mgr.resolve_resume("auto", None)
-            assert found.step == 1, rel
-            assert "names step 2, which cannot be used" in caplog.text and rel in caplog.text, caplog.text
-            with pytest.raises(CheckpointError, match=re.escape(rel)):
-                mgr.resolve_resume("resume_path", str(path))
-        finally:
-            (path / rel).write_bytes(original)
-        assert mgr.validate(str(path)) == 2  # restored: valid again
+    assert len(_all_files(path)) == 9  # the seven written, trainer_state.json and the manifest
+    for rel in each_file_flipped(path):
+        with pytest.raises(CheckpointError, match=rf"global_step_2.* {re.escape(rel)}"):
+            mgr.validate(str(path))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
+            found = mgr.resolve_resume("auto", None)
+        assert found.step == 1, rel
+        assert "names step 2, which cannot be used" in caplog.text and rel in caplog.text, caplog.text
+        with pytest.raises(CheckpointError, match=re.escape(rel)):
+            mgr.resolve_resume("resume_path", str(path))
+    assert mgr.validate(str(path)) == 2  # every file restored: valid again
 
 
 def test_truncated_trainer_state_is_refused(tmp_path):
@@ -431,7 +437,7 @@ def test_two_ranks_split_the_hashing_and_agree_on_the_error(tmp_path):
     shares = [[h[len(prefix):] for h in r["hashed"] if h.startswith(prefix)] for r in saved]
     assert shares[0] and shares[1] and not set(shares[0]) & set(shares[1])
     assert sorted(shares[0] + shares[1]) == rels
-    _flip_one_byte(tmp_path / "ckpt" / "global_step_2" / "actor" / "extra" / "rank_00001.pt")
+    flip_one_byte(tmp_path / "ckpt" / "global_step_2" / "actor" / "extra" / "rank_00001.pt")
     results = run_distributed(_distributed_body, 2, root, "rank_00001.pt")
     # Every rank raises the same error, whichever rank hashed the bad file, and both fall back.
     assert results[0]["error"] == results[1]["error"]
