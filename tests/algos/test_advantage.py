@@ -338,12 +338,13 @@ def test_custom_estimator_registration():
 
 def test_gpg_with_no_nonzero_score_is_zero_not_a_division_by_zero():
     # alpha = B / max(#nonzero scores, 1): with every score 0 the floor of 1 applies.
+    index = uids("a", "a", "b", "b")
     rewards, mask = outcome([0.0, 0.0, 0.0, 0.0], [2, 1, 2, 2], T=2)
-    adv, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=uids("a", "a", "b", "b"))
+    adv, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=index)
     assert torch.equal(adv, torch.zeros(4, 2))
     # One nonzero score: alpha = 4 / 1 (the other side of the floor).
     rewards, mask = outcome([1.0, 0.0, 0.0, 0.0], [2, 1, 2, 2], T=2)
-    adv, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=uids("a", "a", "b", "b"))
+    adv, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=index)
     torch.testing.assert_close(seq_values(adv, mask), torch.tensor([2.0, -2.0, 0.0, 0.0]), **TOL)
 
 
@@ -351,7 +352,9 @@ def test_reinforce_plus_plus_return_restarts_after_a_masked_token():
     # A masked observation token in the middle: the return before it does not see rewards after it.
     rewards = torch.tensor([[1.0, 5.0, 2.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0]])
-    _, ret = compute_advantage("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=1.0)
+    _, ret = compute_advantage(
+        "reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=1.0
+    )
     # t=2: 2; t=1 (masked, 0 in the output): the running return restarts; t=0: 1 + 0 = 1.
     torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 2.0]]), **TOL)
 

@@ -77,4 +77,5 @@ def test_one_token_response_at_position_zero_gets_its_penalty():
         scores, mask, max_response_length=4, overlong_buffer_len=4, overlong_penalty_factor=1.0
     )
     torch.testing.assert_close(penalty, torch.tensor([-0.25, 0.0]), rtol=0, atol=0)
-    torch.testing.assert_close(out, torch.tensor([[0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]), rtol=0, atol=0)
+    expected = torch.tensor([[0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -193,9 +193,15 @@ BAD_RANGES = [
     ([(0, 0, 4), (0, -5, 0)], r"range 1 .* writes outside dst"),
     ([(0, 0, 4), (1, 1, 2**63 - 1)], r"range 1 .* reads outside src"),
     # One past the end (src_offset + length == numel + 1), also for an empty range.
-    ([(0, 0, 4), (16, 6, 4)], r"range 1 \(src_offset=16, dst_offset=6, length=4\) reads outside src \(numel 19\)"),
+    (
+        [(0, 0, 4), (16, 6, 4)],
+        r"range 1 \(src_offset=16, dst_offset=6, length=4\) reads outside src \(numel 19\)",
+    ),
     ([(0, 0, 4), (20, 6, 0)], r"range 1 \(src_offset=20, dst_offset=6, length=0\) reads outside src"),
-    ([(0, 0, 4), (0, 20, 4)], r"range 1 \(src_offset=0, dst_offset=20, length=4\) writes outside dst \(numel 23\)"),
+    (
+        [(0, 0, 4), (0, 20, 4)],
+        r"range 1 \(src_offset=0, dst_offset=20, length=4\) writes outside dst \(numel 23\)",
+    ),
     ([(0, 0, 4), (0, 24, 0)], r"range 1 \(src_offset=0, dst_offset=24, length=0\) writes outside dst"),
     (
         [(0, 10, 4), (5, 0, 3), (8, 12, 2)],

@@ -206,5 +206,7 @@ def test_non_finite_weights_are_refused_on_every_rank(tmp_path):
     assert results[0] == results[1]
     assert re.search(r"bad: non-finite weights \(NaN or inf\) in 'model\.layers\.1\.mlp\.down_proj\.weight' "
                      r"\(.*bad/model\.safetensors\)", results[0]["hf"]), results[0]
-    assert re.search(r"ckpt: non-finite weights \(NaN or inf\) in 'decoder\.layers\.0\.mlp\.linear_fc2\.weight'",
-                     results[0]["megatron"]), results[0]
+    assert re.search(
+        r"ckpt: non-finite weights \(NaN or inf\) in 'decoder\.layers\.0\.mlp\.linear_fc2\.weight'",
+        results[0]["megatron"],
+    ), results[0]

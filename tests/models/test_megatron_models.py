@@ -2,7 +2,8 @@
 
 Covering set (not the full product, to fit the CPU budget): every family; TP 1/2, PP 1/2, SP on
 and off, DP 2; vocabulary 1001 padded for TP 2 (to 1002 and to 1024); logits, per-token
-logprobs and entropy (at temperature 1 and 0.7) on left/right-padded batches with micro-batches; value and reward heads;
+logprobs and entropy (at temperature 1 and 0.7) on left/right-padded batches with
+micro-batches; value and reward heads;
 gradients at TP 1 and TP 2 (+SP) both equal to transformers' autograd gradients.
 
 Tolerances: float32 on both sides; the same math in a different order (fused QKV, TP-split

@@ -145,7 +145,9 @@ def _tp2_extreme_body(logits, target):
     rank = dist.get_rank()
     padded = torch.cat([logits, torch.full((8, 2, PADDED - VOCAB), 1e5)], dim=-1)
     local = padded.chunk(2, dim=-1)[rank].clone().requires_grad_()
-    lp, ent = vocab_parallel_logprobs_entropy(local, target, vocab_start=rank * 512, vocab_size=VOCAB, group=dist.group.WORLD)
+    lp, ent = vocab_parallel_logprobs_entropy(
+        local, target, vocab_start=rank * 512, vocab_size=VOCAB, group=dist.group.WORLD
+    )
     (lp + ent).sum().backward()
     return lp.detach(), ent.detach(), local.grad
 

@@ -167,7 +167,8 @@ class _EchoEngine(RolloutEngine):
     """Answers each prompt with its own last token (no model): the base class's checks only."""
 
     def _sample(self, prompts, spec):
-        return [Sample(token_ids=[p[-1]], logprobs=[-1.0], hit_length_limit=False) for p in prompts for _ in range(spec.n)]
+        echo = [Sample(token_ids=[p[-1]], logprobs=[-1.0], hit_length_limit=False) for p in prompts]
+        return [s for s in echo for _ in range(spec.n)]
 
     def update_weights(self, weights):
         raise NotImplementedError
@@ -189,8 +190,7 @@ def test_prompts_exactly_prompt_length_wide_are_accepted_one_more_refused():
     engine = _EchoEngine(RolloutConfig(prompt_length=4, response_length=2, n=1), pad_token_id=PAD)
     out = engine.generate(_prompts())  # 4 wide: exactly the limit
     assert torch.equal(out["responses"], torch.tensor([[13, PAD], [24, PAD]]))
-    wide = Batch.from_dict(
-        {"input_ids": torch.tensor([[PAD, 11, 12, 13, 14]]), "attention_mask": torch.tensor([[0, 1, 1, 1, 1]])}
-    )
-    with pytest.raises(ValueError, match="prompts are 5 tokens wide but actor_rollout_ref.rollout.prompt_length is 4"):
+    ids, mask = torch.tensor([[PAD, 11, 12, 13, 14]]), torch.tensor([[0, 1, 1, 1, 1]])
+    wide = Batch.from_dict({"input_ids": ids, "attention_mask": mask})
+    with pytest.raises(ValueError, match="5 tokens wide but actor_rollout_ref.rollout.prompt_length is 4"):
         engine.generate(wide)

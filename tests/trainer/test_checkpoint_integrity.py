@@ -29,8 +29,11 @@ def _sft_config(model_dir: str, files: dict[str, str], run_dir: str):
     """The resume test's SFT run at TP=2 on two ranks: 4 steps, checkpoints at 2 and 4, both kept."""
     return sft_config(
         model_dir, files, run_dir,
-        "megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=4",
-        "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null",
+        "megatron.tensor_model_parallel_size=2",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.max_ckpt_to_keep=null",
         world_size=2,
     )
 
@@ -84,10 +87,20 @@ def test_one_flipped_byte_in_any_file_of_a_trainer_checkpoint_is_refused(sft_run
     path = run / "global_step_4"
     rels = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     # Every kind of file a trainer checkpoint holds is here (so each is tried below).
-    for pattern in (r"actor/model/__\d+_\d+\.distcp", r"actor/optim/__\d+_\d+\.distcp", r"actor/model/\.metadata",
-                    r"actor/optim/\.metadata", r"actor/extra/rank_00000\.pt", r"actor/extra/rank_00001\.pt",
-                    r"actor/engine\.json", r"trainer_state\.json", r"actor/model/hf/config\.json",
-                    r"actor/model/verl_model\.json", re.escape(MANIFEST_FILE)):
+    kinds = (
+        r"actor/model/__\d+_\d+\.distcp",
+        r"actor/optim/__\d+_\d+\.distcp",
+        r"actor/model/\.metadata",
+        r"actor/optim/\.metadata",
+        r"actor/extra/rank_00000\.pt",
+        r"actor/extra/rank_00001\.pt",
+        r"actor/engine\.json",
+        r"trainer_state\.json",
+        r"actor/model/hf/config\.json",
+        r"actor/model/verl_model\.json",
+        re.escape(MANIFEST_FILE),
+    )
+    for pattern in kinds:
         assert any(re.fullmatch(pattern, rel) for rel in rels), (pattern, rels)
     manager = CheckpointManager(str(run))
     for rel in each_file_flipped(path):
@@ -179,13 +192,17 @@ def test_megatron2hf_refuses_nan_weights_and_corrupt_trainer_checkpoints(nan_che
         assert out.returncode == 2, out.stderr[-3000:]
         # Rank 1's first row of the fused gate/up weight (fused per TP rank): a gate_proj row, in
         # the file rank 1 wrote.
-        assert re.search(r"megatron2hf: error: .*: model\.layers\.0\.mlp\.gate_proj\.weight holds non-finite values "
-                         r"\(NaN or inf\), e\.g\. 'decoder\.layers\.0\.mlp\.linear_fc1\.weight'\[\d+, 0\] stored in "
-                         r"__1_0\.distcp", out.stderr), out.stderr[-3000:]
+        expected = (
+            r"megatron2hf: error: .*: model\.layers\.0\.mlp\.gate_proj\.weight holds non-finite values "
+            r"\(NaN or inf\), e\.g\. 'decoder\.layers\.0\.mlp\.linear_fc1\.weight'\[\d+, 0\] "
+            r"stored in __1_0\.distcp"
+        )
+        assert re.search(expected, out.stderr), out.stderr[-3000:]
         assert not (tmp_path / "hf").exists()
     # A finite but corrupted shard of a trainer checkpoint: refused by its manifest, naming the file.
     run = _copy(sft_run, tmp_path)
     shard = sorted((run / "global_step_4" / "actor" / "model").glob("*.distcp"))[0]
     flip_one_byte(shard)
     out = _megatron2hf(run / "global_step_4" / "actor" / "model", tmp_path / "hf")
-    assert out.returncode == 2 and f"actor/model/{shard.name} does not hold what was saved" in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"actor/model/{shard.name} does not hold what was saved" in out.stderr, out.stderr[-3000:]

@@ -145,8 +145,11 @@ def test_corrupt_checkpoint_is_named_and_resume_falls_back(tmp_path, caplog):
         mgr.validate(str(tmp_path / "global_step_2"))
     with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
         assert mgr.latest().step == 1
-    assert re.search(r"names step 2, which cannot be used .*global_step_2 is corrupt: actor/weights.bin has 2 "
-                     r"bytes.*resuming from the previous complete checkpoint .*global_step_1", caplog.text)
+    assert re.search(
+        r"names step 2, which cannot be used .*global_step_2 is corrupt: actor/weights.bin has 2 bytes.*"
+        r"resuming from the previous complete checkpoint .*global_step_1",
+        caplog.text,
+    )
     weights.unlink()
     with pytest.raises(CheckpointError, match=r"actor/weights.bin is missing"):
         mgr.validate(str(tmp_path / "global_step_2"))
@@ -244,7 +247,8 @@ def test_manifest_lists_every_file_with_its_size_and_checksum(tmp_path):
     assert sorted(manifest["files"]) == on_disk
     for rel in on_disk:
         data = (path / rel).read_bytes()
-        assert manifest["files"][rel] == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, rel
+        expected = {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+        assert manifest["files"][rel] == expected, rel
 
 
 def flip_one_byte(file) -> None:
@@ -257,7 +261,8 @@ def flip_one_byte(file) -> None:
 
 
 def each_file_flipped(path) -> Iterator[str]:
-    """Each file under ``path`` in turn with one byte flipped (restored before the next): yields its relative path."""
+    """Each file under ``path`` in turn with one byte flipped (restored before the next); yields its path
+    relative to ``path``."""
     for rel in _all_files(path):
         original = (path / rel).read_bytes()
         flip_one_byte(path / rel)
@@ -441,6 +446,7 @@ def test_two_ranks_split_the_hashing_and_agree_on_the_error(tmp_path):
     results = run_distributed(_distributed_body, 2, root, "rank_00001.pt")
     # Every rank raises the same error, whichever rank hashed the bad file, and both fall back.
     assert results[0]["error"] == results[1]["error"]
-    assert "global_step_2 is corrupt: actor/extra/rank_00001.pt does not hold what was saved" in results[0]["error"]
+    expected = "global_step_2 is corrupt: actor/extra/rank_00001.pt does not hold what was saved"
+    assert expected in results[0]["error"]
     assert [r["found"] for r in results] == [1, 1]
     assert results[0]["hashed"] and results[1]["hashed"]

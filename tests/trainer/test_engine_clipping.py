@@ -116,7 +116,9 @@ def test_clip_below_the_norm_scales_the_update_to_the_clip(steps):
     coeff = CLIP_LOW / (grad_norm + 1e-6)  # the engine's clip coefficient, by hand
     for name, d in unclipped.items():
         # w - c*g against c*(w - (w - g)): float32 rounding of the weights (~1e-7 x |w|).
-        torch.testing.assert_close(actual[name], d * coeff, rtol=1e-3, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], d * coeff, rtol=1e-3, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
     assert _norm(actual) == pytest.approx(CLIP_LOW, rel=1e-4)
 
 
@@ -131,4 +133,6 @@ def test_non_finite_gradient_skips_the_step_and_leaves_no_nan_behind(steps):
     assert next_ok and next_norm == pytest.approx(expected_norm, rel=1e-6)
     assert all(torch.isfinite(w).all() for w in after.values())
     for name, d in expected.items():
-        torch.testing.assert_close(next_delta[name], d, rtol=0, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            next_delta[name], d, rtol=0, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -395,7 +395,8 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
         for chunk in getattr(stored[key], "chunks", []):
             if all(o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
                 for where, storage in (metadata.storage_data or {}).items():
-                    if getattr(where, "fqn", None) == key and tuple(getattr(where, "offset", ())) == tuple(chunk.offsets):
+                    offset = tuple(getattr(where, "offset", ()))
+                    if getattr(where, "fqn", None) == key and offset == tuple(chunk.offsets):
                         return str(getattr(storage, "relative_path", "?"))
         return "?"
 
@@ -414,17 +415,20 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
             raise ValueError(f"{ckpt_dir}: '{key}' stacks {shape[0]} layers, config says {spec.num_layers}")
         return (layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=dtype)
 
-    def emit(name: str, key: str, tensor: torch.Tensor, layer: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def emit(
+        name: str, key: str, tensor: torch.Tensor, layer: int | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         mapping = param_mapping(name, spec, padded_vocab=padded, head=meta.head)
         if tuple(tensor.shape) != mapping.shard_shape:
             raise ValueError(f"{ckpt_dir}: '{name}' has shape {tuple(tensor.shape)}, expected {mapping.shard_shape}")
         if not _is_finite(tensor):
             where = tuple((~torch.isfinite(tensor)).nonzero()[0].tolist())
+            stored_at = where if layer is None else (layer, *where)
             hf_names = [n for n, t in merge_pieces(split_shard(mapping, tensor)) if not _is_finite(t)]
             raise ValueError(
-                f"{ckpt_dir}: {', '.join(hf_names)} holds non-finite values (NaN or inf), e.g. '{name}'{list(where)} "
-                f"stored in {file_of(key, where if layer is None else (layer, *where))}; the checkpoint is "
-                "damaged or was saved from a diverged run"
+                f"{ckpt_dir}: {', '.join(hf_names)} holds non-finite values (NaN or inf), e.g. "
+                f"'{name}'{list(where)} stored in {file_of(key, stored_at)}; "
+                "the checkpoint is damaged or was saved from a diverged run"
             )
         yield from merge_pieces(split_shard(mapping, tensor))
 
@@ -434,7 +438,8 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
     for layer in range(spec.num_layers):
         loaded = _read_regions(ckpt_dir, {f"decoder.layers.{s}": layer_region(f"decoder.layers.{s}", layer) for s in suffixes})
         for s in suffixes:
-            yield from emit(f"decoder.layers.{layer}.{s}", f"decoder.layers.{s}", loaded[f"decoder.layers.{s}"][0], layer)
+            key = f"decoder.layers.{s}"
+            yield from emit(f"decoder.layers.{layer}.{s}", key, loaded[key][0], layer)
     tail = ["decoder.final_layernorm.weight"]
     if meta.head != "lm" or not spec.tie_word_embeddings:
         tail.append("output_layer.weight")

@@ -70,7 +70,8 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checkpoint_complete.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 MANIFEST_VERSION = 2
-"""2: ``{path: {"size", "xxh3_128"}}`` plus the manifest's own checksum; 1 (no version key): ``{path: size}``."""
+"""2: ``{path: {"size", "xxh3_128"}}`` plus the manifest's own checksum; 1 (no version key):
+``{path: size}``."""
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
 _OLD_PREFIX = "old_"
