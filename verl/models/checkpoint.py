@@ -395,8 +395,9 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
         for chunk in getattr(stored[key], "chunks", []):
             if all(o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
                 for where, storage in (metadata.storage_data or {}).items():
-                    offset = tuple(getattr(where, "offset", ()))
-                    if getattr(where, "fqn", None) == key and offset == tuple(chunk.offsets):
+                    if getattr(where, "fqn", None) != key:
+                        continue
+                    if tuple(getattr(where, "offset", None) or ()) == tuple(chunk.offsets):
                         return str(getattr(storage, "relative_path", "?"))
         return "?"
 
