@@ -34,6 +34,7 @@ BASE_REQUIRES = [
     "tokenizers",
     "sentencepiece",
     "tqdm",
+    "xxhash",  # checkpoint content checksums (verl.utils.checksum)
     "math-verify",
     # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the newest that installs on 3.11.
     "megatron-core==0.16.1; python_version < '3.12'",
@@ -47,7 +48,8 @@ EXTRAS = {
     # 0.32 series the rollout engine and its table of vLLM internals were written and checked
     # for (verl/rollout/vllm_internals.py); other versions are unchecked.
     "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard"],
+    # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
+    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11"],
 }
 
 

@@ -3,6 +3,7 @@ build with its CTest suite (the C++ unit tests of the copy_shards_ core)."""
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import hashlib
 import os
@@ -49,6 +50,19 @@ def test_cuda_kernel_compiles_standalone_with_nvcc(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
     assert (tmp_path / "copy_shards_kernel.o").stat().st_size > 0
+
+
+def test_test_extra_lists_the_cmake_build_tools():
+    """`pip install -e ".[cpu,test]"` (the README's by-hand install) brings what the CMake build
+    below needs: cmake itself and pybind11 (CMakeLists.txt finds it through Python)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    extras = next(
+        node.value for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets)
+    )
+    test_extra = ast.literal_eval(extras)["test"]
+    names = {req.split(";")[0].split("=")[0].split("<")[0].split(">")[0].strip() for req in test_extra}
+    assert {"cmake", "pybind11"} <= names, test_extra
 
 
 def _build_dir(generator: list[str]) -> Path:

@@ -192,6 +192,17 @@ BAD_RANGES = [
     ),
     ([(0, 0, 4), (0, -5, 0)], r"range 1 .* writes outside dst"),
     ([(0, 0, 4), (1, 1, 2**63 - 1)], r"range 1 .* reads outside src"),
+    # One past the end (src_offset + length == numel + 1), also for an empty range.
+    (
+        [(0, 0, 4), (16, 6, 4)],
+        r"range 1 \(src_offset=16, dst_offset=6, length=4\) reads outside src \(numel 19\)",
+    ),
+    ([(0, 0, 4), (20, 6, 0)], r"range 1 \(src_offset=20, dst_offset=6, length=0\) reads outside src"),
+    (
+        [(0, 0, 4), (0, 20, 4)],
+        r"range 1 \(src_offset=0, dst_offset=20, length=4\) writes outside dst \(numel 23\)",
+    ),
+    ([(0, 0, 4), (0, 24, 0)], r"range 1 \(src_offset=0, dst_offset=24, length=0\) writes outside dst"),
     (
         [(0, 10, 4), (5, 0, 3), (8, 12, 2)],
         r"ranges 0 and 2 overlap in dst \(range 0 writes dst\[10:14\], range 2 writes dst\[12:14\]\)",
@@ -208,6 +219,21 @@ def test_bad_ranges_raise_and_leave_dst_untouched(fn, rows, match, device):
     # The first range is valid: nothing may be written before the bad one is found.
     dst = random_flat(torch.float32, 23, gen, device)
     _rejected(fn, dst, random_flat(torch.float32, 19, gen, device), rows, match)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [copy_shards_, copy_shards_reference_], ids=["extension", "reference"])
+def test_ranges_ending_exactly_at_the_end_are_valid(fn, device):
+    """The other side of the bounds above: src_offset + length == src.numel() and
+    dst_offset + length == dst.numel() are in bounds, and so is an empty range at numel."""
+    gen = torch.Generator().manual_seed(6)
+    src = random_flat(torch.float32, 19, gen, device)
+    dst = random_flat(torch.float32, 23, gen, device)
+    expected = dst.clone()
+    expected[19:23] = src[15:19]
+    expected[0:2] = src[17:19]
+    rows = [(15, 19, 4), (17, 0, 2), (19, 23, 0), (19, 5, 0), (0, 23, 0)]
+    assert torch.equal(as_bytes(fn(dst.clone(), src, rows)), as_bytes(expected))
 
 
 @pytest.mark.parametrize("fn", [copy_shards_, copy_shards_reference_], ids=["extension", "reference"])

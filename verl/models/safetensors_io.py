@@ -129,6 +129,10 @@ class SafetensorsReader:
             )
         return self._entries[name]
 
+    def file_of(self, name: str) -> str:
+        """The safetensors file that holds tensor ``name``."""
+        return self._entry(name)[0]
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` without reading it."""
         return tuple(self._entry(name)[2]["shape"])
