@@ -254,13 +254,13 @@ class WeightSync:
 
 def _hf_order(actor: "MegatronEngine") -> list[str]:
     """The Hugging Face tensors of this rank's stage in the order ``iter_hf_weights`` yields them."""
-    from verl.models.checkpoint import _mapping_for
+    from verl.models.checkpoint import chunk_param_mapping
 
     names: list[str] = []
     for chunk in actor.chunks:
         inner = unwrap_model(chunk)
         for param_name, _ in inner.named_parameters():
-            mapping = _mapping_for(inner, param_name, actor.pg.tp.rank(), actor.pg.tp.size())
+            mapping = chunk_param_mapping(inner, param_name, actor.pg.tp.rank(), actor.pg.tp.size())
             if not mapping.duplicate:
                 names += [piece.name for piece in mapping.pieces if piece.name not in names]
     return names

@@ -34,6 +34,7 @@ from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.safetensors_io import SafetensorsReader, copy_side_files
 from verl.models.weight_mapping import (
     HFPiece,
+    ParamMapping,
     hf_param_names,
     load_shard,
     merge_pieces,
@@ -74,7 +75,8 @@ class CheckpointMeta:
     """PP size of the writer (informational; loading reshards)."""
 
 
-def _mapping_for(inner: torch.nn.Module, name: str, tp_rank: int, tp_size: int):
+def chunk_param_mapping(inner: torch.nn.Module, name: str, tp_rank: int, tp_size: int) -> ParamMapping:
+    """The ``ParamMapping`` of parameter ``name`` of a verl-built model chunk on TP rank ``tp_rank``."""
     return param_mapping(
         name,
         inner.verl_spec,
@@ -175,7 +177,7 @@ def load_hf_weights(
 
     with torch.no_grad():
         for inner, name, param in iterator:
-            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            mapping = chunk_param_mapping(inner, name, tp_rank, tp_size)
             if inner.verl_build.head != "lm" and name == "output_layer.weight" and "score.weight" not in reader:
                 log_rank0(logger, logging.INFO, "no score.weight in %s: %s head keeps its initialisation",
                           reader.model_dir, inner.verl_build.head, group=pg.tp)
@@ -197,7 +199,7 @@ def iter_hf_pieces(
     for chunk in chunks:
         inner = unwrap_model(chunk)
         for name, param in inner.named_parameters():
-            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            mapping = chunk_param_mapping(inner, name, tp_rank, tp_size)
             if mapping.duplicate:
                 continue
             yield from split_shard(mapping, param.detach())
@@ -214,7 +216,7 @@ def iter_hf_weights(
     for chunk in chunks:
         inner = unwrap_model(chunk)
         for name, param in inner.named_parameters():
-            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            mapping = chunk_param_mapping(inner, name, tp_rank, tp_size)
             if mapping.duplicate:
                 continue
             shard = param.detach().contiguous()
@@ -225,7 +227,7 @@ def iter_hf_weights(
             dist.all_gather(gathered, shard, group=pg.tp)
             by_name: dict[str, list[tuple[HFPiece, torch.Tensor]]] = defaultdict(list)
             for rank, rank_shard in enumerate(gathered):
-                for piece, tensor in split_shard(_mapping_for(inner, name, rank, tp_size), rank_shard):
+                for piece, tensor in split_shard(chunk_param_mapping(inner, name, rank, tp_size), rank_shard):
                     by_name[piece.name].append((piece, tensor))
             for pieces in by_name.values():
                 yield from merge_pieces(pieces)
