@@ -152,6 +152,28 @@ def test_accelerator_hooks_restored_when_the_last_engine_is_gone():
     assert (torch.accelerator.synchronize, torch.accelerator.empty_cache) == originals
 
 
+def test_vllms_current_stream_placeholder_lives_only_as_long_as_an_engine():
+    """Importing the CPU build's shm module replaces torch.cuda.current_stream once per process: it
+    is torch's again when the last engine is gone, and vLLM's again for an engine built later."""
+    from verl.rollout import vllm_internals
+
+    original = torch.cuda.current_stream
+
+    def placeholder(*args, **kwargs):
+        return None
+
+    try:
+        with vllm_internals.accelerator_hooks_restored():  # engine A; its import sets the placeholder
+            torch.cuda.current_stream = placeholder
+        assert torch.cuda.current_stream is original
+        with vllm_internals.accelerator_hooks_restored():  # engine B: no import, the placeholder comes back
+            assert torch.cuda.current_stream is placeholder
+        assert torch.cuda.current_stream is original
+    finally:
+        torch.cuda.current_stream = original
+        vllm_internals._vllm_current_stream = None
+
+
 # ----------------------------------------------------------------------------------------------
 # edges of the range and both sides of each guard
 

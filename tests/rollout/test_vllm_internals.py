@@ -176,6 +176,10 @@ def test_cpu_runner_replaces_the_accelerator_hooks():
         assert torch.accelerator.synchronize is not originals[0]
         assert torch.accelerator.empty_cache is not originals[1]
     assert (torch.accelerator.synchronize, torch.accelerator.empty_cache) == originals
+    # The CPU build's shm module replaces torch.cuda.current_stream when it is imported.
+    from vllm.v1.worker.cpu import shm
+
+    assert "torch.cuda.current_stream = " in inspect.getsource(shm)
 
 
 @cpu_build

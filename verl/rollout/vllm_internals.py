@@ -138,14 +138,17 @@ INTERNALS: dict[str, Internal] = {
         Internal(
             name="accelerator_hooks",
             touches="vllm.v1.worker.cpu_model_runner._set_torch_accelerator_to_noop (its process-wide "
-            "torch.accelerator.synchronize/empty_cache no-ops)",
+            "torch.accelerator.synchronize/empty_cache no-ops) and vllm.v1.worker.cpu.shm's "
+            "torch.cuda.current_stream placeholder (set at its import)",
             versions=_V032,
-            why="the CPU model runner replaces them process-wide and calls them until shutdown; put back "
-            "when the last engine is gone",
-            without="the no-ops stay after shutdown",
+            why="the CPU build replaces them process-wide and calls them until shutdown; put back "
+            "when the last engine is gone (else torch.cuda.current_stream stops raising on a CPU machine, "
+            "and code that probes it, Megatron's CPU shim tests among them, is misled)",
+            without="the no-ops and the placeholder stay after shutdown",
             tests=(
                 _TESTS + "test_cpu_runner_replaces_the_accelerator_hooks",
                 "tests/rollout/test_base.py::test_accelerator_hooks_restored_when_the_last_engine_is_gone",
+                "tests/rollout/test_base.py::test_vllms_current_stream_placeholder_lives_only_as_long_as_an_engine",
             ),
             api=("accelerator_hooks_restored",),
             scope="cpu",
@@ -443,18 +446,27 @@ def plain_cpu_linear() -> Iterator[None]:
 # ------------------------------------------------------------------------------ accelerator_hooks
 _hook_users = 0
 _saved_hooks: dict[str, Any] = {}
+# torch's own, taken when verl imports this module (vLLM is imported later, when an engine is built).
+_TORCH_CURRENT_STREAM = torch.cuda.current_stream
+_vllm_current_stream: Any = None
 _ACCELERATOR_HOOKS = ("synchronize", "empty_cache")
 
 
 @contextlib.contextmanager
 def accelerator_hooks_restored() -> Iterator[None]:
-    """Put ``torch.accelerator.synchronize``/``empty_cache`` back once the last engine using
-    this context is gone (the CPU model runner replaces them with no-ops it calls until its
-    shutdown, so an engine still alive must keep them). Re-entrant, reference counted."""
-    global _hook_users
+    """Put ``torch.accelerator.synchronize``/``empty_cache`` and ``torch.cuda.current_stream`` back
+    once the last engine using this context is gone; while an engine lives, vLLM's versions are in
+    place. The CPU model runner replaces the accelerator hooks with no-ops it calls until its
+    shutdown, and importing the CPU build's shared-memory module (``vllm.v1.worker.cpu.shm``)
+    replaces ``torch.cuda.current_stream`` with a placeholder once per process; so the
+    placeholder is remembered at the first shutdown and put back for later engines (the import
+    does not run again). Re-entrant, reference counted."""
+    global _hook_users, _vllm_current_stream
     with _lock:
         if _hook_users == 0:
             _saved_hooks.update({name: getattr(torch.accelerator, name) for name in _ACCELERATOR_HOOKS})
+            if _vllm_current_stream is not None:
+                torch.cuda.current_stream = _vllm_current_stream
         _hook_users += 1
     try:
         yield
@@ -465,6 +477,9 @@ def accelerator_hooks_restored() -> Iterator[None]:
                 for name, fn in _saved_hooks.items():
                     setattr(torch.accelerator, name, fn)
                 _saved_hooks.clear()
+                if torch.cuda.current_stream is not _TORCH_CURRENT_STREAM:
+                    _vllm_current_stream = torch.cuda.current_stream
+                    torch.cuda.current_stream = _TORCH_CURRENT_STREAM
 
 
 # ------------------------------------------------------------------------------ unique_shm_names
