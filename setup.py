@@ -20,8 +20,8 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CPU_SOURCES = [f"{CSRC}/copy_shards.cpp", f"{CSRC}/bindings.cpp"]
-CUDA_SOURCES = [f"{CSRC}/copy_shards_cuda.cpp", f"{CSRC}/copy_shards_kernel.cu"]
+CPU_SOURCES = [f"{CSRC}/byte_copy.cpp", f"{CSRC}/copy_ranges.cpp", f"{CSRC}/bindings.cpp"]
+CUDA_SOURCES = [f"{CSRC}/byte_copy_cuda.cpp", f"{CSRC}/byte_copy_kernel.cu"]
 
 BASE_REQUIRES = [
     "torch>=2.4",

@@ -1,7 +1,6 @@
 """verl._C.copy_shards_ against its pure-PyTorch reference, on odd shapes and every dtype.
 
-Copies are exact, so every comparison is bitwise (tensors viewed as bytes), which also makes
-NaN payloads and float8 values comparable.
+Comparisons are bitwise (tests/csrc/tensors.py).
 """
 
 from __future__ import annotations
@@ -13,43 +12,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from verl.hybrid.copy_shards import as_ranges, copy_shards_, copy_shards_reference_, extension_has_cuda
-
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-] + [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)]
-
-_HAS_CUDA = torch.cuda.is_available() and extension_has_cuda()
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not _HAS_CUDA, reason="needs a GPU and verl._C built with CUDA"),
-    ),
-]
-
-
-def random_flat(dtype: torch.dtype, numel: int, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
-    """A flat tensor of random bytes ([numel]); bools hold only 0/1 so they stay valid."""
-    high = 2 if dtype == torch.bool else 256
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, high, (numel * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).to(device)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().view(torch.uint8)
+from tests.csrc.tensors import DEVICES, DTYPES, NEEDS_CUDA, as_bytes, assert_rejected, random_flat
+from verl.hybrid.copy_shards import as_ranges, copy_shards_, copy_shards_reference_
 
 
 def valid_ranges(rng: random.Random, count: int, max_len: int, src_numel: int) -> tuple[list, int]:
@@ -173,10 +137,7 @@ def test_hypothesis_arbitrary_ranges_agree_on_result_or_error(rows, same_buffer)
 
 
 def _rejected(fn, dst, src, ranges, match):
-    before = dst.clone()
-    with pytest.raises(ValueError, match=match):
-        fn(dst, src, ranges)
-    assert torch.equal(as_bytes(dst), as_bytes(before)), "dst must be untouched after a refusal"
+    assert_rejected(lambda: fn(dst, src, ranges), [dst], match)
 
 
 BAD_RANGES = [
@@ -259,7 +220,7 @@ def test_tensor_level_rejections(fn):
     src = random_flat(torch.float16, 30, gen)
     grid = random_flat(torch.float16, 60, gen).view(30, 2)
     ok = [(0, 0, 3)]
-    dtypes = r"dst has dtype (Half|torch\.float16) but src has dtype (Float|torch\.float32)"
+    dtypes = r"dst has dtype torch\.float16 but src has dtype torch\.float32; copy_shards_ does not convert"
     _rejected(fn, dst, src.float(), ok, dtypes)
     _rejected(fn, dst, grid[:, 0], ok, r"src must be a flat \(1-D contiguous")
     _rejected(fn, grid, src, ok, r"dst must be a flat \(1-D contiguous")
@@ -269,6 +230,10 @@ def test_tensor_level_rejections(fn):
     _rejected(fn, dst, src, torch.tensor([0, 0, 3]), r"ranges must be an int64 tensor of shape \[N, 3\]")
     not_triple = r"ranges\[0\] = \(0, 0\) is not a \(src_offset, dst_offset, length\) triple"
     _rejected(fn, dst, src, [(0, 0)], not_triple)
+    meta_table = torch.tensor([[0, 0, 3]], device="meta")
+    _rejected(
+        fn, dst, src, meta_table, r"ranges is on meta but the tensors are on cpu; pass ranges on the cpu$"
+    )
 
 
 def test_extension_checks_ranges_itself():
@@ -276,7 +241,9 @@ def test_extension_checks_ranges_itself():
     from verl import _C
 
     dst, src = torch.zeros(4), torch.zeros(4)
-    with pytest.raises(ValueError, match=r"ranges must be an int64 tensor of shape \[N, 3\].*got dtype Int"):
+    with pytest.raises(
+        ValueError, match=r"ranges must be an int64 tensor of shape \[N, 3\].*got dtype torch\.int32"
+    ):
         _C.copy_shards_(dst, src, torch.tensor([[0, 0, 1]], dtype=torch.int32))
 
 
@@ -306,7 +273,7 @@ def test_autograd_guard_and_version_counter():
     assert leaf.detach().tolist() == [0, 0, 0, 0, 1, 2]
 
 
-@pytest.mark.skipif(not _HAS_CUDA, reason="needs a GPU and verl._C built with CUDA")
+@NEEDS_CUDA
 def test_cuda_runs_on_the_current_stream_with_ranges_on_either_device():
     gen = torch.Generator().manual_seed(4)
     rows, dst_numel = valid_ranges(random.Random(4), 2000, 300, 5003)

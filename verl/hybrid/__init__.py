@@ -8,9 +8,11 @@ memory handoff between the training state and the rollout KV cache.
 - :mod:`verl.hybrid.memory`: moving the actor's training state to host memory and back, and the
   per-phase memory ledger;
 - :mod:`verl.hybrid.weight_sync`: ``WeightSync``, the trainer's entry point, and the naive baseline;
-- ``copy_shards_``: the bounds-checked range copy of ``verl._C`` the transfer is built on.
+- ``copy_ranges_`` (many tensors to many tensors, one call) and ``copy_shards_`` (one pair): the
+  bounds-checked range copies of ``verl._C`` the transfer and the offload are built on.
 """
 
+from verl.hybrid.copy_ranges import copy_ranges_, copy_ranges_reference_
 from verl.hybrid.copy_shards import copy_shards_, copy_shards_reference_
 from verl.hybrid.memory import MemoryLedger, PhaseMemory, TrainingStateOffload
 from verl.hybrid.weight_sync import HFShards, WeightSync, naive_push
@@ -21,6 +23,8 @@ __all__ = [
     "PhaseMemory",
     "TrainingStateOffload",
     "WeightSync",
+    "copy_ranges_",
+    "copy_ranges_reference_",
     "copy_shards_",
     "copy_shards_reference_",
     "naive_push",
