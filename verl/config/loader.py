@@ -35,6 +35,7 @@ from verl.config.core import (
     schema,
     type_name,
 )
+from verl.config.validation import deferred_validation
 
 __all__ = [
     "CONFIG_DIR",
@@ -356,9 +357,11 @@ def _build(cls: type[C], tree: Mapping[str, Any], section_defaults: Mapping[str,
 
 def _construct(config_cls: type[C], tree: dict[str, Any], world_size: int | None) -> C:
     _apply_links(config_cls, tree)
-    cfg = _build(config_cls, tree, {})  # __post_init__ validates with nnodes x n_gpus_per_node
-    if world_size is not None:
-        cfg.validate(world_size)
+    if world_size is None:
+        return _build(config_cls, tree, {})  # __post_init__ validates with nnodes x n_gpus_per_node
+    with deferred_validation():  # validated once, against the launched world
+        cfg = _build(config_cls, tree, {})
+    cfg.validate(world_size)
     return cfg
 
 
