@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from verl.data.io import TableStore, get_field, split_key
+from verl.data.io import FieldCheck, TableStore, get_field, split_key
 from verl.data.tokenizer import (
     ensure_pad_token,
     has_chat_template,
@@ -180,7 +180,13 @@ class SFTDataset(Dataset):
         keys = [messages_key] if messages_key else [prompt_key, response_key]
         self._keys = keys
         self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in keys}))
-        self.store.require_columns(keys)
+        # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
+        if messages_key:
+            self.store.check_fields([FieldCheck(messages_key, ("messages",))])
+        else:
+            self.store.check_fields(
+                [FieldCheck(prompt_key, ("string", "messages")), FieldCheck(response_key, ("string",))]
+            )
         if len(self.store) == 0:
             raise ValueError(f"SFT data files {[s.path for s in self.store.sources]} hold no rows")
 
