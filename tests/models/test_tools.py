@@ -92,6 +92,79 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
+def _one_error_line(out: subprocess.CompletedProcess, prog: str) -> str:
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"{prog}: error: "), out.stderr
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("damage", "pattern"),
+    [
+        ("truncate", r"__0_0\.distcp is truncated: 2000 bytes, the checkpoint's \.metadata needs \d+; copy"),
+        ("remove", r"__0_0\.distcp is missing \(the checkpoint's \.metadata refers to it\)"),
+        ("metadata", r"\.metadata cannot be read \(UnpicklingError: .*\); a truncated or partial copy"),
+    ],
+)
+def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, damage, pattern):
+    import re
+    import shutil
+
+    _, ckpt, _ = converted
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    if damage == "truncate":
+        os.truncate(copy / "__0_0.distcp", 2000)
+    elif damage == "remove":
+        os.remove(copy / "__0_0.distcp")
+    else:
+        os.truncate(copy / ".metadata", 100)
+    out = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(tmp_path / "back"), "--no-progress")
+    assert re.search(pattern, _one_error_line(out, "megatron2hf")), out.stderr
+    assert not os.path.exists(tmp_path / "back") and os.listdir(tmp_path) == ["ckpt"]  # nothing written
+
+
+def test_a_failed_checkpoint_read_is_one_line(monkeypatch, capsys, tmp_path):
+    # Damage that the size check cannot see still ends in one line naming the checkpoint.
+    import importlib.util
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import verl.models.convert as convert
+
+    def broken(**_):
+        raise CheckpointException("load failed", {0: (RuntimeError("PytorchStreamReader failed reading zip archive"), None)})
+
+    monkeypatch.setattr(convert, "megatron_to_hf", broken)
+    spec = importlib.util.spec_from_file_location("megatron2hf_tool", MEG2HF)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--megatron-dir", str(tmp_path), "--out-dir", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        f"megatron2hf: error: cannot read the checkpoint in {tmp_path} (RuntimeError: PytorchStreamReader failed "
+        "reading zip archive); is it complete and unmodified? Copy it again\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "message"),
+    [
+        (HF2MEG, ["--tp", "0"], "argument --tp: must be >= 1, got 0"),
+        (HF2MEG, ["--pp", "two"], "argument --pp: expected a whole number, got 'two'"),
+        (HF2MEG, ["--tolerance", "-1"], "argument --tolerance: must be >= 0, got -1"),
+        (MEG2HF, ["--max-shard-gib", "0"], "argument --max-shard-gib: must be > 0, got 0"),
+    ],
+)
+def test_nonsensical_numbers_are_refused_by_the_parser(tmp_path, tool, args, message):
+    dirs = ["--hf-dir", str(tmp_path)] if tool == HF2MEG else ["--megatron-dir", str(tmp_path)]
+    out = _run(tool, *dirs, "--out-dir", str(tmp_path / "o"), *args)
+    assert _one_error_line(out, os.path.basename(tool)[: -len(".py")]).endswith(message)
+
+
 def test_check_detects_a_wrong_checkpoint(converted, tmp_path):
     from verl.models.convert import check_conversion
 

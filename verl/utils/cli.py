@@ -22,6 +22,7 @@ __all__ = [
     "USER_ERRORS",
     "error_message",
     "fail",
+    "hf_model_dir",
     "non_negative_float",
     "non_negative_int",
     "positive_float",
@@ -96,3 +97,14 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
+
+
+def hf_model_dir(text: str) -> str:
+    """argparse type: a Hugging Face model directory (see :func:`verl.utils.paths.check_model_dir`)."""
+    from verl.utils.paths import check_model_dir
+
+    try:
+        check_model_dir(text, None)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -32,21 +32,23 @@ def load_json_object(path: str) -> dict[str, Any]:
     return data
 
 
-def check_model_dir(path: str | None, key: str) -> str:
-    """The user-expanded ``path`` of a Hugging Face model directory set by config key (or flag) ``key``.
+def check_model_dir(path: str | None, key: str | None) -> str:
+    """The user-expanded ``path`` of a Hugging Face model directory set by config key ``key``.
 
-    Raises ValueError naming ``key`` when it is unset, does not exist, is not a directory,
-    cannot be read, or has no (valid) config.json.
+    Raises ValueError naming ``key`` (or, when None, only the path: a command-line flag's
+    name is added by argparse) when it is unset, does not exist, is not a directory, cannot be
+    read, or has no (valid) config.json.
     """
     if not path:
         raise ValueError(f"{key} is not set; {_MODEL_DIR}")
+    given = f"{key}={path!r}" if key else repr(path)
     full = os.path.expanduser(path)
     if not os.path.exists(full):
-        raise ValueError(f"{key}={path!r} does not exist; {_MODEL_DIR}")
+        raise ValueError(f"{given} does not exist; {_MODEL_DIR}")
     if not os.path.isdir(full):
-        raise ValueError(f"{key}={path!r} is not a directory; {_MODEL_DIR}")
+        raise ValueError(f"{given} is not a directory; {_MODEL_DIR}")
     if not os.access(full, os.R_OK | os.X_OK):
-        raise ValueError(f"{key}={path!r} cannot be read (permission denied)")
+        raise ValueError(f"{given} cannot be read (permission denied)")
     config = os.path.join(full, "config.json")
     if not os.path.isfile(config):
         inside = sorted(
@@ -55,6 +57,6 @@ def check_model_dir(path: str | None, key: str) -> str:
             if os.path.isfile(os.path.join(full, name, "config.json"))
         )
         hint = f"; did you mean {' or '.join(repr(p) for p in inside[:3])}?" if inside else ""
-        raise ValueError(f"{key}={path!r} has no config.json; give a Hugging Face model directory{hint}")
+        raise ValueError(f"{given} has no config.json; give a Hugging Face model directory{hint}")
     load_json_object(config)
     return full
