@@ -597,6 +597,14 @@ def write_parquet(records: Sequence[dict[str, Any]], path: str, row_group_size: 
     """Write records (dicts with the same keys) to a parquet file, creating its folder."""
     if not records:
         raise ValueError(f"refusing to write {path}: no records")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; give the path of the parquet file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"cannot write {path}: {parent} is a file, not a folder")
+    os.makedirs(folder, exist_ok=True)
     table = pa.Table.from_pylist(list(records))
     pq.write_table(table, path, row_group_size=row_group_size)
