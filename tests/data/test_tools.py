@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.cli_errors import one_error_line
 from verl.data import RLPromptDataset, read_records
 from verl.data.tasks import arithmetic, countdown, gsm8k
 from verl.data.tasks import math as math_task
@@ -227,15 +228,6 @@ def test_converters_name_file_row_and_field(tmp_path):
         )
     with pytest.raises(ValueError, match=r"row 2 field 'target' is a str"):
         countdown.convert_row({"nums": [1, 2], "target": "3"}, index=2, split="train", path="f.jsonl")
-
-
-def one_error_line(proc: subprocess.CompletedProcess, prog: str) -> str:
-    """The run failed as a user error: exit 2, no traceback, the last stderr line is PROG: error: ..."""
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"{prog}: error: "), proc.stderr
-    return line
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tests.cli_errors import one_error_line
 from tests.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -92,14 +93,6 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
-def _one_error_line(out: subprocess.CompletedProcess, prog: str) -> str:
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    lines = out.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"{prog}: error: "), out.stderr
-    return lines[-1]
-
-
 @pytest.mark.parametrize(
     ("damage", "pattern"),
     [
@@ -122,7 +115,7 @@ def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, da
     else:
         os.truncate(copy / ".metadata", 100)
     out = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(tmp_path / "back"), "--no-progress")
-    assert re.search(pattern, _one_error_line(out, "megatron2hf")), out.stderr
+    assert re.search(pattern, one_error_line(out, "megatron2hf")), out.stderr
     assert not os.path.exists(tmp_path / "back") and os.listdir(tmp_path) == ["ckpt"]  # nothing written
 
 
@@ -162,7 +155,7 @@ def test_a_failed_checkpoint_read_is_one_line(monkeypatch, capsys, tmp_path):
 def test_nonsensical_numbers_are_refused_by_the_parser(tmp_path, tool, args, message):
     dirs = ["--hf-dir", str(tmp_path)] if tool == HF2MEG else ["--megatron-dir", str(tmp_path)]
     out = _run(tool, *dirs, "--out-dir", str(tmp_path / "o"), *args)
-    assert _one_error_line(out, os.path.basename(tool)[: -len(".py")]).endswith(message)
+    assert one_error_line(out, os.path.basename(tool)[: -len(".py")]).endswith(message)
 
 
 def test_check_detects_a_wrong_checkpoint(converted, tmp_path):
