@@ -254,3 +254,19 @@ def test_launched_world_is_the_only_problem_when_it_differs():
     # without a launched size the declared one is checked, as before
     with pytest.raises(ConfigError, match="data.train_batch_size=64 is not a multiple"):
         load_config(SFTConfig, config_file="sft_tiny_cpu", overrides=["trainer.n_gpus_per_node=2"])
+
+
+@pytest.mark.parametrize("root", [PPOConfig, SFTConfig])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train_files=[]", "data.train_files=[] names no file; give parquet, arrow or jsonl file(s) to train on"),
+        ("data.train_files=''", "data.train_files='' names no file"),
+        ("data.train_files=[a.parquet,' ']", "data.train_files=['a.parquet', ' '] holds an empty file name; drop it"),
+        ("data.val_files=[]", "data.val_files=[] names no file; give parquet, arrow or jsonl file(s) or null for no "
+                              "validation"),
+    ],
+)
+def test_data_file_lists_that_name_nothing(root, override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _load(override, root=root)

@@ -143,3 +143,10 @@ def test_a_bad_row_is_found_when_the_data_is_loaded(tmp_path, tiny_model_dir, ar
         "point the config's key at the right field"
     )
     assert os.listdir(run) == []
+
+
+def test_tokenizer_path_that_does_not_exist(capsys, tiny_model_dir, tmp_path, arithmetic_files):
+    err = _run(capsys, [f"model.path={tiny_model_dir}", f"model.tokenizer_path={tmp_path}/tok",
+                        f"data.train_files={arithmetic_files['train']}"])
+    assert err == (f"{PROG}: error: model.tokenizer_path='{tmp_path}/tok' does not exist; give the tokenizer "
+                   "directory, or leave it unset to use model.path's\n")

@@ -107,6 +107,10 @@ def _read_yaml(path: Path, shown: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {shown}: {exc.strerror}") from None
     try:
         data = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{shown} is not valid YAML ({where}{exc.problem or exc.context})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{shown} is not valid YAML: {exc}") from None
     if data is None:
@@ -127,6 +131,8 @@ def resolve_config_path(name: str | Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if given.is_dir():
+        raise ConfigError(f"config file {str(name)!r} is a directory; give a YAML file (or a name under {CONFIG_DIR})")
     raise ConfigError(f"config file {str(name)!r} not found (looked for: {', '.join(str(c) for c in candidates)})")
 
 

@@ -238,6 +238,20 @@ def _resume(trainer: Any, problems: list[str]) -> None:
         )
 
 
+def _data_files(data: Any, problems: list[str]) -> None:
+    """Data file lists that name nothing (``[]``, ``''``); whether the files exist is checked at load."""
+    for key in ("train_files", "val_files"):
+        files = getattr(data, key)
+        if files is None:
+            continue
+        names = [files] if isinstance(files, str) else files
+        fix = "or null for no validation" if key == "val_files" else "to train on"
+        if not any(name.strip() for name in names):
+            problems.append(f"data.{key}={files!r} names no file; give parquet, arrow or jsonl file(s) {fix}")
+        elif not all(name.strip() for name in names):
+            problems.append(f"data.{key}={files!r} holds an empty file name; drop it")
+
+
 def _raise(problems: list[str]) -> None:
     if len(problems) == 1:
         raise ConfigError(problems[0])
@@ -273,6 +287,7 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
         )
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:
         problems.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
+    _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)
@@ -317,6 +332,7 @@ def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:
                 f"data.train_batch_size={data.train_batch_size} is not a multiple of "
                 f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x data-parallel size {dp_text}"
             )
+    _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)

@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
     from verl.utils.cli import fail, user_errors
     from verl.utils.logging import log_rank0, setup_logging
-    from verl.utils.paths import check_model_dir
+    from verl.utils.paths import check_dir, check_model_dir
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with user_errors(PROG):
         if cfg.model.path:
             check_model_dir(cfg.model.path, "model.path")
+        if cfg.model.tokenizer_path:
+            check_dir(cfg.model.tokenizer_path, "model.tokenizer_path",
+                      fix="give the tokenizer directory, or leave it unset to use model.path's")
         check_sft_paths(cfg)
     if cfg.trainer.device == "cpu":
         # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.

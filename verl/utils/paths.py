@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["check_model_dir", "load_json_object"]
+__all__ = ["check_dir", "check_model_dir", "load_json_object"]
 
 _MODEL_DIR = "give a Hugging Face model directory (config.json + weights)"
 
@@ -32,23 +32,30 @@ def load_json_object(path: str) -> dict[str, Any]:
     return data
 
 
-def check_model_dir(path: str | None, key: str | None) -> str:
-    """The user-expanded ``path`` of a Hugging Face model directory set by config key ``key``.
-
-    Raises ValueError naming ``key`` (or, when None, only the path: a command-line flag's
-    name is added by argparse) when it is unset, does not exist, is not a directory, cannot be
-    read, or has no (valid) config.json.
-    """
+def check_dir(path: str | None, key: str | None, *, fix: str) -> str:
+    """The user-expanded ``path`` of a directory set by config key ``key`` (None: name only the
+    path, as for a command-line flag that argparse names); ValueError ending in ``fix`` when it is
+    unset, does not exist, is not a directory or cannot be read."""
     if not path:
-        raise ValueError(f"{key} is not set; {_MODEL_DIR}")
+        raise ValueError(f"{key} is not set; {fix}")
     given = f"{key}={path!r}" if key else repr(path)
     full = os.path.expanduser(path)
     if not os.path.exists(full):
-        raise ValueError(f"{given} does not exist; {_MODEL_DIR}")
+        raise ValueError(f"{given} does not exist; {fix}")
     if not os.path.isdir(full):
-        raise ValueError(f"{given} is not a directory; {_MODEL_DIR}")
+        raise ValueError(f"{given} is not a directory; {fix}")
     if not os.access(full, os.R_OK | os.X_OK):
         raise ValueError(f"{given} cannot be read (permission denied)")
+    return full
+
+
+def check_model_dir(path: str | None, key: str | None) -> str:
+    """The user-expanded ``path`` of a Hugging Face model directory set by config key ``key``.
+
+    Raises ValueError naming ``key`` (see :func:`check_dir`) when it is not a readable
+    directory, or has no (valid) config.json.
+    """
+    full = check_dir(path, key, fix=_MODEL_DIR)
     config = os.path.join(full, "config.json")
     if not os.path.isfile(config):
         inside = sorted(
@@ -57,6 +64,7 @@ def check_model_dir(path: str | None, key: str | None) -> str:
             if os.path.isfile(os.path.join(full, name, "config.json"))
         )
         hint = f"; did you mean {' or '.join(repr(p) for p in inside[:3])}?" if inside else ""
+        given = f"{key}={path!r}" if key else repr(path)
         raise ValueError(f"{given} has no config.json; give a Hugging Face model directory{hint}")
     load_json_object(config)
     return full
