@@ -244,3 +244,31 @@ def test_a_directory_given_as_a_data_file(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path} is a directory, not a data file; give the data files "
                                                    f"in it ({tmp_path}/train.parquet)")):
         TableStore(str(tmp_path))
+
+
+def chats(n: int = 7) -> list[dict]:
+    return [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(("fmt", "name"), FORMATS)
+@pytest.mark.parametrize(
+    ("row", "messages", "pattern"),
+    [
+        (4, [{"role": "user", "content": "q"}], r"row 4: field 'messages': the conversation has no assistant turn"),
+        (5, [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}],
+         r"row 5: field 'messages': the conversation starts with an assistant turn"),
+        (6, [], r"row 6: field 'messages': a chat prompt must be a non-empty list"),
+    ],
+)
+def test_conversations_are_checked_at_load(tmp_path, fmt, name, row, messages, pattern):
+    rows = chats()
+    rows[row]["messages"] = messages
+    path = write(str(tmp_path / name), rows, fmt)
+    with pytest.raises(ValueError, match=re.escape(path) + ": " + pattern):
+        TableStore(path).check_fields([FieldCheck("messages", ("conversation",))], batch_rows=3)
+    TableStore(write(str(tmp_path / ("good-" + name)), chats(), fmt)).check_fields(
+        [FieldCheck("messages", ("conversation",))], batch_rows=3
+    )

@@ -108,7 +108,13 @@ def value_kind(value: Any) -> str:
     return type(value).__name__
 
 
-_KIND_TEXT = {"string": "a string", "messages": "a list of chat messages", "dict": "an object (dict)"}
+_KIND_TEXT = {
+    "string": "a string",
+    "messages": "a list of chat messages",
+    "conversation": "a chat to learn from",
+    "dict": "an object (dict)",
+}
+_CHATS = ("messages", "conversation")
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,8 @@ class FieldCheck:
     """What every row must hold at ``key`` (dotted for nested fields, e.g. ``extra_info.answer``).
 
     ``kinds``: the accepted kinds of value, "string", "messages" (a non-empty list of
-    ``{role: str, content: str}``) and "dict"; None accepts anything that is not null.
+    ``{role: str, content: str}``), "conversation" (messages that start with a prompt and hold
+    an assistant turn) and "dict"; None accepts anything that is not null.
     ``nullable``: a null or missing value (or column) is fine; present values are still checked.
     """
 
@@ -142,10 +149,11 @@ def _check_value(value: Any, check: FieldCheck, path: str, row: int) -> None:
     if check.kinds is None:
         return
     kind = value_kind(value)
-    if kind == "list" and "messages" in check.kinds:
-        from verl.data.tokenizer import validate_messages
+    if kind == "list" and any(k in _CHATS for k in check.kinds):
+        from verl.data.tokenizer import validate_conversation, validate_messages
 
-        validate_messages(list(value), where=f"{path}: row {row}: field {check.key!r}")
+        validate = validate_conversation if "conversation" in check.kinds else validate_messages
+        validate(list(value), where=f"{path}: row {row}: field {check.key!r}")
         return
     if kind not in check.kinds:
         expected = " or ".join(_KIND_TEXT[k] for k in check.kinds)
@@ -173,9 +181,10 @@ def _arrow_kind(t: pa.DataType) -> str:
     return str(t)
 
 
-def _arrow_bad_messages(values: pa.Array) -> pa.Array | None:
-    """[rows] bool: rows whose message list is empty or has a message without a role or content;
-    None when the list type is not ``list<struct<role: string, content: string>>`` (check in Python)."""
+def _arrow_bad_messages(values: pa.Array, conversation: bool) -> pa.Array | None:
+    """[rows] bool: rows whose message list is empty or has a message without a role or content
+    (and, for a ``conversation``, starts with an assistant turn or has none); None when the list
+    type is not ``list<struct<role: string, content: string>>`` (check in Python)."""
     item = values.type.value_type
     if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) or not pa.types.is_struct(item):
         return None
@@ -189,10 +198,19 @@ def _arrow_bad_messages(values: pa.Array) -> pa.Array | None:
         bad_item = pc.or_(
             flat.is_null(), pc.or_(pc.struct_field(flat, "role").is_null(), pc.struct_field(flat, "content").is_null())
         )
-        if pc.any(bad_item).as_py():
-            rows = np.zeros(len(values), dtype=bool)
-            rows[pc.filter(pc.list_parent_indices(values), bad_item).to_numpy()] = True
-            bad = pc.or_(bad, pa.array(rows))
+        parents = pc.list_parent_indices(values).to_numpy()
+        rows = np.zeros(len(values), dtype=bool)
+        rows[parents[bad_item.to_numpy(zero_copy_only=False)]] = True
+        if conversation:
+            assistant = pc.fill_null(pc.equal(pc.struct_field(flat, "role"), "assistant"), False).to_numpy(
+                zero_copy_only=False
+            )
+            has_assistant = np.zeros(len(values), dtype=bool)
+            has_assistant[parents[assistant]] = True
+            first = np.flatnonzero(np.r_[True, parents[1:] != parents[:-1]])  # first message of each row
+            rows |= ~has_assistant & values.is_valid().to_numpy(zero_copy_only=False)
+            rows[parents[first][assistant[first]]] = True
+        bad = pc.or_(bad, pa.array(rows))
     return bad
 
 
@@ -212,8 +230,8 @@ def _arrow_first_suspect(values: pa.Array, check: FieldCheck) -> int | None:
         suspects.append(node.is_null())
     kind = _arrow_kind(node.type)
     if check.kinds is not None and kind != "null":
-        if kind == "list" and "messages" in check.kinds:
-            bad = _arrow_bad_messages(node)
+        if kind == "list" and any(k in _CHATS for k in check.kinds):
+            bad = _arrow_bad_messages(node, "conversation" in check.kinds)
             if bad is None:
                 return _CHECK_IN_PYTHON
             suspects.append(bad)

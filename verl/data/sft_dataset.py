@@ -18,6 +18,7 @@ from verl.data.io import FieldCheck, TableStore, get_field, split_key
 from verl.data.tokenizer import (
     ensure_pad_token,
     has_chat_template,
+    validate_conversation,
     validate_messages,
 )
 from verl.utils.logging import warn_once
@@ -83,11 +84,7 @@ def encode_messages(tokenizer: Any, messages: Any, *, where: str = "sample") -> 
     """
     if not has_chat_template(tokenizer):
         raise ValueError(f"{where}: multi-turn SFT needs a tokenizer with a chat template")
-    messages = validate_messages(messages, where=where)
-    if messages[0]["role"] == "assistant":
-        raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt first")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no assistant turn to learn from")
+    messages = validate_conversation(messages, where=where)
     ids: list[int] = []
     mask: list[int] = []
     prev = ""
@@ -182,7 +179,7 @@ class SFTDataset(Dataset):
         self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in keys}))
         # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
         if messages_key:
-            self.store.check_fields([FieldCheck(messages_key, ("messages",))])
+            self.store.check_fields([FieldCheck(messages_key, ("conversation",))])
         else:
             self.store.check_fields(
                 [FieldCheck(prompt_key, ("string", "messages")), FieldCheck(response_key, ("string",))]

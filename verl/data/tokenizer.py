@@ -95,6 +95,17 @@ def validate_messages(messages: Any, *, where: str) -> Messages:
     return [dict(m) for m in messages]
 
 
+def validate_conversation(messages: Any, *, where: str) -> Messages:
+    """:func:`validate_messages`, plus what learning from a whole chat needs: it starts with a
+    prompt (not an assistant turn) and has an assistant turn."""
+    messages = validate_messages(messages, where=where)
+    if messages[0]["role"] == "assistant":
+        raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt first")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: the conversation has no assistant turn to learn from")
+    return messages
+
+
 def prompt_to_text(tokenizer: Any, prompt: Any, *, apply_chat_template: bool, where: str) -> tuple[str, bool]:
     """Render a prompt (string or message list) to the text the model sees.
 
