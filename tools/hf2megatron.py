@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     from verl.parallel.bootstrap import under_torchrun
     from verl.utils.cli import user_errors
     from verl.utils.logging import global_rank, setup_logging
+    from verl.utils.paths import check_output_apart
 
     setup_logging(logging.WARNING)
     show = not under_torchrun() or global_rank() == 0
     with quiet_megatron_warnings(), user_errors("hf2megatron"):
+        check_output_apart(args.out_dir, "--out-dir", {"--hf-dir": args.hf_dir})
         report = hf_to_megatron(
             hf_dir=args.hf_dir,
             out_dir=args.out_dir,

@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     from verl.models.convert import megatron_to_hf, quiet_megatron_warnings
     from verl.utils.cli import fail, user_errors
     from verl.utils.logging import setup_logging
+    from verl.utils.paths import check_output_apart
 
     setup_logging(logging.WARNING)
     with quiet_megatron_warnings(), user_errors("megatron2hf"):
+        check_output_apart(args.out_dir, "--out-dir", {"--megatron-dir": args.megatron_dir})
         check_distcp_files(args.megatron_dir)
         try:
             report = megatron_to_hf(

@@ -261,8 +261,8 @@ def test_converters_refuse_to_replace_their_input_or_read_a_folder(tmp_path):
     src.write_text(json.dumps(GSM8K_ROWS[0]) + "\n")
     before = src.read_bytes()
     proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(src), check=False)
-    assert one_error_line(proc, "gsm8k.py").endswith(f"--output {src} is the input file {src}; write the converted "
-                                                     "records elsewhere")
+    assert one_error_line(proc, "gsm8k.py").endswith(f"--output {src} is the input --input {src}; write the output "
+                                                     "elsewhere")
     assert src.read_bytes() == before
     proc = run_tool("tools/data/gsm8k.py", "--input", str(tmp_path), "--output", str(tmp_path / "o.parquet"),
                     check=False)

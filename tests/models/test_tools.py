@@ -119,6 +119,30 @@ def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, da
     assert not os.path.exists(tmp_path / "back") and os.listdir(tmp_path) == ["ckpt"]  # nothing written
 
 
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_an_output_over_its_input_is_refused(converted, tmp_path, where):
+    import shutil
+
+    model, ckpt, _ = converted
+    hf = tmp_path / "hf"
+    shutil.copytree(model, hf)
+    before = sorted(os.listdir(hf))
+    out = {"same": hf, "inside": hf / "megatron", "around": tmp_path}[where]
+    relation = {"same": "is", "inside": "is inside", "around": "contains"}[where]
+    proc = _run(HF2MEG, "--hf-dir", str(hf), "--out-dir", str(out), "--overwrite", "--no-progress")
+    assert one_error_line(proc, "hf2megatron").endswith(
+        f"--out-dir {out} {relation} the input --hf-dir {hf}; write the output elsewhere"
+    )
+    assert sorted(os.listdir(hf)) == before
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    proc = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(copy), "--overwrite", "--no-progress")
+    assert one_error_line(proc, "megatron2hf").endswith(
+        f"--out-dir {copy} is the input --megatron-dir {copy}; write the output elsewhere"
+    )
+    assert os.path.isfile(copy / "verl_model.json")
+
+
 def test_a_failed_checkpoint_read_is_one_line(monkeypatch, capsys, tmp_path):
     # Damage that the size check cannot see still ends in one line naming the checkpoint.
     import importlib.util

@@ -19,8 +19,9 @@ import logging  # noqa: E402
 
 from verl.data.io import write_parquet  # noqa: E402
 from verl.data.tasks import countdown  # noqa: E402
-from verl.data.tasks.common import convert_file, refuse_output_over_input  # noqa: E402
+from verl.data.tasks.common import convert_file  # noqa: E402
 from verl.utils.cli import positive_int, user_errors  # noqa: E402
+from verl.utils.paths import check_output_apart  # noqa: E402
 from verl.utils.logging import setup_logging  # noqa: E402
 
 logger = logging.getLogger("tools.data.countdown")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                 write_parquet(records, path)
                 logger.info("wrote %d countdown puzzles to %s", len(records), path)
         else:
-            refuse_output_over_input(args.output, [args.input], flag="--output")
+            check_output_apart(args.output, "--output", {"--input": args.input})
             records = convert_file(args.input, countdown.convert_row, split=args.split)
             write_parquet(records, args.output)
             logger.info("wrote %d countdown records to %s", len(records), args.output)

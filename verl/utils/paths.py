@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_dir", "check_model_dir", "load_json_object"]
+__all__ = ["check_dir", "check_model_dir", "check_output_apart", "load_json_object"]
 
 _MODEL_DIR = "give a Hugging Face model directory (config.json + weights)"
 
@@ -68,3 +69,21 @@ def check_model_dir(path: str | None, key: str | None) -> str:
         raise ValueError(f"{given} has no config.json; give a Hugging Face model directory{hint}")
     load_json_object(config)
     return full
+
+
+def check_output_apart(output: str, output_key: str, inputs: Mapping[str, str]) -> None:
+    """ValueError when the output path ``output`` (flag or key ``output_key``) is an input of
+    ``inputs`` ({flag or key: path}), lies inside one, or contains one: writing it would replace
+    or delete what it is made from."""
+    out = os.path.realpath(os.path.expanduser(output))
+    for key, given in inputs.items():
+        src = os.path.realpath(os.path.expanduser(given))
+        if out == src:
+            relation = "is"
+        elif out.startswith(src + os.sep):
+            relation = "is inside"
+        elif src.startswith(out + os.sep):
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(f"{output_key} {output} {relation} the input {key} {given}; write the output elsewhere")

@@ -82,6 +82,7 @@ def convert_file_cli(argv: list[str] | None, *, task: Any, dataset: str, doc: st
     from verl.data.io import write_parquet
     from verl.utils.cli import user_errors
     from verl.utils.logging import setup_logging
+    from verl.utils.paths import check_output_apart
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help=f"{dataset} file: .jsonl, .parquet or .arrow in the public schema")
@@ -90,16 +91,10 @@ def convert_file_cli(argv: list[str] | None, *, task: Any, dataset: str, doc: st
     args = p.parse_args(argv)
     setup_logging()
     with user_errors(p.prog):
-        refuse_output_over_input(args.output, [args.input], flag="--output")
+        check_output_apart(args.output, "--output", {"--input": args.input})
         records = convert_file(args.input, task.convert_row, split=args.split)
         write_parquet(records, args.output)
     logging.getLogger(f"tools.data.{task.__name__.rsplit('.', 1)[-1]}").info(
         "wrote %d %s records to %s", len(records), task.DATA_SOURCE, args.output
     )
 
-
-def refuse_output_over_input(output: str, inputs: list[str], *, flag: str) -> None:
-    """ValueError when the output file ``output`` is one of ``inputs`` (it would replace the data it is made from)."""
-    for given in inputs:
-        if os.path.exists(given) and os.path.realpath(output) == os.path.realpath(given):
-            raise ValueError(f"{flag} {output} is the input file {given}; write the converted records elsewhere")
