@@ -509,7 +509,8 @@ def open_source(path: str, columns: Sequence[str] | None = None) -> FileSource:
     """Open one data file of any supported format, reading only ``columns`` (all when None)."""
     if os.path.isdir(path):
         inside = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in _EXTENSIONS)
-        hint = f" ({', '.join(os.path.join(path, n) for n in inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
+        shown = [os.path.join(path, n) for n in inside[:3]] + (["..."] if len(inside) > 3 else [])
+        hint = f" ({', '.join(shown)})" if inside else ""
         raise ValueError(f"{path} is a directory, not a data file; give the data files in it{hint}")
     return _SOURCES[detect_format(path)](path, columns)
 
