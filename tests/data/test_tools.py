@@ -264,12 +264,17 @@ def test_converters_refuse_to_replace_their_input_or_read_a_folder(tmp_path):
     assert one_error_line(proc, "gsm8k.py").endswith(f"--output {src} is the input --input {src}; write the output "
                                                      "elsewhere")
     assert src.read_bytes() == before
-    proc = run_tool("tools/data/gsm8k.py", "--input", str(tmp_path), "--output", str(tmp_path / "o.parquet"),
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(folder), "--output", str(tmp_path / "o.parquet"),
                     check=False)
-    assert one_error_line(proc, "gsm8k.py").endswith(f"input {tmp_path} is not a file; give the data file to convert")
-    proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(tmp_path), check=False)
-    assert one_error_line(proc, "gsm8k.py").endswith(f"{tmp_path} is a directory; give the path of the parquet file "
+    assert one_error_line(proc, "gsm8k.py").endswith(f"input {folder} is not a file; give the data file to convert")
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(folder), check=False)
+    assert one_error_line(proc, "gsm8k.py").endswith(f"{folder} is a directory; give the path of the parquet file "
                                                      "to write")
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(tmp_path), check=False)
+    assert one_error_line(proc, "gsm8k.py").endswith(f"--output {tmp_path} contains the input --input {src}; write "
+                                                     "the output elsewhere")
 
 
 def test_make_tiny_model_refuses_a_folder_that_holds_something(tmp_path):

@@ -159,10 +159,10 @@ def test_a_failed_checkpoint_read_is_one_line(monkeypatch, capsys, tmp_path):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     with pytest.raises(SystemExit) as exc:
-        tool.main(["--megatron-dir", str(tmp_path), "--out-dir", str(tmp_path / "o")])
+        tool.main(["--megatron-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "o")])
     assert exc.value.code == 2
     assert capsys.readouterr().err == (
-        f"megatron2hf: error: cannot read the checkpoint in {tmp_path} (RuntimeError: PytorchStreamReader failed "
+        f"megatron2hf: error: cannot read the checkpoint in {tmp_path}/ckpt (RuntimeError: PytorchStreamReader failed "
         "reading zip archive); is it complete and unmodified? Copy it again\n"
     )
 
