@@ -39,6 +39,8 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from verl.utils.cli import hf_model_dir, non_negative_float, positive_float, positive_int, user_errors  # noqa: E402 - after the env
+
 logger = logging.getLogger("verl.tools.bench")
 
 Runner = Callable[[argparse.Namespace], dict[str, Any]]
@@ -163,17 +165,6 @@ class _PlainGenerate:
         self.model = None
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -211,33 +202,35 @@ def _reference_logprobs(kind: str, model: str, out: Any, response_length: int, t
 
 @subcommand("rollout", "rollout throughput and rollout-vs-trainer logprob agreement")
 def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", required=True, type=hf_model_dir, help="Hugging Face model directory")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine (default %(default)s)")
-    p.add_argument("--prompts", type=int, default=64, help="number of prompts (default %(default)s)")
-    p.add_argument("--n", type=int, default=4, help="samples per prompt (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=32, help="response length limit (default %(default)s)")
-    p.add_argument("--prompt-length", type=int, default=32, help="prompt width after left padding (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=64, help="number of prompts (default %(default)s)")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt (default %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="response length limit (default %(default)s)")
+    p.add_argument("--prompt-length", type=positive_int, default=32, help="prompt width after left padding (default %(default)s)")
+    p.add_argument("--temperature", type=non_negative_float, default=1.0, help="sampling temperature (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads for every engine (default %(default)s: on a shared CPU more threads spin)")
     p.add_argument("--reference", choices=["megatron", "hf", "none"], default="megatron",
                    help="trainer model that recomputes the logprobs (default %(default)s)")
     p.add_argument("--baseline", nargs="+", choices=["hf", "hf-generate", "vllm"], default=[],
                    help="also time these on the same prompts and report the speed-ups: hf (verl's "
                         "transformers engine), hf-generate (a plain model.generate without logprobs), vllm")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed rounds after a warm-up; medians are reported (default %(default)s)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
-        from transformers import AutoTokenizer
 
         from verl.config.schema import RolloutConfig
+        from verl.data.tokenizer import load_tokenizer
+        from verl.models.safetensors_io import check_weight_files
         from verl.rollout.checks import logprob_agreement
 
+        check_weight_files(args.model)  # a truncated file named now, not deep inside an engine
         torch.set_num_threads(args.threads)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = load_tokenizer(args.model)
         prompts = _prompt_batch(tokenizer, args.prompts, args.prompt_length, args.seed)
 
         def cfg_for(engine: str) -> RolloutConfig:
@@ -530,17 +523,17 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="Hugging Face model directory (its weights are pushed)")
     source.add_argument("--config", help="a Hugging Face config.json (random weights; only config is read with --plan-only)")
-    parser.add_argument("--train-tp", type=_positive_int, default=1, help="actor tensor parallel (default 1)")
-    parser.add_argument("--train-pp", type=_positive_int, default=1, help="actor pipeline parallel (default 1)")
-    parser.add_argument("--train-vpp", type=_positive_int, default=None, help="actor virtual pipeline stages per rank")
-    parser.add_argument("--rollout-tp", type=_positive_int, default=1, help="rollout engine tensor parallel TP' (default 1)")
-    parser.add_argument("--bucket-mb", type=float, default=512.0, help="transfer bucket in MiB (default 512)")
+    parser.add_argument("--train-tp", type=positive_int, default=1, help="actor tensor parallel (default 1)")
+    parser.add_argument("--train-pp", type=positive_int, default=1, help="actor pipeline parallel (default 1)")
+    parser.add_argument("--train-vpp", type=positive_int, default=None, help="actor virtual pipeline stages per rank")
+    parser.add_argument("--rollout-tp", type=positive_int, default=1, help="rollout engine tensor parallel TP' (default 1)")
+    parser.add_argument("--bucket-mb", type=positive_float, default=512.0, help="transfer bucket in MiB (default 512)")
     parser.add_argument("--destination", choices=["hf-shards", "vllm"], default="hf-shards",
                         help="destination layout for --plan-only (default hf-shards; measured runs use hf-shards)")
     parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16", help="weight dtype for --plan-only (default bf16)")
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed pushes per path (median; default 5)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed pushes per path (median; default 5)")
     parser.add_argument("--plan-only", action="store_true", help="compute the plan's figures only (no processes, no weights)")
-    parser.add_argument("--world", type=_positive_int, default=None, help="ranks for --plan-only (default TP x PP)")
+    parser.add_argument("--world", type=positive_int, default=None, help="ranks for --plan-only (default TP x PP)")
     parser.add_argument("--table", action="store_true", help="also log the per-rank plan table to stderr")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -611,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(logging.INFO)
     # Anything a library prints goes to stderr; stdout carries exactly one JSON object.
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), user_errors(parser.prog):
         result = runners[args.command](args)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the (gathered) result
         sys.stdout.write(json.dumps(result) + "\n")

@@ -32,7 +32,7 @@ def model(tmp_path):
 )
 def test_an_output_may_not_overlap_an_input(tmp_path, model, target, relation):
     path = str(tmp_path / target)
-    with pytest.raises(OutputPathError, match=rf"--out-dir={path} {relation} --hf-dir={model}: writing there"):
+    with pytest.raises(OutputPathError, match=rf"--out-dir={path} {relation} the input --hf-dir={model}; writing there"):
         check_output_dir(path, key="--out-dir", inputs={"--hf-dir": str(model)}, overwrite=True)
     assert sorted(os.listdir(model)) == ["config.json", "tokenizer.json"]
 
@@ -40,9 +40,9 @@ def test_an_output_may_not_overlap_an_input(tmp_path, model, target, relation):
 def test_overlap_is_found_through_symlinks_and_user_paths(tmp_path, model):
     link = tmp_path / "link"
     link.symlink_to(model)
-    with pytest.raises(OutputPathError, match="is model.path"):
+    with pytest.raises(OutputPathError, match="is the input model.path"):
         check_output_dir(str(link), key="x", inputs={"model.path": str(model)})
-    with pytest.raises(OutputPathError, match="is inside data files"):
+    with pytest.raises(OutputPathError, match="is inside the input data files"):
         check_output_dir(str(model / "a"), key="x", inputs={"data files": [str(tmp_path / "nope"), str(model)]})
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from verl.config.core import ConfigBase, option, section
+from verl.config.validation import validation_deferred
 
 __all__ = [
     "ActorConfig",
@@ -220,7 +221,7 @@ class ValKwargsConfig(ConfigBase):
 class RolloutConfig(ConfigBase):
     """Generation engine and sampling for rollouts."""
 
-    name: Literal["vllm", "hf"] = option("vllm", "Engine: vllm (GPU vLLM or the CPU build) or hf (Hugging Face generate, slow, for debugging).")
+    name: str = option("vllm", "Engine by its registry name in verl.rollout: vllm (GPU vLLM or the CPU build) or hf (Hugging Face generate, slow, for debugging).")
     n: int = option(1, "Responses sampled per prompt (the GRPO group size).", ge=1)
     temperature: float = option(1.0, "Sampling temperature.", ge=0.0)
     top_p: float = option(1.0, "Nucleus-sampling threshold.", gt=0.0, le=1.0)
@@ -445,7 +446,8 @@ class PPOConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.validate()
+        if not validation_deferred():
+            self.validate()
 
     @property
     def use_critic(self) -> bool:
@@ -528,7 +530,8 @@ class SFTConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.validate()
+        if not validation_deferred():
+            self.validate()
 
     def validate(self, world_size: int | None = None) -> None:
         """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 PROG = "python -m verl.trainer.main_sft"
@@ -29,16 +28,12 @@ if __name__ == "__mp_main__":
     exit_with_parent()
 
 
-def _fail(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # every rank exits; one of them says why
-        sys.stderr.write(f"{PROG}: error: {message}\n")
-    raise SystemExit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
+    from verl.utils.cli import fail, user_errors
     from verl.utils.logging import log_rank0, setup_logging
+    from verl.utils.paths import check_dir
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
@@ -51,11 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(logging.INFO)
     from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 
-    try:
+    with user_errors(PROG):
+        if cfg.model.tokenizer_path:
+            check_dir(cfg.model.tokenizer_path, "model.tokenizer_path",
+                      fix="give the tokenizer directory, or leave it unset to use model.path's")
         check_sft_paths(cfg)
         check_sft_outputs(cfg)
-    except ValueError as exc:
-        _fail(str(exc))
     if cfg.trainer.device == "cpu":
         # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -64,14 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         init_distributed(device=cfg.trainer.device)
     except ValueError as exc:
-        _fail(f"trainer.device={cfg.trainer.device}: {exc}")
+        fail(PROG, f"trainer.device={cfg.trainer.device}: {exc}")
     try:
-        try:
+        # A setting that only the data or the model reveals (run length, shapes, a bad row);
+        # the finally below tears the world down.
+        with user_errors(PROG):
             trainer = SFTTrainer(cfg)
-        except ValueError as exc:  # a setting that only the data or the model reveals (run length, shapes)
-            _fail(str(exc))  # the finally below tears the world down
-        with trainer:
-            metrics = trainer.fit()
+            with trainer:
+                metrics = trainer.fit()
         log_rank0(
             logging.getLogger("verl.trainer.main_sft"),
             logging.INFO,

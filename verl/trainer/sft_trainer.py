@@ -40,6 +40,7 @@ from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
 from verl.utils.outputs import check_output_dir, probe_writable
+from verl.utils.paths import check_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,11 @@ def check_sft_paths(cfg: SFTConfig) -> None:
         problems.append(
             "model.path is not set; give the Hugging Face model directory to fine-tune (model.path=DIR)"
         )
-    elif not os.path.isfile(os.path.join(os.path.expanduser(cfg.model.path), "config.json")):
-        problems.append(
-            f"model.path={cfg.model.path!r} has no config.json; give a Hugging Face model directory"
-        )
+    else:
+        try:
+            check_model_dir(cfg.model.path, "model.path")
+        except ValueError as exc:
+            problems.append(str(exc))
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         if files is None:
