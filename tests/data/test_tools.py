@@ -273,8 +273,9 @@ def test_converters_refuse_to_replace_their_input_or_read_a_folder(tmp_path):
     assert one_error_line(proc, "gsm8k.py").endswith(f"{folder} is a directory; give the path of the parquet file "
                                                      "to write")
     proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(tmp_path), check=False)
-    assert one_error_line(proc, "gsm8k.py").endswith(f"--output {tmp_path} contains the input --input {src}; write "
-                                                     "the output elsewhere")
+    assert one_error_line(proc, "gsm8k.py").endswith(f"--output={tmp_path} contains the input --input={src}; writing "
+                                                     "there would replace or delete what it is made from: choose a "
+                                                     "--output elsewhere")
 
 
 def test_make_tiny_model_refuses_a_folder_that_holds_something(tmp_path):

@@ -117,7 +117,8 @@ def test_an_unwritable_output_location_fails_at_start_up(capsys, tiny_model_dir,
                        *(f"{k}={v}" for k, v in settings.items()))
     assert f"{key}={bad} cannot be written" in err
 def test_model_dir_that_does_not_exist(capsys, tmp_path, arithmetic_files):
-    err = _run(capsys, [f"model.path={tmp_path}/nope", f"data.train_files={arithmetic_files['train']}"])
+    err = _run(capsys, [f"model.path={tmp_path}/nope", f"data.train_files={arithmetic_files['train']}",
+                        "data.val_files=null"])
     assert err == (f"{PROG}: error: model.path='{tmp_path}/nope' does not exist; give a Hugging Face model "
                    "directory (config.json + weights)\n")
 

@@ -92,7 +92,10 @@ def test_staging_and_commit_replace_a_verl_output_only_once_the_new_one_is_compl
 
 def test_probe_finds_unwritable_locations_at_start_up(tmp_path):
     probe_writable(str(tmp_path / "new" / "deep"), key="trainer.default_local_dir")
-    assert os.listdir(tmp_path / "new" / "deep") == []  # created, probe removed
+    assert not (tmp_path / "new").exists()  # created, written, and removed again: nothing is left
+    (tmp_path / "kept").mkdir()
+    probe_writable(str(tmp_path / "kept"), key="trainer.log_dir")
+    assert (tmp_path / "kept").is_dir() and os.listdir(tmp_path / "kept") == []  # what existed stays
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputPathError, match=rf"trainer.log_dir={tmp_path}/file/logs cannot be written"):
         probe_writable(str(tmp_path / "file" / "logs"), key="trainer.log_dir")

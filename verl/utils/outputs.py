@@ -115,8 +115,15 @@ def check_output_dir(
 
 
 def probe_writable(path: str, *, key: str) -> None:
-    """Create ``path`` (and its parents) and write and remove a probe file; OutputPathError if that fails."""
+    """Check that ``path`` can be created and written: create it (and missing parents), write and
+    remove a probe file, then remove the directories the probe created, so a run that stops
+    before writing leaves nothing behind. OutputPathError naming ``key`` if any step fails."""
     target = os.path.abspath(os.path.expanduser(path))
+    created = []
+    parent = target
+    while not os.path.lexists(parent):
+        created.append(parent)
+        parent = os.path.dirname(parent)
     try:
         os.makedirs(target, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
@@ -126,6 +133,12 @@ def probe_writable(path: str, *, key: str) -> None:
         raise OutputPathError(
             f"{key}={path} cannot be written ({exc.strerror or exc}); choose a directory this user can write"
         ) from None
+    finally:
+        for directory in created:  # deepest first
+            try:
+                os.rmdir(directory)
+            except OSError:  # another rank's probe still in it, or it was never made
+                pass
 
 
 def staging_dir(out_dir: str) -> str:
