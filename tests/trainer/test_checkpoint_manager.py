@@ -198,6 +198,21 @@ def test_resume_modes(tmp_path):
         mgr.resolve_resume("sometimes", None)
 
 
+def test_the_checkpoint_root_given_as_one_checkpoint_is_named_for_what_it_is(tmp_path):
+    root = tmp_path / "run"
+    mgr = CheckpointManager(str(root))
+    mgr.save(2, _writer("2"), {})
+    mgr.save(5, _writer("5"), {})
+    with pytest.raises(CheckpointError) as info:
+        mgr.resolve_resume("resume_path", str(root))
+    message = str(info.value)
+    assert f"{root} is a checkpoint directory of a run (it holds global_step_5, global_step_2)" in message
+    assert f"the newest is {root}/global_step_5" in message and "interrupted" not in message
+    (tmp_path / "half").mkdir()  # a step directory without its manifest is still an interrupted save
+    with pytest.raises(CheckpointError, match="is incomplete: checkpoint_complete.json is missing"):
+        mgr.resolve_resume("resume_path", str(tmp_path / "half"))
+
+
 def test_resave_same_step_replaces_atomically(tmp_path):
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(2, _writer("old"), {})

@@ -511,6 +511,16 @@ def _read_manifest(path: str) -> _Manifest:
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest_path = os.path.join(path, MANIFEST_FILE)
     if not os.path.isfile(manifest_path):
+        steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(path)) if m), reverse=True)
+        if steps or os.path.isfile(os.path.join(path, TRACKER_FILE)):
+            # Not an interrupted save: the run's checkpoint root, given where one checkpoint belongs.
+            held = ", ".join(step_dir_name(s) for s in steps[:3]) if steps else TRACKER_FILE
+            latest = f"; the newest is {os.path.join(path, step_dir_name(steps[0]))}" if steps else ""
+            raise CheckpointError(
+                f"{path} is a checkpoint directory of a run (it holds {held}), not one checkpoint: give one "
+                f"of its global_step_N directories as trainer.resume_from_path{latest}, or resume its latest "
+                f"with trainer.resume_mode=auto trainer.default_local_dir={path}"
+            )
         raise CheckpointError(
             f"checkpoint {path} is incomplete: {MANIFEST_FILE} is missing (the save was interrupted or the "
             "directory was copied partially); resume from an earlier checkpoint with "
