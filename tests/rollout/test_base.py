@@ -193,7 +193,7 @@ class _EchoEngine(RolloutEngine):
         return [s for s in echo for _ in range(spec.n)]
 
     def update_weights(self, weights):
-        raise NotImplementedError
+        raise AssertionError("this test engine has no weights")
 
     def named_parameters(self):
         return iter(())
@@ -203,6 +203,9 @@ class _EchoEngine(RolloutEngine):
 
     def resume(self):
         pass
+
+    def kv_cache_bytes(self):
+        return 0
 
     def shutdown(self):
         pass
