@@ -20,8 +20,8 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CPU_SOURCES = [f"{CSRC}/copy_shards.cpp", f"{CSRC}/bindings.cpp"]
-CUDA_SOURCES = [f"{CSRC}/copy_shards_cuda.cpp", f"{CSRC}/copy_shards_kernel.cu"]
+CPU_SOURCES = [f"{CSRC}/byte_copy.cpp", f"{CSRC}/copy_ranges.cpp", f"{CSRC}/bindings.cpp"]
+CUDA_SOURCES = [f"{CSRC}/byte_copy_cuda.cpp", f"{CSRC}/byte_copy_kernel.cu"]
 
 BASE_REQUIRES = [
     "torch>=2.4",
@@ -34,6 +34,8 @@ BASE_REQUIRES = [
     "tokenizers",
     "sentencepiece",
     "tqdm",
+    "matplotlib",  # the run report's plots (verl.trainer.report)
+    "xxhash",  # checkpoint content checksums (verl.utils.checksum)
     "math-verify",
     # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the newest that installs on 3.11.
     "megatron-core==0.16.1; python_version < '3.12'",
@@ -47,7 +49,9 @@ EXTRAS = {
     # 0.32 series the rollout engine and its table of vLLM internals were written and checked
     # for (verl/rollout/vllm_internals.py); other versions are unchecked.
     "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard"],
+    # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
+    # playwright drives Debian's chromium (setup_env.sh --test installs it) for the report's browser test.
+    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
 }
 
 

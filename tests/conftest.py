@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -36,7 +37,8 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """Stop the distributed worker pools with the session, so no worker outlives pytest; then
-    unlink the named semaphores that processes killed on purpose (SIGKILL tests) left behind."""
+    unlink the named semaphores that processes killed on purpose (SIGKILL tests) left behind,
+    and remove the session's cache directory."""
     import sys
 
     module = sys.modules.get("verl.testing.distributed")
@@ -45,3 +47,5 @@ def pytest_sessionfinish(session, exitstatus):
     from tests.semaphores import remove_orphaned_semaphores
 
     remove_orphaned_semaphores(_SEMAPHORES_BEFORE)
+    # After the pools are down (their workers inherited the cache paths above).
+    shutil.rmtree(_CACHE_ROOT, ignore_errors=True)

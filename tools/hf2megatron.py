@@ -18,25 +18,29 @@ DEFAULT_TOLERANCE = 1e-3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from verl.utils.cli import non_negative_float, positive_int
+
     parser = argparse.ArgumentParser(
+        prog="hf2megatron",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json + *.safetensors; tokenizer files are copied along)")
     parser.add_argument("--out-dir", required=True, help="where the Megatron checkpoint goes; written to a hidden temporary sibling and renamed at the end")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used to write (and to --check) (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used to write (and to --check) (default 1)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size used to write (and to --check) (default 1)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size used to write (and to --check) (default 1)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the stored tensors (default fp32)")
     parser.add_argument("--head", choices=["lm", "value", "reward"], default="lm",
                         help="lm: actor/reference model; value: critic; reward: reward model. value/reward take score.weight "
                              "from a *ForSequenceClassification checkpoint, or start a fresh head from an LM (default lm)")
-    parser.add_argument("--vocab-pad-multiple", type=int, default=None,
-                        help="pad the vocabulary to a multiple of this times --tp (default 128; padded rows are zero and never used)")
+    parser.add_argument("--vocab-pad-multiple", type=positive_int, default=None,
+                        help="pad the vocabulary to a multiple of this times --tp (default: vLLM's padding, a multiple of 64 "
+                             "and of --tp, so rollout engines at the same TP hold the same rows; padded rows are zero and never used)")
     parser.add_argument("--check", action="store_true",
                         help="after writing, load the checkpoint at --tp x --pp and compare logits with transformers on a few "
                              "token sequences; prints max_abs_diff=<float> and exits 1 above --tolerance")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+    parser.add_argument("--tolerance", type=non_negative_float, default=DEFAULT_TOLERANCE,
                         help=f"--check threshold on the max absolute logit difference, float32 compute on both sides with weights "
                              f"rounded to --dtype (default {DEFAULT_TOLERANCE})")
     parser.add_argument("--overwrite", action="store_true", help="replace --out-dir if it exists (only once the new checkpoint is complete)")
@@ -48,26 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from verl.models.convert import check_conversion, hf_to_megatron, quiet_megatron_warnings
     from verl.parallel.bootstrap import under_torchrun
+    from verl.utils.cli import user_errors
     from verl.utils.logging import global_rank, setup_logging
 
     setup_logging(logging.WARNING)
     show = not under_torchrun() or global_rank() == 0
-    with quiet_megatron_warnings():
-        try:
-            report = hf_to_megatron(
-                hf_dir=args.hf_dir,
-                out_dir=args.out_dir,
-                tp=args.tp,
-                pp=args.pp,
-                dtype=args.dtype,
-                head=args.head,
-                vocab_pad_multiple=args.vocab_pad_multiple,
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-            )
-        except ValueError as exc:
-            print(f"hf2megatron: error: {exc}", file=sys.stderr)
-            return 2
+    with quiet_megatron_warnings(), user_errors("hf2megatron"):
+        report = hf_to_megatron(
+            hf_dir=args.hf_dir,
+            out_dir=args.out_dir,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
+            head=args.head,
+            vocab_pad_multiple=args.vocab_pad_multiple,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
         if show:
             rss = report.peak_rss_mib_per_rank
             print(f"wrote {report.out_dir} ({report.num_tensors} HF tensors, tp={args.tp} pp={args.pp}, {args.dtype})")
@@ -75,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"peak_rss_mib_per_rank={','.join(f'{r:.0f}' for r in rss)} max={max(rss):.0f} sum={sum(rss):.0f}")
         if not args.check:
             return 0
-        try:
-            diff = check_conversion(ckpt_dir=args.out_dir, hf_dir=args.hf_dir, tp=args.tp, pp=args.pp)
-        except ValueError as exc:
-            print(f"hf2megatron: error: {exc}", file=sys.stderr)
-            return 2
+        diff = check_conversion(ckpt_dir=args.out_dir, hf_dir=args.hf_dir, tp=args.tp, pp=args.pp)
     if show:
         print(f"max_abs_diff={diff:.6g}")
         if diff > args.tolerance:

@@ -12,6 +12,7 @@ import argparse
 import logging
 
 from verl.data.tiny_model import FAMILIES, TinyModelSpec, make_tiny_model
+from verl.utils.cli import user_errors
 from verl.utils.logging import setup_logging
 
 
@@ -19,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     defaults = TinyModelSpec()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=FAMILIES, required=True, help="model architecture")
-    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    p.add_argument("--out", required=True, help="output directory (created if missing; an existing one must be empty)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out, replacing the files of the same names")
     p.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size (default %(default)s)")
     p.add_argument("--layers", type=int, default=defaults.layers, help="decoder layers (default %(default)s)")
     p.add_argument(
@@ -78,10 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         corpus_lines=args.corpus_lines,
     )
-    try:
-        make_tiny_model(args.out, spec)
-    except ValueError as e:
-        p.error(str(e))
+    with user_errors(p.prog):
+        make_tiny_model(args.out, spec, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import pickle
 import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from verl.utils.cli import positive_float
+
     parser = argparse.ArgumentParser(
+        prog="megatron2hf",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -26,19 +31,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--megatron-dir", required=True, help="checkpoint written by tools/hf2megatron.py or by verl training")
     parser.add_argument("--out-dir", required=True, help="where the Hugging Face model goes; written to a hidden temporary sibling and renamed at the end")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="dtype of the written tensors (default: the checkpoint's)")
-    parser.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file in GiB (default 2)")
+    parser.add_argument("--max-shard-gib", type=positive_float, default=2.0, help="largest safetensors file in GiB (default 2)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out-dir if it exists (only once the new model is complete)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
+def check_distcp_files(megatron_dir: str) -> None:
+    """Every file that the checkpoint's ``.metadata`` points into exists and is long enough.
+
+    torch.distributed.checkpoint reports a truncated or missing ``.distcp`` file as an
+    unpickling or zip error without a path; this names the file. ValueError. A directory
+    without ``.metadata`` is left to the converter's own checks.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(megatron_dir, ".metadata")):
+        return
+    try:
+        meta = dcp.FileSystemReader(megatron_dir).read_metadata()
+    except (EOFError, pickle.UnpicklingError, RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"{os.path.join(megatron_dir, '.metadata')} cannot be read ({type(exc).__name__}: {exc}); "
+            "a truncated or partial copy? Copy the checkpoint again"
+        ) from None
+    needed: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(megatron_dir, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing (the checkpoint's .metadata refers to it); copy the checkpoint again")
+        actual = os.path.getsize(path)
+        if actual < size:
+            raise ValueError(
+                f"{path} is truncated: {actual} bytes, the checkpoint's .metadata needs {size}; copy the checkpoint again"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from verl.models.convert import megatron_to_hf, quiet_megatron_warnings
+    from verl.utils.cli import fail, user_errors
     from verl.utils.logging import setup_logging
 
     setup_logging(logging.WARNING)
-    with quiet_megatron_warnings():
+    with quiet_megatron_warnings(), user_errors("megatron2hf"):
+        check_distcp_files(args.megatron_dir)
         try:
             report = megatron_to_hf(
                 megatron_dir=args.megatron_dir,
@@ -48,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_bytes=int(args.max_shard_gib * 1024**3),
                 progress=not args.no_progress,
             )
-        except ValueError as exc:
-            print(f"megatron2hf: error: {exc}", file=sys.stderr)
-            return 2
+        except CheckpointException as exc:  # a BaseException: one rank's read failed
+            first = next(iter(exc.failures.values()))[0]
+            fail(
+                "megatron2hf",
+                f"cannot read the checkpoint in {args.megatron_dir} ({type(first).__name__}: {first}); "
+                "is it complete and unmodified? Copy it again",
+            )
     print(f"wrote {report.out_dir} ({report.num_tensors} tensors), peak_rss_mib={report.peak_rss_mib_per_rank[0]:.0f}")
     return 0
 

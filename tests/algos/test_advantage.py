@@ -330,3 +330,43 @@ def test_custom_estimator_registration():
     assert torch.equal(adv, mask)
     with pytest.raises(ValueError, match="already registered"):
         algos.register_adv_estimator("grpo")(constant_one)
+
+
+# ----------------------------------------------------------------------------------------------
+# edges of the range and both sides of each guard
+
+
+def test_gpg_with_no_nonzero_score_is_zero_not_a_division_by_zero():
+    # alpha = B / max(#nonzero scores, 1): with every score 0 the floor of 1 applies.
+    index = uids("a", "a", "b", "b")
+    rewards, mask = outcome([0.0, 0.0, 0.0, 0.0], [2, 1, 2, 2], T=2)
+    adv, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=index)
+    assert torch.equal(adv, torch.zeros(4, 2))
+    # One nonzero score: alpha = 4 / 1 (the other side of the floor).
+    rewards, mask = outcome([1.0, 0.0, 0.0, 0.0], [2, 1, 2, 2], T=2)
+    adv, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=index)
+    torch.testing.assert_close(seq_values(adv, mask), torch.tensor([2.0, -2.0, 0.0, 0.0]), **TOL)
+
+
+def test_reinforce_plus_plus_return_restarts_after_a_masked_token():
+    # A masked observation token in the middle: the return before it does not see rewards after it.
+    rewards = torch.tensor([[1.0, 5.0, 2.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    _, ret = compute_advantage(
+        "reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=1.0
+    )
+    # t=2: 2; t=1 (masked, 0 in the output): the running return restarts; t=0: 1 + 0 = 1.
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 2.0]]), **TOL)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg"])
+def test_outcome_estimators_on_huge_tiny_and_equal_scores(name):
+    """Scores of 1e30 and 1e-30 (float32's range), and groups whose scores are all equal:
+    finite, and exactly 0 for an all-equal group (no spread, nothing to prefer)."""
+    rewards, mask = outcome([1e30, -1e30, 1e-30, 0.0, 7.0, 7.0], [2, 2, 2, 2, 1, 2], T=2)
+    adv, ret = compute_advantage(
+        name, token_level_rewards=rewards, response_mask=mask, index=uids("a", "a", "b", "b", "c", "c")
+    )
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), adv
+    if name != "reinforce_plus_plus_baseline":  # whitened over the batch: the equal group moves too
+        assert torch.equal(adv[4:], torch.zeros(2, 2)), adv[4:]

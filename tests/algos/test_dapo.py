@@ -67,3 +67,15 @@ def test_filter_groups_bad_inputs():
         filter_groups(index=[], metric_values=[])
     with pytest.raises(ValueError, match="numeric"):
         filter_groups(index=["a"], metric_values=["high"])
+
+
+def test_one_token_response_at_position_zero_gets_its_penalty():
+    # Free length 0 (buffer = max = 4): a single token at position 0 is the last valid token.
+    mask = _mask([1, 0], T=4)
+    scores = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    out, penalty = apply_overlong_penalty(
+        scores, mask, max_response_length=4, overlong_buffer_len=4, overlong_penalty_factor=1.0
+    )
+    torch.testing.assert_close(penalty, torch.tensor([-0.25, 0.0]), rtol=0, atol=0)
+    expected = torch.tensor([[0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

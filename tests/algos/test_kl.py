@@ -183,3 +183,46 @@ def test_kl_loss_aggregates_under_the_mask():
     assert torch.isfinite(full) and full > 0
     with pytest.raises(ValueError, match="leading \\[B, T\\] dims"):
         compute_kl_loss(log_prob=torch.zeros(2, 3), ref_log_prob=torch.zeros(2, 3), response_mask=torch.ones(3, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# edges of the range and both sides of each guard
+
+
+@pytest.mark.parametrize("kind", ["k3", "k3+"])
+def test_k3_at_extreme_log_ratios_is_clamped_with_finite_gradients(kind):
+    # log_prob - ref = +-100: exp(100) overflows float32 unless log r is clamped first; the
+    # clamped value is 10 on both sides and the gradient finite (0 for k3, the k2 one for k3+).
+    log_prob = torch.tensor([[100.0, -100.0, 0.5]], requires_grad=True)
+    ref = torch.tensor([[0.0, 0.0, 0.0]])
+    value = kl_penalty(log_prob, ref, kind)
+    torch.testing.assert_close(value[0, :2], torch.tensor([10.0, 10.0]), rtol=0, atol=0)
+    x = 0.5  # inside both clamps: r - log r - 1 with log r = -0.5
+    torch.testing.assert_close(value[0, 2], torch.tensor(math.exp(-x) + x - 1.0), **TOL)
+    value.sum().backward()
+    assert torch.isfinite(log_prob.grad).all(), log_prob.grad
+    if kind == "k3":
+        assert torch.equal(log_prob.grad[0, :2], torch.zeros(2))
+    else:
+        torch.testing.assert_close(log_prob.grad, torch.tensor([[100.0, -100.0, 0.5]]), **TOL)
+
+
+def test_full_kl_with_vocabulary_entries_the_policy_never_picks():
+    # The policy masks entry 2 out (-inf logit, p = 0): it contributes exactly 0, not 0 * -inf.
+    policy = torch.tensor([[[0.0, math.log(3.0), float("-inf")]]])
+    reference = torch.tensor([[[0.0, 0.0, 0.0]]])
+    p = torch.tensor([0.25, 0.75])
+    expected = float((p * (p.log() - math.log(1 / 3))).sum())
+    actual = kl_penalty(policy, reference, "full")
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, torch.tensor([[expected]]), **TOL)
+
+
+def test_adaptive_controller_clips_the_error_on_both_sides():
+    ctrl = make_kl_controller(type="adaptive", kl_coef=0.1, target_kl=0.5, horizon=100)
+    ctrl.update(current_kl=0.0, n_steps=10)  # error 0/0.5 - 1 = -1, clipped to -0.2 -> x(1 - 0.02)
+    assert ctrl.value == pytest.approx(0.1 * 0.98, abs=1e-12)
+    ctrl.update(current_kl=50.0, n_steps=10)  # error 99, clipped to +0.2 -> x(1 + 0.02)
+    assert ctrl.value == pytest.approx(0.1 * 0.98 * 1.02, abs=1e-12)
+    ctrl.update(current_kl=0.6, n_steps=10)  # error 0.2 exactly: the bound itself passes
+    assert ctrl.value == pytest.approx(0.1 * 0.98 * 1.02 * 1.02, abs=1e-12)

@@ -230,3 +230,50 @@ def test_entropy_from_logits_hand_worked():
     )
     with pytest.raises(ValueError, match="\\[B, T, V\\]"):
         compute_entropy_loss(logits=logits[0], response_mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# edges of the range and both sides of each guard
+
+
+@pytest.mark.parametrize("name", ["vanilla", "cispo", "gspo", "gpg"])
+def test_wild_log_ratios_keep_loss_metrics_and_gradients_finite(name):
+    # log_prob - old_log_prob = +-100 (a token the policy moved wildly, or a stale old log-prob):
+    # exp() of it overflows float32 unless the log-ratio is bounded first. Row 0 mixes both
+    # signs; rows 1 and 2 (+100, -50) are wild throughout, so GSPO's sequence ratio is too.
+    old = torch.tensor([[-100.0, 0.0, -1.0, 0.0], [-100.0] * 4, [0.0] * 4])
+    new = torch.tensor([[0.0, -100.0, -1.0, -0.5], [0.0] * 4, [-50.0] * 4], requires_grad=True)
+    advantages = torch.tensor([[1.0, 1.0, -1.0, 0.5], [1.0, -1.0, 2.0, -0.5], [-1.0, 1.0, -2.0, 0.5]])
+    loss, metrics = compute_policy_loss(
+        name, old_log_prob=old, log_prob=new, advantages=advantages, response_mask=torch.ones(3, 4)
+    )
+    loss.backward()
+    assert torch.isfinite(loss), loss
+    assert all(torch.isfinite(v) for v in metrics.values()), metrics
+    assert torch.isfinite(new.grad).all(), new.grad
+    if name in ("vanilla", "cispo"):
+        # ppo_kl comes from the bounded log-ratio, clamp(new - old, -20, 20), as in the reference.
+        bounded = torch.clamp(new.detach() - old, -20.0, 20.0)
+        torch.testing.assert_close(metrics["ppo_kl"], -bounded.mean(), **TOL)
+
+
+def test_dual_clip_bound_must_exceed_one():
+    x = torch.zeros(2, 3)
+    kwargs = dict(old_log_prob=x, log_prob=x, advantages=-torch.ones(2, 3), response_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="clip_ratio_c.*must be > 1.0, got 1.0"):
+        compute_policy_loss("vanilla", **kwargs, clip_ratio_c=1.0)
+    loss, _ = compute_policy_loss("vanilla", **kwargs, clip_ratio_c=1.0 + 1e-6)  # just above: accepted
+    torch.testing.assert_close(loss, torch.tensor(1.0), **TOL)  # ratio 1, A = -1
+
+
+def test_value_loss_inside_the_clip_range_is_not_clipped():
+    # Every prediction within V_old +- eps: both terms are equal, nothing counts as clipped,
+    # and the loss is the plain 0.5 * mean squared error.
+    vpreds = torch.tensor([[0.6, 0.4, 0.7]])
+    returns = torch.tensor([[1.0, 0.0, 0.5]])
+    loss, clipfrac = compute_value_loss(
+        vpreds=vpreds, returns=returns, values=torch.full((1, 3), 0.5), response_mask=torch.ones(1, 3),
+        cliprange_value=0.25,
+    )
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (0.16 + 0.16 + 0.04) / 3), **TOL)
+    assert clipfrac.item() == 0.0

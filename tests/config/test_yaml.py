@@ -107,7 +107,8 @@ def test_wrong_yaml_type_names_file_field_and_type(tmp_path):
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
-        ("a: [1, 2\n", r"is not valid YAML"),
+        ("a: [1, 2\n", r"f\.yaml is not valid YAML \(line 2, column 1: expected ',' or '\]', but got '<stream end>'\)$"),
+        ("trainer:\n\tseed: 1\n", r"is not valid YAML \(line 2, column 1: found character '\\t' that cannot start any token\)$"),
         ("- 1\n- 2\n", r"the top level must be a mapping"),
         ("trainer:\n  seed: 1\n  seed: 2\n", r"duplicate key 'seed'"),
         ("base: 3\n", r"'base' must be a file name or a list"),
@@ -115,8 +116,14 @@ def test_wrong_yaml_type_names_file_field_and_type(tmp_path):
     ],
 )
 def test_malformed_files(tmp_path, text, pattern):
-    with pytest.raises(ConfigError, match=pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
         load_config(PPOConfig, config_file=_write(tmp_path / "f.yaml", text))
+    assert "\n" not in str(info.value)  # one line, naming the file and the place
+
+
+def test_a_directory_given_as_the_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a directory; give a YAML file"):
+        load_config(PPOConfig, config_file=tmp_path)
 
 
 def test_base_layering_and_precedence(tmp_path):

@@ -1,7 +1,6 @@
 """verl._C.copy_shards_ against its pure-PyTorch reference, on odd shapes and every dtype.
 
-Copies are exact, so every comparison is bitwise (tensors viewed as bytes), which also makes
-NaN payloads and float8 values comparable.
+Comparisons are bitwise (tests/csrc/tensors.py).
 """
 
 from __future__ import annotations
@@ -13,43 +12,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from verl.hybrid.copy_shards import as_ranges, copy_shards_, copy_shards_reference_, extension_has_cuda
-
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-] + [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)]
-
-_HAS_CUDA = torch.cuda.is_available() and extension_has_cuda()
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not _HAS_CUDA, reason="needs a GPU and verl._C built with CUDA"),
-    ),
-]
-
-
-def random_flat(dtype: torch.dtype, numel: int, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
-    """A flat tensor of random bytes ([numel]); bools hold only 0/1 so they stay valid."""
-    high = 2 if dtype == torch.bool else 256
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, high, (numel * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).to(device)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().view(torch.uint8)
+from tests.csrc.tensors import DEVICES, DTYPES, NEEDS_CUDA, as_bytes, assert_rejected, random_flat
+from verl.hybrid.copy_shards import as_ranges, copy_shards_, copy_shards_reference_
 
 
 def valid_ranges(rng: random.Random, count: int, max_len: int, src_numel: int) -> tuple[list, int]:
@@ -173,10 +137,7 @@ def test_hypothesis_arbitrary_ranges_agree_on_result_or_error(rows, same_buffer)
 
 
 def _rejected(fn, dst, src, ranges, match):
-    before = dst.clone()
-    with pytest.raises(ValueError, match=match):
-        fn(dst, src, ranges)
-    assert torch.equal(as_bytes(dst), as_bytes(before)), "dst must be untouched after a refusal"
+    assert_rejected(lambda: fn(dst, src, ranges), [dst], match)
 
 
 BAD_RANGES = [
@@ -192,6 +153,17 @@ BAD_RANGES = [
     ),
     ([(0, 0, 4), (0, -5, 0)], r"range 1 .* writes outside dst"),
     ([(0, 0, 4), (1, 1, 2**63 - 1)], r"range 1 .* reads outside src"),
+    # One past the end (src_offset + length == numel + 1), also for an empty range.
+    (
+        [(0, 0, 4), (16, 6, 4)],
+        r"range 1 \(src_offset=16, dst_offset=6, length=4\) reads outside src \(numel 19\)",
+    ),
+    ([(0, 0, 4), (20, 6, 0)], r"range 1 \(src_offset=20, dst_offset=6, length=0\) reads outside src"),
+    (
+        [(0, 0, 4), (0, 20, 4)],
+        r"range 1 \(src_offset=0, dst_offset=20, length=4\) writes outside dst \(numel 23\)",
+    ),
+    ([(0, 0, 4), (0, 24, 0)], r"range 1 \(src_offset=0, dst_offset=24, length=0\) writes outside dst"),
     (
         [(0, 10, 4), (5, 0, 3), (8, 12, 2)],
         r"ranges 0 and 2 overlap in dst \(range 0 writes dst\[10:14\], range 2 writes dst\[12:14\]\)",
@@ -208,6 +180,21 @@ def test_bad_ranges_raise_and_leave_dst_untouched(fn, rows, match, device):
     # The first range is valid: nothing may be written before the bad one is found.
     dst = random_flat(torch.float32, 23, gen, device)
     _rejected(fn, dst, random_flat(torch.float32, 19, gen, device), rows, match)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [copy_shards_, copy_shards_reference_], ids=["extension", "reference"])
+def test_ranges_ending_exactly_at_the_end_are_valid(fn, device):
+    """The other side of the bounds above: src_offset + length == src.numel() and
+    dst_offset + length == dst.numel() are in bounds, and so is an empty range at numel."""
+    gen = torch.Generator().manual_seed(6)
+    src = random_flat(torch.float32, 19, gen, device)
+    dst = random_flat(torch.float32, 23, gen, device)
+    expected = dst.clone()
+    expected[19:23] = src[15:19]
+    expected[0:2] = src[17:19]
+    rows = [(15, 19, 4), (17, 0, 2), (19, 23, 0), (19, 5, 0), (0, 23, 0)]
+    assert torch.equal(as_bytes(fn(dst.clone(), src, rows)), as_bytes(expected))
 
 
 @pytest.mark.parametrize("fn", [copy_shards_, copy_shards_reference_], ids=["extension", "reference"])
@@ -233,7 +220,7 @@ def test_tensor_level_rejections(fn):
     src = random_flat(torch.float16, 30, gen)
     grid = random_flat(torch.float16, 60, gen).view(30, 2)
     ok = [(0, 0, 3)]
-    dtypes = r"dst has dtype (Half|torch\.float16) but src has dtype (Float|torch\.float32)"
+    dtypes = r"dst has dtype torch\.float16 but src has dtype torch\.float32; copy_shards_ does not convert"
     _rejected(fn, dst, src.float(), ok, dtypes)
     _rejected(fn, dst, grid[:, 0], ok, r"src must be a flat \(1-D contiguous")
     _rejected(fn, grid, src, ok, r"dst must be a flat \(1-D contiguous")
@@ -243,6 +230,10 @@ def test_tensor_level_rejections(fn):
     _rejected(fn, dst, src, torch.tensor([0, 0, 3]), r"ranges must be an int64 tensor of shape \[N, 3\]")
     not_triple = r"ranges\[0\] = \(0, 0\) is not a \(src_offset, dst_offset, length\) triple"
     _rejected(fn, dst, src, [(0, 0)], not_triple)
+    meta_table = torch.tensor([[0, 0, 3]], device="meta")
+    _rejected(
+        fn, dst, src, meta_table, r"ranges is on meta but the tensors are on cpu; pass ranges on the cpu$"
+    )
 
 
 def test_extension_checks_ranges_itself():
@@ -250,7 +241,9 @@ def test_extension_checks_ranges_itself():
     from verl import _C
 
     dst, src = torch.zeros(4), torch.zeros(4)
-    with pytest.raises(ValueError, match=r"ranges must be an int64 tensor of shape \[N, 3\].*got dtype Int"):
+    with pytest.raises(
+        ValueError, match=r"ranges must be an int64 tensor of shape \[N, 3\].*got dtype torch\.int32"
+    ):
         _C.copy_shards_(dst, src, torch.tensor([[0, 0, 1]], dtype=torch.int32))
 
 
@@ -280,7 +273,7 @@ def test_autograd_guard_and_version_counter():
     assert leaf.detach().tolist() == [0, 0, 0, 0, 1, 2]
 
 
-@pytest.mark.skipif(not _HAS_CUDA, reason="needs a GPU and verl._C built with CUDA")
+@NEEDS_CUDA
 def test_cuda_runs_on_the_current_stream_with_ranges_on_either_device():
     gen = torch.Generator().manual_seed(4)
     rows, dst_numel = valid_ranges(random.Random(4), 2000, 300, 5003)

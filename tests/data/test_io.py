@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from verl.data.io import ArrowSource, ParquetSource, TableStore, detect_format, open_source
+from verl.data.io import ArrowSource, FieldCheck, ParquetSource, TableStore, detect_format, open_source
 
 ROWS = [
     {
@@ -152,3 +153,122 @@ def test_missing_column_names_file_and_field(tmp_path):
     store = TableStore(path)
     with pytest.raises(ValueError, match=r"d.parquet: every row lacks the field 'prompt'"):
         store.require_columns(["prompt"])
+
+
+FORMATS = [("parquet", "d.parquet"), ("arrow-file", "d.arrow"), ("jsonl", "d.jsonl")]
+
+
+def sft_rows(n: int = 9) -> list[dict]:
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"what is {i}?"}],
+            "response": f"it is {i}",
+            "extra_info": {"answer": f"Answer: {i}", "index": i},
+        }
+        for i in range(n)
+    ]
+
+
+def _with(row: int, **fields) -> list[dict]:
+    rows = sft_rows()
+    rows[row].update(fields)
+    return rows
+
+
+SFT_CHECKS = [FieldCheck("prompt", ("string", "messages")), FieldCheck("response", ("string",))]
+ANSWER_CHECK = [FieldCheck("extra_info.answer", ("string",))]
+
+
+@pytest.mark.parametrize(("fmt", "name"), FORMATS)
+@pytest.mark.parametrize(
+    ("rows", "checks", "pattern"),
+    [
+        # a null extra_info under response_key=extra_info.answer (the case)
+        (_with(5, extra_info=None), ANSWER_CHECK,
+         r"row 5: field 'extra_info' is null \(needed for 'extra_info\.answer'\)"),
+        (_with(6, extra_info={"answer": None, "index": 6}), ANSWER_CHECK, r"row 6: field 'extra_info\.answer' is null"),
+        (_with(3, response=None), SFT_CHECKS, r"row 3: field 'response' is null"),
+        (_with(4, prompt=[]), SFT_CHECKS, r"row 4: field 'prompt': a chat prompt must be a non-empty list"),
+        (_with(8, prompt=[{"role": "user", "content": None}]), SFT_CHECKS,
+         r"row 8: field 'prompt': message 0 \(user\) has non-string content"),
+    ],
+)
+def test_bad_rows_are_found_at_load_naming_file_row_and_field(tmp_path, fmt, name, rows, checks, pattern):
+    path = write(str(tmp_path / name), rows, fmt, **({"row_group_size": 4} if fmt == "parquet" else {}))
+    store = TableStore(path)
+    with pytest.raises(ValueError, match=re.escape(path) + ": " + pattern):
+        store.check_fields(checks, batch_rows=2)  # small batches: row numbers must count across them
+    good = write(str(tmp_path / ("good-" + name)), sft_rows(), fmt)
+    TableStore(good).check_fields(SFT_CHECKS + ANSWER_CHECK, batch_rows=2)
+
+
+def test_mixed_types_in_jsonl(tmp_path):
+    # Only jsonl can mix types in one column; parquet and arrow columns have one type.
+    path = tmp_path / "d.jsonl"
+    rows = sft_rows()
+    rows[7]["response"] = ["it", "is"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"d\.jsonl: row 7: field 'response' is a list \(\['it', 'is'\]\), expected a string"):
+        TableStore(str(path)).check_fields(SFT_CHECKS)
+
+
+@pytest.mark.parametrize(("fmt", "name"), FORMATS)
+def test_a_column_of_the_wrong_type_is_refused_at_its_first_row(tmp_path, fmt, name):
+    rows = [{"prompt": "p", "response": i} for i in range(5)]
+    path = write(str(tmp_path / name), rows, fmt)
+    with pytest.raises(ValueError, match=r"row 0: field 'response' is a number \(0\), expected a string"):
+        TableStore(path).check_fields(SFT_CHECKS)
+
+
+@pytest.mark.parametrize(("fmt", "name"), FORMATS)
+def test_nullable_object_columns(tmp_path, fmt, name):
+    rows = [{"prompt": "p", "extra_info": {"a": 1} if i != 2 else None} for i in range(4)]
+    path = write(str(tmp_path / name), rows, fmt)
+    checks = [FieldCheck("extra_info", ("dict",), nullable=True), FieldCheck("reward_model", ("dict",), nullable=True)]
+    TableStore(path).check_fields(checks)  # a null row and a missing column are fine
+    rows = [{"prompt": "p", "extra_info": "split=train"} for _ in range(3)]
+    path = write(str(tmp_path / ("s-" + name)), rows, fmt)
+    with pytest.raises(ValueError, match=r"row 0: field 'extra_info' is a string \('split=train'\), expected an object"):
+        TableStore(path).check_fields(checks)
+
+
+def test_struct_without_the_nested_field(tmp_path):
+    rows = [{"prompt": "p", "extra_info": {"index": i}} for i in range(3)]
+    path = write(str(tmp_path / "d.parquet"), rows, "parquet")
+    with pytest.raises(ValueError, match=r"row 0: field 'extra_info' has no 'answer' \(keys: \['index'\]"):
+        TableStore(path).check_fields(ANSWER_CHECK)
+
+
+def test_a_directory_given_as_a_data_file(tmp_path):
+    write(str(tmp_path / "train.parquet"), sft_rows(), "parquet")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path} is a directory, not a data file; give the data files "
+                                                   f"in it ({tmp_path}/train.parquet)")):
+        TableStore(str(tmp_path))
+
+
+def chats(n: int = 7) -> list[dict]:
+    return [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(("fmt", "name"), FORMATS)
+@pytest.mark.parametrize(
+    ("row", "messages", "pattern"),
+    [
+        (4, [{"role": "user", "content": "q"}], r"row 4: field 'messages': the conversation has no assistant turn"),
+        (5, [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}],
+         r"row 5: field 'messages': the conversation starts with an assistant turn"),
+        (6, [], r"row 6: field 'messages': a chat prompt must be a non-empty list"),
+    ],
+)
+def test_conversations_are_checked_at_load(tmp_path, fmt, name, row, messages, pattern):
+    rows = chats()
+    rows[row]["messages"] = messages
+    path = write(str(tmp_path / name), rows, fmt)
+    with pytest.raises(ValueError, match=re.escape(path) + ": " + pattern):
+        TableStore(path).check_fields([FieldCheck("messages", ("conversation",))], batch_rows=3)
+    TableStore(write(str(tmp_path / ("good-" + name)), chats(), fmt)).check_fields(
+        [FieldCheck("messages", ("conversation",))], batch_rows=3
+    )

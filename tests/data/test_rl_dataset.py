@@ -136,18 +136,16 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer):
     path = str(tmp_path / "d.jsonl")
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    ds = RLPromptDataset(path, tokenizer, max_prompt_length=32)
-    with pytest.raises(
-        ValueError, match=r"d.jsonl: row 1: message 0 \(user\) has non-string content of type list"
-    ):
-        ds[1]
-    with pytest.raises(ValueError, match="non-string content"):
-        RLPromptDataset(path, tokenizer, max_prompt_length=32, filter_overlong_prompts=True)
+    # Found when the dataset is built, not when the batch holding row 1 is drawn.
+    for filter_overlong in (False, True):
+        with pytest.raises(
+            ValueError, match=r"d.jsonl: row 1: field 'prompt': message 0 \(user\) has non-string content of type list"
+        ):
+            RLPromptDataset(path, tokenizer, max_prompt_length=32, filter_overlong_prompts=filter_overlong)
     missing = tmp_path / "m.jsonl"
     missing.write_text('{"prompt": "a", "data_source": "x"}\n{"prompt": null, "data_source": "x"}\n')
-    ds = RLPromptDataset(str(missing), tokenizer, max_prompt_length=32)
-    with pytest.raises(ValueError, match=r"m.jsonl: row 1 has no field 'prompt'"):
-        ds[1]
+    with pytest.raises(ValueError, match=r"m.jsonl: row 1: field 'prompt' is null; fix the file"):
+        RLPromptDataset(str(missing), tokenizer, max_prompt_length=32)
 
 
 def test_tokenizer_without_pad_gets_one(tmp_path, tokenizer, caplog):

@@ -70,11 +70,8 @@ def test_multi_turn_learns_assistant_turns_only(tmp_path, tokenizer):
     )["input_ids"]
     assert item["input_ids"][:n].tolist() == expected_ids
     assert masked_text(tokenizer, item) == "Answer: 2<|im_end|>\nAnswer: 4<|im_end|>\n"
-    no_answer = SFTDataset(
-        to_jsonl(tmp_path / "u.jsonl", [{"messages": messages[:2]}]), tokenizer, messages_key="messages"
-    )
-    with pytest.raises(ValueError, match=r"u.jsonl: row 0: the conversation has no assistant turn"):
-        no_answer[0]
+    with pytest.raises(ValueError, match=r"u.jsonl: row 0: field 'messages': the conversation has no assistant turn"):
+        SFTDataset(to_jsonl(tmp_path / "u.jsonl", [{"messages": messages[:2]}]), tokenizer, messages_key="messages")
 
 
 @pytest.mark.parametrize("mode", ["left", "right", "error"])

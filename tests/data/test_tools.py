@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.cli_errors import one_error_line
 from verl.data import RLPromptDataset, read_records
 from verl.data.tasks import arithmetic, countdown, gsm8k
 from verl.data.tasks import math as math_task
@@ -227,3 +228,64 @@ def test_converters_name_file_row_and_field(tmp_path):
         )
     with pytest.raises(ValueError, match=r"row 2 field 'target' is a str"):
         countdown.convert_row({"nums": [1, 2], "target": "3"}, index=2, split="train", path="f.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--train", "-1"], "argument --train: must be >= 1, got -1"),
+        (["--val", "0"], "argument --val: must be >= 1, got 0"),  # refused before train.parquet is written
+        (["--digits", "two"], "argument --digits: expected a whole number, got 'two'"),
+    ],
+)
+def test_arithmetic_refuses_nonsensical_numbers(tmp_path, args, message):
+    proc = run_tool("tools/data/arithmetic.py", "--out-dir", str(tmp_path / "o"), *args, check=False)
+    assert one_error_line(proc, "arithmetic.py").endswith(message)
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_output_paths_that_cannot_be_written(tmp_path):
+    a_file = tmp_path / "taken"
+    a_file.write_text("mine")
+    proc = run_tool("tools/data/arithmetic.py", "--out-dir", str(a_file), "--train", "5", "--val", "5", check=False)
+    assert one_error_line(proc, "arithmetic.py").endswith(
+        f"cannot write {a_file}/train.parquet: {a_file} is a file, not a folder"
+    )
+    assert a_file.read_text() == "mine"
+    proc = run_tool("tools/data/countdown.py", "generate", "--out-dir", str(tmp_path / "c"), "--count", "0", check=False)
+    assert one_error_line(proc, "countdown.py generate").endswith("argument --count: must be >= 1, got 0")
+
+
+def test_converters_refuse_to_replace_their_input_or_read_a_folder(tmp_path):
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text(json.dumps(GSM8K_ROWS[0]) + "\n")
+    before = src.read_bytes()
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(src), check=False)
+    assert one_error_line(proc, "gsm8k.py").endswith(f"--output={src} is the input --input={src}; writing there would "
+                                                     "replace or delete what it is made from: choose a --output elsewhere")
+    assert src.read_bytes() == before
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(folder), "--output", str(tmp_path / "o.parquet"),
+                    check=False)
+    assert one_error_line(proc, "gsm8k.py").endswith(f"input {folder} is not a file; give the data file to convert")
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(folder), check=False)
+    assert one_error_line(proc, "gsm8k.py").endswith(f"{folder} is a directory; give the path of the parquet file "
+                                                     "to write")
+    proc = run_tool("tools/data/gsm8k.py", "--input", str(src), "--output", str(tmp_path), check=False)
+    assert one_error_line(proc, "gsm8k.py").endswith(f"--output={tmp_path} contains the input --input={src}; writing "
+                                                     "there would replace or delete what it is made from: choose a "
+                                                     "--output elsewhere")
+
+
+def test_make_tiny_model_refuses_a_folder_that_holds_something(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_tool("tools/make_tiny_model.py", "--family", "llama", "--out", str(out), check=False)
+    assert one_error_line(proc, "make_tiny_model.py").endswith(
+        f"{out} already exists and is not empty; choose another folder or pass overwrite=True (--overwrite)"
+    )
+    assert os.listdir(out) == ["notes.txt"]
+    proc = run_tool("tools/make_tiny_model.py", "--family", "llama", "--out", str(out / "notes.txt"), check=False)
+    assert one_error_line(proc, "make_tiny_model.py").endswith("notes.txt is a file; give a folder for the model")

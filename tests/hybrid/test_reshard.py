@@ -149,3 +149,49 @@ def test_impossible_rollout_layouts_are_refused_naming_every_degree():
     assert any("intermediate_size=384 is not divisible" in p for p in problems) is False
     with pytest.raises(ValueError, match="rollout layout TP'=16: num_attention_heads=8 is not divisible"):
         vllm_layout(spec, tp=16, tp_rank=0)
+
+
+def _bad_destinations_body(model_dir: str) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from verl.config import MegatronConfig, ModelConfig
+    from verl.engine import MegatronEngine
+    from verl.hybrid.weight_sync import HFShards, WeightSync
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=2)
+    engine = MegatronEngine(model=ModelConfig(path=model_dir), megatron=MegatronConfig(tensor_model_parallel_size=2),
+                            pg=pg)
+    rank = dist.get_rank()
+    out = {}
+
+    def attempt(name: str, dest) -> None:
+        try:
+            WeightSync(engine, dest, bucket_bytes=1 << 20)
+            out[name] = ""
+        except ValueError as exc:  # every rank raises, none waits in a collective
+            out[name] = str(exc)
+
+    wide = HFShards(engine.spec, tp=1, tp_rank=0, dtype=torch.float32, device="cpu")
+    wide.tp = 4  # a rollout TP' of 4 on a world of 2
+    attempt("tp_too_wide", wide)
+    lacking = HFShards(engine.spec, tp=2, tp_rank=rank, dtype=torch.float32, device="cpu")
+    if rank == 1:  # only one rank's engine lacks it: still every rank must fail
+        del lacking.tensors["model.layers.1.mlp.down_proj.weight"]
+    attempt("lacking", lacking)
+    odd = HFShards(engine.spec, tp=2, tp_rank=rank, dtype=torch.float32, device="cpu")
+    odd.tensors["model.norm.weight"] = torch.zeros(3)
+    attempt("wrong_shape", odd)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_bad_destinations_fail_at_construction_on_every_rank(models):
+    results = run_distributed(_bad_destinations_body, 2, models["llama"], timeout=170)
+    for r in results:
+        assert "rollout TP'=4 does not divide the actor's 2 ranks" in r["tp_too_wide"]
+        assert "actor tp=2 pp=1 vpp=None cp=1 dp=1, rollout TP'=4" in r["tp_too_wide"]  # every degree
+        assert "world_size=2" in r["tp_too_wide"]
+        assert "rank 1: the rollout engine lacks 1 parameter(s) the plan fills, e.g. " \
+               "['model.layers.1.mlp.down_proj.weight']" in r["lacking"]
+        assert "model.norm.weight has shape [3], the plan [256]" in r["wrong_shape"]

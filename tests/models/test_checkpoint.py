@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -158,3 +159,54 @@ def test_load_refuses_other_head_and_partial_checkpoints(qwen_tied_ckpt, tmp_pat
         read_checkpoint_meta(str(partial))
     with pytest.raises(ValueError, match="no such directory"):
         read_checkpoint_meta(str(tmp_path / "nowhere"))
+
+
+def _non_finite_body(bad_hf_dir, good_hf_dir, ckpt_dir):
+    import torch.distributed as dist
+
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.checkpoint import load_checkpoint, load_hf_weights, save_checkpoint
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(tensor_model_parallel_size=2)
+    spec = parse_hf_config(good_hf_dir)
+    messages = {}
+    chunks = build_model_chunks(spec, ModelBuildConfig(), pg)
+    try:
+        load_hf_weights(chunks, bad_hf_dir, pg=pg)
+    except ValueError as exc:
+        messages["hf"] = str(exc)
+    # A NaN that reaches a distributed checkpoint (saved from a diverged run) on TP rank 1 only.
+    load_hf_weights(chunks, good_hf_dir, pg=pg)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            dict(chunks[0].named_parameters())["decoder.layers.0.mlp.linear_fc2.weight"][0, 0] = float("nan")
+    save_checkpoint(chunks, ckpt_dir, pg=pg)
+    fresh = build_model_chunks(spec, ModelBuildConfig(), pg)
+    try:
+        load_checkpoint(fresh, ckpt_dir, pg=pg)
+    except ValueError as exc:
+        messages["megatron"] = str(exc)
+    return messages
+
+
+def test_non_finite_weights_are_refused_on_every_rank(tmp_path):
+    from safetensors.torch import save_file
+
+    good = make_tiny_model(str(tmp_path / "good"), "qwen2_untied")
+    bad = str(tmp_path / "bad")
+    shutil.copytree(good, bad)
+    state = _hf_state(bad)
+    # down_proj is row-parallel (split along its input columns): the last column is read by TP
+    # rank 1 only, yet every rank must refuse (no rank may go on to the next collective alone).
+    state["model.layers.1.mlp.down_proj.weight"][3, -1] = float("inf")
+    save_file(state, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    results = run_distributed(_non_finite_body, 2, bad, good, str(tmp_path / "ckpt"))
+    assert results[0] == results[1]
+    assert re.search(r"bad: non-finite weights \(NaN or inf\) in 'model\.layers\.1\.mlp\.down_proj\.weight' "
+                     r"\(.*bad/model\.safetensors\)", results[0]["hf"]), results[0]
+    assert re.search(
+        r"ckpt: non-finite weights \(NaN or inf\) in 'decoder\.layers\.0\.mlp\.linear_fc2\.weight'",
+        results[0]["megatron"],
+    ), results[0]

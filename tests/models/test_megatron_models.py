@@ -2,7 +2,8 @@
 
 Covering set (not the full product, to fit the CPU budget): every family; TP 1/2, PP 1/2, SP on
 and off, DP 2; vocabulary 1001 padded for TP 2 (to 1002 and to 1024); logits, per-token
-logprobs and entropy on left/right-padded batches with micro-batches; value and reward heads;
+logprobs and entropy (at temperature 1 and 0.7) on left/right-padded batches with
+micro-batches; value and reward heads;
 gradients at TP 1 and TP 2 (+SP) both equal to transformers' autograd gradients.
 
 Tolerances: float32 on both sides; the same math in a different order (fused QKV, TP-split
@@ -22,6 +23,9 @@ from verl.testing.distributed import run_distributed
 pytestmark = pytest.mark.distributed
 
 ATOL = 1e-5
+# The sampling temperature of the logprobs checks: != 1, so logits / T is exercised (and
+# < 1, so a T applied as a multiplication or not at all is off by far more than ATOL).
+TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,9 @@ def _lm_body(model_dir, tp, pp, sp, pad_multiple, batches, micro_batch_size):
     batch = batches[dp_rank]
     logits = forward_backward(chunks, batch, pg=pg, micro_batch_size=micro_batch_size, output="logits")
     logprobs = forward_backward(chunks, batch, pg=pg, micro_batch_size=micro_batch_size, output="logprobs")
+    hot = forward_backward(
+        chunks, batch, pg=pg, micro_batch_size=micro_batch_size, output="logprobs", temperature=TEMPERATURE
+    )
     return {
         "rank": dist.get_rank(),
         "tp_rank": pg.tp.rank(),
@@ -58,6 +65,7 @@ def _lm_body(model_dir, tp, pp, sp, pad_multiple, batches, micro_batch_size):
         "padded_vocab": chunks[0].verl_padded_vocab,
         "logits": logits.outputs["logits"],  # [B, T, V/TP], broadcast to every stage
         **logprobs.outputs,
+        **{f"{k}_at_temperature": v for k, v in hot.outputs.items()},
     }
 
 
@@ -80,6 +88,9 @@ def test_logits_logprobs_entropy_match_transformers(models, family, tp, pp, sp, 
     for dp_rank, batch in enumerate(batches):
         expected_logits = hf_outputs(model_dir, batch)  # [B, T, 1001]
         expected_lp, expected_ent = reference_logprobs_entropy(expected_logits, batch["input_ids"], batch["attention_mask"])
+        expected_lp_t, expected_ent_t = reference_logprobs_entropy(
+            expected_logits / TEMPERATURE, batch["input_ids"], batch["attention_mask"]
+        )
         mask = batch["attention_mask"].bool()
         ranks = sorted((r for r in results if r["dp_rank"] == dp_rank), key=lambda r: r["tp_rank"])
         shards = {r["tp_rank"]: r["logits"] for r in ranks}
@@ -89,6 +100,9 @@ def test_logits_logprobs_entropy_match_transformers(models, family, tp, pp, sp, 
         for r in ranks:  # every TP rank and pipeline stage holds the same per-token results
             torch.testing.assert_close(r["logprobs"], expected_lp, rtol=0, atol=ATOL)
             torch.testing.assert_close(r["entropy"], expected_ent, rtol=0, atol=ATOL)
+            # log_softmax(logits / T): the trainer's side of the rollout logprob match.
+            torch.testing.assert_close(r["logprobs_at_temperature"], expected_lp_t, rtol=0, atol=ATOL)
+            torch.testing.assert_close(r["entropy_at_temperature"], expected_ent_t, rtol=0, atol=ATOL)
             assert torch.count_nonzero(r["logprobs"][~mask]) == 0
 
 

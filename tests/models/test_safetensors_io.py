@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verl.models.safetensors_io import SafetensorsReader, SafetensorsWriter
+from verl.models.safetensors_io import SafetensorsReader, SafetensorsWriter, check_weight_files
 from verl.models.weight_mapping import HFPiece
 
 
@@ -36,12 +37,60 @@ def test_reader_slices_match_safetensors(tmp_path):
     reader.close()
 
 
-def test_truncated_file_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize(
+    ("keep", "pattern"),
+    [
+        (0, r"0 bytes, shorter than the 8-byte header length"),
+        (5, r"5 bytes, shorter than the 8-byte header length"),
+        (40, r"its header length \d+ runs past the end of the 40-byte file"),
+        (-100, r"truncated: tensor 'a' ends at byte 16384 of the data section but the file holds 16284 data bytes"),
+    ],
+)
+def test_truncated_file_is_refused_at_open_naming_it(tmp_path, keep, pattern):
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(64, 64)}, str(path))
+    os.truncate(path, keep if keep >= 0 else os.path.getsize(path) + keep)
+    for check in (SafetensorsReader, check_weight_files):
+        with pytest.raises(ValueError, match=re.escape(str(path)) + r": .*" + pattern + ".*Copy the file again"):
+            check(str(tmp_path))
+
+
+def test_corrupt_header_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    body = b"[1, 2]"
+    path.write_bytes(len(body).to_bytes(8, "little") + body)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file \(the header is a list"):
+        SafetensorsReader(str(tmp_path))
+    path.write_bytes((4).to_bytes(8, "little") + b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=r"the header is not JSON"):
+        SafetensorsReader(str(tmp_path))
+    body = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}'
+    path.write_bytes(len(body).to_bytes(8, "little") + body)
+    with pytest.raises(ValueError, match=r"tensor 'a' has no valid data_offsets"):
+        SafetensorsReader(str(tmp_path))
+
+
+def test_a_file_shrunk_after_opening_is_a_clear_error(tmp_path):
     save_file({"a": torch.randn(64, 64)}, str(tmp_path / "model.safetensors"))
     path = tmp_path / "model.safetensors"
+    reader = SafetensorsReader(str(tmp_path))
     os.truncate(path, os.path.getsize(path) - 100)
     with pytest.raises(ValueError, match="ends early"):
-        SafetensorsReader(str(tmp_path)).read("a")
+        reader.read("a")
+    reader.close()
+
+
+def test_weight_checks_of_a_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"no model weights \(\*\.safetensors\) found"):
+        check_weight_files(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    check_weight_files(str(tmp_path))  # transformers reads .bin; only safetensors are checked here
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not valid JSON \(line 1"):
+        check_weight_files(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index\.json: no 'weight_map' object"):
+        check_weight_files(str(tmp_path))
 
 
 def test_writer_shards_and_indexes(tmp_path):

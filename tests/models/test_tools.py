@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tests.cli_errors import one_error_line
 from tests.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -92,14 +93,95 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_an_output_onto_the_input_is_refused_even_with_overwrite(converted):
+@pytest.mark.parametrize(
+    ("damage", "pattern"),
+    [
+        ("truncate", r"__0_0\.distcp is truncated: 2000 bytes, the checkpoint's \.metadata needs \d+; copy"),
+        ("remove", r"__0_0\.distcp is missing \(the checkpoint's \.metadata refers to it\)"),
+        ("metadata", r"\.metadata cannot be read \(UnpicklingError: .*\); a truncated or partial copy"),
+    ],
+)
+def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, damage, pattern):
+    import re
+    import shutil
+
+    _, ckpt, _ = converted
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    if damage == "truncate":
+        os.truncate(copy / "__0_0.distcp", 2000)
+    elif damage == "remove":
+        os.remove(copy / "__0_0.distcp")
+    else:
+        os.truncate(copy / ".metadata", 100)
+    out = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(tmp_path / "back"), "--no-progress")
+    assert re.search(pattern, one_error_line(out, "megatron2hf")), out.stderr
+    assert not os.path.exists(tmp_path / "back") and os.listdir(tmp_path) == ["ckpt"]  # nothing written
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_an_output_over_its_input_is_refused(converted, tmp_path, where):
+    import shutil
+
     model, ckpt, _ = converted
-    before = sorted(os.listdir(ckpt)), sorted(os.listdir(model))
-    out = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(ckpt), "--overwrite", "--no-progress")
-    assert out.returncode == 2 and f"--out-dir={ckpt} is --megatron-dir={ckpt}" in out.stderr, out.stderr
-    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", os.path.join(model, "megatron"), "--overwrite")
-    assert out.returncode == 2 and "is inside --hf-dir" in out.stderr, out.stderr
-    assert (sorted(os.listdir(ckpt)), sorted(os.listdir(model))) == before
+    hf = tmp_path / "hf"
+    shutil.copytree(model, hf)
+    before = sorted(os.listdir(hf))
+    out = {"same": hf, "inside": hf / "megatron", "around": tmp_path}[where]
+    relation = {"same": "is", "inside": "is inside", "around": "contains"}[where]
+    proc = _run(HF2MEG, "--hf-dir", str(hf), "--out-dir", str(out), "--overwrite", "--no-progress")
+    assert one_error_line(proc, "hf2megatron").endswith(
+        f"--out-dir={out} {relation} the input --hf-dir={hf}; writing there would replace or delete what it is "
+        "made from: choose a --out-dir elsewhere"
+    )
+    assert sorted(os.listdir(hf)) == before
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    proc = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(copy), "--overwrite", "--no-progress")
+    assert one_error_line(proc, "megatron2hf").endswith(
+        f"--out-dir={copy} is the input --megatron-dir={copy}; writing there would replace or delete what it "
+        "is made from: choose a --out-dir elsewhere"
+    )
+    assert os.path.isfile(copy / "verl_model.json")
+
+
+def test_a_failed_checkpoint_read_is_one_line(monkeypatch, capsys, tmp_path):
+    # Damage that the size check cannot see still ends in one line naming the checkpoint.
+    import importlib.util
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import verl.models.convert as convert
+
+    def broken(**_):
+        raise CheckpointException("load failed", {0: (RuntimeError("PytorchStreamReader failed reading zip archive"), None)})
+
+    monkeypatch.setattr(convert, "megatron_to_hf", broken)
+    spec = importlib.util.spec_from_file_location("megatron2hf_tool", MEG2HF)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--megatron-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        f"megatron2hf: error: cannot read the checkpoint in {tmp_path}/ckpt (RuntimeError: PytorchStreamReader failed "
+        "reading zip archive); is it complete and unmodified? Copy it again\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "message"),
+    [
+        (HF2MEG, ["--tp", "0"], "argument --tp: must be >= 1, got 0"),
+        (HF2MEG, ["--pp", "two"], "argument --pp: expected a whole number, got 'two'"),
+        (HF2MEG, ["--tolerance", "-1"], "argument --tolerance: must be >= 0, got -1"),
+        (MEG2HF, ["--max-shard-gib", "0"], "argument --max-shard-gib: must be > 0, got 0"),
+    ],
+)
+def test_nonsensical_numbers_are_refused_by_the_parser(tmp_path, tool, args, message):
+    dirs = ["--hf-dir", str(tmp_path)] if tool == HF2MEG else ["--megatron-dir", str(tmp_path)]
+    out = _run(tool, *dirs, "--out-dir", str(tmp_path / "o"), *args)
+    assert one_error_line(out, os.path.basename(tool)[: -len(".py")]).endswith(message)
 
 
 def test_check_detects_a_wrong_checkpoint(converted, tmp_path):

@@ -297,6 +297,16 @@ def test_pad_to_divisor_and_unpad_round_trip(n, divisor, expected_pad):
         padded.unpad(len(padded) + 1)
 
 
+def test_unpad_bounds_on_both_sides():
+    batch = make_batch(3)
+    assert len(batch.unpad(3)) == 0  # every row: the upper bound itself is allowed
+    assert batch.unpad(0).equals(batch)
+    with pytest.raises(ValueError, match=r"pad_size must be an int in \[0, 3\], got -1"):
+        batch.unpad(-1)
+    with pytest.raises(ValueError, match=r"pad_size must be an int in \[0, 3\], got 4"):
+        batch.unpad(4)
+
+
 # ---------------------------------------------------------------------- devices, files, repr
 
 

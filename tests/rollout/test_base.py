@@ -18,6 +18,7 @@ from verl.rollout import (
     rollout_metrics,
     sampling_spec,
 )
+from verl.rollout.base import RolloutEngine
 from verl.rollout.checks import logprob_agreement
 
 PAD = 0
@@ -149,3 +150,72 @@ def test_accelerator_hooks_restored_when_the_last_engine_is_gone():
         # B shut down first; A still runs on the no-ops (A shutting down first is the same).
         assert torch.accelerator.synchronize is noop
     assert (torch.accelerator.synchronize, torch.accelerator.empty_cache) == originals
+
+
+def test_vllms_current_stream_placeholder_lives_only_as_long_as_an_engine():
+    """Importing the CPU build's shm module replaces torch.cuda.current_stream once per process: it
+    is torch's again when the last engine is gone, and vLLM's again for an engine built later."""
+    from verl.rollout import vllm_internals
+
+    original = torch.cuda.current_stream
+
+    def placeholder(*args, **kwargs):
+        return None
+
+    try:
+        with vllm_internals.accelerator_hooks_restored():  # engine A; its import sets the placeholder
+            torch.cuda.current_stream = placeholder
+        assert torch.cuda.current_stream is original
+        with vllm_internals.accelerator_hooks_restored():  # engine B: no import, the placeholder comes back
+            assert torch.cuda.current_stream is placeholder
+        assert torch.cuda.current_stream is original
+    finally:
+        torch.cuda.current_stream = original
+        vllm_internals._vllm_current_stream = None
+
+
+# ----------------------------------------------------------------------------------------------
+# edges of the range and both sides of each guard
+
+
+def test_rollout_metrics_of_no_samples_in_no_time():
+    m = rollout_metrics([], seconds=0.0)
+    assert m["rollout/tokens_per_s"] == 0.0 and m["rollout/num_sequences"] == 0.0
+    assert m["rollout/response_length/mean"] == 0.0 and m["rollout/clip_ratio"] == 0.0
+    assert all(math.isfinite(v) for v in m.values())
+
+
+class _EchoEngine(RolloutEngine):
+    """Answers each prompt with its own last token (no model): the base class's checks only."""
+
+    def _sample(self, prompts, spec):
+        echo = [Sample(token_ids=[p[-1]], logprobs=[-1.0], hit_length_limit=False) for p in prompts]
+        return [s for s in echo for _ in range(spec.n)]
+
+    def update_weights(self, weights):
+        raise AssertionError("this test engine has no weights")
+
+    def named_parameters(self):
+        return iter(())
+
+    def release(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def kv_cache_bytes(self):
+        return 0
+
+    def shutdown(self):
+        pass
+
+
+def test_prompts_exactly_prompt_length_wide_are_accepted_one_more_refused():
+    engine = _EchoEngine(RolloutConfig(prompt_length=4, response_length=2, n=1), pad_token_id=PAD)
+    out = engine.generate(_prompts())  # 4 wide: exactly the limit
+    assert torch.equal(out["responses"], torch.tensor([[13, PAD], [24, PAD]]))
+    ids, mask = torch.tensor([[PAD, 11, 12, 13, 14]]), torch.tensor([[0, 1, 1, 1, 1]])
+    wide = Batch.from_dict({"input_ids": ids, "attention_mask": mask})
+    with pytest.raises(ValueError, match="5 tokens wide but actor_rollout_ref.rollout.prompt_length is 4"):
+        engine.generate(wide)

@@ -116,8 +116,8 @@ def test_select_by_engine_shape_and_refusal_outside_the_versions(monkeypatch):
     assert "plain_cpu_linear" in usable and "rendezvous_file" in usable
     assert not usable & {"unique_shm_names", "ipc_socket_files", "caller_world_kept"}
     usable, _ = internals.select(on_cpu=False, world_size=2, owns_world=False, release_kv=False)
-    assert usable == {"in_process_worker", "abort_internal_ids", "engine_shutdown", "caller_world_kept",
-                      "ipc_socket_files"}
+    assert usable == {"in_process_worker", "kv_cache_tensors", "abort_internal_ids", "engine_shutdown",
+                      "caller_world_kept", "ipc_socket_files"}
 
     monkeypatch.setattr(internals, "installed_version", lambda: "0.99.0")
     usable, off = internals.select(on_cpu=True, world_size=1, owns_world=True, release_kv=False)
@@ -176,6 +176,10 @@ def test_cpu_runner_replaces_the_accelerator_hooks():
         assert torch.accelerator.synchronize is not originals[0]
         assert torch.accelerator.empty_cache is not originals[1]
     assert (torch.accelerator.synchronize, torch.accelerator.empty_cache) == originals
+    # The CPU build's shm module replaces torch.cuda.current_stream when it is imported.
+    from vllm.v1.worker.cpu import shm
+
+    assert "torch.cuda.current_stream = " in inspect.getsource(shm)
 
 
 @cpu_build
@@ -221,6 +225,22 @@ def test_kv_cache_release_internals(monkeypatch):
         internals.check_kv_release_supported()
     with pytest.raises(RuntimeError, match="vllm 0.99.0 is installed"):
         internals.free_kv_cache(SimpleNamespace())
+
+
+def test_runner_kv_caches_are_the_bound_cache_tensors():
+    """kv_cache_bytes reads runner.kv_caches: vLLM binds the allocated cache tensors into that list
+    (one view per layer of one buffer) and the profiling cleanup empties it; storages count once."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "self.kv_caches: list[torch.Tensor] = []" in inspect.getsource(GPUModelRunner.__init__)
+    bind = inspect.getsource(GPUModelRunner.initialize_kv_cache_tensors)
+    assert "bind_kv_cache(" in bind and "self.kv_caches," in bind
+    assert "self.kv_caches.clear()" in inspect.getsource(GPUModelRunner._cleanup_profiling_kv_cache)
+    buffer = torch.zeros(4096, dtype=torch.int8)
+    layers = [buffer[:2048].view(torch.float32).view(2, 256), buffer[2048:].view(torch.float32).view(2, 256)]
+    worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=[layers[0], (layers[1],)]))
+    assert internals.kv_cache_bytes(worker) == 4096
+    assert internals.kv_cache_bytes(SimpleNamespace(model_runner=SimpleNamespace(kv_caches=[]))) == 0
 
 
 @cpu_build
@@ -445,7 +465,7 @@ def test_outside_the_versions_the_engine_runs_on_public_api_and_says_so_once(pub
     lines = [r for r in records if r.getMessage().startswith(f"vLLM {OUTSIDE}: rollout engine without")]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     expected_off = {"in_process_worker", "plain_cpu_linear", "accelerator_hooks", "kv_cache_release",
-                    "sampled_logprob_capture", "inverse_cdf_sampler", "decode_slot_fast_path",
+                    "kv_cache_tensors", "sampled_logprob_capture", "inverse_cdf_sampler", "decode_slot_fast_path",
                     "abort_internal_ids", "engine_shutdown", "rendezvous_file"}
     message = lines[0].getMessage()
     assert {name for name in internals.INTERNALS if f"{name} (" in message} == expected_off
@@ -478,6 +498,8 @@ def test_outside_the_versions_weights_memory_and_interrupts(public_engine, promp
     with pytest.raises(RuntimeError, match="free_cache_engine=false"):
         engine.release()
     assert not engine.released
+    # kv_cache_bytes from vLLM's public configs: the bytes of the cache tensors.
+    assert engine.kv_cache_bytes() == internals.kv_cache_bytes(internals.in_process_worker(engine._llm)) > 0
 
     llm = engine._llm
     interrupt_generate(engine, prompts)  # raises KeyboardInterrupt after one engine step

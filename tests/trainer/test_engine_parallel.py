@@ -153,7 +153,7 @@ def test_export_never_destroys_the_model_or_a_users_files(tiny_model_dir, tmp_pa
     results = run_distributed(_export_targets, 2, tiny_model_dir, str(tmp_path))
     assert results[0] == results[1]
     refusals = results[0]["refusals"]
-    assert "is model.path" in refusals["model"] and "is inside model.path" in refusals["inside-model"]
+    assert "is the input model.path" in refusals["model"] and "is inside the input model.path" in refusals["inside-model"]
     assert "was not written by verl" in refusals["users"]
     assert results[0]["first"] == results[0]["second"]
     assert ".verl_output.json" in results[0]["first"] and "model.safetensors" in results[0]["first"]

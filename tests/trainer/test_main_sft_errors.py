@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import os
 
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from verl.trainer.main_sft import main
+from verl.trainer.main_sft import PROG, main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(capsys, argv: list[str]) -> str:
@@ -81,7 +88,7 @@ def _listing(path) -> dict[str, bytes]:
 def test_exporting_onto_the_model_is_refused_before_anything_is_built(capsys, tiny_model_dir, arithmetic_files):
     before = _listing(tiny_model_dir)
     err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, f"trainer.hf_export_dir={tiny_model_dir}")
-    assert f"trainer.hf_export_dir={tiny_model_dir} is model.path={tiny_model_dir}" in err
+    assert f"trainer.hf_export_dir={tiny_model_dir} is the input model.path={tiny_model_dir}" in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert _listing(tiny_model_dir) == before
 
@@ -109,3 +116,79 @@ def test_an_unwritable_output_location_fails_at_start_up(capsys, tiny_model_dir,
     err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, "trainer.save_freq=10", "trainer.logger=[jsonl]",
                        *(f"{k}={v}" for k, v in settings.items()))
     assert f"{key}={bad} cannot be written" in err
+def test_model_dir_that_does_not_exist(capsys, tmp_path, arithmetic_files):
+    err = _run(capsys, [f"model.path={tmp_path}/nope", f"data.train_files={arithmetic_files['train']}",
+                        "data.val_files=null"])
+    assert err == (f"{PROG}: error: model.path='{tmp_path}/nope' does not exist; give a Hugging Face model "
+                   "directory (config.json + weights)\n")
+
+
+def test_model_path_that_is_a_file(capsys, tiny_model_dir, arithmetic_files):
+    err = _run(capsys, [f"model.path={tiny_model_dir}/config.json", f"data.train_files={arithmetic_files['train']}"])
+    assert f"model.path='{tiny_model_dir}/config.json' is not a directory" in err
+
+
+def test_model_dir_one_level_up_suggests_the_model(capsys, tmp_path, arithmetic_files):
+    (tmp_path / "huggingface").mkdir()
+    (tmp_path / "huggingface" / "config.json").write_text("{}")
+    err = _run(capsys, [f"model.path={tmp_path}", f"data.train_files={arithmetic_files['train']}"])
+    assert f"model.path='{tmp_path}' has no config.json; give a Hugging Face model directory; did you mean " \
+           f"'{tmp_path}/huggingface'?" in err
+
+
+def test_broken_config_json_names_the_file(capsys, tmp_path, arithmetic_files):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2",')
+    err = _run(capsys, [f"model.path={tmp_path}", f"data.train_files={arithmetic_files['train']}"])
+    assert f"{tmp_path}/config.json is not valid JSON (line 1, column 24" in err
+
+
+def test_resume_from_path_without_resume_mode(capsys):
+    err = _run(capsys, ["trainer.resume_from_path=ckpt/global_step_3"])
+    assert "trainer.resume_from_path='ckpt/global_step_3' is ignored with trainer.resume_mode=auto; set " \
+           "trainer.resume_mode=resume_path" in err
+
+
+def _subprocess(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "verl.trainer.main_sft", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def test_two_ranks_declared_without_torchrun_reports_the_world_size(tmp_path, tiny_model_dir, arithmetic_files):
+    # The tiny config's batch (64 = micro 64 x dp 1) would not divide over the declared dp 2;
+    # the real mistake is the launch, and that is the one line shown.
+    proc = _subprocess(["--config", "sft_tiny_cpu", "trainer.n_gpus_per_node=2", f"model.path={tiny_model_dir}",
+                        f"data.train_files={arithmetic_files['train']}"], str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[0] == (
+        f"{PROG}: error: the launched world size 1 differs from trainer.nnodes=1 x trainer.n_gpus_per_node=2 = 2; "
+        "launch 2 processes (torchrun --nnodes=1 --nproc_per_node=2) or set trainer.n_gpus_per_node=1 to match "
+        "the launcher"
+    )
+
+
+def test_a_bad_row_is_found_when_the_data_is_loaded(tmp_path, tiny_model_dir, arithmetic_files):
+    # sft_tiny_cpu reads the response from extra_info.answer; one row without it fails at load,
+    # before the first step, with one line naming file, row and field, and nothing is written.
+    rows = pq.read_table(arithmetic_files["val"]).to_pylist()
+    rows[17]["extra_info"] = None
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), bad)
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _subprocess(["--config", "sft_tiny_cpu", f"model.path={tiny_model_dir}", f"data.train_files={bad}",
+                        "data.val_files=null", "trainer.save_hf=false", "trainer.logger=[console]"], str(run))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"{PROG}: error: {bad}: row 17: field 'extra_info' is null (needed for 'extra_info.answer'); fix the file or "
+        "point the config's key at the right field"
+    )
+    assert os.listdir(run) == []
+
+
+def test_tokenizer_path_that_does_not_exist(capsys, tiny_model_dir, tmp_path, arithmetic_files):
+    err = _run(capsys, [f"model.path={tiny_model_dir}", f"model.tokenizer_path={tmp_path}/tok",
+                        f"data.train_files={arithmetic_files['train']}"])
+    assert err == (f"{PROG}: error: model.tokenizer_path='{tmp_path}/tok' does not exist; give the tokenizer "
+                   "directory, or leave it unset to use model.path's\n")

@@ -38,7 +38,7 @@ def _losses(log_dir: str) -> dict[int, float]:
     return out
 
 
-def _sft_config(model_dir: str, files: dict[str, str], run_dir: str, *extra: str):
+def _sft_config(model_dir: str, files: dict[str, str], run_dir: str, *extra: str, world_size: int = 1):
     from verl.config import SFTConfig, load_config
 
     return load_config(
@@ -59,7 +59,7 @@ def _sft_config(model_dir: str, files: dict[str, str], run_dir: str, *extra: str
             f"trainer.log_dir={run_dir}/logs",
             *extra,
         ],
-        world_size=1,
+        world_size=world_size,
     )
 
 

@@ -32,7 +32,7 @@ def model(tmp_path):
 )
 def test_an_output_may_not_overlap_an_input(tmp_path, model, target, relation):
     path = str(tmp_path / target)
-    with pytest.raises(OutputPathError, match=rf"--out-dir={path} {relation} --hf-dir={model}: writing there"):
+    with pytest.raises(OutputPathError, match=rf"--out-dir={path} {relation} the input --hf-dir={model}; writing there"):
         check_output_dir(path, key="--out-dir", inputs={"--hf-dir": str(model)}, overwrite=True)
     assert sorted(os.listdir(model)) == ["config.json", "tokenizer.json"]
 
@@ -40,9 +40,9 @@ def test_an_output_may_not_overlap_an_input(tmp_path, model, target, relation):
 def test_overlap_is_found_through_symlinks_and_user_paths(tmp_path, model):
     link = tmp_path / "link"
     link.symlink_to(model)
-    with pytest.raises(OutputPathError, match="is model.path"):
+    with pytest.raises(OutputPathError, match="is the input model.path"):
         check_output_dir(str(link), key="x", inputs={"model.path": str(model)})
-    with pytest.raises(OutputPathError, match="is inside data files"):
+    with pytest.raises(OutputPathError, match="is inside the input data files"):
         check_output_dir(str(model / "a"), key="x", inputs={"data files": [str(tmp_path / "nope"), str(model)]})
 
 
@@ -92,7 +92,35 @@ def test_staging_and_commit_replace_a_verl_output_only_once_the_new_one_is_compl
 
 def test_probe_finds_unwritable_locations_at_start_up(tmp_path):
     probe_writable(str(tmp_path / "new" / "deep"), key="trainer.default_local_dir")
-    assert os.listdir(tmp_path / "new" / "deep") == []  # created, probe removed
+    assert not (tmp_path / "new").exists()  # created, written, and removed again: nothing is left
+    (tmp_path / "kept").mkdir()
+    probe_writable(str(tmp_path / "kept"), key="trainer.log_dir")
+    assert (tmp_path / "kept").is_dir() and os.listdir(tmp_path / "kept") == []  # what existed stays
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputPathError, match=rf"trainer.log_dir={tmp_path}/file/logs cannot be written"):
         probe_writable(str(tmp_path / "file" / "logs"), key="trainer.log_dir")
+
+
+def test_probes_of_one_path_by_many_ranks_at_once_all_succeed(tmp_path):
+    """Every rank of a torchrun job probes the same log directory at start-up; one rank's clean-up
+    (removing the directory it created) must not fail another rank's probe."""
+    import threading
+
+    target = str(tmp_path / "run" / "logs")
+    errors = []
+
+    def probe_many():
+        for _ in range(300):
+            try:
+                probe_writable(target, key="trainer.log_dir")
+            except OutputPathError as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=probe_many) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert not os.path.exists(tmp_path / "run")

@@ -19,6 +19,7 @@ import logging  # noqa: E402
 
 from verl.data.io import write_parquet  # noqa: E402
 from verl.data.tasks import arithmetic  # noqa: E402
+from verl.utils.cli import positive_int, user_errors  # noqa: E402
 from verl.utils.logging import setup_logging  # noqa: E402
 
 logger = logging.getLogger("tools.data.arithmetic")
@@ -27,21 +28,21 @@ logger = logging.getLogger("tools.data.arithmetic")
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True, help="output folder")
-    p.add_argument("--train", type=int, default=5000, help="training problems (default %(default)s)")
+    p.add_argument("--train", type=positive_int, default=5000, help="training problems (default %(default)s)")
     p.add_argument(
         "--val",
-        type=int,
+        type=positive_int,
         default=200,
         help="validation problems, disjoint from training (default %(default)s)",
     )
     p.add_argument(
-        "--digits", type=int, default=2, help="digits per operand, the difficulty knob (default %(default)s)"
+        "--digits", type=positive_int, default=2, help="digits per operand, the difficulty knob (default %(default)s)"
     )
     p.add_argument("--ops", default="+", help="operators to draw from, e.g. '+-*' (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     args = p.parse_args(argv)
     setup_logging()
-    try:
+    with user_errors(p.prog):
         train, val = arithmetic.generate_splits(
             train=args.train, val=args.val, digits=args.digits, ops=tuple(args.ops), seed=args.seed
         )
@@ -49,8 +50,6 @@ def main(argv: list[str] | None = None) -> None:
             path = os.path.join(args.out_dir, f"{split}.parquet")
             write_parquet(records, path)
             logger.info("wrote %d %s problems to %s", len(records), split, path)
-    except ValueError as e:
-        p.error(str(e))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import logging  # noqa: E402
 from verl.data.io import write_parquet  # noqa: E402
 from verl.data.tasks import countdown  # noqa: E402
 from verl.data.tasks.common import convert_file  # noqa: E402
+from verl.utils.cli import positive_int, user_errors  # noqa: E402
+from verl.utils.outputs import check_output_apart  # noqa: E402
 from verl.utils.logging import setup_logging  # noqa: E402
 
 logger = logging.getLogger("tools.data.countdown")
@@ -32,12 +34,12 @@ def main(argv: list[str] | None = None) -> None:
         "generate", help="generate solvable puzzles into DIR/train.parquet and DIR/test.parquet"
     )
     g.add_argument("--out-dir", required=True, help="output folder")
-    g.add_argument("--train", type=int, default=1000, help="training puzzles (default %(default)s)")
-    g.add_argument("--val", type=int, default=100, help="validation puzzles (default %(default)s)")
+    g.add_argument("--train", type=positive_int, default=1000, help="training puzzles (default %(default)s)")
+    g.add_argument("--val", type=positive_int, default=100, help="validation puzzles (default %(default)s)")
     g.add_argument(
-        "--count", type=int, default=4, help="numbers per puzzle, the difficulty knob (default %(default)s)"
+        "--count", type=positive_int, default=4, help="numbers per puzzle, the difficulty knob (default %(default)s)"
     )
-    g.add_argument("--max-number", type=int, default=99, help="largest number drawn (default %(default)s)")
+    g.add_argument("--max-number", type=positive_int, default=99, help="largest number drawn (default %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     c = sub.add_parser("convert", help="convert a file with nums/target columns")
     c.add_argument("--input", required=True, help="input .jsonl, .parquet or .arrow file")
@@ -47,21 +49,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     setup_logging()
-    try:
+    with user_errors(p.prog):
         if args.command == "generate":
-            for split, n, seed in (("train", args.train, args.seed), ("test", args.val, args.seed + 1)):
-                records = countdown.generate(
-                    n, count=args.count, max_number=args.max_number, seed=seed, split=split
-                )
+            # Both splits are made before either is written: a bad setting writes nothing.
+            splits = {
+                split: countdown.generate(n, count=args.count, max_number=args.max_number, seed=seed, split=split)
+                for split, n, seed in (("train", args.train, args.seed), ("test", args.val, args.seed + 1))
+            }
+            for split, records in splits.items():
                 path = os.path.join(args.out_dir, f"{split}.parquet")
                 write_parquet(records, path)
-                logger.info("wrote %d countdown puzzles to %s", n, path)
+                logger.info("wrote %d countdown puzzles to %s", len(records), path)
         else:
+            check_output_apart(args.output, "--output", {"--input": args.input})
             records = convert_file(args.input, countdown.convert_row, split=args.split)
             write_parquet(records, args.output)
             logger.info("wrote %d countdown records to %s", len(records), args.output)
-    except ValueError as e:
-        p.error(str(e))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ registries, looked up by name (an unknown name is a ValueError listing the regis
 - ``get_preference_loss("sigmoid" | "ipo")``
 
 Register your own with ``@register_adv_estimator("name")`` / ``@register_policy_loss("name")``.
+The config checks names against these registries itself (``verl.config.validation.NAME_REGISTRIES``),
+whether or not this package has been imported.
 """
 
 from verl.algos.advantage import (
@@ -49,18 +51,6 @@ from verl.algos.preference import (
     sequence_log_prob,
 )
 
-
-def _register_config_choices() -> None:
-    """Let the config check algorithm names at load time (a typo fails before any model is built)."""
-    from verl.config import register_choices
-
-    register_choices("algorithm.adv_estimator", list_adv_estimators, what="advantage estimator")
-    register_choices("actor_rollout_ref.actor.policy_loss.loss_mode", list_policy_losses, what="policy loss")
-    register_choices("actor_rollout_ref.actor.kl_loss_type", list_kl_estimators, what="KL estimator")
-    register_choices("algorithm.kl_penalty", list_kl_estimators, what="KL estimator")
-
-
-_register_config_choices()
 
 __all__ = [
     "AdaptiveKLController",

@@ -36,6 +36,7 @@ from verl.config.core import (
     schema,
     type_name,
 )
+from verl.config.validation import deferred_validation
 from verl.utils.logging import global_rank
 
 __all__ = [
@@ -109,6 +110,10 @@ def _read_yaml(path: Path, shown: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {shown}: {exc.strerror}") from None
     try:
         data = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{shown} is not valid YAML ({where}{exc.problem or exc.context})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{shown} is not valid YAML: {exc}") from None
     if data is None:
@@ -129,6 +134,8 @@ def resolve_config_path(name: str | Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if given.is_dir():
+        raise ConfigError(f"config file {str(name)!r} is a directory; give a YAML file (or a name under {CONFIG_DIR})")
     raise ConfigError(f"config file {str(name)!r} not found (looked for: {', '.join(str(c) for c in candidates)})")
 
 
@@ -375,9 +382,11 @@ def _build(cls: type[C], tree: Mapping[str, Any], section_defaults: Mapping[str,
 
 def _construct(config_cls: type[C], tree: dict[str, Any], world_size: int | None) -> C:
     _apply_links(config_cls, tree)
-    cfg = _build(config_cls, tree, {})  # __post_init__ validates with nnodes x n_gpus_per_node
-    if world_size is not None:
-        cfg.validate(world_size)
+    if world_size is None:
+        return _build(config_cls, tree, {})  # __post_init__ validates with nnodes x n_gpus_per_node
+    with deferred_validation():  # validated once, against the launched world
+        cfg = _build(config_cls, tree, {})
+    cfg.validate(world_size)
     return cfg
 
 

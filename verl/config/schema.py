@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from verl.config.core import ConfigBase, option, section
+from verl.config.validation import validation_deferred
 
 __all__ = [
     "ActorConfig",
@@ -137,9 +138,9 @@ class MegatronConfig(ConfigBase):
     context_parallel_size: int = option(1, "Context-parallel degree (CP).", ge=1)
     sequence_parallel: bool = option(False, "Megatron sequence parallelism; needs TP > 1. (Reference default: True, silently dropped at TP=1; here it is explicit.)")
     use_distributed_optimizer: bool = option(False, "Shard optimizer state over data parallel (ZeRO-1). Recommended on GPU; Megatron refuses it on CPU, hence off by default.")
-    param_offload: bool = option(False, "Keep parameters in host memory while the role is idle (GPU only).")
-    grad_offload: bool = option(False, "Keep gradients in host memory while the role is idle (GPU only).")
-    optimizer_offload: bool = option(False, "Keep optimizer state in host memory while the role is idle (GPU only).")
+    param_offload: bool = option(False, "Move parameters to host memory around rollout, so the KV cache can use the room (verl.hybrid.memory; on CPU it only exercises the path).")
+    grad_offload: bool = option(False, "Move gradients to host memory around rollout, so the KV cache can use the room (verl.hybrid.memory; on CPU it only exercises the path).")
+    optimizer_offload: bool = option(False, "Move optimizer state to host memory around rollout, so the KV cache can use the room (verl.hybrid.memory; on CPU it only exercises the path).")
     seed: int = option(42, "Seed of Megatron's model-parallel RNG (weight init, dropout).")
     dtype: DTypeName = option("auto", "Training dtype; auto: bfloat16 on GPU, float32 on CPU. (Reference: bfloat16 always.)")
     override_transformer_config: dict[str, Any] = option({}, "Megatron TransformerConfig fields to override (e.g. +...override_transformer_config.recompute_granularity=full).")
@@ -220,7 +221,7 @@ class ValKwargsConfig(ConfigBase):
 class RolloutConfig(ConfigBase):
     """Generation engine and sampling for rollouts."""
 
-    name: Literal["vllm", "hf"] = option("vllm", "Engine: vllm (GPU vLLM or the CPU build) or hf (Hugging Face generate, slow, for debugging).")
+    name: str = option("vllm", "Engine by its registry name in verl.rollout: vllm (GPU vLLM or the CPU build) or hf (Hugging Face generate, slow, for debugging).")
     n: int = option(1, "Responses sampled per prompt (the GRPO group size).", ge=1)
     temperature: float = option(1.0, "Sampling temperature.", ge=0.0)
     top_p: float = option(1.0, "Nucleus-sampling threshold.", gt=0.0, le=1.0)
@@ -460,7 +461,8 @@ class PPOConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.validate()
+        if not validation_deferred():
+            self.validate()
 
     @property
     def use_critic(self) -> bool:
@@ -534,7 +536,8 @@ class SFTConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.validate()
+        if not validation_deferred():
+            self.validate()
 
     def validate(self, world_size: int | None = None) -> None:
         """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node)."""

@@ -3,26 +3,75 @@
 Every check appends a message to one list, so a user sees all problems of a config at once.
 Each layout message prints every degree involved and the world size.
 
-Registries elsewhere in verl (advantage estimators, policy losses, reward managers) can make
-names in the config checked at load time with :func:`register_choices`; a name whose registry
-was never imported is left to that registry to reject when it is looked up.
+Names that select a registered function (advantage estimator, policy loss, KL estimator, reward
+manager, rollout engine) are checked against their registry whatever has been imported:
+:data:`NAME_REGISTRIES` says which module lists each one, imported only when a config sets the
+name to something other than its default (so the torch-free paths, such as printing a default
+config, stay torch-free). Plugins can add checks of their own with :func:`register_choices`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import contextvars
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from verl.config.core import ConfigError, did_you_mean
+from verl.config.core import ConfigError, did_you_mean, is_section, leaf_default, schema
 from verl.parallel.layout import LayoutNames, layout_problems
 
 if TYPE_CHECKING:
     from verl.config.schema import MegatronConfig, PPOConfig, SFTConfig
 
-__all__ = ["register_choices", "registered_choices", "validate_ppo", "validate_sft"]
+__all__ = [
+    "NAME_REGISTRIES",
+    "deferred_validation",
+    "register_choices",
+    "registered_choices",
+    "validate_ppo",
+    "validate_sft",
+    "validation_deferred",
+]
+
+logger = logging.getLogger(__name__)
+
+#: dotted config path -> ("module:attribute" listing the registered names, what they are). The
+#: attribute is a function returning the names or a mapping keyed by them.
+NAME_REGISTRIES: dict[str, tuple[str, str]] = {
+    "algorithm.adv_estimator": ("verl.algos.advantage:list_adv_estimators", "advantage estimator"),
+    "algorithm.kl_penalty": ("verl.algos.kl:list_kl_estimators", "KL estimator"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": ("verl.algos.policy_loss:list_policy_losses", "policy loss"),
+    "actor_rollout_ref.actor.kl_loss_type": ("verl.algos.kl:list_kl_estimators", "KL estimator"),
+    "actor_rollout_ref.rollout.name": ("verl.rollout.factory:ENGINES", "rollout engine"),
+    "reward_model.reward_manager": ("verl.rewards.manager:REWARD_MANAGERS", "reward manager"),
+}
 
 _CHOICES: dict[str, tuple[Callable[[], Iterable[str]], str]] = {}
 _MISSING = object()
+# Set while a loader builds a config that it validates against the launched world right after.
+_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("verl_config_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_validation() -> Iterator[None]:
+    """Skip the validation that constructing a root config runs, inside this block.
+
+    A loader that knows the launched world size builds the config here and then validates it
+    once with that size, so a world-size mismatch is not first reported as whatever the
+    declared ``nnodes x n_gpus_per_node`` breaks (batch divisibility, layout).
+    """
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def validation_deferred() -> bool:
+    """Whether a :func:`deferred_validation` block is active."""
+    return _DEFERRED.get()
 
 
 def register_choices(path: str, names: Callable[[], Iterable[str]], *, what: str) -> None:
@@ -48,21 +97,64 @@ def _get(cfg: Any, path: str) -> Any:
     return node
 
 
+def _default(root: type, path: str) -> Any:
+    """The schema default of the leaf at dotted ``path`` of ``root`` (section defaults applied)."""
+    cls, section_defaults = root, {}
+    *parents, leaf = path.split(".")
+    for part in parents:
+        f, hint = schema(cls)[part]
+        assert is_section(hint), path
+        cls, section_defaults = hint, f.metadata.get("defaults", {})
+    f, _ = schema(cls)[leaf]
+    return leaf_default(f, section_defaults)
+
+
+def _registry_names(source: str) -> list[str] | None:
+    """The names listed by ``"module:attribute"``; None (logged) when the module cannot be imported."""
+    module_name, attr = source.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        logger.warning("cannot check names against %s (%s); the name is checked when it is looked up", source, exc)
+        return None
+    listed = getattr(module, attr)
+    return list(listed() if callable(listed) else listed)
+
+
+def _unknown_name(path: str, value: Any, known: Iterable[str], what: str) -> str:
+    known = sorted(set(known))
+    return (
+        f"{path}={value!r} is not a registered {what}{did_you_mean(str(value), known)} "
+        f"(registered: {', '.join(known)})"
+    )
+
+
 def _check_names(cfg: Any, problems: list[str]) -> None:
+    root = type(cfg)
+    for path, (source, what) in NAME_REGISTRIES.items():
+        value = _get(cfg, path)
+        if value is _MISSING or value is None or path in _CHOICES:
+            continue
+        # Defaults are registered (a test checks it); importing a registry (torch) for them
+        # would slow every torch-free use of the config.
+        if value == _default(root, path):
+            continue
+        known = _registry_names(source)
+        if known is not None and value not in known:
+            problems.append(_unknown_name(path, value, known, what))
     for path, (names, what) in _CHOICES.items():
         value = _get(cfg, path)
         if value is _MISSING or value is None:
             continue
-        known = sorted(set(names()))
+        known = list(names())
         if value not in known:
-            problems.append(
-                f"{path}={value!r} is not a registered {what}{did_you_mean(str(value), known)} "
-                f"(registered: {', '.join(known)})"
-            )
+            problems.append(_unknown_name(path, value, known, what))
 
 
-def _world(trainer: Any, world_size: int | None, problems: list[str]) -> tuple[int, str]:
-    """The world size to check against and how to print it."""
+def _world(trainer: Any, world_size: int | None, problems: list[str]) -> tuple[int, str] | None:
+    """The world size to check against and how to print it; None when the launched world does not
+    match ``nnodes x n_gpus_per_node`` (reported here): every check that depends on the world
+    would then report a consequence of that one mistake."""
     declared = trainer.nnodes * trainer.n_gpus_per_node
     shape = f"trainer.nnodes={trainer.nnodes} x trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
     if world_size is None:
@@ -70,11 +162,16 @@ def _world(trainer: Any, world_size: int | None, problems: list[str]) -> tuple[i
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if world_size != declared:
-        per_node = f"{world_size // trainer.nnodes}" if world_size % trainer.nnodes == 0 else "WORLD/nnodes"
+        if world_size % trainer.nnodes == 0:
+            fix = f"set trainer.n_gpus_per_node={world_size // trainer.nnodes}"
+        else:
+            fix = f"set trainer.nnodes and trainer.n_gpus_per_node so that their product is {world_size}"
         problems.append(
-            f"the launched world size {world_size} differs from {shape} = {declared}; "
-            f"set trainer.n_gpus_per_node={per_node} (and trainer.nnodes) to match the launcher"
+            f"the launched world size {world_size} differs from {shape} = {declared}; launch "
+            f"{declared} processes (torchrun --nnodes={trainer.nnodes} --nproc_per_node={trainer.n_gpus_per_node}) "
+            f"or {fix} to match the launcher"
         )
+        return None
     return world_size, f"{world_size} (launched)"
 
 
@@ -131,6 +228,28 @@ def _mini_batches(
 def _resume(trainer: Any, problems: list[str]) -> None:
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    elif trainer.resume_mode != "resume_path" and trainer.resume_from_path:
+        # An error, not a warning: ignoring it would train from scratch (disable) or from the
+        # latest checkpoint in default_local_dir (auto) while the user believes otherwise.
+        problems.append(
+            f"trainer.resume_from_path={trainer.resume_from_path!r} is ignored with "
+            f"trainer.resume_mode={trainer.resume_mode}; set trainer.resume_mode=resume_path to resume from it, "
+            f"or drop trainer.resume_from_path"
+        )
+
+
+def _data_files(data: Any, problems: list[str]) -> None:
+    """Data file lists that name nothing (``[]``, ``''``); whether the files exist is checked at load."""
+    for key in ("train_files", "val_files"):
+        files = getattr(data, key)
+        if files is None:
+            continue
+        names = [files] if isinstance(files, str) else files
+        fix = "or null for no validation" if key == "val_files" else "to train on"
+        if not any(name.strip() for name in names):
+            problems.append(f"data.{key}={files!r} names no file; give parquet, arrow or jsonl file(s) {fix}")
+        elif not all(name.strip() for name in names):
+            problems.append(f"data.{key}={files!r} holds an empty file name; drop it")
 
 
 def _raise(problems: list[str]) -> None:
@@ -143,33 +262,13 @@ def _raise(problems: list[str]) -> None:
 def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
     """Check a PPO config as a whole; raise one ConfigError listing every problem."""
     problems: list[str] = []
-    world, world_text = _world(cfg.trainer, world_size, problems)
-    arr = cfg.actor_rollout_ref
-    actor, rollout = arr.actor, arr.rollout
-    n, train_bs = rollout.n, cfg.data.train_batch_size
-
-    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, world, world_text, problems)
-    if layout is not None:
-        _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                      n, train_bs, *layout, problems)
-    if cfg.use_reference:
-        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, world, world_text, problems)
-    if cfg.use_critic:
-        critic = cfg.critic
-        layout = _layout("critic", "critic.megatron", critic.megatron, world, world_text, problems)
-        if layout is not None:
-            _mini_batches("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
-                          n, train_bs, *layout, problems)
-    if cfg.reward_model.enable:
-        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, world, world_text, problems)
-        if not cfg.reward_model.model.path:
-            problems.append("reward_model.enable=true needs reward_model.model.path")
-
-    if world % rollout.tensor_model_parallel_size:
-        problems.append(
-            f"the rollout layout does not fit the world: actor_rollout_ref.rollout.tensor_model_parallel_size="
-            f"{rollout.tensor_model_parallel_size} does not divide the world size {world_text}"
-        )
+    world = _world(cfg.trainer, world_size, problems)
+    if world is not None:
+        _ppo_layouts(cfg, *world, problems)
+    rollout = cfg.actor_rollout_ref.rollout
+    actor = cfg.actor_rollout_ref.actor
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        problems.append("reward_model.enable=true needs reward_model.model.path")
     if rollout.max_num_batched_tokens < rollout.prompt_length + rollout.response_length:
         problems.append(
             f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than "
@@ -188,16 +287,43 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
         )
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:
         problems.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
+    _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)
 
 
+def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str]) -> None:
+    """Every check of a PPO config that depends on the world size."""
+    arr = cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    n, train_bs = rollout.n, cfg.data.train_batch_size
+    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, world, world_text, problems)
+    if layout is not None:
+        _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                      n, train_bs, *layout, problems)
+    if cfg.use_reference:
+        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, world, world_text, problems)
+    if cfg.use_critic:
+        critic = cfg.critic
+        layout = _layout("critic", "critic.megatron", critic.megatron, world, world_text, problems)
+        if layout is not None:
+            _mini_batches("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
+                          n, train_bs, *layout, problems)
+    if cfg.reward_model.enable:
+        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, world, world_text, problems)
+    if world % rollout.tensor_model_parallel_size:
+        problems.append(
+            f"the rollout layout does not fit the world: actor_rollout_ref.rollout.tensor_model_parallel_size="
+            f"{rollout.tensor_model_parallel_size} does not divide the world size {world_text}"
+        )
+
+
 def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:
     """Check an SFT config as a whole; raise one ConfigError listing every problem."""
     problems: list[str] = []
-    world, world_text = _world(cfg.trainer, world_size, problems)
-    layout = _layout("model", "megatron", cfg.megatron, world, world_text, problems)
+    world = _world(cfg.trainer, world_size, problems)
+    layout = None if world is None else _layout("model", "megatron", cfg.megatron, *world, problems)
     data = cfg.data
     if layout is not None:
         dp, dp_text = layout
@@ -206,6 +332,7 @@ def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:
                 f"data.train_batch_size={data.train_batch_size} is not a multiple of "
                 f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x data-parallel size {dp_text}"
             )
+    _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)

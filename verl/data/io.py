@@ -18,10 +18,12 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
@@ -58,21 +60,190 @@ def split_key(key: str) -> tuple[str, tuple[str, ...]]:
     return parts[0], tuple(parts[1:])
 
 
+_FIX_ROW = "fix the file or point the config's key at the right field"
+
+
 def get_field(row: dict[str, Any], key: str, *, path: str, row_index: int) -> Any:
-    """``row[key]`` for a possibly dotted key; a missing field names the file, row and field."""
+    """``row[key]`` for a possibly dotted key; a missing or null field names the file, row and field."""
     column, nested = split_key(key)
-    if column not in row or row[column] is None:
+    if column not in row:
         raise ValueError(
-            f"{path}: row {row_index} has no field {key!r} (fields present: {sorted(row)}); "
-            f"fix the file or point the config's key at the right field"
+            f"{path}: row {row_index} has no field {key!r} (fields present: {sorted(row)}); {_FIX_ROW}"
         )
     value = row[column]
     for i, part in enumerate(nested):
-        if not isinstance(value, dict) or value.get(part) is None:
-            here = ".".join((column,) + nested[: i + 1])
-            raise ValueError(f"{path}: row {row_index} has no field {here!r} (needed for {key!r})")
+        here = ".".join((column,) + nested[:i])
+        if value is None:
+            raise ValueError(f"{path}: row {row_index}: field {here!r} is null (needed for {key!r}); {_FIX_ROW}")
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"{path}: row {row_index}: field {here!r} is a {value_kind(value)}, not an object with {part!r} "
+                f"(needed for {key!r}); {_FIX_ROW}"
+            )
+        if part not in value:
+            raise ValueError(
+                f"{path}: row {row_index}: field {here!r} has no {part!r} (keys: {sorted(value)}; needed for "
+                f"{key!r}); {_FIX_ROW}"
+            )
         value = value[part]
+    if value is None:
+        raise ValueError(f"{path}: row {row_index}: field {key!r} is null; {_FIX_ROW}")
     return value
+
+
+def value_kind(value: Any) -> str:
+    """The kind of a Python value in messages: string, number, boolean, list, dict, null."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "list"
+    if isinstance(value, dict):
+        return "dict"
+    return type(value).__name__
+
+
+_KIND_TEXT = {
+    "string": "a string",
+    "messages": "a list of chat messages",
+    "conversation": "a chat to learn from",
+    "dict": "an object (dict)",
+}
+_CHATS = ("messages", "conversation")
+
+
+@dataclass(frozen=True)
+class FieldCheck:
+    """What every row must hold at ``key`` (dotted for nested fields, e.g. ``extra_info.answer``).
+
+    ``kinds``: the accepted kinds of value, "string", "messages" (a non-empty list of
+    ``{role: str, content: str}``), "conversation" (messages that start with a prompt and hold
+    an assistant turn) and "dict"; None accepts anything that is not null.
+    ``nullable``: a null or missing value (or column) is fine; present values are still checked.
+    """
+
+    key: str
+    kinds: tuple[str, ...] | None = None
+    nullable: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds or ()) - set(_KIND_TEXT)
+        assert not unknown, unknown
+
+
+def _check_value(value: Any, check: FieldCheck, path: str, row: int) -> None:
+    """Raise ValueError naming the file, row and field when the column value ``value`` fails ``check``."""
+    column, nested = split_key(check.key)
+    if check.nullable:
+        for part in nested:
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            return
+    else:
+        value = get_field({column: value}, check.key, path=path, row_index=row)
+    if check.kinds is None:
+        return
+    kind = value_kind(value)
+    if kind == "list" and any(k in _CHATS for k in check.kinds):
+        from verl.data.tokenizer import validate_conversation, validate_messages
+
+        validate = validate_conversation if "conversation" in check.kinds else validate_messages
+        validate(list(value), where=f"{path}: row {row}: field {check.key!r}")
+        return
+    if kind not in check.kinds:
+        expected = " or ".join(_KIND_TEXT[k] for k in check.kinds)
+        raise ValueError(
+            f"{path}: row {row}: field {check.key!r} is a {kind} ({value!r:.80}), expected {expected}; {_FIX_ROW}"
+        )
+
+
+_CHECK_IN_PYTHON = -1
+
+
+def _arrow_kind(t: pa.DataType) -> str:
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return "list"
+    if pa.types.is_struct(t) or pa.types.is_map(t):
+        return "dict"
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "number"
+    if pa.types.is_null(t):
+        return "null"
+    return str(t)
+
+
+def _arrow_bad_messages(values: pa.Array, conversation: bool) -> pa.Array | None:
+    """[rows] bool: rows whose message list is empty or has a message without a role or content
+    (and, for a ``conversation``, starts with an assistant turn or has none); None when the list
+    type is not ``list<struct<role: string, content: string>>`` (check in Python)."""
+    item = values.type.value_type
+    if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) or not pa.types.is_struct(item):
+        return None
+    for name in ("role", "content"):
+        index = item.get_field_index(name)
+        if index < 0 or _arrow_kind(item.field(index).type) != "string":
+            return None
+    bad = pc.fill_null(pc.equal(pc.list_value_length(values), 0), False)
+    flat = values.flatten()
+    if len(flat):
+        bad_item = pc.or_(
+            flat.is_null(), pc.or_(pc.struct_field(flat, "role").is_null(), pc.struct_field(flat, "content").is_null())
+        )
+        parents = pc.list_parent_indices(values).to_numpy()
+        rows = np.zeros(len(values), dtype=bool)
+        rows[parents[bad_item.to_numpy(zero_copy_only=False)]] = True
+        if conversation:
+            assistant = pc.fill_null(pc.equal(pc.struct_field(flat, "role"), "assistant"), False).to_numpy(
+                zero_copy_only=False
+            )
+            has_assistant = np.zeros(len(values), dtype=bool)
+            has_assistant[parents[assistant]] = True
+            first = np.flatnonzero(np.r_[True, parents[1:] != parents[:-1]])  # first message of each row
+            rows |= ~has_assistant & values.is_valid().to_numpy(zero_copy_only=False)
+            rows[parents[first][assistant[first]]] = True
+        bad = pc.or_(bad, pa.array(rows))
+    return bad
+
+
+def _arrow_first_suspect(values: pa.Array, check: FieldCheck) -> int | None:
+    """The first row of ``values`` that may fail ``check`` (checked vectorised), None when none
+    does, or ``_CHECK_IN_PYTHON`` for a column type the vectorised check does not cover."""
+    _, nested = split_key(check.key)
+    node = values
+    for part in nested:
+        if not pa.types.is_struct(node.type):
+            return _CHECK_IN_PYTHON
+        if node.type.get_field_index(part) < 0:
+            return None if check.nullable else 0  # no row has it
+        node = pc.struct_field(node, part)
+    suspects = []
+    if not check.nullable and node.null_count:
+        suspects.append(node.is_null())
+    kind = _arrow_kind(node.type)
+    if check.kinds is not None and kind != "null":
+        if kind == "list" and any(k in _CHATS for k in check.kinds):
+            bad = _arrow_bad_messages(node, "conversation" in check.kinds)
+            if bad is None:
+                return _CHECK_IN_PYTHON
+            suspects.append(bad)
+        elif kind not in check.kinds:
+            suspects.append(node.is_valid())
+    if not suspects:
+        return None
+    combined = suspects[0]
+    for more in suspects[1:]:
+        combined = pc.or_(combined, more)
+    first = pc.index(combined, True).as_py()
+    return None if first < 0 else first
 
 
 class FileSource(abc.ABC):
@@ -123,6 +294,18 @@ class FileSource(abc.ABC):
             raise ValueError(f"{self.path}: no column {name!r} (columns: {self.column_names})")
         yield from self._iter_column(name, batch_rows)
 
+    def iter_batches(self, names: Sequence[str], batch_rows: int = 4096) -> Iterator[dict[str, Any]]:
+        """Yield ``{column: values}`` of several columns in file order, ``batch_rows`` rows at a time.
+
+        Values are a pyarrow Array for parquet and arrow files (so checks can be vectorised)
+        and a list of Python objects for jsonl (None where a record lacks the key).
+        """
+        self._ensure_open()
+        missing = [name for name in names if name not in self.column_names]
+        if missing:
+            raise ValueError(f"{self.path}: no columns {missing} (columns: {self.column_names})")
+        yield from self._iter_batches(names, batch_rows)
+
     @abc.abstractmethod
     def _read_row(self, i: int) -> dict[str, Any]:
         """Row ``i`` (already range-checked) as a dict."""
@@ -130,6 +313,10 @@ class FileSource(abc.ABC):
     @abc.abstractmethod
     def _iter_column(self, name: str, batch_rows: int) -> Iterator[list[Any]]:
         """Values of column ``name`` in file order, in lists of at most ``batch_rows``."""
+
+    @abc.abstractmethod
+    def _iter_batches(self, names: Sequence[str], batch_rows: int) -> Iterator[dict[str, Any]]:
+        """``{column: values}`` in file order, at most ``batch_rows`` rows at a time (see iter_batches)."""
 
     def __getstate__(self) -> dict[str, Any]:
         # Handles (memory maps, open files) do not pickle; reopen in the receiving process.
@@ -187,11 +374,15 @@ class ParquetSource(FileSource):
         return table.slice(i - int(self._starts[g]), 1).to_pylist()[0]
 
     def _iter_column(self, name: str, batch_rows: int) -> Iterator[list[Any]]:
+        for batch in self._iter_batches([name], batch_rows):
+            yield batch[name].to_pylist()
+
+    def _iter_batches(self, names: Sequence[str], batch_rows: int) -> Iterator[dict[str, Any]]:
         try:
-            for batch in self._h_file.iter_batches(batch_size=batch_rows, columns=[name]):
-                yield batch.column(0).to_pylist()
+            for batch in self._h_file.iter_batches(batch_size=batch_rows, columns=list(names)):
+                yield {name: batch.column(name) for name in names}
         except (pa.ArrowInvalid, OSError) as e:
-            raise ValueError(f"{self.path}: failed to read column {name!r} (corrupt file?): {e}") from e
+            raise ValueError(f"{self.path}: failed to read columns {list(names)} (corrupt file?): {e}") from e
 
 
 class ArrowSource(FileSource):
@@ -229,12 +420,16 @@ class ArrowSource(FileSource):
         return self._h_batches[b].slice(i - int(self._starts[b]), 1).to_pylist()[0]
 
     def _iter_column(self, name: str, batch_rows: int) -> Iterator[list[Any]]:
+        for batch in self._iter_batches([name], batch_rows):
+            yield batch[name].to_pylist()
+
+    def _iter_batches(self, names: Sequence[str], batch_rows: int) -> Iterator[dict[str, Any]]:
         for batch in self._h_batches:
-            column = batch.column(name) if name in batch.schema.names else None
-            if column is None:
-                raise ValueError(f"{self.path}: column {name!r} was not selected for reading")
+            missing = [name for name in names if name not in batch.schema.names]
+            if missing:
+                raise ValueError(f"{self.path}: columns {missing} were not selected for reading")
             for start in range(0, batch.num_rows, batch_rows):
-                yield column.slice(start, batch_rows).to_pylist()
+                yield {name: batch.column(name).slice(start, batch_rows) for name in names}
 
 
 class JsonlSource(FileSource):
@@ -283,18 +478,27 @@ class JsonlSource(FileSource):
         return {k: record.get(k) for k in self._wanted if k in record or k in self.column_names}
 
     def _iter_column(self, name: str, batch_rows: int) -> Iterator[list[Any]]:
-        out: list[Any] = []
+        for batch in self._iter_batches([name], batch_rows):
+            yield batch[name]
+
+    def _iter_batches(self, names: Sequence[str], batch_rows: int) -> Iterator[dict[str, Any]]:
+        # Each record is parsed once for all ``names`` (JSON parsing is the cost here).
+        out: dict[str, list[Any]] = {name: [] for name in names}
+        count = 0
         with open(self.path, "rb") as f:
             i = 0
             for line in f:
                 if not line.strip():
                     continue
-                out.append(self._parse(line, i).get(name))
+                record = self._parse(line, i)
+                for name in names:
+                    out[name].append(record.get(name))
                 i += 1
-                if len(out) == batch_rows:
+                count += 1
+                if count == batch_rows:
                     yield out
-                    out = []
-        if out:
+                    out, count = {name: [] for name in names}, 0
+        if count:
             yield out
 
 
@@ -303,6 +507,11 @@ _SOURCES = {"parquet": ParquetSource, "arrow": ArrowSource, "jsonl": JsonlSource
 
 def open_source(path: str, columns: Sequence[str] | None = None) -> FileSource:
     """Open one data file of any supported format, reading only ``columns`` (all when None)."""
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in _EXTENSIONS)
+        shown = [os.path.join(path, n) for n in inside[:3]] + (["..."] if len(inside) > 3 else [])
+        hint = f" ({', '.join(shown)})" if inside else ""
+        raise ValueError(f"{path} is a directory, not a data file; give the data files in it{hint}")
     return _SOURCES[detect_format(path)](path, columns)
 
 
@@ -349,6 +558,25 @@ class TableStore:
                         f"{source.column_names}); fix the file or remap the key in the data config"
                     )
 
+    def check_fields(self, checks: Sequence[FieldCheck], batch_rows: int = 65536) -> None:
+        """One pass over every file at load time: fail on the first row that lacks a field or holds
+        the wrong kind of value, naming the file, the row and the field (ValueError).
+
+        Parquet and arrow columns are checked vectorised with pyarrow (a row is converted to
+        Python only to word the message); jsonl records are parsed once for all checks.
+        """
+        self.require_columns([c.key for c in checks if not c.nullable])
+        for source in self.sources:
+            present = [c for c in checks if split_key(c.key)[0] in source.column_names]
+            if source.num_rows == 0 or not present:
+                continue
+            start = 0
+            for batch in source.iter_batches(sorted({split_key(c.key)[0] for c in present}), batch_rows):
+                for check in present:
+                    values = batch[split_key(check.key)[0]]
+                    _check_batch(values, check, source.path, start)
+                start += len(values)
+
     def iter_column(self, name: str, batch_rows: int = 4096) -> Iterator[tuple[FileSource, int, list[Any]]]:
         """Yield (source, first row within the file, values) over every file, in order."""
         column, _ = split_key(name)
@@ -359,6 +587,22 @@ class TableStore:
             for values in source.iter_column(column, batch_rows):
                 yield source, start, values
                 start += len(values)
+
+
+def _check_batch(values: pa.Array | list[Any], check: FieldCheck, path: str, start: int) -> None:
+    """Apply ``check`` to one batch of a column whose first row is row ``start`` of the file."""
+    if isinstance(values, list):
+        for k, value in enumerate(values):
+            _check_value(value, check, path, start + k)
+        return
+    suspect = _arrow_first_suspect(values, check)
+    if suspect is None:
+        return
+    if suspect == _CHECK_IN_PYTHON:
+        _check_batch(values.to_pylist(), check, path, start)
+        return
+    _check_value(values[suspect].as_py(), check, path, start + suspect)
+    raise AssertionError(f"{path}: row {start + suspect} failed the vectorised check of {check} but not the row check")
 
 
 def read_records(path: str) -> Iterator[dict[str, Any]]:
@@ -372,6 +616,14 @@ def write_parquet(records: Sequence[dict[str, Any]], path: str, row_group_size: 
     """Write records (dicts with the same keys) to a parquet file, creating its folder."""
     if not records:
         raise ValueError(f"refusing to write {path}: no records")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; give the path of the parquet file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"cannot write {path}: {parent} is a file, not a folder")
+    os.makedirs(folder, exist_ok=True)
     table = pa.Table.from_pylist(list(records))
     pq.write_table(table, path, row_group_size=row_group_size)

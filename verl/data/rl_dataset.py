@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from verl.data.io import TableStore, get_field, split_key
+from verl.data.io import FieldCheck, TableStore, get_field, split_key
 from verl.data.sampler import StatefulDataLoader
 from verl.data.tokenizer import (
     TRUNCATION_MODES,
@@ -30,7 +30,8 @@ from verl.utils.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
 
-# Columns read besides the prompt and reward-function key; absent ones read as empty.
+# Columns read besides the prompt and reward-function key; absent or null ones read as empty,
+# present ones must be objects.
 _OPTIONAL_COLUMNS = ("reward_model", "extra_info")
 
 
@@ -118,7 +119,15 @@ class RLPromptDataset(Dataset):
         self.extra_keys = tuple(extra_keys)
         columns = {split_key(k)[0] for k in (prompt_key, reward_fn_key, *self.extra_keys)}
         self.store = TableStore(files, columns=sorted(columns | set(_OPTIONAL_COLUMNS)))
-        self.store.require_columns([prompt_key, reward_fn_key, *self.extra_keys])
+        # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
+        self.store.check_fields(
+            [
+                FieldCheck(prompt_key, ("string", "messages")),
+                FieldCheck(reward_fn_key, ("string",)),
+                *(FieldCheck(k) for k in self.extra_keys),
+                *(FieldCheck(k, ("dict",), nullable=True) for k in _OPTIONAL_COLUMNS),
+            ]
+        )
         self.files = [s.path for s in self.store.sources]
         if len(self.store) == 0:
             raise ValueError(f"data files {self.files} hold no rows")

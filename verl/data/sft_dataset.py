@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from verl.data.io import TableStore, get_field, split_key
+from verl.data.io import FieldCheck, TableStore, get_field, split_key
 from verl.data.tokenizer import (
     ensure_pad_token,
     has_chat_template,
+    validate_conversation,
     validate_messages,
 )
 from verl.utils.logging import warn_once
@@ -83,11 +84,7 @@ def encode_messages(tokenizer: Any, messages: Any, *, where: str = "sample") -> 
     """
     if not has_chat_template(tokenizer):
         raise ValueError(f"{where}: multi-turn SFT needs a tokenizer with a chat template")
-    messages = validate_messages(messages, where=where)
-    if messages[0]["role"] == "assistant":
-        raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt first")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no assistant turn to learn from")
+    messages = validate_conversation(messages, where=where)
     ids: list[int] = []
     mask: list[int] = []
     prev = ""
@@ -180,7 +177,13 @@ class SFTDataset(Dataset):
         keys = [messages_key] if messages_key else [prompt_key, response_key]
         self._keys = keys
         self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in keys}))
-        self.store.require_columns(keys)
+        # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
+        if messages_key:
+            self.store.check_fields([FieldCheck(messages_key, ("conversation",))])
+        else:
+            self.store.check_fields(
+                [FieldCheck(prompt_key, ("string", "messages")), FieldCheck(response_key, ("string",))]
+            )
         if len(self.store) == 0:
             raise ValueError(f"SFT data files {[s.path for s in self.store.sources]} hold no rows")
 

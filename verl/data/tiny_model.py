@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -158,11 +160,20 @@ def model_config(spec: TinyModelSpec, tokenizer: Any) -> Any:
     return MistralConfig(**common, sliding_window=None)
 
 
-def make_tiny_model(out_dir: str, spec: TinyModelSpec) -> str:
-    """Train the tokenizer, build the randomly initialised model and save both to ``out_dir``."""
+def make_tiny_model(out_dir: str, spec: TinyModelSpec, *, overwrite: bool = False) -> str:
+    """Train the tokenizer, build the randomly initialised model and save both to ``out_dir``.
+
+    A non-empty ``out_dir`` is refused (ValueError) unless ``overwrite``: it may hold another model.
+    """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     spec.validate()
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} is a file; give a folder for the model")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ValueError(
+            f"{out_dir} already exists and is not empty; choose another folder or pass overwrite=True (--overwrite)"
+        )
     tokenizer = train_tokenizer(generate_corpus(spec.corpus_lines, seed=spec.seed), vocab_size=spec.vocab)
     config = model_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
@@ -172,9 +183,19 @@ def make_tiny_model(out_dir: str, spec: TinyModelSpec) -> str:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    # Written beside the target and moved in once complete: an interrupted run leaves no
+    # half model in out_dir (which a rerun would then refuse as not empty).
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "wrote %s model to %s: %d parameters, vocab %d, hidden %d, layers %d, heads %d/%d",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,9 +16,35 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 Messages = list[dict[str, Any]]
 
 
+# Files that hold a tokenizer's vocabulary, one of which a tokenizer directory must have:
+# without any, transformers builds an empty tokenizer (one token, every text encoded to [])
+# from config.json alone, and training would run on nothing.
+VOCABULARY_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
-    """A local Hugging Face tokenizer with a pad token guaranteed (see ``ensure_pad_token``)."""
+    """A local Hugging Face tokenizer with a pad token guaranteed (see ``ensure_pad_token``).
+
+    ValueError naming ``path`` when it is not a directory holding a tokenizer.
+    """
     from transformers import AutoTokenizer
+
+    if not os.path.exists(path):
+        raise ValueError(f"tokenizer directory {path!r} does not exist; give the model (or tokenizer) directory")
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer path {path!r} is not a directory; give the model (or tokenizer) directory")
+    if not trust_remote_code and not any(os.path.isfile(os.path.join(path, f)) for f in VOCABULARY_FILES):
+        raise ValueError(
+            f"{path!r} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)}); point the tokenizer path "
+            "(model.tokenizer_path) at the directory that has one"
+        )
 
     tokenizer = AutoTokenizer.from_pretrained(
         path, local_files_only=True, trust_remote_code=trust_remote_code
@@ -66,6 +93,17 @@ def validate_messages(messages: Any, *, where: str) -> Messages:
         if not isinstance(m["role"], str):
             raise ValueError(f"{where}: message {k} has a non-string role {m['role']!r}")
     return [dict(m) for m in messages]
+
+
+def validate_conversation(messages: Any, *, where: str) -> Messages:
+    """:func:`validate_messages`, plus what learning from a whole chat needs: it starts with a
+    prompt (not an assistant turn) and has an assistant turn."""
+    messages = validate_messages(messages, where=where)
+    if messages[0]["role"] == "assistant":
+        raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt first")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: the conversation has no assistant turn to learn from")
+    return messages
 
 
 def prompt_to_text(tokenizer: Any, prompt: Any, *, apply_chat_template: bool, where: str) -> tuple[str, bool]:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
 from verl.models.builder import HF_DTYPE_NAMES, ModelBuildConfig, build_model_chunks
 from verl.models.checkpoint import load_hf_weights
 from verl.models.hf_config import HFModelSpec, parse_hf_config
+from verl.utils.paths import check_model_dir, load_json_object
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -76,20 +76,14 @@ def lr_schedule_steps(optim: OptimConfig, total_training_steps: int) -> tuple[in
     return warmup, decay
 
 
-def load_model_spec(model: ModelConfig) -> HFModelSpec:
-    """The Hugging Face config at ``model.path`` with ``model.override_config`` applied."""
-    if not model.path:
-        raise ValueError(
-            "model.path is not set; point it at a Hugging Face model directory (config.json + safetensors)"
-        )
-    path = os.path.expanduser(model.path)
+def load_model_spec(model: ModelConfig, *, key: str = "model.path") -> HFModelSpec:
+    """The Hugging Face config at ``model.path`` with ``model.override_config`` applied.
+
+    ``key`` names the config field in errors (``critic.model.path``, ...).
+    """
+    path = check_model_dir(model.path, key)
     config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(
-            f"model.path={model.path!r}: no config.json there; give a Hugging Face model directory"
-        )
-    with open(config_path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = load_json_object(config_path)
     raw.update(model.override_config)
     return parse_hf_config(raw, source=config_path)
 

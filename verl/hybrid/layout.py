@@ -37,6 +37,7 @@ from verl.models.weight_mapping import (
     HF_EMBED,
     HF_FINAL_NORM,
     HF_LM_HEAD,
+    ROLLOUT_VOCAB_PADDING,
     megatron_param_names,
     param_mapping,
     padded_vocab_size,
@@ -56,8 +57,7 @@ __all__ = [
     "vllm_layout",
 ]
 
-VLLM_VOCAB_PADDING = 64
-"""vLLM pads the vocabulary of its embedding and LM head to a multiple of this (``pad_vocab_size``)."""
+VLLM_VOCAB_PADDING = ROLLOUT_VOCAB_PADDING
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def megatron_layout(
     pp: int,
     pp_rank: int,
     vpp: int | None = None,
-    vocab_pad_multiple: int,
+    vocab_pad_multiple: int | None,
 ) -> Layout:
     """The actor's shards on the rank at (``tp_rank``, ``pp_rank``): keys ``"{chunk}/{param name}"``.
 

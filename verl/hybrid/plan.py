@@ -8,8 +8,9 @@ ranks can be computed and printed on a laptop (``tools/bench.py reshard --plan-o
 For every rollout rank ``d`` and every box of Hugging Face tensor it needs
 (:mod:`verl.hybrid.layout`), the plan intersects that box with the regions the training ranks
 hold. A region held by several ranks (data-parallel replicas; norms on every TP rank) is taken
-from ``d`` itself when ``d`` holds it (a local copy: nothing crosses the network), else from
-the holder that has been asked for the fewest bytes so far (deterministic greedy balance).
+from ``d`` itself when ``d`` holds it (a local copy: nothing crosses the network), else from a
+rank ``d`` already receives from, else from the holder asked for the fewest bytes so far
+(deterministic greedy balance; regions with one holder are assigned first).
 Each intersection becomes one element range ``(src tensor, src offset, dst tensor, dst
 offset, length)`` when both sides store it contiguously, else one range per row (a column
 block of ``o_proj``/``down_proj`` when TP != TP'). Ranges of one (source, destination) pair are
@@ -178,28 +179,35 @@ def build_plan(sources: Sequence[Layout], destinations: Sequence[Layout]) -> Res
     asked = [0] * world  # elements each rank has been asked to send so far (balance)
     parts: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     for dst, layout in enumerate(destinations):
+        # (box, holders of one region it overlaps): regions with a single holder first, so that a
+        # replicated region (a norm on every TP rank) then comes from a peer this rank already
+        # receives from rather than adding a peer for a few kilobytes.
+        work = []
         for box in layout.boxes:
             held = regions.get(box.hf_name)
             if not held:
                 raise ValueError(f"reshard plan: no training rank holds {box.hf_name} (destination {box.tensor!r})")
-            covered = 0
-            for (r0, r1, c0, c1), holders in held.items():
-                if r0 >= box.row1 or r1 <= box.row0 or c0 >= box.col1 or c1 <= box.col0:
-                    continue
-                mine = [h for h in holders if h[0] == dst]
-                src, src_box = mine[0] if mine else min(holders, key=lambda h: (asked[h[0]], h[0]))
-                piece = _intersection_ranges(src_box, box, src_index[src][src_box.tensor], dst_index[dst][box.tensor])
-                n = int(piece[:, LENGTH].sum())
-                covered += n
-                if src != dst:
-                    asked[src] += n
-                parts[(src, dst)].append(piece)
+            overlapping = [
+                holders for (r0, r1, c0, c1), holders in held.items()
+                if r0 < box.row1 and r1 > box.row0 and c0 < box.col1 and c1 > box.col0
+            ]
+            work += [(box, holders) for holders in overlapping]
+            covered = sum(_intersection_ranges(h[0][1], box, 0, 0)[:, LENGTH].sum() for h in overlapping)
             if covered != box.numel:
                 raise ValueError(
                     f"reshard plan: rows {box.row0}:{box.row1} x cols {box.col0}:{box.col1} of {box.hf_name} "
                     f"(destination {box.tensor!r} on rank {dst}) are covered {covered} of {box.numel} elements "
                     "by the training ranks' shards"
                 )
+        peers: set[int] = set()
+        for box, holders in sorted(work, key=lambda item: len(item[1])):
+            mine = [h for h in holders if h[0] == dst]
+            src, src_box = mine[0] if mine else min(holders, key=lambda h: (h[0] not in peers, asked[h[0]], h[0]))
+            piece = _intersection_ranges(src_box, box, src_index[src][src_box.tensor], dst_index[dst][box.tensor])
+            if src != dst:
+                asked[src] += int(piece[:, LENGTH].sum())
+                peers.add(src)
+            parts[(src, dst)].append(piece)
     plan = ReshardPlan(world_size=world, src_keys=src_keys, dst_keys=dst_keys)
     for pair, chunks in parts.items():
         plan.pairs[pair] = _merge(np.concatenate(chunks))

@@ -5,7 +5,7 @@ tensor to tensor, with one ``copy_ranges_`` call. Step ``k`` (1 .. W-1) sends to
 ``rank + k`` and receives from ``rank - k`` (mod W): the ranges of each pair, in the plan's
 order, are cut into buckets of at most ``bucket_elements`` (a range crossing a bucket border
 is split; sender and receiver cut the same way, from the same plan); for each bucket the
-sender packs its ranges into the send buffer with one ``copy_ranges_`` call, the two sides
+sender packs its ranges into the send buffer with one ``copy_ranges_`` call (``verl._C``), the two sides
 post ``isend``/``irecv`` together, and the receiver unpacks the receive buffer with one call
 straight into the destination tensors. A pair with nothing to move costs nothing, so with
 TP == TP' and PP = 1 nothing crosses the network.
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl.hybrid.copy_shards import copy_shards_
+from verl.hybrid.copy_ranges import copy_ranges_
 from verl.hybrid.plan import DST_OFFSET, DST_TENSOR, LENGTH, SRC_OFFSET, SRC_TENSOR, ReshardPlan
 
 __all__ = ["TransferStats", "bucket_cuts", "execute_plan"]
@@ -41,7 +41,10 @@ class TransferStats:
     received_bytes: int
     buffer_bytes: int
     """Bytes of the send, receive (and cast) buffers allocated: the push's extra memory."""
+    local_seconds: float
+    """Time of the local copies (step 0)."""
     seconds: float
+    """Time of the whole push on this rank."""
 
 
 def bucket_cuts(ranges: np.ndarray, bucket_elements: int) -> list[np.ndarray]:
@@ -68,20 +71,6 @@ def bucket_cuts(ranges: np.ndarray, bucket_elements: int) -> list[np.ndarray]:
         part[:, LENGTH] = hi - lo
         out.append(np.concatenate([part, (lo - b0)[:, None]], axis=1))
     return out
-
-
-def copy_ranges_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], ranges: torch.Tensor) -> None:
-    """Copy rows (src index, src offset, dst index, dst offset, length) between flat tensors: one bounds-checked
-    ``copy_shards_`` call per (source, destination) tensor pair."""
-    r = ranges.numpy()
-    order = np.lexsort((r[:, 2], r[:, 0]))
-    r = r[order]
-    pair = r[:, 0] * (len(dsts) + 1) + r[:, 2]
-    bounds = np.flatnonzero(np.diff(pair)) + 1
-    for block in np.split(r, bounds):
-        if len(block):
-            copy_shards_(dsts[int(block[0, 2])], srcs[int(block[0, 0])],
-                         torch.from_numpy(np.ascontiguousarray(block[:, [1, 3, 4]])))
 
 
 def _pack_ranges(cut: np.ndarray) -> torch.Tensor:
@@ -145,6 +134,7 @@ def execute_plan(
             buf = cast_buf
         copy_ranges_(list(destinations), [buf], _unpack_ranges(cut))
 
+    local_start = time.perf_counter()
     if len(local):
         if cast_needed:  # through the buffers, cast on the way
             for cut in bucket_cuts(local, size):
@@ -152,6 +142,9 @@ def execute_plan(
                 unpack(send_buf, cut)
         else:
             copy_ranges_(list(destinations), list(sources), torch.from_numpy(np.ascontiguousarray(local)))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    local_seconds = time.perf_counter() - local_start
     sent = received = 0
     for k in range(1, world):
         to, frm = (rank + k) % world, (rank - k) % world
@@ -181,6 +174,7 @@ def execute_plan(
         sent_bytes=sent * elem,
         received_bytes=received * elem,
         buffer_bytes=buffer_bytes,
+        local_seconds=local_seconds,
         seconds=time.perf_counter() - start,
     )
 

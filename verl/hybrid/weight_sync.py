@@ -1,9 +1,9 @@
 """``WeightSync``: the trainer's one entry point to the 3D-HybridEngine's weight transfer.
 
     sync = WeightSync(actor, rollout, bucket_bytes=rollout_cfg.update_weights_bucket_megabytes * 2**20)
-    with sync.rollout_phase():     # collective: KV cache back, the actor's current weights pushed
+    with sync.rollout_phase():     # collective: training state out, KV cache in, weights pushed
         batch = rollout.generate(prompts)
-    # here the KV cache is released again and training continues
+    # here the KV cache is released again and the training state is back
 
 At construction (collective over the world, where actor and rollout are colocated) it checks
 the layouts (the rollout TP' must divide the actor's ranks and the model's heads; every engine
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from verl.hybrid.layout import Layout, check_megatron_layout, check_rollout_degrees, fill_from_hf, hf_layout, hf_shape
 from verl.hybrid.layout import megatron_layout, vllm_layout
+from verl.hybrid.memory import MemoryLedger, TrainingStateOffload
 from verl.hybrid.plan import ReshardPlan, build_plan
 from verl.hybrid.transfer import execute_plan
 from verl.models.builder import unwrap_model
@@ -66,6 +67,16 @@ class HFShards:
 
     def weights_updated(self) -> None:
         """Nothing is cached."""
+
+    def resume(self) -> None:
+        """No KV cache to take back."""
+
+    def release(self) -> None:
+        """No KV cache to give back."""
+
+    def kv_cache_bytes(self) -> int:
+        """No KV cache."""
+        return 0
 
 
 def _rollout_tp(destination: Any) -> int:
@@ -163,11 +174,20 @@ class WeightSync:
         ]
         destinations = [destination_layout(rollout, spec, rank=r, rollout_tp=rollout_tp) for r in range(world)]
         self.plan: ReshardPlan = build_plan(sources, destinations)
+        self.destination: Layout = destinations[rank]
+        """This rank's destination layout (the boxes the plan writes)."""
         self.rollout_tp = rollout_tp
         self.degrees = degrees
         dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
         self.bucket_elements = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         self.last_metrics: dict[str, float] = {}
+        flags = actor.megatron_config
+        # Two offloads: the parameters leave only after the push has read them.
+        self._state_offload = TrainingStateOffload(
+            actor, params=False, grads=flags.grad_offload, optimizer=flags.optimizer_offload
+        )
+        self._param_offload = TrainingStateOffload(actor, params=flags.param_offload, grads=False, optimizer=False)
+        self.ledger = MemoryLedger(actor.device)
         stats = self.plan.rank_stats(rank)
         logger.info(
             "weight sync planned (%s): rank %d copies %d elements locally, receives %d from %d peers",
@@ -193,6 +213,7 @@ class WeightSync:
         self.rollout.weights_updated()
         self.last_metrics = {
             "timing_s/update_weights": stats.seconds,
+            "timing_s/update_weights_local": stats.local_seconds,
             "update_weights/bytes_local": float(stats.local_bytes),
             "update_weights/bytes_sent": float(stats.sent_bytes),
             "update_weights/bytes_received": float(stats.received_bytes),
@@ -202,16 +223,47 @@ class WeightSync:
 
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator[dict[str, float]]:
-        """The rollout half of a step (collective): the engine resumes its KV cache, the actor's
-        weights are pushed, the body generates; on exit the KV cache is released for training.
+        """The rollout half of a step (collective), with the memory handoff around it.
 
-        Yields the push's metrics (``timing_s/update_weights``, ``update_weights/bytes_*``).
+        On entry: the actor's gradients and optimizer state go to host memory (``grad_offload``,
+        ``optimizer_offload`` of ``actor_rollout_ref.actor.megatron``), the engine takes its KV cache
+        (and, on GPU, its weights) back, the actor's weights are pushed, then the actor's
+        parameters go to host memory too (``param_offload``; after the push, which reads them).
+        The body generates. On exit: the KV cache is released and the training state restored.
+        Yields the push's metrics; afterwards :attr:`last_metrics` also holds the per-phase memory
+        (``memory/{train,offloaded,rollout,reloaded}/*_bytes``, ``memory/peak_vs_sum``).
         """
+        ledger, held = self.ledger, self._state_offload.held_bytes
+        ledger.reset()
+        ledger.record("train", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
+        self._state_offload.offload()
+        ledger.record("offloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
         self.rollout.resume()
         try:
-            yield self.push()
+            metrics = self.push()
+            self._param_offload.offload()
+            yield metrics
+            ledger.record("rollout", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
         finally:
             self.rollout.release()
+            self._param_offload.reload()
+            self._state_offload.reload()
+        ledger.record("reloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
+        self.last_metrics.update(ledger.metrics())
+
+
+def _hf_order(actor: "MegatronEngine") -> list[str]:
+    """The Hugging Face tensors of this rank's stage in the order ``iter_hf_weights`` yields them."""
+    from verl.models.checkpoint import chunk_param_mapping
+
+    names: list[str] = []
+    for chunk in actor.chunks:
+        inner = unwrap_model(chunk)
+        for param_name, _ in inner.named_parameters():
+            mapping = chunk_param_mapping(inner, param_name, actor.pg.tp.rank(), actor.pg.tp.size())
+            if not mapping.duplicate:
+                names += [piece.name for piece in mapping.pieces if piece.name not in names]
+    return names
 
 
 @torch.no_grad()
@@ -231,20 +283,17 @@ def naive_push(actor: "MegatronEngine", rollout: Any) -> int:
     received = 0
     dtype = next(unwrap_model(actor.chunks[0]).parameters()).dtype
     elem = torch.empty((), dtype=dtype).element_size()
-    layouts = [
-        megatron_layout(spec, tp=pg.tp.size(), tp_rank=pg.tp.rank(), pp=pp, pp_rank=s,
-                        vpp=actor.megatron_config.virtual_pipeline_model_parallel_size,
-                        vocab_pad_multiple=actor.build_config.vocab_pad_multiple)
-        for s in range(pp)
-    ]
     tp = pg.tp.size()
     for stage in range(pp):
-        names = list(dict.fromkeys(box.hf_name for box in layouts[stage].boxes))
+        # The order iter_hf_weights yields in (the model's parameter order), told to the other stages.
+        box: list[Any] = [_hf_order(actor) if stage == pp_rank else None]
+        if pp > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(pg.pp, stage), group=pg.pp)
         stream = iter_hf_weights(actor.chunks, pg=pg) if stage == pp_rank else None
-        for name in names:
+        for name in box[0]:
             if stream is not None:
                 got, tensor = next(stream)
-                assert got == name, f"naive_push: iter_hf_weights yielded {got}, the layout expected {name}"
+                assert got == name, f"naive_push: iter_hf_weights yielded {got}, expected {name}"
                 tensor = tensor.contiguous()
                 received += tensor.numel() * elem * (tp - 1) // tp  # the all-gather over TP
             else:

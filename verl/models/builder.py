@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from verl.models.hf_config import HFModelSpec, rope_inv_freq
-from verl.models.weight_mapping import DEFAULT_VOCAB_PAD_MULTIPLE, HeadKind, padded_vocab_size
+from verl.models.weight_mapping import HeadKind, padded_vocab_size
 from verl.utils.logging import log_rank0
 
 if TYPE_CHECKING:
@@ -55,8 +55,9 @@ class ModelBuildConfig:
     """``lm`` (actor/reference), ``value`` (critic: one value per token) or ``reward`` (reward model)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1 to have an effect)."""
-    vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE
-    """Vocabulary rows are padded to a multiple of this times the TP size."""
+    vocab_pad_multiple: int | None = None
+    """Vocabulary rows are padded to a multiple of this times the TP size; None: vLLM's padding
+    (``weight_mapping.padded_vocab_size``), which keeps the hybrid engine's TP == TP' push local."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer implementation; ``auto`` picks Transformer Engine when it imports, else local."""
     recompute_activations: bool = False
@@ -75,7 +76,7 @@ class ModelBuildConfig:
             raise ValueError(
                 f"ModelBuildConfig.transformer_impl={self.transformer_impl!r}; use 'auto', 'local' or 'transformer_engine'"
             )
-        if self.vocab_pad_multiple < 1:
+        if self.vocab_pad_multiple is not None and self.vocab_pad_multiple < 1:
             raise ValueError(f"ModelBuildConfig.vocab_pad_multiple={self.vocab_pad_multiple}; it must be >= 1")
 
     @property

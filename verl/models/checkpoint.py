@@ -11,6 +11,9 @@ distributed checkpoints — always through :mod:`verl.models.weight_mapping`.
   ``verl_model.json`` and the Hugging Face config/tokenizer files under ``hf/``.
 - :func:`iter_checkpoint_hf_weights` streams a distributed checkpoint as Hugging Face tensors
   in one process, one layer at a time (megatron2hf).
+
+Every load refuses non-finite (NaN/inf) weights with a ValueError naming the tensor: a
+checkpoint corrupted in place, or saved from a diverged run, must not be trained on or exported.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.safetensors_io import SafetensorsReader, copy_side_files
 from verl.models.weight_mapping import (
     HFPiece,
+    ParamMapping,
     hf_param_names,
     load_shard,
     merge_pieces,
@@ -71,7 +75,8 @@ class CheckpointMeta:
     """PP size of the writer (informational; loading reshards)."""
 
 
-def _mapping_for(inner: torch.nn.Module, name: str, tp_rank: int, tp_size: int):
+def chunk_param_mapping(inner: torch.nn.Module, name: str, tp_rank: int, tp_size: int) -> ParamMapping:
+    """The ``ParamMapping`` of parameter ``name`` of a verl-built model chunk on TP rank ``tp_rank``."""
     return param_mapping(
         name,
         inner.verl_spec,
@@ -111,6 +116,33 @@ def check_hf_tensors(reader: SafetensorsReader, spec: HFModelSpec, *, head: str 
         raise ValueError(f"{reader.model_dir}: the weights do not match config.json: " + "; ".join(parts))
 
 
+def _is_finite(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def _raise_if_non_finite(bad: list[str], where: str, pg: "ProcessGroupCollection | None") -> None:
+    """Raise one ValueError on every rank of the model when any rank loaded non-finite values.
+
+    ``bad`` names what this rank found. Collective over the TP and PP groups of ``pg`` (each rank
+    of a model holds other shards; its DP replicas read the same ones), so no rank goes on to
+    the next collective while another raises.
+    """
+    found = sorted(set(bad))
+    if pg is not None and dist.is_available() and dist.is_initialized():
+        for group in (pg.tp, pg.pp):
+            size = dist.get_world_size(group)
+            if size > 1:
+                parts: list[list[str] | None] = [None] * size
+                dist.all_gather_object(parts, found, group=group)
+                found = sorted({name for part in parts for name in part or []})
+    if found:
+        more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+        raise ValueError(
+            f"{where}: non-finite weights (NaN or inf) in {', '.join(found[:5])}{more}; the checkpoint is "
+            "damaged or was saved from a diverged run — load an earlier one"
+        )
+
+
 def load_hf_weights(
     chunks: list[torch.nn.Module],
     hf: str | SafetensorsReader,
@@ -121,7 +153,8 @@ def load_hf_weights(
     """Copy Hugging Face weights into this rank's model chunks (only this rank's slices are read).
 
     A value/reward head with no ``score.weight`` in the checkpoint keeps its initialisation
-    (a critic started from an LM). Raises ValueError when tensors are missing or mis-shaped.
+    (a critic started from an LM). Raises ValueError when tensors are missing or mis-shaped, or
+    hold NaN/inf (naming the tensor and its file; collective over the model's TP and PP ranks).
     """
     reader = hf if isinstance(hf, SafetensorsReader) else SafetensorsReader(hf)
     tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
@@ -134,15 +167,24 @@ def load_hf_weights(
         from tqdm import tqdm
 
         iterator = tqdm(work, desc=f"load HF (tp{tp_rank} pp{pg.pp.rank()})", unit="tensor", leave=False)
+    bad: list[str] = []
+
+    def read(piece: HFPiece) -> torch.Tensor:
+        tensor = reader.read_piece(piece)
+        if not _is_finite(tensor):
+            bad.append(f"'{piece.name}' ({reader.file_of(piece.name)})")
+        return tensor
+
     with torch.no_grad():
         for inner, name, param in iterator:
-            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            mapping = chunk_param_mapping(inner, name, tp_rank, tp_size)
             if inner.verl_build.head != "lm" and name == "output_layer.weight" and "score.weight" not in reader:
                 log_rank0(logger, logging.INFO, "no score.weight in %s: %s head keeps its initialisation",
                           reader.model_dir, inner.verl_build.head, group=pg.tp)
                 continue
-            shard = load_shard(mapping, reader.read_piece)
+            shard = load_shard(mapping, read)
             param.data.copy_(shard)
+    _raise_if_non_finite(bad, reader.model_dir, pg)
 
 
 def iter_hf_pieces(
@@ -157,7 +199,7 @@ def iter_hf_pieces(
     for chunk in chunks:
         inner = unwrap_model(chunk)
         for name, param in inner.named_parameters():
-            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            mapping = chunk_param_mapping(inner, name, tp_rank, tp_size)
             if mapping.duplicate:
                 continue
             yield from split_shard(mapping, param.detach())
@@ -174,7 +216,7 @@ def iter_hf_weights(
     for chunk in chunks:
         inner = unwrap_model(chunk)
         for name, param in inner.named_parameters():
-            mapping = _mapping_for(inner, name, tp_rank, tp_size)
+            mapping = chunk_param_mapping(inner, name, tp_rank, tp_size)
             if mapping.duplicate:
                 continue
             shard = param.detach().contiguous()
@@ -185,7 +227,7 @@ def iter_hf_weights(
             dist.all_gather(gathered, shard, group=pg.tp)
             by_name: dict[str, list[tuple[HFPiece, torch.Tensor]]] = defaultdict(list)
             for rank, rank_shard in enumerate(gathered):
-                for piece, tensor in split_shard(_mapping_for(inner, name, rank, tp_size), rank_shard):
+                for piece, tensor in split_shard(chunk_param_mapping(inner, name, rank, tp_size), rank_shard):
                     by_name[piece.name].append((piece, tensor))
             for pieces in by_name.values():
                 yield from merge_pieces(pieces)
@@ -264,7 +306,8 @@ def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, *, pg: "Proces
     """Load a distributed checkpoint into model chunks built at any TP/PP (collective).
 
     The model's HF config and head must match the checkpoint's; tensors are cast to the
-    model's dtype. Raises ValueError on a mismatch.
+    model's dtype. Raises ValueError on a mismatch, and on every rank when any rank loaded a
+    NaN/inf weight (naming the parameter and the checkpoint).
     """
     from megatron.core import dist_checkpointing
 
@@ -281,9 +324,16 @@ def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, *, pg: "Proces
             raise ValueError(f"{ckpt_dir}: checkpoint has {field_name}={theirs}, the model was built with {mine}")
     sharded = model_sharded_state_dict(chunks)
     state = dist_checkpointing.load(sharded, ckpt_dir)
+    bad = []
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
+        bad += [
+            f"'{name}'"
+            for name, tensor in state[key].items()
+            if torch.is_tensor(tensor) and not _is_finite(tensor)
+        ]
         unwrap_model(chunk).load_state_dict(state[key], strict=True)
+    _raise_if_non_finite(bad, ckpt_dir, pg)
 
 
 def _layer_key_suffixes(spec: HFModelSpec, head: str) -> list[str]:
@@ -339,8 +389,20 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
     import torch.distributed.checkpoint as dcp
 
     meta, spec = read_checkpoint_meta(ckpt_dir)
-    stored = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(ckpt_dir).read_metadata()
+    stored = metadata.state_dict_metadata
     padded = meta.padded_vocab_size
+
+    def file_of(key: str, index: tuple[int, ...]) -> str:
+        """The storage file holding element ``index`` of stored tensor ``key`` (for error messages)."""
+        for chunk in getattr(stored[key], "chunks", []):
+            if all(o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
+                for where, storage in (metadata.storage_data or {}).items():
+                    if getattr(where, "fqn", None) != key:
+                        continue
+                    if tuple(getattr(where, "offset", None) or ()) == tuple(chunk.offsets):
+                        return str(getattr(storage, "relative_path", "?"))
+        return "?"
 
     def info(key: str):
         if key not in stored or not hasattr(stored[key], "size"):
@@ -357,22 +419,34 @@ def iter_checkpoint_hf_weights(ckpt_dir: str) -> Iterator[tuple[str, torch.Tenso
             raise ValueError(f"{ckpt_dir}: '{key}' stacks {shape[0]} layers, config says {spec.num_layers}")
         return (layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=dtype)
 
-    def emit(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def emit(
+        name: str, key: str, tensor: torch.Tensor, layer: int | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         mapping = param_mapping(name, spec, padded_vocab=padded, head=meta.head)
         if tuple(tensor.shape) != mapping.shard_shape:
             raise ValueError(f"{ckpt_dir}: '{name}' has shape {tuple(tensor.shape)}, expected {mapping.shard_shape}")
+        if not _is_finite(tensor):
+            where = tuple((~torch.isfinite(tensor)).nonzero()[0].tolist())
+            stored_at = where if layer is None else (layer, *where)
+            hf_names = [n for n, t in merge_pieces(split_shard(mapping, tensor)) if not _is_finite(t)]
+            raise ValueError(
+                f"{ckpt_dir}: {', '.join(hf_names)} holds non-finite values (NaN or inf), e.g. "
+                f"'{name}'{list(where)} stored in {file_of(key, stored_at)}; "
+                "the checkpoint is damaged or was saved from a diverged run"
+            )
         yield from merge_pieces(split_shard(mapping, tensor))
 
     emb = "embedding.word_embeddings.weight"
-    yield from emit(emb, _read_regions(ckpt_dir, {emb: whole(emb)})[emb])
+    yield from emit(emb, emb, _read_regions(ckpt_dir, {emb: whole(emb)})[emb])
     suffixes = _layer_key_suffixes(spec, meta.head)
     for layer in range(spec.num_layers):
         loaded = _read_regions(ckpt_dir, {f"decoder.layers.{s}": layer_region(f"decoder.layers.{s}", layer) for s in suffixes})
         for s in suffixes:
-            yield from emit(f"decoder.layers.{layer}.{s}", loaded[f"decoder.layers.{s}"][0])
+            key = f"decoder.layers.{s}"
+            yield from emit(f"decoder.layers.{layer}.{s}", key, loaded[key][0], layer)
     tail = ["decoder.final_layernorm.weight"]
     if meta.head != "lm" or not spec.tie_word_embeddings:
         tail.append("output_layer.weight")
     loaded = _read_regions(ckpt_dir, {k: whole(k) for k in tail})
     for key in tail:
-        yield from emit(key, loaded[key])
+        yield from emit(key, key, loaded[key])

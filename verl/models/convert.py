@@ -291,7 +291,9 @@ def megatron_to_hf(
     ``dtype`` None keeps the stored dtype (the round trip HF -> Megatron -> HF is then bit-exact).
     """
     from verl.models.checkpoint import HF_SUBDIR, iter_checkpoint_hf_weights, read_checkpoint_meta
+    from verl.trainer.checkpoint import validate_enclosing_checkpoint
 
+    validate_enclosing_checkpoint(megatron_dir)  # inside a trainer checkpoint: its checksums hold
     meta, spec = read_checkpoint_meta(megatron_dir)
     _check_storage_files(megatron_dir)
     out_dtype = dtype or meta.dtype

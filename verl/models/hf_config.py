@@ -11,7 +11,6 @@ Both the transformers v4 layout (``rope_theta`` + ``rope_scaling``) and the v5 l
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from verl.utils.logging import warn_once
+from verl.utils.paths import load_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +173,7 @@ def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str |
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{path}: no Hugging Face config.json here; pass a model directory that has one.")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = load_json_object(path)
         source = source or path
     cfg = dict(config)
     source = source or "config"

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from verl.models.weight_mapping import HFPiece
+from verl.utils.paths import load_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,59 @@ _ST_DTYPES = {
 }
 
 
-def _read_header(path: str) -> tuple[int, dict]:
-    """(offset of the data section, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file."""
+def read_safetensors_header(path: str) -> tuple[int, dict]:
+    """(offset of the data section, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file.
+
+    Checks the file against its own header, so a truncated or corrupt copy fails here, naming
+    the file, rather than at the first read of a tensor: ValueError.
+    """
+    file_size = os.path.getsize(path)
+    bad = f"{path}: not a readable safetensors file"
+    fix = "a truncated or partial copy? Copy the file again"
+    if file_size < 8:
+        raise ValueError(f"{bad} ({file_size} bytes, shorter than the 8-byte header length); {fix}")
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
+        if 8 + size > file_size:
+            raise ValueError(f"{bad} (its header length {size} runs past the end of the {file_size}-byte file); {fix}")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{bad} (the header is not JSON: {exc}); {fix}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad} (the header is a {type(header).__name__}, not an object); {fix}")
     header.pop("__metadata__", None)
+    data_size = file_size - 8 - size
+    for name, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"{bad} (tensor '{name}' has no valid data_offsets in the header); {fix}")
+        if offsets[1] > data_size:
+            raise ValueError(
+                f"{path}: truncated: tensor '{name}' ends at byte {offsets[1]} of the data section but the file "
+                f"holds {data_size} data bytes; {fix}"
+            )
     return 8 + size, header
+
+
+def check_weight_files(model_dir: str) -> None:
+    """Check the weight files of a Hugging Face model directory before a library loads them.
+
+    Every safetensors file (those of the index, or every ``*.safetensors``) must be complete by
+    its own header; a directory with no weights at all (neither safetensors nor ``*.bin``/``*.pt``)
+    is refused. ValueError naming the file.
+    """
+    names = os.listdir(model_dir)
+    if "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names):
+        SafetensorsReader(model_dir).close()
+    elif not any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        raise ValueError(f"{model_dir}: no model weights (*.safetensors) found; is this the model directory?")
 
 
 class SafetensorsReader:
@@ -81,11 +128,13 @@ class SafetensorsReader:
     """
 
     def __init__(self, model_dir: str) -> None:
+        self._fds: dict[str, int] = {}  # first: __del__ runs even when a check below raises
         self.model_dir = model_dir
         index_path = os.path.join(model_dir, "model.safetensors.index.json")
         if os.path.isfile(index_path):
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = load_json_object(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index_path}: no 'weight_map' object (tensor name -> file); restore the file")
             missing = sorted({fn for fn in weight_map.values() if not os.path.isfile(os.path.join(model_dir, fn))})
             if missing:
                 raise ValueError(
@@ -105,14 +154,10 @@ class SafetensorsReader:
                 raise ValueError(f"{model_dir}: no *.safetensors weights found.{hint}")
         self._entries: dict[str, tuple[str, int, dict]] = {}
         for fn in files:
+            data_start, header = read_safetensors_header(os.path.join(model_dir, fn))
             path = os.path.join(model_dir, fn)
-            try:
-                data_start, header = _read_header(path)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"{path}: not a readable safetensors file ({exc}); a truncated copy?") from exc
             for name, entry in header.items():
                 self._entries[name] = (path, data_start, entry)
-        self._fds: dict[str, int] = {}
 
     def names(self) -> list[str]:
         """All tensor names in the checkpoint."""
@@ -128,6 +173,10 @@ class SafetensorsReader:
                 "config.json that does not match the weights)."
             )
         return self._entries[name]
+
+    def file_of(self, name: str) -> str:
+        """The safetensors file that holds tensor ``name``."""
+        return self._entry(name)[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` without reading it."""

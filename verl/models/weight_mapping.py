@@ -15,7 +15,10 @@ Layouts handled here:
 - gate/up are fused into ``linear_fc1`` as ``[gate; up]`` *per TP rank* (each rank holds its
   gate rows followed by its up rows, because SwiGLU chunks the local output in two).
 - the vocabulary (embedding and LM head rows) is padded with zero rows to ``padded_vocab_size``
-  (a multiple of the TP size) and split contiguously; padded rows never reach Hugging Face.
+  and split contiguously; padded rows never reach Hugging Face. By default the padding is
+  vLLM's (a multiple of 64, and of the TP size when that is larger), so each TP rank holds the
+  vocabulary rows a vLLM engine of the same TP' holds, and the hybrid engine's push at
+  TP == TP' is a local copy even for the embedding and LM head.
 - tied embeddings: the LM head of a last pipeline stage that does not own the embedding is a
   copy of ``model.embed_tokens.weight`` (marked ``duplicate`` so exporters skip it).
 - scalar heads (critic value head, reward head): ``output_layer.weight`` [1, hidden] maps to
@@ -28,6 +31,7 @@ Both the local layer spec and Transformer Engine names (fused layer-norm weights
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Literal
@@ -39,8 +43,8 @@ from verl.models.hf_config import HFModelSpec
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
 HeadKind = Literal["lm", "value", "reward"]
 
-DEFAULT_VOCAB_PAD_MULTIPLE = 128
-"""Vocabulary rows are padded to a multiple of this times the TP size (GEMM-friendly shapes)."""
+ROLLOUT_VOCAB_PADDING = 64
+"""vLLM pads the vocabulary of its embedding and LM head to a multiple of this (``pad_vocab_size``)."""
 
 # Megatron layer parameter suffix -> (HF suffixes, kind). TE names fuse the layer norms into
 # the following linear layer.
@@ -69,11 +73,17 @@ HF_LM_HEAD = "lm_head.weight"
 HF_SCORE = "score.weight"
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> int:
-    """Smallest size >= vocab_size divisible by ``multiple * tp_size``."""
-    if vocab_size <= 0 or tp_size <= 0 or multiple <= 0:
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int | None = None) -> int:
+    """Rows of the padded vocabulary at TP ``tp_size``.
+
+    ``multiple`` None (the default): the smallest size >= vocab_size divisible by
+    ``lcm(ROLLOUT_VOCAB_PADDING, tp_size)`` — vLLM's padding, so TP rank ``r`` holds the rows a
+    vLLM engine's rank ``r`` holds at the same TP. An explicit ``multiple`` pads to a multiple of
+    ``multiple * tp_size`` instead (Megatron-LM's ``make_vocab_size_divisible_by``).
+    """
+    if vocab_size <= 0 or tp_size <= 0 or (multiple is not None and multiple <= 0):
         raise ValueError(f"vocab_size ({vocab_size}), tp_size ({tp_size}) and multiple ({multiple}) must be positive")
-    step = multiple * tp_size
+    step = math.lcm(ROLLOUT_VOCAB_PADDING, tp_size) if multiple is None else multiple * tp_size
     return -(-vocab_size // step) * step
 
 

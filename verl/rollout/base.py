@@ -337,6 +337,11 @@ class RolloutEngine(abc.ABC):
         """Undo :meth:`release` before the next ``generate``."""
 
     @abc.abstractmethod
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache this engine holds now on its device (0 between :meth:`release` and
+        :meth:`resume`); what the memory handoff (``verl.hybrid.memory``) accounts for."""
+
+    @abc.abstractmethod
     def shutdown(self) -> None:
         """Free everything the engine holds; the object is unusable afterwards."""
 

@@ -242,6 +242,12 @@ class HFRollout(RolloutEngine):
             self.device = self._home
         self._released = False
 
+    def kv_cache_bytes(self) -> int:
+        """0: transformers' ``generate`` allocates its KV cache inside each call and frees it on
+        return, so between calls (when the memory handoff looks) the engine holds none. During a
+        call it holds about 2 x layers x kv_heads x head_dim x dtype bytes per token of the batch."""
+        return 0
+
     def shutdown(self) -> None:
         """Drop the model."""
         if getattr(self, "model", None) is None:

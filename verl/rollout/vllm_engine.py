@@ -26,6 +26,8 @@ shards). ``method="reload_weights"`` uses vLLM's ``reload_weights`` instead (who
 Memory phases: on GPU ``release`` is vLLM's ``sleep`` (level 1 keeps weights in host memory,
 level 2 drops them) and ``resume`` its ``wake_up``; on the CPU build, where sleep mode does not
 exist, the KV cache is freed and re-allocated in-process (``vllm_internals.free_kv_cache``).
+``kv_cache_bytes`` reports what the cache holds (0 while released), for the memory handoff of
+``verl.hybrid.memory``.
 
 Side effects of starting vLLM that are undone here: the CPU worker replaces
 ``torch.set_num_threads`` with a no-op and lowers the thread count to 1, and every worker
@@ -160,6 +162,23 @@ def _cpu_block_size(max_model_len: int) -> int:
     a whole sequence when sequences are shorter."""
     whole = -(-max_model_len // _CPU_BLOCK_ALIGN) * _CPU_BLOCK_ALIGN
     return min(_CPU_BLOCK_MAX, whole)
+
+
+def _kv_cache_bytes_from_config(llm: Any) -> int:
+    """KV cache bytes from vLLM's public configs: blocks x block size x (K and V of every attention
+    layer on this rank) per token. Exact for dense attention; 0 when vLLM reports no blocks."""
+    config = llm.llm_engine.vllm_config
+    cache, model, parallel = config.cache_config, config.model_config, config.parallel_config
+    if not cache.num_gpu_blocks:
+        return 0
+    if cache.cache_dtype == "auto":
+        itemsize = model.dtype.itemsize
+    elif cache.cache_dtype.startswith("fp8"):
+        itemsize = 1
+    else:
+        itemsize = getattr(torch, cache.cache_dtype).itemsize
+    per_token = 2 * model.get_num_kv_heads(parallel) * model.get_head_size() * model.get_num_layers(parallel) * itemsize
+    return int(cache.num_gpu_blocks) * int(cache.block_size) * per_token
 
 
 def _engine_dtype(cfg: RolloutConfig, on_cpu: bool) -> str:
@@ -493,6 +512,18 @@ class VLLMRollout(RolloutEngine):
         # Blocks are fresh memory: no cached prefix may point into them.
         self._llm.reset_prefix_cache()
         self._released = False
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the engine's KV cache on this rank; 0 between :meth:`release` and :meth:`resume`.
+
+        The cache tensors' storages (``vllm_internals.kv_cache_bytes``), or, outside the vLLM
+        versions that reads, blocks x block size x K/V bytes per token from vLLM's public configs.
+        """
+        if self._released:
+            return 0
+        if "kv_cache_tensors" in self._internals:
+            return internals.kv_cache_bytes(self._worker)
+        return _kv_cache_bytes_from_config(self._llm)
 
     @property
     def released(self) -> bool:

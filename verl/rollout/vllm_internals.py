@@ -55,6 +55,7 @@ __all__ = [
     "inverse_cdf_applies",
     "inverse_cdf_sample",
     "ipc_socket_files",
+    "kv_cache_bytes",
     "kv_cache_manager",
     "log_turned_off",
     "model_runner",
@@ -137,14 +138,17 @@ INTERNALS: dict[str, Internal] = {
         Internal(
             name="accelerator_hooks",
             touches="vllm.v1.worker.cpu_model_runner._set_torch_accelerator_to_noop (its process-wide "
-            "torch.accelerator.synchronize/empty_cache no-ops)",
+            "torch.accelerator.synchronize/empty_cache no-ops) and vllm.v1.worker.cpu.shm's "
+            "torch.cuda.current_stream placeholder (set at its import)",
             versions=_V032,
-            why="the CPU model runner replaces them process-wide and calls them until shutdown; put back "
-            "when the last engine is gone",
-            without="the no-ops stay after shutdown",
+            why="the CPU build replaces them process-wide and calls them until shutdown; put back "
+            "when the last engine is gone (else torch.cuda.current_stream stops raising on a CPU machine, "
+            "and code that probes it, Megatron's CPU shim tests among them, is misled)",
+            without="the no-ops and the placeholder stay after shutdown",
             tests=(
                 _TESTS + "test_cpu_runner_replaces_the_accelerator_hooks",
                 "tests/rollout/test_base.py::test_accelerator_hooks_restored_when_the_last_engine_is_gone",
+                "tests/rollout/test_base.py::test_vllms_current_stream_placeholder_lives_only_as_long_as_an_engine",
             ),
             api=("accelerator_hooks_restored",),
             scope="cpu",
@@ -178,6 +182,23 @@ INTERNALS: dict[str, Internal] = {
             ),
             api=("check_kv_release_supported", "free_kv_cache", "allocate_kv_cache"),
             scope="cpu",
+            requires=("in_process_worker",),
+        ),
+        Internal(
+            name="kv_cache_tensors",
+            touches="GPUModelRunner.kv_caches (the per-layer views of the KV cache buffer, the CPU runner's too)",
+            versions=_V032,
+            why="vLLM reports its KV cache in blocks, not bytes; the cache tensors' storages are the bytes "
+            "the memory handoff accounts for (layers that share one buffer counted once)",
+            without="kv_cache_bytes() is computed from vLLM's public configs (blocks x block size x K/V bytes "
+            "per token of every attention layer: exact for dense attention)",
+            tests=(
+                _TESTS + "test_runner_kv_caches_are_the_bound_cache_tensors",
+                _TESTS + "test_outside_the_versions_weights_memory_and_interrupts",
+                "tests/hybrid/test_memory.py::test_vllm_kv_cache_bytes_follow_release_and_resume",
+            ),
+            api=("kv_cache_bytes",),
+            scope="any",
             requires=("in_process_worker",),
         ),
         Internal(
@@ -425,18 +446,27 @@ def plain_cpu_linear() -> Iterator[None]:
 # ------------------------------------------------------------------------------ accelerator_hooks
 _hook_users = 0
 _saved_hooks: dict[str, Any] = {}
+# torch's own, taken when verl imports this module (vLLM is imported later, when an engine is built).
+_TORCH_CURRENT_STREAM = torch.cuda.current_stream
+_vllm_current_stream: Any = None
 _ACCELERATOR_HOOKS = ("synchronize", "empty_cache")
 
 
 @contextlib.contextmanager
 def accelerator_hooks_restored() -> Iterator[None]:
-    """Put ``torch.accelerator.synchronize``/``empty_cache`` back once the last engine using
-    this context is gone (the CPU model runner replaces them with no-ops it calls until its
-    shutdown, so an engine still alive must keep them). Re-entrant, reference counted."""
-    global _hook_users
+    """Put ``torch.accelerator.synchronize``/``empty_cache`` and ``torch.cuda.current_stream`` back
+    once the last engine using this context is gone; while an engine lives, vLLM's versions are in
+    place. The CPU model runner replaces the accelerator hooks with no-ops it calls until its
+    shutdown, and importing the CPU build's shared-memory module (``vllm.v1.worker.cpu.shm``)
+    replaces ``torch.cuda.current_stream`` with a placeholder once per process; so the
+    placeholder is remembered at the first shutdown and put back for later engines (the import
+    does not run again). Re-entrant, reference counted."""
+    global _hook_users, _vllm_current_stream
     with _lock:
         if _hook_users == 0:
             _saved_hooks.update({name: getattr(torch.accelerator, name) for name in _ACCELERATOR_HOOKS})
+            if _vllm_current_stream is not None:
+                torch.cuda.current_stream = _vllm_current_stream
         _hook_users += 1
     try:
         yield
@@ -447,6 +477,9 @@ def accelerator_hooks_restored() -> Iterator[None]:
                 for name, fn in _saved_hooks.items():
                     setattr(torch.accelerator, name, fn)
                 _saved_hooks.clear()
+                if torch.cuda.current_stream is not _TORCH_CURRENT_STREAM:
+                    _vllm_current_stream = torch.cuda.current_stream
+                    torch.cuda.current_stream = _TORCH_CURRENT_STREAM
 
 
 # ------------------------------------------------------------------------------ unique_shm_names
@@ -535,6 +568,28 @@ def allocate_kv_cache(worker: Any, kv_cache_config: Any) -> None:
     """Allocate the KV cache again with the block layout :func:`free_kv_cache` returned."""
     check_kv_release_supported()
     worker.initialize_from_config(kv_cache_config)
+
+
+# ------------------------------------------------------------------------------ kv_cache_tensors
+def kv_cache_bytes(worker: Any) -> int:
+    """Bytes of the KV cache tensors of the worker's model runner; 0 when freed.
+
+    vLLM 0.32 allocates one buffer and views it per layer (``runner.kv_caches``, a list of
+    tensors, or of tuples of tensors for some backends): each distinct storage counts once.
+    On GPU the storages keep their size while vLLM sleeps (its allocator unmaps the memory
+    underneath); the engine reports 0 for a released cache itself.
+    """
+    sizes: dict[int, int] = {}
+    pending = list(getattr(worker.model_runner, "kv_caches", ()))
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.nbytes():
+                sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
 
 
 # ------------------------------------------------------------------------------ inverse_cdf_sampler

@@ -6,7 +6,7 @@ Layout under the run's checkpoint root (``trainer.default_local_dir``)::
         actor/                      # MegatronEngine.save (model/, optim/, extra/, engine.json)
         critic/                     # (PPO with a critic)
         trainer_state.json          # global step, data-loader position, anything the trainer adds
-        checkpoint_complete.json    # manifest: every file with its size, written last
+        checkpoint_complete.json    # manifest: every file with its size and checksum, written last
     latest_checkpointed_iteration.txt   # "20", rewritten after the directory is in place
 
 How a save survives being killed at any moment:
@@ -19,12 +19,22 @@ How a save survives being killed at any moment:
 
 A kill before 3 leaves the previous checkpoint and tracker untouched; between 3 and 4 the
 new directory is complete but the tracker still names the previous one (resume uses the
-previous one; the newer one is picked up when no tracker exists). A checkpoint whose
-manifest is missing or disagrees with the files on disk is reported by name and never loaded.
+previous one; the newer one is picked up when no tracker exists).
 
-Every rank calls ``save`` together (the write function is collective); rank 0 does the
-renames. The checkpoint root must be visible to all ranks (a shared file system on
-multi-node runs).
+The manifest lists every file of the checkpoint with its size and XXH3-128 content checksum
+(:mod:`verl.utils.checksum`), and carries a checksum of itself. :meth:`CheckpointManager.validate`
+refuses, naming the file, a checkpoint whose manifest is missing or damaged, or whose files
+are missing, of another size, of other content (corrupted in place), or not listed. Resume
+(``auto``) then falls back to the previous valid checkpoint with a warning naming the bad
+one; a checkpoint named explicitly (``resume_path``) is an error. Manifests written before
+checksums existed (``{path: size}``) are still accepted, with sizes checked only and a warning.
+
+Every rank calls ``save``, ``validate``, ``latest`` and ``resolve_resume`` together when
+torch.distributed is initialised: checksums are computed and verified with the files split
+over the ranks (threads within each), and every decision is made once, on rank 0's view or
+on the gathered results, so every rank returns the same checkpoint or raises the same error.
+Rank 0 does the renames. The checkpoint root must be visible to all ranks (a shared file
+system on multi-node runs).
 """
 
 from __future__ import annotations
@@ -39,8 +49,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+import xxhash
 
-from verl.utils.logging import log_rank0
+from verl.utils.checksum import ALGORITHM, checksum_files
+from verl.utils.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +63,15 @@ __all__ = [
     "TRACKER_FILE",
     "TRAINER_STATE_FILE",
     "step_dir_name",
+    "validate_enclosing_checkpoint",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checkpoint_complete.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+MANIFEST_VERSION = 2
+"""2: ``{path: {"size", "xxh3_128"}}`` plus the manifest's own checksum; 1 (no version key):
+``{path: size}``."""
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
 _OLD_PREFIX = "old_"
@@ -74,9 +90,42 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on rank 0 only; its result, or its error, on every rank (collective).
+
+    A CheckpointError is raised with the same message on every rank; any other exception is
+    re-raised on rank 0 and reported as a RuntimeError elsewhere, so no rank is left waiting.
+    """
+    if not _distributed():
+        return fn()
+    holder: list[Any] = [None]
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            holder[0] = ("ok", fn())
+        except CheckpointError as exc:
+            holder[0] = ("checkpoint_error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            holder[0] = ("error", f"{type(exc).__name__}: {exc}")
+            error = exc
+    dist.broadcast_object_list(holder, src=0)
+    kind, value = holder[0]
+    if error is not None:
+        raise error
+    if kind == "checkpoint_error":
+        raise CheckpointError(value)
+    if kind == "error":
+        raise RuntimeError(f"rank 0 failed while reading checkpoints: {value}")
+    return value
 
 
 def _fsync_dir(path: str) -> None:
@@ -98,16 +147,32 @@ def _write_atomic(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _list_files(root: str) -> dict[str, int]:
-    """Relative path -> size of every file under ``root`` (the manifest excluded)."""
-    out = {}
+def _list_files(root: str) -> list[str]:
+    """Relative path of every file under ``root`` (the manifest excluded), sorted."""
+    out = []
     for dirpath, _, files in os.walk(root):
         for name in files:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root)
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
             if rel != MANIFEST_FILE:
-                out[rel] = os.path.getsize(full)
-    return out
+                out.append(rel)
+    return sorted(out)
+
+
+def _manifest_checksum(manifest: dict[str, Any]) -> str:
+    """Checksum of the manifest's content (all keys but its own checksum), canonically serialised."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_" + ALGORITHM}
+    return xxhash.xxh3_128(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _shown(problems: list[str]) -> str:
+    return "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    step: int
+    sizes: dict[str, int]
+    digests: dict[str, str] | None  # None: a version-1 manifest (sizes only)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,12 +230,28 @@ class CheckpointManager:
         _barrier()
         write(tmp)
         _barrier()
-        if _rank() == 0:
+
+        def write_state_and_list() -> list[str]:
             state = dict(trainer_state)
             state["global_step"] = step
             with open(os.path.join(tmp, TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=2, sort_keys=True)
-            manifest = {"global_step": step, "files": _list_files(tmp)}
+            return _list_files(tmp)
+
+        # Rank 0's listing, hashed by every rank (each its share of the files).
+        files = _on_rank0(write_state_and_list)
+        digests = checksum_files(tmp, files)
+        unreadable = [f"{rel}: {d.error}" for rel, d in digests.items() if d.digest is None]
+        if unreadable:
+            raise OSError(f"checkpoint {tmp}: cannot read back what was written: {_shown(unreadable)}")
+        if _rank() == 0:
+            manifest: dict[str, Any] = {
+                "version": MANIFEST_VERSION,
+                "global_step": step,
+                "hash": ALGORITHM,
+                "files": {rel: {"size": d.size, ALGORITHM: d.digest} for rel, d in digests.items()},
+            }
+            manifest["manifest_" + ALGORITHM] = _manifest_checksum(manifest)
             with open(os.path.join(tmp, MANIFEST_FILE), "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
                 f.flush()
@@ -244,79 +325,126 @@ class CheckpointManager:
         return steps
 
     @staticmethod
-    def validate(path: str) -> int:
-        """Check that ``path`` is a complete checkpoint; returns its step.
+    def validate(path: str, *, within: str | None = None) -> int:
+        """Check that ``path`` is a complete checkpoint with the content it was saved with; returns its step.
 
+        Rank 0 reads the manifest and checks that every file is there with its size and that
+        nothing unlisted was added; then every file's checksum is verified (only those under
+        the subdirectory ``within`` when given), the files split over the ranks (collective
+        when torch.distributed is initialised: every rank calls it and gets the same answer).
         Raises CheckpointError naming what is wrong.
         """
-        if not os.path.isdir(path):
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        manifest_path = os.path.join(path, MANIFEST_FILE)
-        if not os.path.isfile(manifest_path):
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete: {MANIFEST_FILE} is missing (the save was interrupted or "
-                "the "
-                "directory was copied partially); resume from an earlier checkpoint with "
-                "trainer.resume_mode=resume_path trainer.resume_from_path=...global_step_K"
+        manifest = _on_rank0(lambda: _read_manifest(path))
+        if manifest.digests is None:
+            warn_once(
+                logger,
+                "checkpoint %s has a manifest without checksums (written by an older verl): only file "
+                "sizes are checked, content is not verified",
+                path,
             )
-        try:
-            with open(manifest_path, encoding="utf-8") as f:
-                manifest = json.load(f)
-            files: dict[str, int] = manifest["files"]
-            step = int(manifest["global_step"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} is unreadable ({exc})") from None
+            return manifest.step
+        prefix = None if within is None else os.path.normpath(within) + os.sep
+        checked = sorted(rel for rel in manifest.digests if prefix is None or rel.startswith(prefix))
+        digests = checksum_files(path, checked)
         problems = []
-        for rel, size in sorted(files.items()):
-            full = os.path.join(path, rel)
-            if not os.path.isfile(full):
-                problems.append(f"{rel} is missing")
-            elif os.path.getsize(full) != size:
-                problems.append(f"{rel} has {os.path.getsize(full)} bytes, the manifest says {size}")
-        if problems:
-            shown = "; ".join(problems[:5]) + (
-                f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            )
-            raise CheckpointError(f"checkpoint {path} is corrupt: {shown}")
-        return step
-
-    def latest(self) -> CheckpointInfo | None:
-        """The checkpoint to resume from: the tracker's, else the newest complete one; None if there is none.
-
-        A tracker that names a missing or corrupt checkpoint is an error (never silently
-        replaced by an older one).
-        """
-        if os.path.isfile(self.tracker_path):
-            with open(self.tracker_path, encoding="utf-8") as f:
-                text = f.read().strip()
-            if not text.isdigit():
-                raise CheckpointError(f"{self.tracker_path} holds {text!r}, not a step number")
-            step = int(text)
-            path = self.step_path(step)
-            self.validate(path)
-            newer = [s for s in self._step_dirs() if s > step]
-            if newer:
-                logger.warning(
-                    "%s names step %d but %s exist (a save finished after the tracker was last written?); "
-                    "resuming from step %d as the tracker says",
-                    self.tracker_path,
-                    step,
-                    ", ".join(step_dir_name(s) for s in sorted(newer)),
-                    step,
+        for rel in checked:
+            expected, got = manifest.digests[rel], digests[rel]
+            if got.digest is None:
+                problems.append(f"{rel} cannot be read ({got.error})")
+            elif got.size != manifest.sizes[rel]:
+                problems.append(f"{rel} has {got.size} bytes, the manifest says {manifest.sizes[rel]}")
+            elif got.digest != expected:
+                problems.append(
+                    f"{rel} does not hold what was saved ({ALGORITHM} {got.digest}, the manifest says "
+                    f"{expected}: corrupted in place?)"
                 )
-            return CheckpointInfo(step=step, path=path)
-        for step in sorted(self._step_dirs(), reverse=True):
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {_shown(problems)}")
+        return manifest.step
+
+    def _read_tracker_and_steps(self) -> tuple[int | None, list[int]]:
+        """(the tracker's step, or None when there is no readable tracker; every step dir, newest first)."""
+        tracked = None
+        if os.path.isfile(self.tracker_path):
+            with open(self.tracker_path, encoding="utf-8", errors="replace") as f:
+                text = f.read().strip()
+            if text.isdigit():
+                tracked = int(text)
+            else:
+                logger.warning(
+                    "%s holds %r, not a step number: ignoring it and using the newest complete checkpoint",
+                    self.tracker_path,
+                    text[:40],
+                )
+        return tracked, sorted(self._step_dirs(), reverse=True)
+
+    def _newest_valid(self, steps: list[int]) -> CheckpointInfo | None:
+        """The first of ``steps`` (newest first) that validates; the others are skipped with a warning."""
+        for step in steps:
             path = self.step_path(step)
             try:
                 self.validate(path)
             except CheckpointError as exc:
-                logger.warning("skipping %s", exc)
+                log_rank0(logger, logging.WARNING, "skipping %s", exc)
                 continue
-            logger.warning(
-                "no %s in %s: using the newest complete checkpoint %s", TRACKER_FILE, self.root, path
-            )
             return CheckpointInfo(step=step, path=path)
         return None
+
+    def latest(self) -> CheckpointInfo | None:
+        """The checkpoint to resume from; None if there is none.
+
+        The tracker's checkpoint when it validates. When it is missing, incomplete or corrupt:
+        the newest valid checkpoint older than it, with a warning naming the bad one (an error
+        when there is none: never a silent fresh start). Without a readable tracker: the newest
+        valid checkpoint. Collective when torch.distributed is initialised.
+        """
+        tracked, steps = _on_rank0(self._read_tracker_and_steps)
+        if tracked is None:
+            found = self._newest_valid(steps)
+            if found is not None:
+                log_rank0(
+                    logger,
+                    logging.WARNING,
+                    "no usable %s in %s: using the newest complete checkpoint %s",
+                    TRACKER_FILE,
+                    self.root,
+                    found.path,
+                )
+            return found
+        path = self.step_path(tracked)
+        try:
+            self.validate(path)
+        except CheckpointError as exc:
+            found = self._newest_valid([s for s in steps if s < tracked])
+            if found is None:
+                raise CheckpointError(
+                    f"{exc}; {TRACKER_FILE} names it and there is no earlier complete checkpoint in "
+                    f"{self.root} to fall back to"
+                ) from None
+            log_rank0(
+                logger,
+                logging.WARNING,
+                "%s names step %d, which cannot be used (%s); resuming from the previous complete "
+                "checkpoint %s",
+                self.tracker_path,
+                tracked,
+                exc,
+                found.path,
+            )
+            return found
+        newer = [s for s in steps if s > tracked]
+        if newer:
+            log_rank0(
+                logger,
+                logging.WARNING,
+                "%s names step %d but %s exist (a save finished after the tracker was last written?); "
+                "resuming from step %d as the tracker says",
+                self.tracker_path,
+                tracked,
+                ", ".join(step_dir_name(s) for s in sorted(newer)),
+                tracked,
+            )
+        return CheckpointInfo(step=tracked, path=path)
 
     def resolve_resume(self, resume_mode: str, resume_from_path: str | None) -> CheckpointInfo | None:
         """The checkpoint ``trainer.resume_mode`` selects: auto (latest, if any), disable (None), resume_path.
@@ -341,6 +469,103 @@ class CheckpointManager:
 
     @staticmethod
     def read_trainer_state(path: str) -> dict[str, Any]:
-        """The ``trainer_state.json`` of a (validated) checkpoint."""
-        with open(os.path.join(path, TRAINER_STATE_FILE), encoding="utf-8") as f:
-            return json.load(f)
+        """The ``trainer_state.json`` of a (validated) checkpoint; CheckpointError when it is unreadable."""
+        state_path = os.path.join(path, TRAINER_STATE_FILE)
+        try:
+            with open(state_path, encoding="utf-8") as f:
+                state = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{state_path} is unreadable ({exc})") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{state_path} holds {type(state).__name__}, not a JSON object")
+        return state
+
+
+def validate_enclosing_checkpoint(path: str) -> str | None:
+    """When ``path`` lies inside a ``global_step_N`` checkpoint, validate it; returns that checkpoint or None.
+
+    For tools that read part of a trainer checkpoint (megatron2hf on ``global_step_N/actor/model``):
+    the checkpoint must be complete, and the files under ``path`` must hold what was saved.
+    Raises CheckpointError naming the file otherwise. Not collective.
+    """
+    path = os.path.abspath(path)
+    parent = path
+    for _ in range(4):
+        if _STEP_DIR.match(os.path.basename(parent)) and os.path.isfile(os.path.join(parent, MANIFEST_FILE)):
+            within = os.path.relpath(path, parent)
+            CheckpointManager.validate(parent, within=None if within == "." else within)
+            return parent
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    return None
+
+
+def _read_manifest(path: str) -> _Manifest:
+    """The manifest of checkpoint ``path``, after checking every file's presence and size (no checksums).
+
+    Raises CheckpointError naming what is missing, of another size, unlisted or unreadable.
+    """
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    manifest_path = os.path.join(path, MANIFEST_FILE)
+    if not os.path.isfile(manifest_path):
+        steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(path)) if m), reverse=True)
+        if steps or os.path.isfile(os.path.join(path, TRACKER_FILE)):
+            # Not an interrupted save: the run's checkpoint root, given where one checkpoint belongs.
+            held = ", ".join(step_dir_name(s) for s in steps[:3]) if steps else TRACKER_FILE
+            latest = f"; the newest is {os.path.join(path, step_dir_name(steps[0]))}" if steps else ""
+            raise CheckpointError(
+                f"{path} is a checkpoint directory of a run (it holds {held}), not one checkpoint: give one "
+                f"of its global_step_N directories as trainer.resume_from_path{latest}, or resume its latest "
+                f"with trainer.resume_mode=auto trainer.default_local_dir={path}"
+            )
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {MANIFEST_FILE} is missing (the save was interrupted or the "
+            "directory was copied partially); resume from an earlier checkpoint with "
+            "trainer.resume_mode=resume_path trainer.resume_from_path=...global_step_K"
+        )
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            raw = json.load(f)
+        step = int(raw["global_step"])
+        files = raw["files"]
+        version = raw.get("version", 1)
+        if version == 1:
+            sizes = {str(rel): int(size) for rel, size in files.items()}
+            digests = None
+        elif version == MANIFEST_VERSION:
+            if raw.get("manifest_" + ALGORITHM) != _manifest_checksum(raw):
+                raise CheckpointError(
+                    f"checkpoint {path} is corrupt: {MANIFEST_FILE} does not match its own checksum "
+                    "(damaged after it was written)"
+                )
+            if raw.get("hash") != ALGORITHM:
+                raise CheckpointError(
+                    f"checkpoint {path}: {MANIFEST_FILE} uses hash {raw.get('hash')!r}; this verl verifies "
+                    f"{ALGORITHM!r}"
+                )
+            sizes = {str(rel): int(entry["size"]) for rel, entry in files.items()}
+            digests = {str(rel): str(entry[ALGORITHM]) for rel, entry in files.items()}
+        else:
+            raise CheckpointError(
+                f"checkpoint {path}: {MANIFEST_FILE} has version {version!r}; this verl reads versions 1 and "
+                f"{MANIFEST_VERSION} (written by a newer verl?)"
+            )
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} is unreadable ({exc!r})") from None
+    problems = []
+    for rel, size in sorted(sizes.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            problems.append(f"{rel} is missing")
+        elif os.path.getsize(full) != size:
+            problems.append(f"{rel} has {os.path.getsize(full)} bytes, the manifest says {size}")
+    unlisted = [rel for rel in _list_files(path) if rel not in sizes]
+    problems += [f"{rel} is not in the manifest (added after the save?)" for rel in unlisted]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {_shown(problems)}")
+    return _Manifest(step=step, sizes=sizes, digests=digests)

@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
+from verl.utils.cli import fail, user_errors
 from verl.utils.logging import log_rank0
 
-__all__ = ["fail", "run_trainer"]
-
-
-def fail(prog: str, message: str) -> NoReturn:
-    """Exit with status 2; rank 0 says why (every rank exits)."""
-    if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(f"{prog}: error: {message}\n")
-    raise SystemExit(2)
+__all__ = ["run_trainer"]
 
 
 def run_trainer(
@@ -34,13 +27,11 @@ def run_trainer(
     make_trainer: Callable[[Any], Any],
     summary: Callable[[Any, dict[str, float]], str],
 ) -> int:
-    """``check(cfg)`` (ValueError: exit 2), start torch.distributed on ``cfg.trainer.device``,
-    ``make_trainer(cfg)`` (ValueError: exit 2), ``fit()`` inside ``with trainer``, log
+    """``check(cfg)`` (a user error: exit 2), start torch.distributed on ``cfg.trainer.device``,
+    ``make_trainer(cfg)`` and ``fit()`` inside ``with trainer`` (a user error: exit 2), log
     ``summary(trainer, metrics)`` and tear the world down; returns the exit status."""
-    try:
+    with user_errors(prog):
         check(cfg)
-    except ValueError as exc:
-        fail(prog, str(exc))
     if cfg.trainer.device == "cpu":
         # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -51,12 +42,12 @@ def run_trainer(
     except ValueError as exc:
         fail(prog, f"trainer.device={cfg.trainer.device}: {exc}")
     try:
-        try:
+        # A setting that only the data or the model reveals (run length, shapes, a bad row);
+        # the finally below tears the world down.
+        with user_errors(prog):
             trainer = make_trainer(cfg)
-        except ValueError as exc:  # a setting that only the data or the model reveals (run length, shapes)
-            fail(prog, str(exc))  # the finally below tears the world down
-        with trainer:
-            metrics = trainer.fit()
+            with trainer:
+                metrics = trainer.fit()
         log_rank0(
             logging.getLogger(prog.split()[-1]),
             logging.INFO,

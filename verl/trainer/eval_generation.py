@@ -23,7 +23,9 @@ import torch
 
 from verl.data.io import TableStore, get_field
 from verl.data.tokenizer import encode_text, load_tokenizer, prompt_to_text
-from verl.rewards import default_compute_score
+from verl.models.safetensors_io import check_weight_files
+from verl.rewards import default_compute_score, get_scorer
+from verl.utils.paths import check_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +59,21 @@ def evaluate_generation(
     prompt_key: str = "prompt",
     num_examples: int = 3,
 ) -> GenerationEval:
-    """Greedy-decode the prompts of ``data_files`` with the model in ``model_dir`` and score them."""
+    """Greedy-decode the prompts of ``data_files`` with the model in ``model_dir`` and score them.
+
+    Everything a user gives is checked before the model is loaded: the model directory and its
+    weight files, the numbers, and every prompt row (ValueError naming the file, row and field).
+    """
     from transformers import AutoModelForCausalLM
 
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1 (or None for all), got {max_samples}")
+    check_model_dir(model_dir, "model_dir")
+    check_weight_files(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-    model.eval()
     store = TableStore(data_files)
     n = len(store) if max_samples is None else min(max_samples, len(store))
     if n == 0:
@@ -72,25 +83,29 @@ def evaluate_generation(
         source, j = store.locate(i)
         row = source.row(j)
         where = f"{source.path}: row {j}"
+        prompt = get_field(row, prompt_key, path=source.path, row_index=j)
+        text, templated = prompt_to_text(tokenizer, prompt, apply_chat_template=True, where=where)
+        data_source = get_field(row, "data_source", path=source.path, row_index=j)
+        try:
+            get_scorer(data_source)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         rows.append(
             {
-                "prompt": get_field(row, prompt_key, path=source.path, row_index=j),
-                "data_source": get_field(row, "data_source", path=source.path, row_index=j),
+                "prompt": prompt,
+                "ids": encode_text(tokenizer, text, templated=templated),
+                "data_source": data_source,
                 "ground_truth": get_field(row, "reward_model.ground_truth", path=source.path, row_index=j),
-                "where": where,
             }
         )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model.eval()
     pad_id = tokenizer.pad_token_id
     total = 0.0
     examples = []
     for start in range(0, n, batch_size):
         chunk = rows[start : start + batch_size]
-        encoded = []
-        for r in chunk:
-            text, templated = prompt_to_text(
-                tokenizer, r["prompt"], apply_chat_template=True, where=r["where"]
-            )
-            encoded.append(encode_text(tokenizer, text, templated=templated))
+        encoded = [r["ids"] for r in chunk]
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -122,6 +137,7 @@ def evaluate_generation(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl.utils.cli import hf_model_dir, positive_int, user_errors
     from verl.utils.logging import setup_logging
 
     p = argparse.ArgumentParser(
@@ -129,18 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", required=True, type=hf_model_dir, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="prompt file(s) in the verl RL format")
     p.add_argument(
-        "--max-samples", type=int, default=None, help="evaluate the first N prompts (default: all)"
+        "--max-samples", type=positive_int, default=None, help="evaluate the first N prompts (default: all)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=16, help="generation budget (default %(default)s)")
     p.add_argument(
-        "--batch-size", type=int, default=64, help="prompts per generate call (default %(default)s)"
+        "--max-new-tokens", type=positive_int, default=16, help="generation budget (default %(default)s)"
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=64, help="prompts per generate call (default %(default)s)"
     )
     args = p.parse_args(argv)
     setup_logging(logging.INFO)
-    try:
+    with user_errors(p.prog):
         result = evaluate_generation(
             args.model,
             args.data,
@@ -148,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
         )
-    except ValueError as exc:
-        p.error(str(exc))
     sys.stdout.write(
         json.dumps(
             {"accuracy": result.accuracy, "num_samples": result.num_samples, "examples": result.examples},

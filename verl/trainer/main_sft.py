@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
     from verl.utils.logging import setup_logging
+    from verl.utils.paths import check_dir
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 
     def check(cfg: SFTConfig) -> None:
+        if cfg.model.tokenizer_path:
+            check_dir(cfg.model.tokenizer_path, "model.tokenizer_path",
+                      fix="give the tokenizer directory, or leave it unset to use model.path's")
         check_sft_paths(cfg)
         check_sft_outputs(cfg)
 

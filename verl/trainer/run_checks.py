@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from verl.config.schema import RunConfig
 from verl.utils.outputs import check_output_dir, probe_writable
+from verl.utils.paths import check_model_dir
 
 __all__ = ["as_file_list", "check_run_outputs", "hf_export_dir", "missing_inputs"]
 
@@ -36,8 +37,11 @@ def missing_inputs(
     for key, path in models.items():
         if not path:
             problems.append(f"{key} is not set; give the Hugging Face model directory ({key}=DIR)")
-        elif not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
-            problems.append(f"{key}={path!r} has no config.json; give a Hugging Face model directory")
+            continue
+        try:
+            check_model_dir(path, key)
+        except ValueError as exc:  # not a directory, unreadable, no (valid) config.json
+            problems.append(str(exc))
     for key, files in data.items():
         for f in as_file_list(files):
             if not os.path.exists(f):

@@ -17,6 +17,7 @@ through three steps:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,7 +25,15 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping
 
-__all__ = ["MARKER_FILE", "OutputPathError", "check_output_dir", "commit_output", "probe_writable", "staging_dir"]
+__all__ = [
+    "MARKER_FILE",
+    "OutputPathError",
+    "check_output_apart",
+    "check_output_dir",
+    "commit_output",
+    "probe_writable",
+    "staging_dir",
+]
 
 MARKER_FILE = ".verl_output.json"
 """Written into every directory :func:`commit_output` puts in place: who wrote it, and when."""
@@ -41,6 +50,22 @@ def _real(path: str) -> str:
 def _inside(path: str, root: str) -> bool:
     """Whether ``path`` is ``root`` or below it (both real, absolute)."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_output_apart(output: str, key: str, inputs: Mapping[str, str | Iterable[str] | None]) -> None:
+    """OutputPathError when the output ``output`` (setting or flag ``key``) is an input of ``inputs``
+    ({setting or flag: path or paths}), lies inside one, or contains one: writing it would replace or
+    delete what the run reads. The one rule every output (file or directory) of verl follows."""
+    target = _real(output)
+    for name, value in inputs.items():
+        for item in [value] if isinstance(value, str) else list(value or []):
+            source = _real(item)
+            if _inside(target, source) or _inside(source, target):
+                relation = "is" if target == source else ("is inside" if _inside(target, source) else "contains")
+                raise OutputPathError(
+                    f"{key}={output} {relation} the input {name}={item}; writing there would replace or delete "
+                    f"what it is made from: choose a {key} elsewhere"
+                )
 
 
 def written_by_verl(path: str) -> bool:
@@ -69,17 +94,8 @@ def check_output_dir(
         replace_verl_outputs: an existing directory verl wrote earlier may be replaced without
             ``overwrite`` (a trainer's export at the end of every run).
     """
+    check_output_apart(path, key, inputs)
     target = _real(path)
-    for name, value in inputs.items():
-        paths = [value] if isinstance(value, str) else list(value or [])
-        for item in paths:
-            source = _real(item)
-            if _inside(target, source) or _inside(source, target):
-                relation = "is" if target == source else ("is inside" if _inside(target, source) else "contains")
-                raise OutputPathError(
-                    f"{key}={path} {relation} {name}={item}: writing there would delete or change what this run "
-                    f"reads; choose a {key} outside it"
-                )
     for name, item in protected.items():
         if item and _inside(_real(item), target):
             relation = "is" if _real(item) == target else "contains"
@@ -100,13 +116,23 @@ def check_output_dir(
 
 
 def probe_writable(path: str, *, key: str) -> None:
-    """Create ``path`` (and its parents) and write and remove a probe file; OutputPathError if that fails."""
+    """Check that ``path`` can be created and written, leaving nothing behind: write and remove a
+    probe file in ``path`` when it exists, else make and remove a uniquely named directory in its
+    nearest existing ancestor (making ``path`` then needs nothing more). Every rank of a job may
+    probe the same path at once. OutputPathError naming ``key`` if the probe fails."""
     target = os.path.abspath(os.path.expanduser(path))
+    existing = target
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(target, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
-        os.close(fd)
-        os.remove(probe)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
+        if existing == target:
+            fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
+            os.close(fd)
+            os.remove(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".verl-write-probe-", dir=existing))
     except OSError as exc:
         raise OutputPathError(
             f"{key}={path} cannot be written ({exc.strerror or exc}); choose a directory this user can write"

@@ -1,61 +1,26 @@
-// C++ unit tests of the copy_shards_ core (csrc/copy_shards.cpp), run by CTest.
+// C++ unit tests of copy_shards_ (csrc/copy_ranges.cpp), run by CTest.
 // Each check compares against a byte-by-byte loop over the ranges, for many dtypes and odd
 // shapes, and checks that invalid calls throw std::invalid_argument and write nothing.
 
-#include "copy_shards.h"
-
-#include <ATen/ops/empty.h>
-#include <c10/core/ScalarType.h>
+#include "copy_ranges.h"
+#include "test_util.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace {
 
-int g_failures = 0;
-int g_checks = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++g_checks;
-  if (!ok) {
-    ++g_failures;
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-  }
-}
+using namespace verl_test;
 
 using Row = std::array<int64_t, 3>;  // src_offset, dst_offset, length
 
-at::Tensor ranges_tensor(const std::vector<Row>& rows) {
-  at::Tensor t = at::empty({static_cast<int64_t>(rows.size()), 3}, at::kLong);
-  int64_t* p = t.mutable_data_ptr<int64_t>();
-  for (size_t i = 0; i < rows.size(); ++i) std::copy(rows[i].begin(), rows[i].end(), p + 3 * i);
-  return t;
-}
-
-// A flat tensor of random bytes (0/1 for bool, so every value is a valid bool).
-at::Tensor random_tensor(at::ScalarType dtype, int64_t numel, std::mt19937_64& rng) {
-  at::Tensor t = at::empty({numel}, dtype);
-  auto* bytes = static_cast<unsigned char*>(t.data_ptr());
-  const size_t n = static_cast<size_t>(t.nbytes());
-  for (size_t i = 0; i < n; ++i) {
-    bytes[i] = dtype == at::kBool ? static_cast<unsigned char>(rng() & 1) : static_cast<unsigned char>(rng());
-  }
-  return t;
-}
-
-std::vector<unsigned char> bytes_of(const at::Tensor& t) {
-  const auto* p = static_cast<const unsigned char*>(t.const_data_ptr());
-  return std::vector<unsigned char>(p, p + t.nbytes());
-}
+at::Tensor ranges_tensor(const std::vector<Row>& rows) { return table_of(rows); }
 
 // What copy_shards_ must produce: the ranges applied one element-byte at a time.
 std::vector<unsigned char> expected_after(const at::Tensor& dst, const at::Tensor& src,
@@ -92,12 +57,8 @@ int64_t random_ranges(std::mt19937_64& rng, int64_t count, int64_t max_len, int6
 }
 
 void test_matches_bytewise_loop() {
-  const std::vector<at::ScalarType> dtypes = {
-      at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kShort, at::kInt,
-      at::kLong, at::kByte, at::kBool, at::kComplexFloat, at::kComplexDouble,
-      at::kFloat8_e4m3fn, at::kFloat8_e5m2};
   std::mt19937_64 rng(1234);
-  for (const at::ScalarType dtype : dtypes) {
+  for (const at::ScalarType dtype : all_dtypes()) {
     // (ranges, max length, src numel): primes, one range, and ranges bigger than a CPU chunk.
     const std::vector<std::array<int64_t, 3>> shapes = {
         {1, 1, 1}, {7, 13, 97}, {61, 37, 1009}, {3, 70001, 140009}};
@@ -136,25 +97,6 @@ void test_empty_ranges() {
   expect(bytes_of(dst) == before, "no ranges / zero-length ranges leave dst as it was");
 }
 
-// Runs `call`, which must throw std::invalid_argument whose message holds `needle`, and
-// must leave `dst` byte-for-byte as it was.
-void expect_rejected(const std::string& name, const at::Tensor& dst, const std::string& needle,
-                     const std::function<void()>& call) {
-  const std::vector<unsigned char> before = bytes_of(dst);
-  std::string message;
-  bool thrown = false;
-  try {
-    call();
-  } catch (const std::invalid_argument& err) {
-    thrown = true;
-    message = err.what();
-  }
-  expect(thrown, name + ": std::invalid_argument expected");
-  expect(message.find(needle) != std::string::npos,
-         name + ": message '" + message + "' should contain '" + needle + "'");
-  expect(bytes_of(dst) == before, name + ": dst must be untouched");
-}
-
 void test_rejections() {
   std::mt19937_64 rng(99);
   const at::Tensor src = random_tensor(at::kHalf, 31, rng);
@@ -174,31 +116,31 @@ void test_rejections() {
   };
   for (const auto& [name, row_and_needle] : bad) {
     const std::vector<Row> rows = {{0, 0, 5}, row_and_needle.first};
-    expect_rejected(name, dst, row_and_needle.second,
+    expect_rejected(name, {dst}, row_and_needle.second,
                     [&] { verl::copy_shards_(dst, src, ranges_tensor(rows)); });
   }
 
   const at::Tensor buffer = random_tensor(at::kLong, 40, rng);
-  expect_rejected("read overlaps a write in one buffer", buffer,
+  expect_rejected("read overlaps a write in one buffer", {buffer},
                   "range 0 reads src[0:10], which shares memory with dst[5:15] written by range 1",
                   [&] { verl::copy_shards_(buffer, buffer, ranges_tensor({{0, 20, 10}, {30, 5, 10}})); });
   // The same memory reached through a view with a storage offset.
   const at::Tensor tail = buffer.narrow(0, 10, 30);
-  expect_rejected("read overlaps a write through a view", buffer, "range 0 reads src[2:4], which shares memory with dst[12:14]",
+  expect_rejected("read overlaps a write through a view", {buffer}, "range 0 reads src[2:4], which shares memory with dst[12:14]",
                   [&] { verl::copy_shards_(buffer, tail, ranges_tensor({{2, 12, 2}})); });
 
   const std::vector<Row> ok = {{0, 0, 3}};
-  expect_rejected("dtype mismatch", dst, "dst has dtype Half but src has dtype Float", [&] {
+  expect_rejected("dtype mismatch", {dst}, "dst has dtype torch.float16 but src has dtype torch.float32", [&] {
     verl::copy_shards_(dst, random_tensor(at::kFloat, 31, rng), ranges_tensor(ok));
   });
   const at::Tensor grid = random_tensor(at::kHalf, 60, rng).view({30, 2});
-  expect_rejected("non-contiguous src", dst, "src must be a flat (1-D contiguous",
+  expect_rejected("non-contiguous src", {dst}, "src must be a flat (1-D contiguous",
                   [&] { verl::copy_shards_(dst, grid.select(1, 0), ranges_tensor(ok)); });
-  expect_rejected("2-D dst", grid, "dst must be a flat (1-D contiguous",
+  expect_rejected("2-D dst", {grid}, "dst must be a flat (1-D contiguous",
                   [&] { verl::copy_shards_(grid, src, ranges_tensor(ok)); });
-  expect_rejected("int32 ranges", dst, "ranges must be an int64 tensor of shape [N, 3]",
+  expect_rejected("int32 ranges", {dst}, "ranges must be an int64 tensor of shape [N, 3]",
                   [&] { verl::copy_shards_(dst, src, ranges_tensor(ok).to(at::kInt)); });
-  expect_rejected("ranges of shape [3]", dst, "got dtype Long and shape [3]",
+  expect_rejected("ranges of shape [3]", {dst}, "got dtype torch.int64 and shape [3]",
                   [&] { verl::copy_shards_(dst, src, ranges_tensor(ok).view({3})); });
 }
 
@@ -209,6 +151,5 @@ int main() {
   test_in_place_shuffle_of_one_buffer();
   test_empty_ranges();
   test_rejections();
-  std::printf("copy_shards_test: %d checks, %d failed\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return report("copy_shards_test");
 }

@@ -56,8 +56,10 @@ def convert_file(
     """Every row of a parquet/arrow/jsonl file converted with ``convert_row(row, index=, split=, path=)``."""
     from verl.data.io import read_records
 
-    if not os.path.isfile(input_path):
+    if not os.path.exists(input_path):
         raise ValueError(f"input file {input_path} does not exist")
+    if not os.path.isfile(input_path):
+        raise ValueError(f"input {input_path} is not a file; give the data file to convert")
     records = [
         convert_row(row, index=i, split=split, path=input_path)
         for i, row in enumerate(read_records(input_path))
@@ -78,7 +80,9 @@ def convert_file_cli(argv: list[str] | None, *, task: Any, dataset: str, doc: st
     import logging
 
     from verl.data.io import write_parquet
+    from verl.utils.cli import user_errors
     from verl.utils.logging import setup_logging
+    from verl.utils.outputs import check_output_apart
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help=f"{dataset} file: .jsonl, .parquet or .arrow in the public schema")
@@ -86,11 +90,11 @@ def convert_file_cli(argv: list[str] | None, *, task: Any, dataset: str, doc: st
     p.add_argument("--split", default="train", help="split name stored in extra_info.split (default %(default)s)")
     args = p.parse_args(argv)
     setup_logging()
-    try:
+    with user_errors(p.prog):
+        check_output_apart(args.output, "--output", {"--input": args.input})
         records = convert_file(args.input, task.convert_row, split=args.split)
         write_parquet(records, args.output)
-    except ValueError as e:
-        p.error(str(e))
     logging.getLogger(f"tools.data.{task.__name__.rsplit('.', 1)[-1]}").info(
         "wrote %d %s records to %s", len(records), task.DATA_SOURCE, args.output
     )
+

@@ -1,12 +1,13 @@
-// CUDA kernel of copy_shards_: many byte ranges, one launch (see copy_shards_kernel.h).
+// CUDA kernel of the byte-range copy core: many (src, dst, nbytes) items, one launch (see
+// byte_copy_kernel.h).
 //
-// The ranges are cut into fixed-size chunks and blocks stride over the chunk list, so one
-// huge range and ten thousand tiny ones load the GPU alike. Each block finds its range by
+// The items are cut into fixed-size chunks and blocks stride over the chunk list, so one
+// huge range and ten thousand tiny ones load the GPU alike. Each block finds its item by
 // binary search over the chunk prefix sums, then its threads copy the chunk with the widest
 // word that src and dst share an alignment for (16 bytes for any element type whose buffers
 // are 16-byte aligned, down to single bytes).
 
-#include "copy_shards_kernel.h"
+#include "byte_copy_kernel.h"
 
 #include <cuda_runtime.h>
 
@@ -20,8 +21,10 @@ constexpr int kThreads = 256;
 // Enough resident blocks per SM to hide memory latency; more only adds scheduling.
 constexpr int kBlocksPerSm = 8;
 
+// __restrict__ holds: the host checks guarantee that no item reads memory any item writes.
 template <typename Word>
-__device__ __forceinline__ void copy_words(char* dst, const char* src, int64_t nbytes) {
+__device__ __forceinline__ void copy_words(char* __restrict__ dst, const char* __restrict__ src,
+                                           int64_t nbytes) {
   constexpr int64_t kWord = static_cast<int64_t>(sizeof(Word));
   int64_t head = (kWord - static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % kWord)) % kWord;
   if (head > nbytes) head = nbytes;
@@ -33,7 +36,8 @@ __device__ __forceinline__ void copy_words(char* dst, const char* src, int64_t n
   for (int64_t i = head + words * kWord + threadIdx.x; i < nbytes; i += blockDim.x) dst[i] = src[i];
 }
 
-__device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t nbytes) {
+__device__ __forceinline__ void copy_chunk(char* __restrict__ dst, const char* __restrict__ src,
+                                           int64_t nbytes) {
   // Same offset from a word boundary on both sides: after `head` bytes both are aligned.
   const uintptr_t skew = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
   if ((skew & 15) == 0) {
@@ -50,15 +54,14 @@ __device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t n
 }
 
 __global__ void __launch_bounds__(kThreads)
-    copy_byte_ranges_kernel(char* __restrict__ dst, const char* __restrict__ src,
-                            const int64_t* __restrict__ meta, int64_t count, int64_t total_chunks) {
-  const int64_t* src_offset = meta;
-  const int64_t* dst_offset = meta + count;
-  const int64_t* nbytes = meta + 2 * count;
-  const int64_t* chunk_start = meta + 3 * count;
+    copy_byte_ranges_kernel(const int64_t* __restrict__ table, int64_t count, int64_t total_chunks) {
+  const int64_t* src_address = table;
+  const int64_t* dst_address = table + count;
+  const int64_t* nbytes = table + 2 * count;
+  const int64_t* chunk_start = table + 3 * count;
   for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
-    // Last range r with chunk_start[r] <= chunk; empty ranges were dropped on the host, so
-    // that range owns this chunk.
+    // Last item r with chunk_start[r] <= chunk; empty items were dropped on the host, so
+    // that item owns this chunk.
     int64_t lo = 0, hi = count - 1;
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo + 1) / 2;
@@ -71,14 +74,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = (chunk - chunk_start[lo]) * kChunkBytes;
     const int64_t remaining = nbytes[lo] - begin;
     const int64_t n = remaining < kChunkBytes ? remaining : kChunkBytes;
-    copy_chunk(dst + dst_offset[lo] + begin, src + src_offset[lo] + begin, n);
+    char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(dst_address[lo]));
+    const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(src_address[lo]));
+    copy_chunk(dst + begin, src + begin, n);
   }
 }
 
 }  // namespace
 
-cudaError_t launch_copy_byte_ranges(char* dst, const char* src, const int64_t* meta, int64_t count,
-                                    int64_t total_chunks, cudaStream_t stream) {
+cudaError_t launch_copy_byte_ranges(const int64_t* table, int64_t count, int64_t total_chunks,
+                                    cudaStream_t stream) {
   if (count == 0 || total_chunks == 0) return cudaSuccess;
   int device = 0;
   int sms = 0;
@@ -89,7 +94,7 @@ cudaError_t launch_copy_byte_ranges(char* dst, const char* src, const int64_t* m
   const int64_t max_blocks = static_cast<int64_t>(sms) * kBlocksPerSm;
   const unsigned int blocks =
       static_cast<unsigned int>(total_chunks < max_blocks ? total_chunks : max_blocks);
-  copy_byte_ranges_kernel<<<blocks, kThreads, 0, stream>>>(dst, src, meta, count, total_chunks);
+  copy_byte_ranges_kernel<<<blocks, kThreads, 0, stream>>>(table, count, total_chunks);
   return cudaGetLastError();
 }
 

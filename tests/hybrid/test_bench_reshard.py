@@ -1,0 +1,72 @@
+"""``tools/bench.py reshard``: the plan-only figures of a 70B cluster match a hand calculation, and a
+measured 2-rank run prints one JSON object whose traffic and memory beat the naive path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(REPO, "tools", "bench.py")
+LLAMA3_70B = os.path.join(REPO, "tools", "model_configs", "llama3_70b.json")
+
+
+def _json(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    return json.loads(lines[0])
+
+
+def test_plan_only_llama3_70b_matches_the_hand_calculation():
+    proc = subprocess.run(
+        [sys.executable, BENCH, "reshard", "--config", LLAMA3_70B, "--plan-only", "--train-tp", "8", "--train-pp", "4",
+         "--rollout-tp", "8", "--world", "32", "--dtype", "bf16"],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )
+    result = _json(proc)
+    h, f, v, heads, kv, d = 8192, 28672, 128256, 64, 8, 128
+    layer = (heads * d * h + 2 * kv * d * h + h * heads * d + 3 * f * h) // 8 + 2 * h  # a TP shard + two norms
+    vocab_rows = v // 8  # 128256 is a multiple of 64 x 8: no padding, 16032 rows per rank
+    per_rank = {  # elements a rollout rank receives: the 60 layers of the other stages, plus
+        "first": 60 * layer + vocab_rows * h + h,  # the LM head (stage 3) and the final norm
+        "middle": 60 * layer + 2 * vocab_rows * h + h,  # the embedding and the LM head
+        "last": 60 * layer + vocab_rows * h,  # the embedding
+    }
+    for r in result["ranks"]:
+        stage = r["rank"] // 8  # TP varies fastest
+        kind = "first" if stage == 0 else "last" if stage == 3 else "middle"
+        assert r["bytes_received"] == 2 * per_rank[kind], (r["rank"], r["bytes_received"], 2 * per_rank[kind])
+        assert r["peers"] == 3  # the same TP rank of the three other stages
+        # Naive: all of the other stages whole, plus 7/8 of its own stage, per rank: ~10x more.
+        assert r["naive_bytes_received"] > 9 * r["bytes_received"]
+    assert result["peak_extra_bytes_bound_max"] == 2 * 512 * 2**20  # two 512 MiB buckets
+    assert result["naive_peak_extra_bytes_max"] == 2 * 2 * v * h  # the whole embedding, gathered and merged
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_measured_run_beats_the_naive_path(tmp_path):
+    from verl.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "llama"), TinyModelSpec(family="llama", hidden=128, heads=4, kv_heads=2,
+                                                                   layers=2, corpus_lines=600))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "reshard",
+         "--model", model, "--train-tp", "1", "--train-pp", "2", "--rollout-tp", "2", "--bucket-mb", "0.0625",
+         "--repeats", "2"],
+        capture_output=True, text=True, timeout=280, cwd=REPO, env=env, start_new_session=True,
+    )
+    result = _json(proc)
+    assert result["same_weights_as_naive"]
+    assert 0 < result["network_bytes"] < result["naive_network_bytes"]
+    assert 0 < result["peak_extra_bytes_max"] < result["naive_peak_extra_bytes_max"]
+    assert result["peak_extra_bytes_max"] <= 2 * 0.0625 * 2**20  # two buckets, measured
+    assert result["memcpy_gbps_median"] > 0 and result["local_gbps_min"] > 0
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]

@@ -1,0 +1,76 @@
+"""``python -m verl.trainer.eval_generation`` refuses bad input before loading the model: exit 2, one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.cli_errors import one_error_line
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROG = "python -m verl.trainer.eval_generation"
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "verl.trainer.eval_generation", *args], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=240)
+
+
+def test_a_model_directory_that_does_not_exist(tmp_path, arithmetic_files):
+    proc = _eval("--model", str(tmp_path / "nope"), "--data", arithmetic_files["val"])
+    assert one_error_line(proc, PROG).endswith(
+        f"argument --model: '{tmp_path}/nope' does not exist; give a Hugging Face model directory (config.json + weights)"
+    )
+
+
+def test_a_truncated_weight_file_is_named(tmp_path, tiny_model_dir, arithmetic_files):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    os.truncate(model / "model.safetensors", 6)
+    proc = _eval("--model", str(model), "--data", arithmetic_files["val"])
+    assert one_error_line(proc, PROG).endswith(
+        f"{model}/model.safetensors: not a readable safetensors file (6 bytes, shorter than the 8-byte header "
+        "length); a truncated or partial copy? Copy the file again"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-samples", "-1"], "argument --max-samples: must be >= 1, got -1"),
+        (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        (["--max-new-tokens", "1.5"], "argument --max-new-tokens: expected a whole number, got '1.5'"),
+    ],
+)
+def test_nonsensical_numbers(tiny_model_dir, arithmetic_files, args, message):
+    proc = _eval("--model", tiny_model_dir, "--data", arithmetic_files["val"], *args)
+    assert one_error_line(proc, PROG).endswith(message)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("reward_model", None, "row 5: field 'reward_model' is null (needed for 'reward_model.ground_truth')"),
+        ("data_source", "no/such/task", "row 5: no rule-based scorer for data_source='no/such/task'"),
+    ],
+)
+def test_a_bad_row_is_named_before_generation(tmp_path, tiny_model_dir, arithmetic_files, column, value, message):
+    rows = pq.read_table(arithmetic_files["val"]).to_pylist()
+    rows[5][column] = value
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), bad)
+    proc = _eval("--model", tiny_model_dir, "--data", str(bad))
+    assert f"{bad}: {message}" in one_error_line(proc, PROG)
+
+
+def test_a_folder_given_as_the_data(tiny_model_dir, arithmetic_files):
+    folder = os.path.dirname(arithmetic_files["val"])
+    proc = _eval("--model", tiny_model_dir, "--data", folder)
+    assert f"{folder} is a directory, not a data file; give the data files in it" in one_error_line(proc, PROG)
