@@ -53,6 +53,7 @@ BASE_REQUIRES = [
     "tokenizers",
     "sentencepiece",
     "tqdm",
+    "matplotlib",  # the run report's plots (verl.trainer.report)
     "xxhash",  # checkpoint content checksums (verl.utils.checksum)
     "math-verify",
     "ninja",  # the first-use build of verl._C (torch.utils.cpp_extension.load)
@@ -69,7 +70,8 @@ EXTRAS = {
     # for (verl/rollout/vllm_internals.py); other versions are unchecked.
     "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
     # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11"],
+    # playwright drives Debian's chromium (setup_env.sh --test installs it) for the report's browser test.
+    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
 }
 
 

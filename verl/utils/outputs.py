@@ -17,6 +17,7 @@ through three steps:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -115,30 +116,27 @@ def check_output_dir(
 
 
 def probe_writable(path: str, *, key: str) -> None:
-    """Check that ``path`` can be created and written: create it (and missing parents), write and
-    remove a probe file, then remove the directories the probe created, so a run that stops
-    before writing leaves nothing behind. OutputPathError naming ``key`` if any step fails."""
+    """Check that ``path`` can be created and written, leaving nothing behind: write and remove a
+    probe file in ``path`` when it exists, else make and remove a uniquely named directory in its
+    nearest existing ancestor (making ``path`` then needs nothing more). Every rank of a job may
+    probe the same path at once. OutputPathError naming ``key`` if the probe fails."""
     target = os.path.abspath(os.path.expanduser(path))
-    created = []
-    parent = target
-    while not os.path.lexists(parent):
-        created.append(parent)
-        parent = os.path.dirname(parent)
+    existing = target
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(target, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
-        os.close(fd)
-        os.remove(probe)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
+        if existing == target:
+            fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
+            os.close(fd)
+            os.remove(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".verl-write-probe-", dir=existing))
     except OSError as exc:
         raise OutputPathError(
             f"{key}={path} cannot be written ({exc.strerror or exc}); choose a directory this user can write"
         ) from None
-    finally:
-        for directory in created:  # deepest first
-            try:
-                os.rmdir(directory)
-            except OSError:  # another rank's probe still in it, or it was never made
-                pass
 
 
 def staging_dir(out_dir: str) -> str:
