@@ -50,6 +50,15 @@ def test_build_requirements_hold_no_torch():
     assert not [r for r in requires if r.lower().startswith("torch")], requires
 
 
+def test_every_csrc_file_is_listed():
+    """A wheel ships, and the first-use cache key hashes, exactly the listed files: a source or
+    header added to csrc/ but not to verl/utils/extension.py would be missing from a wheel (its
+    compile fails) or leave a stale cached module after an edit."""
+    on_disk = {p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h", ".cuh")}
+    listed = {*extension.CPU_SOURCES, *extension.CUDA_SOURCES, *extension.HEADERS}
+    assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
+
+
 def test_cuda_rule(monkeypatch):
     class FakeTorch:
         __version__ = "2.13.0+cu130"
@@ -134,8 +143,10 @@ def fresh_venv(tmp_path_factory) -> Path:
         pytest.skip(f"the fresh-venv installs are measured with the CPU torch; this torch is {torch.__version__}")
     venv = tmp_path_factory.mktemp("fresh-venv")
     _run([sys.executable, "-m", "venv", str(venv)], cwd=venv, env=_clean_env(), timeout=120)
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}"],
-         cwd=venv, env=_clean_env(), timeout=400)
+    # --no-compile: no .pyc files for torch's ~2,300 modules (tens of seconds on 2 busy cores); the
+    # tutorial commands below run as written.
+    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
+          f"torch=={torch.__version__.split('+')[0]}"], cwd=venv, env=_clean_env(), timeout=400)
     return venv
 
 
@@ -201,7 +212,8 @@ def test_pip_install_sdist_in_fresh_venv(fresh_venv, tmp_path):
     the wheel built from it carries the sources in verl/_csrc, and they compile on first import."""
     checkout = _checkout_copy(tmp_path / "checkout")
     python = fresh_venv / "bin" / "python"
-    _run([str(python), "-m", "pip", "install", "-q", "build"], cwd=tmp_path, env=_clean_env(), timeout=300)
+    _run([str(python), "-m", "pip", "install", "-q", "--no-compile", "build"], cwd=tmp_path, env=_clean_env(),
+         timeout=300)
     dist = tmp_path / "dist"
     _run([str(python), "-m", "build", "--sdist", "--outdir", str(dist), "."], cwd=checkout, env=_clean_env(),
          timeout=300)
