@@ -70,8 +70,8 @@ from verl.rewards import reward_manager_from_config
 from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
 from verl.roles.reward_model import DATA_SOURCE_COLUMN
 from verl.trainer.checkpoint import CheckpointManager
-from verl.trainer.ppo_checks import check_ppo_inputs
 from verl.trainer import report
+from verl.trainer.ppo_checks import check_dataset_scorers, check_ppo_inputs
 from verl.trainer.ppo_metrics import (
     data_metrics,
     rollout_agreement_metrics,
@@ -176,6 +176,8 @@ class RLTrainer:
             if cfg.data.val_files
             else None
         )
+        if cfg.data.custom_cls.path:  # check_ppo_inputs left the data sources to the user's class
+            check_dataset_scorers(cfg, {"train_files": self.train_dataset, "val_files": self.val_dataset})
         self.loader = build_dataloader(self.train_dataset, cfg.data, train=True)
         self.val_loader = (
             build_dataloader(self.val_dataset, cfg.data, train=False) if self.val_dataset else None
