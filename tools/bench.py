@@ -508,7 +508,7 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
         "gathered on every rank); per rank and in total: bytes over the network, bytes copied locally, time, GB/s, "
         "peak extra memory (allocation tracking), and this machine's memcpy bandwidth as the ceiling. Run it under "
         "torchrun. With --plan-only --world N nothing is allocated: the plan's traffic and the memory bound are "
-        "computed from the config for N ranks (e.g. tools/model_configs/llama3_70b.json at TP8 x PP4 -> TP'8) and "
+        "computed from the config for N ranks (e.g. configs/models/llama3_70b.json at TP8 x PP4 -> TP'8) and "
         "the plan is logged as a table (per rank: bytes copied locally, received, sent, tensors touched, and "
         "bytes received from each peer)."
     )
