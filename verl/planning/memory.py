@@ -396,8 +396,9 @@ class MemoryPlan:
             f"reserve {inp.reserve_gib:g} GiB per GPU",
         ]
         for role in inp.roles:
-            lines.append(f"  {role.name:<12} {role.describe()}, DP{role.dp(inp.world_size)}, micro-batch {role.micro_batch}"
-                         f" x {role.micro_batches} per step, forward micro-batch {role.forward_micro_batch}")
+            batches = f"micro-batch {role.micro_batch} x {role.micro_batches} per optimizer step, " if role.trains else ""
+            lines.append(f"  {role.name:<12} {role.describe()}, DP{role.dp(inp.world_size)}, {batches}"
+                         f"forward micro-batch {role.forward_micro_batch}")
         r = inp.rollout
         lines.append(f"  {'rollout':<12} TP'{r.tp}, {r.sequences} sequences per step over "
                      f"{inp.world_size // r.tp} replicas, gpu_memory_utilization {r.gpu_memory_utilization:g}")
