@@ -79,7 +79,11 @@ overrides = [
     f"trainer.default_local_dir={out}/checkpoints", f"trainer.log_dir={out}/logs", f"trainer.hf_export_dir={out}/grpo_model",
 ]
 prepare = ["bash", os.path.abspath(__file__)]
-os.environ["VERL_LAUNCH_STAGE"] = "prepare"  # read by the bash half when rank 0 runs `prepare`
+# Read by the bash half when rank 0 runs `prepare`: that part alone, with this interpreter and this
+# checkout's verl (the one every rank imports).
+os.environ["VERL_LAUNCH_STAGE"] = "prepare"
+os.environ.setdefault("PYTHON", sys.executable)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
 status = run_recipe("grpo_tiny_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
 if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
     metrics = os.path.join(out, "logs", "metrics.jsonl")

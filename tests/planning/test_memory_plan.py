@@ -14,7 +14,8 @@ from verl.config import CONFIG_DIR, PPOConfig, parse_cli
 from verl.planning.cli import config_inputs, pop_dry_run_flags, write_report
 from verl.planning.dry_run import dry_run_plan, measure_stage_params
 from verl.planning.hardware import GPU_PRESETS, gpu_preset
-from verl.planning.memory import formula_stage_params, formula_sync, memory_plan
+from verl.models.hf_config import parse_hf_config
+from verl.planning.memory import MegatronRole, PlanInputs, RolloutSetup, formula_stage_params, formula_sync, memory_plan
 from verl.planning.search import grow_cluster, search_layouts, suggestion_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,6 +128,24 @@ def test_meta_counts_match_formula_counts_exactly_on_70b(plan_70b):
     measured = measure_stage_params(inputs)
     for role in inputs.roles:
         assert measured[role.name] == formula_stage_params(inputs.spec_of(role.name), role), role.name
+
+
+def test_meta_counts_match_formula_counts_tied_embeddings_pp2():
+    # A tied LM head on two pipeline stages: Megatron keeps a second copy on the last stage; a
+    # value head replaces it on the critic. Vocabulary 1000 pads to 1024 at TP2 (vLLM's padding).
+    spec = parse_hf_config({
+        "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+    })
+    roles = (MegatronRole(name="actor", tp=2, pp=2), MegatronRole(name="critic", tp=2, pp=2, head="value"),
+             MegatronRole(name="ref", tp=1, pp=1, trains=False))
+    inputs = PlanInputs(spec=spec, world_size=4, gpus_per_node=4, seq_len=64, response_len=32, roles=roles,
+                        rollout=RolloutSetup(tp=2, sequences=8))
+    measured = measure_stage_params(inputs)
+    for role in roles:
+        assert measured[role.name] == formula_stage_params(spec, role), role.name
+    assert measured["actor"][1].params - measured["critic"][1].params == 1024 * 128 // 2 - 128
 
 
 def test_layout_that_does_not_fit_gets_a_suggestion_that_fits():

@@ -139,6 +139,7 @@ def inputs_from_config(
     )
     return PlanInputs(
         spec=spec, critic_spec=critic_spec, reward_spec=reward_spec, world_size=world, gpus_per_node=t.n_gpus_per_node,
-        seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length, roles=tuple(roles), rollout=rollout,
+        seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        response_len=cfg.data.max_response_length, roles=tuple(roles), rollout=rollout,
         gpu_memory_gib=gpu_memory_gib, reserve_gib=reserve_gib,
     )

@@ -149,6 +149,8 @@ class PlanInputs:
     gpus_per_node: int
     seq_len: int
     """prompt + response tokens of one sequence."""
+    response_len: int
+    """Generated tokens of one sequence (the decode steps of the step-time estimate)."""
     roles: tuple[MegatronRole, ...]
     rollout: RolloutSetup
     gpu_memory_gib: float = 80.0

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from verl.planning.hardware import GPUPreset
-from verl.planning.memory import MemoryPlan, PlanInputs, formula_stage_params, formula_sync, memory_plan
+from verl.planning.memory import MegatronRole, MemoryPlan, PlanInputs, formula_stage_params, formula_sync, memory_plan
 
 __all__ = ["HBM_EFFICIENCY", "MFU", "Candidate", "estimate_step_seconds", "grow_cluster", "search_layouts", "suggestion_overrides"]
 
@@ -32,10 +32,9 @@ HBM_EFFICIENCY = 0.60
 
 
 def _params_total(inputs: PlanInputs, role: str) -> int:
-    s = inputs.spec_of(role)
-    per_layer = (s.hidden_size * (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
-                 + s.num_attention_heads * s.head_dim * s.hidden_size + 3 * s.hidden_size * s.intermediate_size)
-    return s.num_layers * per_layer + 2 * s.vocab_size * s.hidden_size
+    head = inputs.role(role).head if inputs.role(role) is not None else "lm"
+    whole = MegatronRole(name=role, tp=1, pp=1, head=head)
+    return sum(s.params for s in formula_stage_params(inputs.spec_of(role), whole))
 
 
 def estimate_step_seconds(plan: MemoryPlan, gpu: GPUPreset) -> dict[str, float]:
@@ -56,7 +55,7 @@ def estimate_step_seconds(plan: MemoryPlan, gpu: GPUPreset) -> dict[str, float]:
     worst = plan.worst
     r = inp.rollout
     replicas = world // r.tp
-    response = inp.seq_len // 2  # half of each sequence generated (prompt and response budgets alike)
+    response = inp.response_len
     per_replica = math.ceil(r.sequences / replicas)
     waves = max(1, plan.kv_waves)
     kv_read = worst.kv_cache_needed / waves

@@ -44,11 +44,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     from verl.config import CONFIG_DIR, PPOConfig, parse_cli
-    from verl.planning.cli import pop_dry_run_flags, run_dry_run
+    from verl.planning.cli import DRY_RUN_FLAGS, pop_dry_run_flags, run_dry_run
     from verl.utils.cli import fail, user_errors
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # the config's options follow, from parse_cli
+        sys.stdout.write("dry run (plans the cluster, trains nothing):\n" + "".join(
+            f"  {flag:<16} {text}\n" for flag, text in DRY_RUN_FLAGS.items()) + "\n")
     try:
-        dry_run, argv = pop_dry_run_flags(sys.argv[1:] if argv is None else argv)
+        dry_run, argv = pop_dry_run_flags(argv)
     except ValueError as exc:
         fail(PROG, str(exc))
     # A dry run plans the declared cluster (trainer.nnodes x n_gpus_per_node), not this process.
