@@ -69,3 +69,33 @@ def test_two_nodes_on_localhost(tmp_path):
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "actor/pg_loss" in r] == [1, 2]
     assert "done: step 2" in both
+
+
+def test_slurm_and_nccl_settings_reach_torchrun(tmp_path):
+    """Under srun, bash launch/... builds torchrun's rendezvous from Slurm's variables; NCCL
+    defaults are exported and a user's own value wins. (A stand-in Python records what it is given.)"""
+    record = tmp_path / "record.json"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(
+        "#!/usr/bin/env bash\n"
+        f"printf '%s\\n' \"$@\" > {record}.args\n"
+        f"env | grep -E '^(NCCL|TORCH_NCCL|CUDA_DEVICE)' | sort > {record}.env\n"
+    )
+    fake_python.chmod(0o755)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/usr/bin/env bash\n[ \"$1 $2\" = 'show hostnames' ] && printf 'gpu-a01\\ngpu-a02\\n'\n")
+    scontrol.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "MASTER_", "NCCL_"))}
+    env.update(PATH=f"{tmp_path}:{env['PATH']}", PYTHON=str(fake_python), SLURM_JOB_ID="4242", SLURM_NNODES="2",
+               SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu-a[01-02]", NCCL_IB_TIMEOUT="20")
+    subprocess.run(["bash", os.path.join(ROOT, "launch", "ppo_70b.sh"), "trainer.total_training_steps=3"],
+                   env=env, check=True, capture_output=True, text=True)
+    args = (tmp_path / "record.json.args").read_text().split("\n")
+    assert args[:2] == ["-m", "torch.distributed.run"]
+    line = " ".join(args)
+    assert "--nnodes 2 --node_rank 1 --rdzv_backend c10d --rdzv_endpoint gpu-a01:29500 --rdzv_id 4242" in line
+    assert "--nproc_per_node 8" in line
+    assert line.rstrip().endswith("launch/ppo_70b.sh trainer.total_training_steps=3")
+    nccl = (tmp_path / "record.json.env").read_text()
+    assert "NCCL_IB_TIMEOUT=20" in nccl  # the user's value
+    assert "NCCL_DEBUG=WARN" in nccl and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in nccl and "CUDA_DEVICE_MAX_CONNECTIONS=1" in nccl

@@ -195,7 +195,7 @@ def transformer_config_from_hf(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        use_cpu_initialization=not cuda,
+        use_cpu_initialization=not cuda or cfg.meta_device,  # meta: no device is touched
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,

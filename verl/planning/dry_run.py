@@ -12,7 +12,6 @@ figures from the real reshard plan (:func:`verl.hybrid.plan.cluster_layouts` and
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 
@@ -52,7 +51,6 @@ def measure_stage_params(inputs: PlanInputs) -> dict[str, list[StageParams]]:
     from verl.models.builder import ModelBuildConfig, build_model_chunks
     from verl.parallel import megatron_state
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # plan a GPU cluster from a CPU process
     if dist.is_initialized():
         raise RuntimeError("dry run: torch.distributed is already initialised in this process; run it alone")
     topo = _topology(inputs)

@@ -363,11 +363,6 @@ class MemoryPlan:
         worst = max(self.ranks, key=lambda r: r.kv_cache_needed)
         return max(1, math.ceil(worst.kv_cache_needed / worst.kv_cache)) if worst.kv_cache > 0 else 0
 
-    def role_totals(self, role: str) -> dict[str, int]:
-        """The largest per-GPU figures of ``role`` over all ranks."""
-        rows = [r.roles[role] for r in self.ranks if role in r.roles]
-        return {k: max(getattr(x, k) for x in rows) for k in ("params", "grads", "optimizer", "activations")}
-
     def to_dict(self) -> dict:
         """JSON-ready figures (bytes) of every distinct GPU."""
         out = []
