@@ -1,7 +1,7 @@
 # Sourced by the launchers in launch/ (each file is valid bash and valid Python): the bash half's
 # one job, `verl_launch FILE ARGS...`, starts torchrun on FILE itself, so `bash launch/X.sh k=v`
-# and `torchrun ... launch/X.sh k=v` run the same thing. With --dry-run among ARGS it runs FILE
-# once with Python instead (the memory plan needs no cluster).
+# and `torchrun ... launch/X.sh k=v` run the same thing. With --dry-run (or --help) among ARGS it
+# runs FILE once with Python instead (the memory plan needs no cluster).
 #
 # The cluster shape, from the environment (defaults: one node):
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE (default: the launcher's)
@@ -28,7 +28,7 @@ verl_launch() {
   [ -x "$python" ] || python="$(command -v python3)"
   local arg
   for arg in "$@"; do
-    if [ "$arg" = "--dry-run" ]; then
+    if [ "$arg" = "--dry-run" ] || [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
       exec "$python" "$script" "$@"
     fi
   done

@@ -67,8 +67,8 @@ def run_recipe(
     from verl.trainer import main_ppo
 
     args = ["--config", config, *overrides, *argv]
-    if "--dry-run" in argv:
-        if dry_run_model_config and not any(a.split("=", 1)[0] == "--model-config" for a in argv):
+    if "--dry-run" in argv or "--help" in argv or "-h" in argv:
+        if "--dry-run" in argv and dry_run_model_config and not any(a.split("=", 1)[0] == "--model-config" for a in argv):
             args += ["--model-config", dry_run_model_config]
         return main_ppo.main(args)
     if prepare is not None:
