@@ -43,7 +43,8 @@ def layout_overrides(args: argparse.Namespace) -> list[str]:
     if args.sp is not None:
         out += [f"{r}.megatron.sequence_parallel={_bool(args.sp)}" for r in roles]
     if args.distributed_optimizer is not None:
-        out += [f"{r}.megatron.use_distributed_optimizer={_bool(args.distributed_optimizer)}" for r in ("actor_rollout_ref.actor", "critic")]
+        value = _bool(args.distributed_optimizer)
+        out += [f"{r}.megatron.use_distributed_optimizer={value}" for r in ("actor_rollout_ref.actor", "critic")]
     if args.recompute is not None:
         out += [f"actor_rollout_ref.model.enable_gradient_checkpointing={_bool(args.recompute)}",
                 f"critic.model.enable_gradient_checkpointing={_bool(args.recompute)}"]
@@ -65,12 +66,14 @@ def layout_overrides(args: argparse.Namespace) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a config.json, a model directory, or a name under configs/models (llama3_70b, qwen2_7b)")
+    p.add_argument("--model", required=True,
+                   help="a config.json, a model directory, or a name under configs/models (llama3_70b, qwen2_7b)")
     p.add_argument("--nodes", type=positive_int, required=True, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--gpu", default="H100", help="A100, H100 or H200: figures of the step-time estimate (default H100)")
     p.add_argument("--gpu-memory-gb", type=positive_float, default=None, help="GiB per GPU (default: the --gpu preset's)")
-    p.add_argument("--recipe", default="ppo_trainer", help="config under configs/ (or a YAML file) for batch sizes and the rest (default ppo_trainer)")
+    p.add_argument("--recipe", default="ppo_trainer",
+                   help="config under configs/ (or a YAML file) for batch sizes and the rest (default ppo_trainer)")
     p.add_argument("--tp", type=positive_int, help="tensor parallel of every Megatron role")
     p.add_argument("--pp", type=positive_int, help="pipeline parallel of every Megatron role")
     p.add_argument("--vpp", type=positive_int, help="virtual pipeline stages per rank")
@@ -79,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-length", type=positive_int, help="data.max_prompt_length")
     p.add_argument("--response-length", type=positive_int, help="data.max_response_length")
     for name, what in (("sp", "sequence parallel"), ("distributed-optimizer", "Megatron's distributed optimizer"),
-                       ("recompute", "full activation recompute"), ("offload", "the actor's grad/optimizer offload around the rollout"),
+                       ("recompute", "full activation recompute"),
+                       ("offload", "the actor's grad/optimizer offload around the rollout"),
                        ("critic", "a critic")):
-        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=f"{what} on/off (default: the recipe's)")
+        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{what} on/off (default: the recipe's)")
     p.add_argument("--top", type=positive_int, default=5, help="layouts that fit to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="main_ppo config overrides")

@@ -210,7 +210,9 @@ def formula_stage_params(spec: HFModelSpec, role: MegatronRole) -> list[StagePar
     """
     chunks = role.pp * (role.vpp or 1)
     if spec.num_layers % chunks:
-        raise ValueError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline {role.pp} x virtual {role.vpp or 1}")
+        raise ValueError(
+            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline {role.pp} x virtual {role.vpp or 1}"
+        )
     layers = spec.num_layers // role.pp
     vocab = padded_vocab_size(spec.vocab_size, role.tp) * spec.hidden_size // role.tp
     tied = spec.tie_word_embeddings and role.head == "lm"
@@ -259,6 +261,9 @@ def layer_activation_bytes(spec: HFModelSpec, role: MegatronRole, tokens: int) -
     query attention, SwiGLU, flash/fused attention that saves its output and not the ``s x s``
     scores): the two norms' inputs and outputs (split over TP only under sequence parallel), q/k/v
     after rotary, the attention output, gate and up outputs and their SwiGLU product (split over TP).
+    Megatron's local spec (no Transformer Engine: the CPU path) uses unfused attention, which also
+    keeps the ``[b, heads / TP, s, s]`` softmax; that path is not what the GPU recipes run and is not
+    counted here.
     """
     h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_kv_heads, spec.intermediate_size
     t = role.tp
@@ -459,7 +464,8 @@ def _role_memory(inputs: PlanInputs, role: MegatronRole, stage: int, counts: Sta
     in_flight = min(role.pp - stage, max(1, role.micro_batches))
     logits = _logits_bytes(spec, role, tokens) if counts.post else 0
     off = in_flight * counts.layers * layer + logits
-    inputs_only = in_flight * counts.layers * int(role.dtype_bytes * tokens * spec.hidden_size / (role.tp if role.sequence_parallel else 1))
+    layer_input = int(role.dtype_bytes * tokens * spec.hidden_size / (role.tp if role.sequence_parallel else 1))
+    inputs_only = in_flight * counts.layers * layer_input
     on = inputs_only + layer + logits
     f_tokens = role.forward_micro_batch * inputs.seq_len // role.cp
     forward = layer_activation_bytes(spec, role, f_tokens) + (_logits_bytes(spec, role, f_tokens) if counts.post else 0)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from verl.planning.hardware import GPUPreset
 from verl.planning.memory import MegatronRole, MemoryPlan, PlanInputs, formula_stage_params, formula_sync, memory_plan
 
-__all__ = ["HBM_EFFICIENCY", "MFU", "Candidate", "estimate_step_seconds", "grow_cluster", "search_layouts", "suggestion_overrides"]
+__all__ = [
+    "HBM_EFFICIENCY", "MFU", "Candidate", "estimate_step_seconds", "grow_cluster", "search_layouts", "suggestion_overrides",
+]
 
 MFU = 0.40
 """Model-FLOPs utilisation assumed for training and prefill (Megatron-core dense models commonly
@@ -61,7 +63,8 @@ def estimate_step_seconds(plan: MemoryPlan, gpu: GPUPreset) -> dict[str, float]:
     kv_read = worst.kv_cache_needed / waves
     bw = gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY
     decode = waves * response * (worst.rollout_weights + kv_read / 2) / bw
-    prefill = 2 * _params_total(inp, "actor") * per_replica * (inp.seq_len - response) / (gpu.bf16_tflops * 1e12 * MFU * r.tp)
+    prefill_flops = 2 * _params_total(inp, "actor") * per_replica * (inp.seq_len - response)
+    prefill = prefill_flops / (gpu.bf16_tflops * 1e12 * MFU * r.tp)
     sync = max(x.sync_received for x in plan.ranks) / (gpu.internode_gb_s * 1e9)
     out = {"rollout": decode + prefill, "weight_sync": sync, "forward": forward, "train": train}
     out["total"] = sum(out.values())
