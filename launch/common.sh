@@ -36,7 +36,11 @@ verl_launch() {
     NNODES="${SLURM_NNODES:-1}"
     NODE_RANK="${SLURM_NODEID:-0}"
     if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-      MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+      # The whole list, then its first line: `| head -n 1` could kill scontrol with SIGPIPE,
+      # which pipefail would turn into a failed launch.
+      local hosts
+      hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
+      MASTER_ADDR="${hosts%%$'\n'*}"
     fi
   fi
   local nnodes="${NNODES:-1}" node_rank="${NODE_RANK:-0}"
