@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl.trainer.tracking import rewind_jsonl
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -73,25 +75,7 @@ class StepRecords:
 
     def rewind(self, step: int) -> int:
         """Keep the records of steps <= ``step`` (a line cut short by a kill goes too); returns how many went."""
-        if not os.path.isfile(self.path):
-            return 0
-        kept, dropped = [], 0
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    keep = int(json.loads(line)["step"]) <= step
-                except (ValueError, KeyError, TypeError):
-                    keep = False
-                if keep:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
-        if dropped:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(tmp, self.path)
-        return dropped
+        return rewind_jsonl(self.path, step)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from verl.utils.logging import global_rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOGGERS", "MetricSink", "Tracking", "format_metrics", "progress_bar", "register_logger"]
+__all__ = ["LOGGERS", "MetricSink", "Tracking", "format_metrics", "progress_bar", "register_logger", "rewind_jsonl"]
 
 
 class MetricSink(Protocol):
@@ -111,6 +111,33 @@ class _ConsoleSink:
         pass
 
 
+def rewind_jsonl(path: str, step: int) -> int:
+    """Keep the ``{"step": N, ...}`` lines of ``path`` with N <= ``step`` (a line a killed run did
+    not finish goes too), replacing the file atomically; returns how many lines went."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):  # a line a killed run did not finish
+                dropped += 1
+                continue
+            if record_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 class _JsonlSink:
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -126,25 +153,8 @@ class _JsonlSink:
     def rewind(self, step: int) -> None:
         """Keep the records of steps <= ``step`` (and drop a line cut short by a kill), atomically."""
         self._f.close()
-        kept, dropped = [], 0
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record_step = int(json.loads(line)["step"])
-                except (ValueError, KeyError, TypeError):  # a line a killed run did not finish
-                    dropped += 1
-                    continue
-                if record_step <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
+        dropped = rewind_jsonl(self.path, step)
         if dropped:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
             logger.warning("%s: dropped %d records after step %d (this run continues from step %d)",
                            self.path, dropped, step, step)
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
