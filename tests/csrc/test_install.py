@@ -150,6 +150,14 @@ def fresh_venv(tmp_path_factory) -> Path:
     return venv
 
 
+@pytest.fixture(scope="module")
+def ext_cache(tmp_path_factory) -> Path:
+    """One first-use build cache for both installs: the sdist's sources hash to the same key as
+    the checkout's, so the second install loads the build the first one compiled (a minute saved;
+    a cache hit is itself proof that the sdist shipped every source file unchanged)."""
+    return tmp_path_factory.mktemp("ext-cache")
+
+
 def _assert_only_cpu_torch(python: Path, cwd: Path) -> None:
     """torch is still the CPU build the venv started with, and no CUDA library came along."""
     listed = _run([str(python), "-m", "pip", "list", "--format=json"], cwd=cwd, env=_clean_env(), timeout=120)
@@ -179,7 +187,7 @@ def _import_compiles(python: Path, cwd: Path, cache: Path, sources: Path) -> str
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pip_install_editable_in_fresh_venv(fresh_venv, tmp_path):
+def test_pip_install_editable_in_fresh_venv(fresh_venv, ext_cache, tmp_path):
     """``pip install -e .`` (isolated build, as the tutorials write it), then ``import verl._C``
     in two processes at once: one compiles, the other waits on the lock; both get the module."""
     checkout = _checkout_copy(tmp_path / "checkout")
@@ -190,7 +198,7 @@ def test_pip_install_editable_in_fresh_venv(fresh_venv, tmp_path):
     _assert_only_cpu_torch(python, tmp_path)
     assert not list(checkout.glob("verl/_C*.so")), "the isolated build compiled verl._C (it saw a torch)"
 
-    cache = tmp_path / "ext-cache"
+    cache = ext_cache
     env = _clean_env(VERL_EXTENSION_DIR=str(cache))
     start = time.perf_counter()
     procs = [subprocess.Popen([str(python), "-c", "import verl._C"], cwd=tmp_path, env=env,
@@ -207,9 +215,10 @@ def test_pip_install_editable_in_fresh_venv(fresh_venv, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pip_install_sdist_in_fresh_venv(fresh_venv, tmp_path):
+def test_pip_install_sdist_in_fresh_venv(fresh_venv, ext_cache, tmp_path):
     """``python -m build --sdist``, then ``pip install verl-*.tar.gz``: the sdist carries csrc/,
-    the wheel built from it carries the sources in verl/_csrc, and they compile on first import."""
+    the wheel built from it carries the sources in verl/_csrc, and the first import compiles them
+    (or, after the editable install's test, loads the build those identical sources made)."""
     checkout = _checkout_copy(tmp_path / "checkout")
     python = fresh_venv / "bin" / "python"
     _run([str(python), "-m", "pip", "install", "-q", "--no-compile", "build"], cwd=tmp_path, env=_clean_env(),
@@ -231,5 +240,11 @@ def test_pip_install_sdist_in_fresh_venv(fresh_venv, tmp_path):
                      cwd=tmp_path, env=_clean_env(), timeout=60).stdout.strip())
     assert not list((site / "verl").glob("_C*.so"))
     start = time.perf_counter()
-    _import_compiles(python, tmp_path, tmp_path / "ext-cache", site / "verl" / "_csrc")
-    print(f"pip install <sdist> {install_s:.0f} s; first import (compile) {time.perf_counter() - start:.0f} s")
+    if any(ext_cache.iterdir()):
+        result = _run([str(python), "-c", _SMOKE], cwd=tmp_path, env=_clean_env(VERL_EXTENSION_DIR=str(ext_cache)),
+                      timeout=120)
+        assert result.stdout.startswith("ok " + str(ext_cache)), result.stdout + result.stderr
+        assert "compiling" not in result.stderr, result.stderr  # same sources, same key: a cache hit
+    else:
+        _import_compiles(python, tmp_path, ext_cache, site / "verl" / "_csrc")
+    print(f"pip install <sdist> {install_s:.0f} s; first import {time.perf_counter() - start:.0f} s")
