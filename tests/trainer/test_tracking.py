@@ -110,3 +110,83 @@ def test_format_metrics_is_readable():
     assert format_metrics({"b": 2.0, "a": 1.23456, "lr": 1e-6, "big": 123456.0}, 7) == (
         "step 7 | a 1.2346 | b 2 | big 1.235e+05 | lr 1.000e-06"
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# progress: a bar only on a terminal with a width, a periodic log line everywhere else
+
+
+def _pty_stream(columns: int):
+    """(a text stream on a pseudo-terminal of ``columns`` x 24, the master fd to read what it got)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    return os.fdopen(slave, "w", buffering=1), master
+
+
+def _drain(master: int) -> str:
+    import select
+
+    out = b""
+    while select.select([master], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out.decode("utf-8", "replace")
+
+
+def _steps(bar, n: int) -> None:
+    for i in range(n):
+        bar.set_postfix(loss=f"{1.0 / (i + 1):.2f}")
+        bar.update(1)
+    bar.close()
+
+
+def test_a_bar_is_drawn_on_a_terminal_with_a_width(monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    stream, master = _pty_stream(100)
+    try:
+        bar = progress_bar(total=3, desc="sft", rank=0, stream=stream)
+        _steps(bar, 3)
+        drawn = _drain(master)
+    finally:
+        stream.close()
+        os.close(master)
+    assert "\r" in drawn and "sft: 100%" in drawn and "3/3" in drawn and "loss=0.33" in drawn
+
+
+@pytest.mark.parametrize("where", ["log file", "zero-width terminal", "TQDM_DISABLE", "turned off"])
+def test_elsewhere_progress_is_a_log_line_without_carriage_returns(where, tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    master = None
+    if where == "log file":
+        stream = open(tmp_path / "log", "w")  # noqa: SIM115
+    else:
+        stream, master = _pty_stream(0 if where == "zero-width terminal" else 100)
+    if where == "TQDM_DISABLE":
+        monkeypatch.setenv("TQDM_DISABLE", "1")
+    try:
+        with caplog.at_level(logging.INFO, logger="verl.progress"):
+            # log_every_s=0: a line per step here (30 s apart in a run), the last one always.
+            bar = progress_bar(total=3, initial=1, desc="sft", rank=0, stream=stream,
+                               enabled=where != "turned off", log_every_s=0.0)
+            _steps(bar, 2)
+        stream.flush()
+        written = _drain(master) if master is not None else (tmp_path / "log").read_text()
+    finally:
+        stream.close()
+        if master is not None:
+            os.close(master)
+    assert written == ""  # nothing but the log records: no bar frames
+    lines = [r.getMessage() for r in caplog.records if r.name == "verl.progress"]
+    assert len(lines) == 2 and lines[0].startswith("sft: step 2/3 (67%), 0:00:00 elapsed, ")
+    assert " left, " in lines[0] and lines[0].endswith("loss=1.00")
+    assert lines[1].startswith("sft: step 3/3 (100%)") and " left" not in lines[1] and lines[1].endswith("loss=0.50")

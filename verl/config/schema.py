@@ -373,6 +373,7 @@ class RunConfig(ConfigBase):
     project_name: str = option("verl", "Project name for loggers and the checkpoint directory.")
     experiment_name: str = option("run", "Run name for loggers and the checkpoint directory.")
     logger: list[LoggerName] = option(["console"], "Metric sinks. (Reference default adds wandb, which needs an account.)")
+    progress_bar: bool = option(True, "Draw a progress bar when stderr is a terminal (never in a log file or pipe, where progress is a log line every 30 s); false: log lines only. TQDM_DISABLE=1 also turns the bar off.")
     nnodes: int = option(1, "Nodes in the job.", ge=1)
     n_gpus_per_node: int = option(1, "Ranks (GPUs, or CPU processes) per node; nnodes x n_gpus_per_node must equal the launched world size. (Reference: 8.)", ge=1)
     device: DeviceName = option("auto", "Device: auto (cuda when available, else cpu), cuda or cpu. (Reference: cuda.)")

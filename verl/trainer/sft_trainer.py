@@ -302,7 +302,7 @@ class SFTTrainer:
         """
         t = self.cfg.trainer
         self.resume()
-        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="sft")
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="sft", enabled=t.progress_bar)
         last: dict[str, float] = {}
         val: dict[str, float] = {}
         interrupted = False
@@ -319,8 +319,8 @@ class SFTTrainer:
                         metrics.update(val)
                     self.tracking.log(metrics, self.global_step)
                     last = metrics
-                    bar.update(1)
                     bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                    bar.update(1)
                     if t.save_freq > 0 and self.global_step % t.save_freq == 0:
                         self.save_checkpoint()
                     if stop_after is not None and self.global_step >= stop_after:

@@ -9,7 +9,8 @@ Files go under ``log_dir``: ``metrics.jsonl`` (one JSON object per step: ``{"ste
 "train/loss": ...}``) and ``tensorboard/`` (event files); ``rewind(step)`` drops what they hold
 after a step, so a resumed run's re-done steps appear once. W&B and MLflow are used when their
 packages are installed; selecting one that is missing is a ValueError that names the
-package to install. ``progress_bar`` gives a tqdm bar on rank 0 (a silent stand-in elsewhere).
+package to install. ``progress_bar`` (from :mod:`verl.utils.progress`) is the loop's progress: a bar
+on a terminal, a periodic log line in a log file or pipe, nothing on ranks other than 0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from verl.utils.logging import global_rank
+from verl.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -332,53 +334,3 @@ class Tracking:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _NoBar:
-    """The progress bar of non-zero ranks: accepts tqdm's calls, draws nothing."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Bar:
-    """A tqdm bar whose lifetime also routes log records through ``tqdm.write``, so log lines
-    (the console logger's metrics) print above the bar instead of through it."""
-
-    def __init__(self, *, total: int, initial: int, desc: str) -> None:
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
-        self._redirect = logging_redirect_tqdm()
-        self._redirect.__enter__()
-
-    def update(self, n: int = 1) -> None:
-        self._bar.update(n)
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        self._bar.set_postfix(*args, **kwargs)
-
-    def close(self) -> None:
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
-        self._bar.close()
-
-
-def progress_bar(
-    *, total: int, initial: int = 0, desc: str = "training", rank: int | None = None
-) -> _Bar | _NoBar:
-    """A tqdm bar over ``total`` steps from ``initial`` on global rank 0; a silent stand-in elsewhere.
-
-    Call ``close()`` when done (it also ends the redirection of log lines above the bar).
-    """
-    if (global_rank() if rank is None else rank) != 0:
-        return _NoBar()
-    return _Bar(total=total, initial=initial, desc=desc)
