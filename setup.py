@@ -50,6 +50,11 @@ EXTRAS = {
     "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
     # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
     "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11"],
+    # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
+    # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the
+    # tracking part of the full `mlflow` package without its UI and model-serving dependencies
+    # (the full package works the same).
+    "loggers": ["wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
 }
 
 

@@ -190,3 +190,182 @@ def test_elsewhere_progress_is_a_log_line_without_carriage_returns(where, tmp_pa
     assert len(lines) == 2 and lines[0].startswith("sft: step 2/3 (67%), 0:00:00 elapsed, ")
     assert " left, " in lines[0] and lines[0].endswith("loss=1.00")
     assert lines[1].startswith("sft: step 3/3 (100%)") and " left" not in lines[1] and lines[1].endswith("loss=0.50")
+
+
+# ----------------------------------------------------------------------------------------------
+# each logger as installed, read back from what it wrote; a logger that cannot start is one line
+
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (pip install -e .[loggers])")
+needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed (pip install -e .[loggers])")
+
+
+def _wandb_env(monkeypatch, tmp_path, mode: str) -> None:
+    """W&B's own caches and settings inside the test's folder; no API key from the environment;
+    W&B's process-wide settings (read once by wandb.setup) dropped when the test ends."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", mode)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    wandb.teardown()
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+
+
+def _wandb_history(run_file: str) -> list[dict]:
+    """The history rows of a W&B run file (LevelDB-log records of ``wandb_internal_pb2.Record``)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(run_file, "rb").read()
+    assert data[:4] == b":W&B", data[:8]
+    block, pos, pending, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        payload = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = payload if kind in (1, 2) else pending + payload  # FULL/FIRST start, MIDDLE/LAST add
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+@pytest.fixture
+def wandb_teardown():
+    yield
+    import wandb
+
+    wandb.teardown()
+
+
+@needs_wandb
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch, caplog, wandb_teardown):
+    _wandb_env(monkeypatch, tmp_path, "offline")
+    with caplog.at_level(logging.INFO, logger="verl.outputs"):
+        with Tracking(backends=["wandb"], project_name="p", experiment_name="e", log_dir=str(tmp_path / "logs"),
+                      config={"optim": {"lr": 0.5}}, rank=0) as t:
+            for step in (1, 2, 3):
+                t.log({"train/loss": 1.0 / step}, step=step)
+    run_files = list((tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    rows = [r for r in _wandb_history(str(run_files[0])) if "train/loss" in r]
+    assert [(r["_step"], r["train/loss"]) for r in rows] == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
+    assert f"W&B run  {run_files[0].parent}  (offline; upload with `wandb sync {run_files[0].parent}`)" in caplog.text
+
+
+@needs_wandb
+def test_wandb_that_cannot_start_says_what_to_set(tmp_path, monkeypatch, wandb_teardown):
+    _wandb_env(monkeypatch, tmp_path, "online")
+    with pytest.raises(ValueError) as info:
+        Tracking(backends=["wandb"], project_name="p", experiment_name="e", log_dir=str(tmp_path / "logs"), rank=0)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("trainer.logger includes 'wandb' but W&B could not start (UsageError: ")
+    assert message.endswith(f"set WANDB_API_KEY (or run `wandb login`), or WANDB_MODE=offline to keep the run in "
+                            f"{tmp_path / 'logs'}/wandb and `wandb sync` it later")
+
+
+@needs_mlflow
+def test_mlflow_local_store_holds_the_metrics(tmp_path, monkeypatch, caplog):
+    """No MLFLOW_TRACKING_URI: a SQLite store under log_dir (MLflow 3 refuses its ./mlruns file store)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
+    log_dir = tmp_path / "logs"
+    with caplog.at_level(logging.INFO, logger="verl.outputs"):
+        with Tracking(backends=["mlflow"], project_name="p", experiment_name="e", log_dir=str(log_dir),
+                      config={"optim": {"lr": 0.5}}, rank=0) as t:
+            for step in (1, 2, 3):
+                t.log({"train/loss": 1.0 / step, "train/bad": float("nan")}, step=step)
+            run_id = t.sinks["mlflow"].run_id
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{log_dir}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
+    run = client.get_run(run_id)
+    assert run.data.params == {"optim.lr": "0.5"} and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "p"
+    assert sorted(os.listdir(tmp_path)) == ["logs"]
+    assert f"MLflow run  {uri}  (experiment 'p', run {run_id}; mlflow ui --backend-store-uri {uri})" in caplog.text
+
+
+@needs_mlflow
+def test_mlflow_that_cannot_start_says_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")  # MLflow 3's retired file store
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ValueError) as info:
+        Tracking(backends=["mlflow"], project_name="p", experiment_name="e", log_dir=str(tmp_path / "logs"), rank=0)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"trainer.logger includes 'mlflow' but MLflow could not start with MLFLOW_TRACKING_URI "
+                              f"file://{tmp_path}/mlruns (MlflowException: ")
+    assert message.endswith(f"set MLFLOW_TRACKING_URI to a database (sqlite:///PATH/mlflow.db) or a server "
+                            f"(http://HOST:5000), or unset it to use {tmp_path / 'logs'}/mlflow.db (needs `pip install mlflow`)")
+
+
+def test_every_output_is_listed_absolute_at_the_start_and_at_the_end(tmp_path, monkeypatch, caplog):
+    from verl.utils.outputs import OutputLocation
+
+    monkeypatch.chdir(tmp_path)
+    outputs = [OutputLocation("checkpoints", "ckpt", when="every 5 steps and at the end"),
+               OutputLocation("report", "ckpt/report.html", when="at the end")]
+    os.makedirs("ckpt")
+    with caplog.at_level(logging.INFO, logger="verl.outputs"):
+        with Tracking(backends=["console", "jsonl", "tensorboard"], project_name="p", experiment_name="e",
+                      log_dir="logs", outputs=outputs, rank=0) as t:
+            t.log({"x": 1.0}, step=1)
+            start = [r.getMessage() for r in caplog.records if r.name == "verl.outputs"]
+            caplog.clear()
+    end = [r.getMessage() for r in caplog.records if r.name == "verl.outputs"]
+    tb = tmp_path / "logs" / "tensorboard"
+    assert start == [
+        "outputs of this run:",
+        f"  checkpoints      {tmp_path}/ckpt  (every 5 steps and at the end)",
+        f"  report           {tmp_path}/ckpt/report.html  (at the end)",
+        f"  metrics (jsonl)  {tmp_path}/logs/metrics.jsonl",
+        f"  TensorBoard      {tb}  (tensorboard --logdir {tb})",
+    ]
+    assert end == [
+        "outputs of this run:",
+        f"  checkpoints      {tmp_path}/ckpt",
+        f"  report           {tmp_path}/ckpt/report.html  (not written)",
+        f"  metrics (jsonl)  {tmp_path}/logs/metrics.jsonl",
+        f"  TensorBoard      {tb}  (tensorboard --logdir {tb})",
+    ]
+
+
+def _failing_logger_on_rank0(log_dir: str) -> str:
+    from verl.trainer import tracking
+
+    if "failing" not in tracking.LOGGERS:
+        @tracking.register_logger("failing")
+        def _failing(**_):
+            raise ValueError("trainer.logger includes 'failing' but it could not start; set FAILING_OK=1")
+    try:
+        Tracking(backends=["failing"], project_name="p", experiment_name="e", log_dir=log_dir)
+    except ValueError as exc:
+        return str(exc)
+    return "started"
+
+
+@pytest.mark.distributed
+def test_a_logger_that_cannot_start_fails_on_every_rank(tmp_path):
+    """Only rank 0 starts sinks; the others raise its error instead of going on to build a model."""
+    from verl.testing.distributed import run_distributed
+
+    results = run_distributed(_failing_logger_on_rank0, 2, str(tmp_path))
+    assert results == ["trainer.logger includes 'failing' but it could not start; set FAILING_OK=1"] * 2

@@ -14,6 +14,7 @@ expresses the same thing with ``${...}`` interpolation).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -386,9 +387,20 @@ class RunConfig(ConfigBase):
     resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
     resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
 
+    # Fields holding paths the run writes or resumes from: made absolute by resolve_paths().
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("default_local_dir", "resume_from_path")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
+
+    def resolve_paths(self) -> None:
+        """Make every ``PATH_FIELDS`` path absolute (``~`` expanded, relative to the working directory),
+        so log lines and recorded configs name it the same wherever they are read."""
+        for name in self.PATH_FIELDS:
+            value = getattr(self, name)
+            if value:
+                setattr(self, name, os.path.abspath(os.path.expanduser(value)))
 
 
 @dataclass(kw_only=True)
@@ -511,6 +523,8 @@ class SFTTrainerConfig(RunConfig):
     )
     save_hf: bool = option(True, "At the end, export the trained model as a Hugging Face checkpoint (for the rollout engines).")
     hf_export_dir: str | None = option(None, "Where save_hf writes; None: <default_local_dir>/huggingface.")
+
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = (*RunConfig.PATH_FIELDS, "log_dir", "hf_export_dir")
 
     def __post_init__(self) -> None:
         super().__post_init__()

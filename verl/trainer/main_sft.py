@@ -31,8 +31,9 @@ if __name__ == "__mp_main__":
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
+    from verl.trainer.startup import prepare_run
     from verl.utils.cli import fail, user_errors
-    from verl.utils.logging import log_rank0, setup_logging
+    from verl.utils.logging import log_rank0
     from verl.utils.paths import check_dir
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_config_file=str(CONFIG_DIR / "sft_trainer.yaml"),
         world_size=world_size,
     )
-    setup_logging(logging.INFO)
+    prepare_run(cfg.trainer)
     from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 
     with user_errors(PROG):
@@ -66,15 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the finally below tears the world down.
         with user_errors(PROG):
             trainer = SFTTrainer(cfg)
-            with trainer:
+            with trainer:  # closing it lists the run's outputs: the last lines a user reads
                 metrics = trainer.fit()
-        log_rank0(
-            logging.getLogger("verl.trainer.main_sft"),
-            logging.INFO,
-            "done: step %d, %s",
-            trainer.global_step,
-            ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
-        )
+                log_rank0(
+                    logging.getLogger("verl.trainer.main_sft"),
+                    logging.INFO,
+                    "done: step %d, %s",
+                    trainer.global_step,
+                    ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
+                )
     finally:
         destroy_distributed()
     return 0

@@ -39,12 +39,12 @@ from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
-from verl.utils.outputs import check_output_dir, probe_writable
+from verl.utils.outputs import OutputLocation, check_output_dir, probe_writable
 from verl.utils.paths import check_model_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFTTrainer", "check_sft_outputs", "check_sft_paths", "hf_export_dir", "sft_loss_sums"]
+__all__ = ["SFTTrainer", "check_sft_outputs", "check_sft_paths", "hf_export_dir", "sft_loss_sums", "sft_outputs"]
 
 ACTOR_SUBDIR = "actor"
 
@@ -89,7 +89,7 @@ def check_sft_outputs(cfg: SFTConfig) -> None:
     data_files = [f for key in ("train_files", "val_files") for f in _as_list(getattr(cfg.data, key))]
     if t.save_freq > 0 or t.resume_mode != "disable":
         probe_writable(t.default_local_dir, key="trainer.default_local_dir")
-    if any(name in t.logger for name in ("jsonl", "tensorboard")):
+    if any(name in t.logger for name in ("jsonl", "tensorboard", "wandb", "mlflow")):
         probe_writable(t.log_dir, key="trainer.log_dir")
     if t.save_hf:
         export = hf_export_dir(cfg)
@@ -103,6 +103,23 @@ def check_sft_outputs(cfg: SFTConfig) -> None:
             replace_verl_outputs=True,
         )
         probe_writable(os.path.dirname(os.path.abspath(export)), key=key)
+
+
+def sft_outputs(cfg: SFTConfig) -> list[OutputLocation]:
+    """The run's own outputs, for the list the loggers add theirs to (checkpoints, Hugging Face export)."""
+    t = cfg.trainer
+    outputs = []
+    if t.save_freq > 0:
+        outputs.append(OutputLocation("checkpoints", t.default_local_dir, when=f"every {t.save_freq} steps and at the end"))
+    if t.save_hf:
+        outputs.append(OutputLocation("Hugging Face model", hf_export_dir(cfg), when="at the end"))
+    return outputs
+
+
+def _show(files: str | list[str]) -> str:
+    """Data file(s) for a log line, absolute."""
+    paths = [os.path.abspath(f) for f in _as_list(files)]
+    return paths[0] if len(paths) == 1 else "[" + ", ".join(paths) + "]"
 
 
 def _as_list(files: str | list[str] | None) -> list[str]:
@@ -133,6 +150,23 @@ class SFTTrainer:
         check_sft_paths(cfg)
         check_sft_outputs(cfg)
         self.cfg = cfg
+        # Loggers first: one that cannot start fails before any model is built.
+        self.tracking = Tracking(
+            backends=cfg.trainer.logger,
+            project_name=cfg.trainer.project_name,
+            experiment_name=cfg.trainer.experiment_name,
+            log_dir=cfg.trainer.log_dir,
+            config=to_dict(cfg),
+            outputs=sft_outputs(cfg),
+        )
+        try:
+            self._build()
+        except BaseException:
+            self.tracking.close(list_outputs=False)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         m = cfg.megatron
         self.pg = megatron_state.initialize_model_parallel(
             tensor_model_parallel_size=m.tensor_model_parallel_size,
@@ -173,26 +207,22 @@ class SFTTrainer:
         self.checkpoints = CheckpointManager(
             cfg.trainer.default_local_dir, max_to_keep=cfg.trainer.max_ckpt_to_keep
         )
-        self.tracking = Tracking(
-            backends=cfg.trainer.logger,
-            project_name=cfg.trainer.project_name,
-            experiment_name=cfg.trainer.experiment_name,
-            log_dir=cfg.trainer.log_dir,
-            config=to_dict(cfg),
-        )
         self.global_step = 0
         self._last_saved_step: int | None = None
         self._resumed = False
+        val = (f"validation {_show(cfg.data.val_files)} ({len(self.val_dataset)} rows)"
+               if self.val_dataset is not None else "no validation")
         log_rank0(
             logger,
             logging.INFO,
-            "SFT: %d training rows (%d steps per epoch of %d rows, %d steps in all), "
-            "%s validation rows, dp=%d",
+            "SFT: model %s; training %s (%d rows, %d steps per epoch of %d rows); %s; %d steps in all, dp=%d",
+            os.path.abspath(os.path.expanduser(cfg.model.path)),
+            _show(cfg.data.train_files),
             len(self.train_dataset),
             self.steps_per_epoch,
             cfg.data.train_batch_size,
+            val,
             self.total_steps,
-            len(self.val_dataset) if self.val_dataset is not None else "no",
             self.dp_size,
         )
 
@@ -344,7 +374,7 @@ class SFTTrainer:
         return {**last, **val}
 
     def close(self) -> None:
-        """Close the loggers and tear down Megatron's parallel state."""
+        """Close the loggers (listing the run's outputs) and tear down Megatron's parallel state."""
         self.tracking.close()
         megatron_state.destroy_model_parallel()
 

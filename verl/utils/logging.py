@@ -102,6 +102,8 @@ DEBUG_RECORDS: dict[str, tuple[str, ...]] = {
     "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision": ("Using Megatron-FSDP without",),
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer": ("Detected Megatron Core",),
     "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp": ("Detected Megatron Core",),
+    # MLflow creating the tables of the SQLite store the mlflow logger starts (verl.trainer.tracking).
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
 """Logger -> message prefixes of dependency records moved to DEBUG (shown with VERL_LOGGING_LEVEL=DEBUG)."""
 
