@@ -58,6 +58,10 @@ def defer_import(name: str) -> bool:
         stub = _DeferredModule(name)
         stub.__spec__ = spec
         stub.__loader__ = spec.loader
+        # inspect.getmodule (torch.library calls it at import) walks sys.modules reading __file__:
+        # answering it here keeps that walk from importing the real package. No __path__, so
+        # ``import name.sub`` still goes through __getattr__ and imports the real package first.
+        stub.__file__ = spec.origin
         stub.__verl_deferred__ = True
         sys.modules[name] = stub
     return True
