@@ -34,6 +34,7 @@ BASE_REQUIRES = [
     "tokenizers",
     "sentencepiece",
     "tqdm",
+    "matplotlib",  # the run report's plots (verl.trainer.report)
     "xxhash",  # checkpoint content checksums (verl.utils.checksum)
     "math-verify",
     # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the newest that installs on 3.11.
@@ -49,7 +50,8 @@ EXTRAS = {
     # for (verl/rollout/vllm_internals.py); other versions are unchecked.
     "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
     # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11"],
+    # playwright drives Debian's chromium (setup_env.sh --test installs it) for the report's browser test.
+    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
     # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
     # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the
     # tracking part of the full `mlflow` package without its UI and model-serving dependencies

@@ -518,7 +518,9 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
         "gathered on every rank); per rank and in total: bytes over the network, bytes copied locally, time, GB/s, "
         "peak extra memory (allocation tracking), and this machine's memcpy bandwidth as the ceiling. Run it under "
         "torchrun. With --plan-only --world N nothing is allocated: the plan's traffic and the memory bound are "
-        "computed from the config for N ranks (e.g. tools/model_configs/llama3_70b.json at TP8 x PP4 -> TP'8)."
+        "computed from the config for N ranks (e.g. tools/model_configs/llama3_70b.json at TP8 x PP4 -> TP'8) and "
+        "the plan is logged as a table (per rank: bytes copied locally, received, sent, tensors touched, and "
+        "bytes received from each peer)."
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="Hugging Face model directory (its weights are pushed)")
@@ -534,7 +536,6 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed pushes per path (median; default 5)")
     parser.add_argument("--plan-only", action="store_true", help="compute the plan's figures only (no processes, no weights)")
     parser.add_argument("--world", type=positive_int, default=None, help="ranks for --plan-only (default TP x PP)")
-    parser.add_argument("--table", action="store_true", help="also log the per-rank plan table to stderr")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.plan_only:
@@ -550,8 +551,8 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
         sources, dests = _reshard_layouts(spec, args, world)
         plan = build_plan(sources, dests)
         seconds = time.perf_counter() - start
-        if args.table:
-            logger.info("reshard plan (%s):\n%s", path, plan.describe(elem))
+        # The plan as a table on stderr (stdout carries the JSON object).
+        logger.info("reshard plan for %s, %d ranks:\n%s", path, world, plan.describe(elem))
         bucket = int(args.bucket_mb * 2**20)
         naive = _naive_estimate(spec, sources, args, elem)
         ranks = []

@@ -28,9 +28,19 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -U pip "setuptools<80" wheel pybind11 ninja
-# The test suite also builds csrc/ with CMake and runs its C++ tests under CTest.
+# The test suite also builds csrc/ with CMake and runs its C++ tests under CTest, and opens the
+# run report in a real browser: Debian's chromium (headless), driven by playwright.
 if [[ "$extras" == *test* ]]; then
   "${pip[@]}" install cmake
+  if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "setup_env.sh: installing Debian's chromium for the browser tests"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
+    else
+      echo "setup_env.sh: chromium is not installed and cannot be installed here (needs root and apt-get);" \
+        "the browser tests will be skipped: apt-get install chromium" >&2
+    fi
+  fi
 fi
 
 # torch first: the extension is built against it without build isolation (an isolated

@@ -35,7 +35,7 @@ def test_help_lists_every_leaf_with_type_default_and_doc(root, header, capsys):
         parse_cli(root, ["trainer.seed=1", "--help"], prog="trainer", default_config_file=None)
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: trainer [-h] [--config FILE] [key=value ...]")
+    assert out.startswith("usage: trainer [-h] [--config FILE | --config-path FILE] [key=value ...]")
     leaves = _leaf_paths(root)
     assert len(describe(root)) == len(leaves)
     assert {d.path for d in describe(root)} == set(leaves)

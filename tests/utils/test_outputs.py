@@ -99,3 +99,28 @@ def test_probe_finds_unwritable_locations_at_start_up(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputPathError, match=rf"trainer.log_dir={tmp_path}/file/logs cannot be written"):
         probe_writable(str(tmp_path / "file" / "logs"), key="trainer.log_dir")
+
+
+def test_probes_of_one_path_by_many_ranks_at_once_all_succeed(tmp_path):
+    """Every rank of a torchrun job probes the same log directory at start-up; one rank's clean-up
+    (removing the directory it created) must not fail another rank's probe."""
+    import threading
+
+    target = str(tmp_path / "run" / "logs")
+    errors = []
+
+    def probe_many():
+        for _ in range(300):
+            try:
+                probe_writable(target, key="trainer.log_dir")
+            except OutputPathError as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=probe_many) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert not os.path.exists(tmp_path / "run")

@@ -7,6 +7,7 @@ from what is accepted.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,8 +18,11 @@ import yaml
 
 from verl.config.core import ConfigError, bounds_text, is_section, leaf_default, schema, type_name
 from verl.config.loader import load_config
+from verl.utils.logging import global_rank
 
 __all__ = ["OptionDoc", "describe", "format_help", "parse_cli"]
+
+logger = logging.getLogger(__name__)
 
 C = TypeVar("C")
 
@@ -97,11 +101,12 @@ def format_help(config_cls: type, *, prog: str, default_config_file: str | None)
     """The ``--help`` text: usage, how layers combine, then every option grouped by section."""
     default_file = default_config_file if default_config_file is not None else "none"
     lines = [
-        f"usage: {prog} [-h] [--config FILE] [key=value ...]",
+        f"usage: {prog} [-h] [--config FILE | --config-path FILE] [key=value ...]",
         "",
         f"Builds a {config_cls.__name__} from the defaults below, then FILE (default: {default_file}; a path or",
         "a name under configs/), then each key=value override from left to right. Values are YAML:",
         "1e-6, true, null, [console,jsonl], {key: value}. '+key=value' adds a key inside a dict option.",
+        "--config-path FILE (or --config-path DIR --config-name NAME) is an alias of --config FILE.",
         "Options marked 'follows X' copy X unless they are set themselves.",
         "",
     ]
@@ -113,6 +118,11 @@ def format_help(config_cls: type, *, prog: str, default_config_file: str | None)
             suffix = f"  [{'; '.join(extras)}]" if extras else ""
             lines.append(f"  {opt.path}: {opt.type} = {_show(opt.default)}{suffix}")
             lines.append(f"      {opt.help}")
+        lines.append("")
+    aliases: dict[str, str] = getattr(config_cls, "ALIASES", {})
+    if aliases:
+        lines.append("aliases (keys of other trainers' tutorials, accepted as overrides):")
+        lines += [f"  {alias} -> {target}" for alias, target in aliases.items()]
         lines.append("")
     return "\n".join(lines)
 
@@ -130,10 +140,12 @@ def parse_cli(
     default_config_file: str | Path | None,
     world_size: int | None = None,
 ) -> C:
-    """Parse ``[-h] [--config FILE] [key=value ...]`` into a validated ``config_cls``.
+    """Parse ``[-h] [--config FILE | --config-path FILE] [key=value ...]`` into a validated ``config_cls``.
 
     ``argv`` excludes the program name (None: ``sys.argv[1:]``). ``--config`` replaces
-    ``default_config_file``. ``--help`` prints :func:`format_help` and exits 0; any error is
+    ``default_config_file``; Hydra's ``--config-path FILE`` (or ``--config-path DIR --config-name
+    NAME``) is accepted as its alias. Keys in ``config_cls.ALIASES`` are accepted as overrides of the
+    fields they name. ``--help`` prints :func:`format_help` and exits 0; any error is
     printed to stderr and exits 2.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -141,11 +153,21 @@ def parse_cli(
         sys.stdout.write(format_help(config_cls, prog=prog, default_config_file=_shown(default_config_file)))
         raise SystemExit(0)
     config_file: str | None = None
+    hydra: dict[str, str] = {}
     overrides: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "--config" or arg.startswith("--config="):
+        flag = arg.split("=", 1)[0]
+        if flag in _HYDRA_FLAGS:
+            if arg == flag:
+                if i + 1 >= len(args):
+                    _fail(prog, f"{flag} needs a value")
+                i += 1
+                hydra[flag] = args[i]
+            else:
+                hydra[flag] = arg.split("=", 1)[1]
+        elif arg == "--config" or arg.startswith("--config="):
             if config_file is not None:
                 _fail(prog, "--config given twice; put shared settings in a file named under 'base:' instead")
             if arg == "--config":
@@ -162,6 +184,10 @@ def parse_cli(
         else:
             _fail(prog, f"unexpected argument {arg!r}; settings are given as key=value (e.g. trainer.total_epochs=1)")
         i += 1
+    if hydra:
+        if config_file is not None:
+            _fail(prog, "give either --config FILE or Hydra's --config-path/--config-name, not both")
+        config_file = _hydra_config_file(prog, hydra)
     try:
         return load_config(
             config_cls,
@@ -171,6 +197,28 @@ def parse_cli(
         )
     except ConfigError as exc:
         _fail(prog, str(exc))
+
+
+# Hydra's flags, as tutorials for Hydra-based trainers write them: --config-path is a YAML file
+# (or a folder, with --config-name naming the file in it); both stand for --config.
+_HYDRA_FLAGS = ("--config-path", "--config-name")
+
+
+def _hydra_config_file(prog: str, hydra: dict[str, str]) -> str:
+    path, name = hydra.get("--config-path"), hydra.get("--config-name")
+    if path is not None and Path(path).expanduser().is_dir():
+        if name is None:
+            _fail(prog, f"--config-path={path} is a folder; name the file in it with --config-name NAME")
+        chosen = str(Path(path).expanduser() / name)
+    elif path is not None:
+        if name is not None:
+            _fail(prog, f"--config-path={path} is a file (or missing); --config-name={name} has no folder to look in")
+        chosen = path
+    else:
+        chosen = str(name)  # a name under configs/, as --config takes it
+    if global_rank() == 0:
+        logger.info("config: %s is an alias of --config %s", " ".join(f"{k}={v}" for k, v in hydra.items()), chosen)
+    return chosen
 
 
 def _shown(path: str | Path | None) -> str | None:

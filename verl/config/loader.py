@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import re
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from verl.config.core import (
     type_name,
 )
 from verl.config.validation import deferred_validation
+from verl.utils.logging import global_rank
 
 __all__ = [
     "CONFIG_DIR",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 C = TypeVar("C")
+logger = logging.getLogger(__name__)
 
 #: Where named configs (``--config grpo_tiny_cpu``) are looked up: the repository's configs/.
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -259,6 +262,21 @@ def _merge_mapping(
             tree[key] = coerce(value, hint, where=f"{dotted} (in {origin})", metadata=f.metadata)
 
 
+_ALIASES_LOGGED: set[tuple[str, str]] = set()
+
+
+def _resolve_alias(root: type, key: str) -> str:
+    """The field a tutorial key (``root.ALIASES``, e.g. ``trainer.num_epochs``) stands for; logged once."""
+    target = getattr(root, "ALIASES", {}).get(key)
+    if target is None:
+        return key
+    if (key, target) not in _ALIASES_LOGGED:
+        _ALIASES_LOGGED.add((key, target))
+        if global_rank() == 0:
+            logger.info("config: %s is an alias of %s", key, target)
+    return target
+
+
 def _apply_override(root: type, tree: dict[str, Any], arg: str) -> None:
     """Apply one ``key=value`` / ``+key=value`` argument to ``tree``."""
     if "=" not in arg:
@@ -269,6 +287,7 @@ def _apply_override(root: type, tree: dict[str, Any], arg: str) -> None:
     if add:
         key = key[1:].lstrip("+")  # Hydra's '++' (add or replace) behaves like '+' here
     origin = f"command-line override {arg!r}"
+    key = _resolve_alias(root, key)
     if key.startswith("~"):
         raise ConfigError(f"{origin}: deleting keys with '~' is not supported; set the value instead")
     parts = key.split(".")

@@ -386,13 +386,19 @@ class RunConfig(ConfigBase):
     )
     resume_mode: ResumeMode = option("auto", "auto: resume from the latest checkpoint in default_local_dir if any; disable; resume_path: from resume_from_path.")
     resume_from_path: str | None = option(None, "Checkpoint to resume from when resume_mode is resume_path.")
+    log_dir: str = option(
+        "logs/{project_name}/{experiment_name}", "Folder of the jsonl and tensorboard loggers; {project_name} and {experiment_name} are filled in."
+    )
+    save_hf: bool = option(True, "At the end, export the trained model (the actor in RL) as a Hugging Face checkpoint (for the rollout engines).")
+    hf_export_dir: str | None = option(None, "Where save_hf writes; None: <default_local_dir>/huggingface.")
 
     # Fields holding paths the run writes or resumes from: made absolute by resolve_paths().
-    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("default_local_dir", "resume_from_path")
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("default_local_dir", "resume_from_path", "log_dir", "hf_export_dir")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
+        self.log_dir = _fill_run_names(self.log_dir, self.project_name, self.experiment_name)
 
     def resolve_paths(self) -> None:
         """Make every ``PATH_FIELDS`` path absolute (``~`` expanded, relative to the working directory),
@@ -457,6 +463,15 @@ class PPOConfig(ConfigBase):
         "critic.forward_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
     }
 
+    # Command-line keys of tutorials written for other trainers -> the field they set here
+    # (applied to key=value overrides; each use is logged once).
+    ALIASES: ClassVar[dict[str, str]] = {
+        "model.pretrained_model_name_or_path": "actor_rollout_ref.model.path",
+        "trainer.num_epochs": "trainer.total_epochs",
+        "trainer.batch_size_per_device": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    }
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not validation_deferred():
@@ -518,17 +533,6 @@ class SFTTrainerConfig(RunConfig):
     total_epochs: int = option(4, "Passes over the training data.", ge=1)
     experiment_name: str = option("sft", "Run name for loggers and the checkpoint directory.")
     max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (oldest deleted first); None: keep all.", ge=1)
-    log_dir: str = option(
-        "logs/{project_name}/{experiment_name}", "Folder of the jsonl and tensorboard loggers; {project_name} and {experiment_name} are filled in."
-    )
-    save_hf: bool = option(True, "At the end, export the trained model as a Hugging Face checkpoint (for the rollout engines).")
-    hf_export_dir: str | None = option(None, "Where save_hf writes; None: <default_local_dir>/huggingface.")
-
-    PATH_FIELDS: ClassVar[tuple[str, ...]] = (*RunConfig.PATH_FIELDS, "log_dir", "hf_export_dir")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.log_dir = _fill_run_names(self.log_dir, self.project_name, self.experiment_name)
 
 
 @dataclass(kw_only=True)

@@ -124,6 +124,27 @@ class RMSNorm(torch.nn.Module):
         return self.weight * xf.to(dtype)
 
 
+def split_problems(
+    spec: HFModelSpec, *, tp_size: int, pp_size: int, cp_size: int = 1, vpp_size: int | None = None
+) -> list[str]:
+    """Why ``spec`` cannot be split over these parallel degrees (one message per HF field); [] if it can."""
+    problems = []
+    if spec.num_kv_heads % tp_size:
+        problems.append(f"num_key_value_heads={spec.num_kv_heads} is not divisible by tensor parallel {tp_size}")
+    if spec.num_attention_heads % tp_size:
+        problems.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by tensor parallel {tp_size}")
+    if spec.intermediate_size % tp_size:
+        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tensor parallel {tp_size}")
+    chunks = pp_size * (vpp_size or 1)
+    if spec.num_layers % chunks:
+        problems.append(
+            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline {pp_size} x virtual {vpp_size or 1}"
+        )
+    if cp_size != 1:
+        problems.append(f"context parallel {cp_size} is not supported by verl's models yet (use 1)")
+    return problems
+
+
 def transformer_config_from_hf(
     spec: HFModelSpec,
     cfg: ModelBuildConfig,
@@ -139,20 +160,7 @@ def transformer_config_from_hf(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    problems = []
-    if spec.num_kv_heads % tp_size:
-        problems.append(f"num_key_value_heads={spec.num_kv_heads} is not divisible by tensor parallel {tp_size}")
-    if spec.num_attention_heads % tp_size:
-        problems.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by tensor parallel {tp_size}")
-    if spec.intermediate_size % tp_size:
-        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tensor parallel {tp_size}")
-    chunks = pp_size * (vpp_size or 1)
-    if spec.num_layers % chunks:
-        problems.append(
-            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline {pp_size} x virtual {vpp_size or 1}"
-        )
-    if cp_size != 1:
-        problems.append(f"context parallel {cp_size} is not supported by verl's models yet (use 1)")
+    problems = split_problems(spec, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, vpp_size=vpp_size)
     if problems:
         raise ValueError(f"{spec.model_type} config cannot be split as requested: " + "; ".join(problems))
 

@@ -6,8 +6,9 @@ same temperature) and compare them token by token with the engine's ``rollout_lo
 
 - ``logprob_max_abs_diff``  = max |rollout - trainer| over response tokens;
 - ``logprob_mean_abs_diff`` = mean |rollout - trainer|;
-- ``token_mult_prob_error`` = exp(mean |rollout - trainer|): 1.0 is perfect agreement; the
-  factor by which a token's probability is off on average.
+- ``token_mult_prob_error`` = mean over tokens of exp(|rollout - trainer|), as NeMo-RL defines
+  it (its ``ClippedPGLossFn``): 1.0 is perfect agreement; the factor by which a token's
+  probability is off, on average.
 
 :func:`megatron_response_logprobs` is the trainer side with verl's Megatron model (the actor's
 computation); ``verl.rollout.hf_engine.hf_response_logprobs`` is the transformers one.
@@ -15,7 +16,6 @@ computation); ``verl.rollout.hf_engine.hf_response_logprobs`` is the transformer
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,11 +40,10 @@ def logprob_agreement(
     diff = (rollout_log_probs.double() - trainer_log_probs.double().to(device))[mask].abs()
     if diff.numel() == 0:
         return {"logprob_max_abs_diff": 0.0, "logprob_mean_abs_diff": 0.0, "token_mult_prob_error": 1.0, "num_tokens": 0}
-    mean = float(diff.mean())
     return {
         "logprob_max_abs_diff": float(diff.max()),
-        "logprob_mean_abs_diff": mean,
-        "token_mult_prob_error": math.exp(mean),
+        "logprob_mean_abs_diff": float(diff.mean()),
+        "token_mult_prob_error": float(diff.exp().mean()),
         "num_tokens": int(diff.numel()),
     }
 

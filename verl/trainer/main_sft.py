@@ -31,11 +31,10 @@ if __name__ == "__mp_main__":
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
-    from verl.trainer.startup import prepare_run
-    from verl.utils.cli import fail, user_errors
-    from verl.utils.logging import log_rank0
+    from verl.utils.logging import setup_logging
     from verl.utils.paths import check_dir
 
+    setup_logging(logging.INFO)  # before parsing: the aliases are logged as they are read
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
         SFTConfig,
@@ -44,41 +43,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_config_file=str(CONFIG_DIR / "sft_trainer.yaml"),
         world_size=world_size,
     )
-    prepare_run(cfg.trainer)
+    from verl.trainer.startup import prepare_run
+
+    prepare_run(cfg.trainer)  # before the trainer's imports: they bring Megatron-core, which probes for W&B
+    from verl.trainer.entry import run_trainer
     from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 
-    with user_errors(PROG):
+    def check(cfg: SFTConfig) -> None:
         if cfg.model.tokenizer_path:
             check_dir(cfg.model.tokenizer_path, "model.tokenizer_path",
                       fix="give the tokenizer directory, or leave it unset to use model.path's")
         check_sft_paths(cfg)
         check_sft_outputs(cfg)
-    if cfg.trainer.device == "cpu":
-        # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from verl.parallel.bootstrap import destroy_distributed, init_distributed
 
-    try:
-        init_distributed(device=cfg.trainer.device)
-    except ValueError as exc:
-        fail(PROG, f"trainer.device={cfg.trainer.device}: {exc}")
-    try:
-        # A setting that only the data or the model reveals (run length, shapes, a bad row);
-        # the finally below tears the world down.
-        with user_errors(PROG):
-            trainer = SFTTrainer(cfg)
-            with trainer:  # closing it lists the run's outputs: the last lines a user reads
-                metrics = trainer.fit()
-                log_rank0(
-                    logging.getLogger("verl.trainer.main_sft"),
-                    logging.INFO,
-                    "done: step %d, %s",
-                    trainer.global_step,
-                    ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
-                )
-    finally:
-        destroy_distributed()
-    return 0
+    return run_trainer(
+        cfg,
+        prog=PROG,
+        check=check,
+        make_trainer=SFTTrainer,
+        summary=lambda trainer, metrics: ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())),
+    )
 
 
 if __name__ == "__main__":

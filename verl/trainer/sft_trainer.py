@@ -34,98 +34,48 @@ from verl.config import SFTConfig, to_dict
 from verl.data.sampler import StatefulDataLoader
 from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
-from verl.parallel import megatron_state
 from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
+from verl.parallel import megatron_state
 from verl.trainer.checkpoint import CheckpointManager
+from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs, show_files
+from verl.trainer.run_checks import hf_export_dir as run_hf_export_dir
+from verl.trainer.startup import run_outputs
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
-from verl.utils.outputs import OutputLocation, check_output_dir, probe_writable
-from verl.utils.paths import check_model_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFTTrainer", "check_sft_outputs", "check_sft_paths", "hf_export_dir", "sft_loss_sums", "sft_outputs"]
+__all__ = ["SFTTrainer", "check_sft_outputs", "check_sft_paths", "hf_export_dir", "sft_loss_sums"]
 
 ACTOR_SUBDIR = "actor"
 
 
 def check_sft_paths(cfg: SFTConfig) -> None:
     """Fail early (ValueError naming the field) when the model or data files are not there."""
-    problems = []
-    if not cfg.model.path:
-        problems.append(
-            "model.path is not set; give the Hugging Face model directory to fine-tune (model.path=DIR)"
-        )
-    else:
-        try:
-            check_model_dir(cfg.model.path, "model.path")
-        except ValueError as exc:
-            problems.append(str(exc))
-    for key in ("train_files", "val_files"):
-        files = getattr(cfg.data, key)
-        if files is None:
-            continue
-        for f in [files] if isinstance(files, str) else files:
-            if not os.path.exists(os.path.expanduser(f)):
-                problems.append(f"data.{key}: {f} does not exist")
+    problems = missing_inputs(
+        models={"model.path": cfg.model.path},
+        data={"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files},
+    )
     if problems:
         raise ValueError("; ".join(problems))
 
 
 def hf_export_dir(cfg: SFTConfig) -> str:
     """Where ``trainer.save_hf`` writes the final model (``<default_local_dir>/huggingface`` by default)."""
-    t = cfg.trainer
-    return os.path.expanduser(t.hf_export_dir or os.path.join(t.default_local_dir, "huggingface"))
+    return run_hf_export_dir(cfg.trainer)
 
 
 def check_sft_outputs(cfg: SFTConfig) -> None:
-    """Fail early (``OutputPathError`` naming the setting) when an output location cannot be used.
-
-    Every directory the run will write is created and probed with a test file now, not at the
-    first checkpoint; the Hugging Face export may not replace an input, another output of the
-    run, or a non-empty directory verl did not write.
-    """
-    t = cfg.trainer
-    data_files = [f for key in ("train_files", "val_files") for f in _as_list(getattr(cfg.data, key))]
-    if t.save_freq > 0 or t.resume_mode != "disable":
-        probe_writable(t.default_local_dir, key="trainer.default_local_dir")
-    if any(name in t.logger for name in ("jsonl", "tensorboard", "wandb", "mlflow")):
-        probe_writable(t.log_dir, key="trainer.log_dir")
-    if t.save_hf:
-        export = hf_export_dir(cfg)
-        key = "trainer.hf_export_dir" if t.hf_export_dir else "trainer.default_local_dir (its huggingface/ export)"
-        check_output_dir(
-            export,
-            key=key,
-            inputs={"model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
-                    "data files": data_files},
-            protected={"trainer.default_local_dir": t.default_local_dir, "trainer.log_dir": t.log_dir},
-            replace_verl_outputs=True,
-        )
-        probe_writable(os.path.dirname(os.path.abspath(export)), key=key)
-
-
-def sft_outputs(cfg: SFTConfig) -> list[OutputLocation]:
-    """The run's own outputs, for the list the loggers add theirs to (checkpoints, Hugging Face export)."""
-    t = cfg.trainer
-    outputs = []
-    if t.save_freq > 0:
-        outputs.append(OutputLocation("checkpoints", t.default_local_dir, when=f"every {t.save_freq} steps and at the end"))
-    if t.save_hf:
-        outputs.append(OutputLocation("Hugging Face model", hf_export_dir(cfg), when="at the end"))
-    return outputs
-
-
-def _show(files: str | list[str]) -> str:
-    """Data file(s) for a log line, absolute."""
-    paths = [os.path.abspath(f) for f in _as_list(files)]
-    return paths[0] if len(paths) == 1 else "[" + ", ".join(paths) + "]"
-
-
-def _as_list(files: str | list[str] | None) -> list[str]:
-    if files is None:
-        return []
-    return [os.path.expanduser(f) for f in ([files] if isinstance(files, str) else files)]
+    """Fail early (``OutputPathError`` naming the setting) when an output location cannot be used
+    (``verl.trainer.run_checks.check_run_outputs``)."""
+    check_run_outputs(
+        cfg.trainer,
+        inputs={
+            "model.path": cfg.model.path,
+            "model.tokenizer_path": cfg.model.tokenizer_path,
+            "data files": as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files),
+        },
+    )
 
 
 def sft_loss_sums(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +107,7 @@ class SFTTrainer:
             experiment_name=cfg.trainer.experiment_name,
             log_dir=cfg.trainer.log_dir,
             config=to_dict(cfg),
-            outputs=sft_outputs(cfg),
+            outputs=run_outputs(cfg.trainer),
         )
         try:
             self._build()
@@ -210,14 +160,14 @@ class SFTTrainer:
         self.global_step = 0
         self._last_saved_step: int | None = None
         self._resumed = False
-        val = (f"validation {_show(cfg.data.val_files)} ({len(self.val_dataset)} rows)"
+        val = (f"validation {show_files(cfg.data.val_files)} ({len(self.val_dataset)} rows)"
                if self.val_dataset is not None else "no validation")
         log_rank0(
             logger,
             logging.INFO,
             "SFT: model %s; training %s (%d rows, %d steps per epoch of %d rows); %s; %d steps in all, dp=%d",
             os.path.abspath(os.path.expanduser(cfg.model.path)),
-            _show(cfg.data.train_files),
+            show_files(cfg.data.train_files),
             len(self.train_dataset),
             self.steps_per_epoch,
             cfg.data.train_batch_size,

@@ -19,6 +19,7 @@ output of the run is (absolute paths), once.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -121,30 +122,27 @@ def check_output_dir(
 
 
 def probe_writable(path: str, *, key: str) -> None:
-    """Check that ``path`` can be created and written: create it (and missing parents), write and
-    remove a probe file, then remove the directories the probe created, so a run that stops
-    before writing leaves nothing behind. OutputPathError naming ``key`` if any step fails."""
+    """Check that ``path`` can be created and written, leaving nothing behind: write and remove a
+    probe file in ``path`` when it exists, else make and remove a uniquely named directory in its
+    nearest existing ancestor (making ``path`` then needs nothing more). Every rank of a job may
+    probe the same path at once. OutputPathError naming ``key`` if the probe fails."""
     target = os.path.abspath(os.path.expanduser(path))
-    created = []
-    parent = target
-    while not os.path.lexists(parent):
-        created.append(parent)
-        parent = os.path.dirname(parent)
+    existing = target
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(target, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
-        os.close(fd)
-        os.remove(probe)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
+        if existing == target:
+            fd, probe = tempfile.mkstemp(prefix=".verl-write-probe-", dir=target)
+            os.close(fd)
+            os.remove(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".verl-write-probe-", dir=existing))
     except OSError as exc:
         raise OutputPathError(
             f"{key}={path} cannot be written ({exc.strerror or exc}); choose a directory this user can write"
         ) from None
-    finally:
-        for directory in created:  # deepest first
-            try:
-                os.rmdir(directory)
-            except OSError:  # another rank's probe still in it, or it was never made
-                pass
 
 
 def staging_dir(out_dir: str) -> str:
@@ -198,7 +196,8 @@ def log_output_locations(
     title: str, locations: Sequence[OutputLocation], *, logger: logging.Logger, at_end: bool = False
 ) -> None:
     """Log ``title`` and one aligned line per location (local paths absolute). ``at_end``: a local
-    path that does not exist is marked "not written". Callers log on one rank only."""
+    path that does not exist is marked "not written" (its ``use`` still said: how to make it).
+    Callers log on one rank only."""
     if not locations:
         return
     width = max(len(loc.label) for loc in locations)
@@ -206,7 +205,7 @@ def log_output_locations(
     for loc in locations:
         path = os.path.abspath(os.path.expanduser(loc.path)) if _is_local(loc.path) else loc.path
         if at_end and _is_local(loc.path) and not os.path.exists(path):
-            notes = ["not written"]
+            notes = ["not written", *([loc.use] if loc.use else [])]
         else:
             notes = [n for n in ((loc.when if not at_end else ""), loc.use) if n]
         logger.info("  %s  %s%s", loc.label.ljust(width), path, f"  ({'; '.join(notes)})" if notes else "")

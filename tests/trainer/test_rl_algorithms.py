@@ -1,0 +1,185 @@
+"""Every advantage estimator and policy loss in the registries runs one step through ``main_ppo``.
+
+One process runs ``main_ppo.main`` once per case (a world of one, the transformers rollout engine,
+the raw tiny model): each registered estimator once, the policy losses dealt round-robin over
+them, Dr. GRPO, both KL paths (a KL loss; a KL penalty in the reward with the adaptive
+controller), a reward model beside the rule-based scorer, prompts and data sources read from
+other columns (``data.prompt_key``, ``data.reward_fn_key``), and DAPO's dynamic sampling, which on
+a model that never scores must stop after ``max_num_gen_batches`` draws with its message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FAST = [
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.name=hf",
+    "data.max_prompt_length=24",
+    "data.max_response_length=8",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    "critic.ppo_micro_batch_size_per_gpu=16",
+    "critic.forward_micro_batch_size_per_gpu=16",
+    "trainer.total_training_steps=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.save_hf=false",
+    "trainer.resume_mode=disable",
+    "trainer.logger=[jsonl]",
+    "actor_rollout_ref.actor.use_kl_loss=false",
+    "data.val_files=null",
+]
+
+
+def _cases(model_dir: str, root: str) -> dict[str, list[str]]:
+    from verl.algos import list_adv_estimators, list_policy_losses
+
+    losses = list_policy_losses()
+    cases = {}
+    for i, estimator in enumerate(list_adv_estimators()):
+        loss = losses[i % len(losses)]
+        cases[f"{estimator}+{loss}"] = [
+            f"algorithm.adv_estimator={estimator}",
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
+        ]
+    cases["dr_grpo"] = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+    ]
+    cases["kl_loss_dual_clip"] = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.clip_ratio_c=2.0",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    ]
+    cases["kl_in_reward_adaptive"] = [
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_penalty=low_var_kl",
+    ]
+    cases["reward_model"] = [
+        "algorithm.adv_estimator=grpo",
+        "reward_model.enable=true",
+        f"reward_model.model.path={model_dir}",
+        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=4",
+    ]
+    cases["remapped_keys"] = [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={_remapped_file(root)}",
+        "data.prompt_key=question",
+        "data.reward_fn_key=source",
+    ]
+    cases["dapo_dynamic_sampling"] = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+    ]
+    return cases
+
+
+def _remapped_file(root: str) -> str:
+    """Arithmetic records with the prompt under ``question`` and the data source under ``source``."""
+    from verl.data.io import write_parquet
+    from verl.data.tasks import arithmetic
+
+    records, _ = arithmetic.generate_splits(train=16, val=0, digits=1, seed=5)
+    for r in records:
+        r["question"], r["source"] = r.pop("prompt"), r.pop("data_source")
+    path = os.path.join(root, "remapped.parquet")
+    write_parquet(records, path)
+    return path
+
+
+def run_cases(model_dir: str, train_file: str, root: str) -> None:
+    """Run every case (this function is the subprocess's body); writes ``root/results.json``."""
+    from verl.trainer.main_ppo import main
+
+    results = {}
+    for name, extra in _cases(model_dir, root).items():
+        argv = [
+            "--config",
+            "grpo_tiny_cpu",
+            *FAST,
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"data.train_files={train_file}",
+            f"trainer.default_local_dir={root}/{name}",
+            f"trainer.log_dir={root}/{name}/logs",
+            *extra,
+        ]
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                code = main(argv)
+            error = None
+        except SystemExit as exc:  # a user error: main_ppo printed it and exits 2
+            code, error = exc.code, stderr.getvalue()
+        results[name] = {"code": code, "error": error}
+    with open(os.path.join(root, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f)
+
+
+@pytest.mark.timeout(600)
+def test_every_estimator_and_policy_loss_runs_a_step(tiny_model_dir, arithmetic_files, tmp_path):
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    code = (
+        f"from tests.trainer.test_rl_algorithms import run_cases; "
+        f"run_cases({tiny_model_dir!r}, {arithmetic_files['train']!r}, {str(tmp_path)!r})"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=560
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp_path / "results.json", encoding="utf-8") as f:
+        results = json.load(f)
+    from verl.algos import list_adv_estimators, list_policy_losses
+
+    ran = set(results)
+    assert {name.split("+")[0] for name in ran if "+" in name} == set(list_adv_estimators())
+    assert {name.split("+")[1] for name in ran if "+" in name} == set(list_policy_losses())
+    for name, result in results.items():
+        if name == "dapo_dynamic_sampling":
+            # The raw model never answers right: every group scores the same, none is kept.
+            assert result["code"] == 2 and "after 2 generation batches" in result["error"], result
+            assert "max_num_gen_batches=2" in result["error"]
+            continue
+        assert result == {"code": 0, "error": None}, (name, result)
+        with open(tmp_path / name / "logs" / "metrics.jsonl", encoding="utf-8") as f:
+            [step] = [json.loads(line) for line in f]
+        assert step["step"] == 1, name
+        assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), name
+        assert step["actor/ppo_kl"] == 0.0, name  # the first update's ratio is exactly 1
+        if name.startswith("gae"):
+            assert "critic/vf_loss" in step
+        if name == "kl_in_reward_adaptive":
+            assert step["actor/reward_kl_penalty"] == 0.0 and step["actor/reward_kl_penalty_coeff"] == 0.001
+        if name == "kl_loss_dual_clip":
+            assert step["actor/kl_loss"] == 0.0
+        if name == "reward_model":
+            assert "reward/model_score_mean" in step

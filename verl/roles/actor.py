@@ -1,0 +1,171 @@
+"""``Actor``: the trained policy (the engine with the LM head) and its PPO update.
+
+The loss of one mini-batch is, with every term a share of the mini-batch's global loss
+(``verl.models.forward``'s contract, through ``GlobalBatchInfo``):
+
+    policy_loss(loss_mode)  -  entropy_coeff * entropy  +  kl_loss_coef * KL(actor || reference)
+
+``policy_loss`` is the registered function ``policy_loss.loss_mode`` (vanilla PPO clip with DAPO's
+clip-higher and dual clip, GSPO, CISPO, GPG, ...), aggregated with ``loss_agg_mode``; the KL term
+is there only with ``use_kl_loss`` (estimator ``kl_loss_type``). Log-probabilities are those of
+the sampling temperature (the rollout's), as the engine drew them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from verl.algos import GlobalBatchInfo, agg_loss, compute_kl_loss, compute_policy_loss
+from verl.engine import LossShare
+from verl.protocol import Batch
+from verl.roles.engine_role import RoleEngine, step_metrics
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from verl.config.schema import ActorConfig, ModelConfig
+
+__all__ = ["Actor"]
+
+# loss_fn metric key -> the reference verl's logged key
+_METRICS = {
+    "pg_loss": "actor/pg_loss",
+    "pg_clipfrac": "actor/pg_clipfrac",
+    "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+    "ppo_kl": "actor/ppo_kl",
+    "kl_loss": "actor/kl_loss",
+    "kl_coef": "actor/kl_coef",
+    "entropy": "actor/entropy_loss",
+}
+
+
+class Actor:
+    """The policy being trained (see the module docstring).
+
+    Args:
+        cfg: ``actor_rollout_ref.actor``.
+        model: ``actor_rollout_ref.model``.
+        pg: the actor's process groups.
+        total_training_steps: optimizer steps of the run (sizes the LR schedule).
+        max_sequence_length: prompt + response length.
+        log_prob_micro_batch_size: sequences per forward in :meth:`compute_log_prob`
+            (``rollout.log_prob_micro_batch_size_per_gpu``).
+        temperature: the sampling temperature the log-probabilities are taken at.
+        balance: ``trainer.balance_batch``.
+    """
+
+    def __init__(
+        self,
+        cfg: "ActorConfig",
+        model: "ModelConfig",
+        *,
+        pg: "ProcessGroupCollection",
+        total_training_steps: int,
+        max_sequence_length: int,
+        log_prob_micro_batch_size: int,
+        temperature: float,
+        balance: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.role = RoleEngine(
+            model=model,
+            megatron=cfg.megatron,
+            pg=pg,
+            optim=cfg.optim,
+            total_training_steps=total_training_steps,
+            head="lm",
+            max_sequence_length=max_sequence_length,
+            balance=balance,
+        )
+
+    @property
+    def engine(self):
+        """The underlying ``MegatronEngine`` (weight sync, checkpoints, export)."""
+        return self.role.engine
+
+    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, entropy) of every response token under the current weights, each [B, R]."""
+        out = self.role.forward(
+            batch,
+            output="logprobs",
+            micro_batch_size=self.log_prob_micro_batch_size,
+            response_length=batch["responses"].shape[1],
+            temperature=self.temperature,
+            with_entropy=True,
+        )
+        return out["logprobs"], out["entropy"]
+
+    def _loss_builder(self, response_length: int):
+        cfg = self.cfg
+
+        def make_loss(info: GlobalBatchInfo, num_micro: int):
+            def loss_fn(outputs, micro) -> LossShare:
+                log_prob = outputs["logprobs"][:, -response_length:]  # [b, R]
+                mask = micro["response_mask"].to(log_prob.dtype)
+                pg_loss, pg_metrics = compute_policy_loss(
+                    cfg.policy_loss.loss_mode,
+                    old_log_prob=micro["old_log_probs"],
+                    log_prob=log_prob,
+                    advantages=micro["advantages"],
+                    response_mask=mask,
+                    loss_agg_mode=cfg.loss_agg_mode,
+                    clip_ratio=cfg.clip_ratio,
+                    clip_ratio_low=cfg.clip_ratio_low,
+                    clip_ratio_high=cfg.clip_ratio_high,
+                    clip_ratio_c=cfg.clip_ratio_c,
+                    global_batch_info=info,
+                )
+                loss = pg_loss
+                metrics = {**pg_metrics, "pg_loss": pg_loss.detach() * num_micro}
+                if cfg.entropy_coeff != 0:
+                    entropy = agg_loss(
+                        outputs["entropy"][:, -response_length:],
+                        mask,
+                        cfg.loss_agg_mode,
+                        global_batch_info=info,
+                    )
+                    loss = loss - cfg.entropy_coeff * entropy
+                    metrics["entropy"] = entropy.detach() * num_micro
+                if cfg.use_kl_loss:
+                    kl = compute_kl_loss(
+                        log_prob=log_prob,
+                        ref_log_prob=micro["ref_log_prob"],
+                        response_mask=mask,
+                        kl_loss_type=cfg.kl_loss_type,
+                        loss_agg_mode=cfg.loss_agg_mode,
+                        global_batch_info=info,
+                    )
+                    loss = loss + cfg.kl_loss_coef * kl
+                    metrics["kl_loss"] = kl.detach() * num_micro
+                    metrics["kl_coef"] = cfg.kl_loss_coef
+                return LossShare(loss, metrics)
+
+            return loss_fn
+
+        return make_loss
+
+    def update(self, batch: Batch, *, shuffle_seed: int, rollout_n: int) -> dict[str, float]:
+        """PPO epochs over ``batch`` (``old_log_probs``, ``advantages``, ``response_mask`` and, with
+        ``use_kl_loss``, ``ref_log_prob`` [B, R]) in mini-batches of ``ppo_mini_batch_size`` prompts
+        (x ``rollout_n`` responses); returns the reference verl's ``actor/*`` metrics."""
+        cfg = self.cfg
+        keys = ["response_mask", "old_log_probs", "advantages"] + (
+            ["ref_log_prob"] if cfg.use_kl_loss else []
+        )
+        results = self.role.train(
+            batch,
+            keys=keys,
+            mini_batch_rows=cfg.ppo_mini_batch_size * rollout_n,
+            micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            epochs=cfg.ppo_epochs,
+            make_loss=self._loss_builder(batch["responses"].shape[1]),
+            shuffle_seed=shuffle_seed if cfg.shuffle else None,
+            output="logprobs",
+            temperature=self.temperature,
+            with_entropy=cfg.entropy_coeff != 0,
+        )
+        return step_metrics("actor", results, _METRICS)

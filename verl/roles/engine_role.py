@@ -1,0 +1,208 @@
+"""``RoleEngine``: a role's ``MegatronEngine`` on the role's own process groups, fed whole batches.
+
+Every Megatron role (actor, critic, reference, reward model) composes one. It
+
+- builds the engine inside ``megatron_state.activate_role(pg)`` and runs every call there, so
+  colocated roles with different layouts (actor TP=2 beside a critic at TP=1) each see their
+  own groups where Megatron still reads its globals;
+- takes the whole step batch, gives each data-parallel rank its share (:mod:`verl.roles.dispatch`)
+  and hands the results back whole on every rank;
+- slices the per-token outputs to the response: ``logprobs[:, t]`` / ``entropy[:, t]`` belong to
+  the token at ``t`` (the last ``R`` columns), a value head's ``values[:, t]`` is the value of
+  the state *before* token ``t + 1``, so a response token's value sits one column to its left
+  (columns ``P-1 .. P+R-2``, as the reference verl slices them);
+- runs the PPO mini-batch loop of :meth:`train`: the global batch split into global
+  mini-batches (in order, or shuffled with a seed), each mini-batch sharded over DP and given
+  to ``MegatronEngine.train_step`` with the loss function the role builds for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from verl.algos import GlobalBatchInfo
+from verl.engine import EngineStepResult, LossShareFn, MegatronEngine
+from verl.parallel import megatron_state
+from verl.protocol import Batch
+from verl.roles.dispatch import collect, shard
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
+    from verl.models.forward import OutputKind
+    from verl.models.weight_mapping import HeadKind
+
+__all__ = ["LossBuilder", "RoleEngine", "response_slice"]
+
+LossBuilder = Callable[[GlobalBatchInfo, int], LossShareFn]
+"""``make_loss(info, num_micro_batches) -> loss_fn`` for one mini-batch: ``info`` holds the
+mini-batch's global token/sequence counts over DP, ``num_micro_batches`` the micro-batches
+each rank runs (metrics that are shares of the loss are multiplied by it before the engine
+averages them over micro-batches, so they read as the mini-batch's value)."""
+
+
+def response_slice(name: str, full: torch.Tensor, response_length: int) -> torch.Tensor:
+    """The response columns of a per-token output ``full`` [B, P+R] -> [B, R] (module docstring)."""
+    if name == "values":
+        return full[:, -response_length - 1 : -1]
+    return full[:, -response_length:]
+
+
+class RoleEngine:
+    """One role's ``MegatronEngine`` with whole-batch ``forward`` and ``train`` (module docstring).
+
+    Args:
+        model, megatron, optim, total_training_steps, head, max_sequence_length: as ``MegatronEngine``.
+        pg: the role's ``ProcessGroupCollection`` (from ``Topology.build_groups``).
+        balance: reorder rows so the data-parallel ranks get similar token counts (``trainer.balance_batch``).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: "ModelConfig",
+        megatron: "MegatronConfig",
+        pg: "ProcessGroupCollection",
+        optim: "OptimConfig | None" = None,
+        total_training_steps: int | None = None,
+        head: "HeadKind" = "lm",
+        max_sequence_length: int | None = None,
+        balance: bool = False,
+    ) -> None:
+        self.pg = pg
+        self.balance = balance
+        with self.active():
+            self.engine = MegatronEngine(
+                model=model,
+                megatron=megatron,
+                pg=pg,
+                optim=optim,
+                total_training_steps=total_training_steps,
+                head=head,
+                max_sequence_length=max_sequence_length,
+            )
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Megatron's global groups point at this role's groups inside the block."""
+        with megatron_state.activate_role(self.pg):
+            yield
+
+    def forward(
+        self,
+        batch: Batch,
+        *,
+        output: "OutputKind",
+        micro_batch_size: int,
+        response_length: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        full: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Per-token outputs of the response columns for every row of ``batch``: ``logprobs``
+        (and ``entropy``) or ``values``, each [B, R] float32, identical on every rank.
+        ``full=True`` returns every column ([B, P+R]) instead."""
+        piece = shard(batch.select(["input_ids", "attention_mask"]), self.pg.dp, balance=self.balance)
+        with self.active():
+            result = self.engine.forward(
+                piece.rows.tensors,
+                micro_batch_size=micro_batch_size,
+                output=output,
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+        local = Batch.from_dict(
+            {
+                k: (v if full else response_slice(k, v, response_length)).float().cpu()
+                for k, v in result.outputs.items()
+            }
+        )
+        return dict(collect(local, self.pg.dp, piece).tensors)
+
+    def train(
+        self,
+        batch: Batch,
+        *,
+        keys: Sequence[str],
+        mini_batch_rows: int,
+        micro_batch_size: int,
+        epochs: int,
+        make_loss: LossBuilder,
+        shuffle_seed: int | None = None,
+        output: "OutputKind" = "logprobs",
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> list[EngineStepResult]:
+        """PPO updates: ``epochs`` passes over ``batch`` in global mini-batches of ``mini_batch_rows``
+        rows, one optimizer step each; returns every step's result (identical on every rank).
+
+        ``keys`` are the tensors the loss reads besides ``input_ids``/``attention_mask``
+        (``response_mask`` among them: it counts the loss's tokens). ``shuffle_seed`` (None: in
+        order) permutes the rows before each pass with a generator seeded by it and the pass.
+        """
+        needed = ["input_ids", "attention_mask", *dict.fromkeys(keys)]
+        rows = batch.select(needed)
+        results = []
+        for epoch in range(epochs):
+            ordered = rows
+            if shuffle_seed is not None:
+                gen = torch.Generator().manual_seed(int(shuffle_seed) * 1_000_003 + epoch)
+                ordered = rows.reorder(torch.randperm(len(rows), generator=gen))
+            for mini in ordered.split(mini_batch_rows):
+                piece = shard(mini, self.pg.dp, balance=self.balance)
+                local = piece.rows.tensors
+                mask = local["response_mask"]  # [b, R]
+                info = GlobalBatchInfo.from_masks([mask.float()], group=self.pg.dp)
+                num_micro = -(-mask.shape[0] // micro_batch_size)
+                with self.active():
+                    results.append(
+                        self.engine.train_step(
+                            local,
+                            micro_batch_size=micro_batch_size,
+                            loss_fn=make_loss(info, num_micro),
+                            output=output,
+                            temperature=temperature,
+                            with_entropy=with_entropy,
+                        )
+                    )
+        return results
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save(self, ckpt_dir: str) -> None:
+        """``MegatronEngine.save`` (collective)."""
+        with self.active():
+            self.engine.save(ckpt_dir)
+
+    def load(self, ckpt_dir: str) -> None:
+        """``MegatronEngine.load`` with the optimizer (collective)."""
+        with self.active():
+            self.engine.load(ckpt_dir)
+
+
+def step_metrics(
+    prefix: str, results: Sequence[EngineStepResult], names: Mapping[str, str]
+) -> dict[str, float]:
+    """The reference verl's update metrics from several optimizer steps: ``{prefix}/grad_norm``,
+    ``{prefix}/lr`` (of the last step) and each ``loss_fn`` metric renamed by ``names`` (its
+    key -> the logged key), each averaged over the steps."""
+    if not results:
+        return {}
+    out = {
+        f"{prefix}/grad_norm": float(np.mean([r.grad_norm for r in results])),
+        f"{prefix}/lr": results[-1].lr,
+    }
+    for key, shown in names.items():
+        values = [r.metrics[key] for r in results if key in r.metrics]
+        if values:
+            out[shown] = float(np.mean(values))
+    skipped = sum(not r.update_successful for r in results)
+    if skipped:
+        out[f"{prefix}/num_skipped_updates"] = float(skipped)
+    return out

@@ -1,0 +1,129 @@
+"""``Rollout``: the generation engine, its weights pushed from the actor before it samples.
+
+The engine comes from ``verl.rollout.build_rollout_engine`` (vLLM in-process, or transformers'
+``generate``) and spans the actor's ranks in ``W / TP'`` data-parallel replicas of ``TP'``
+consecutive ranks. :meth:`generate` takes the whole prompt batch on every rank, gives replica
+``r`` its ``r``-th share (the ranks of one replica pass identical prompts, as vLLM's
+``external_launcher`` requires), samples, and gathers the samples back whole on every rank.
+
+Weights and memory go through the hybrid engine (``verl.hybrid.WeightSync``): inside
+:meth:`phase` the engine's KV cache is back and the actor's current weights are in it; on exit
+the KV cache is released for training (``rollout.free_cache_engine``). Several generations
+(validation batches, ReMax's greedy baseline) can share one phase.
+
+Sampling is seeded per call (``seed``): the same weights, prompts and seed give the same
+samples, so a resumed run draws what the uninterrupted one drew without saving the engine's
+random state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from verl.hybrid import WeightSync
+from verl.protocol import Batch
+from verl.roles.dispatch import collect, shard
+from verl.rollout import build_rollout_engine
+
+if TYPE_CHECKING:
+    from verl.config.schema import RolloutConfig
+    from verl.engine import MegatronEngine
+
+__all__ = ["Rollout"]
+
+
+class Rollout:
+    """The rollout engine and its weight sync (see the module docstring).
+
+    Args:
+        cfg: ``actor_rollout_ref.rollout``.
+        model_path: the policy's Hugging Face directory (config, tokenizer, initial weights).
+        tokenizer: the policy's tokenizer.
+        dp_group: this rank's group of replicas (the ranks with its TP' rank, one per replica).
+        trust_remote_code: ``actor_rollout_ref.model.trust_remote_code``.
+    """
+
+    def __init__(
+        self,
+        cfg: "RolloutConfig",
+        model_path: str,
+        tokenizer: Any,
+        *,
+        dp_group: dist.ProcessGroup | None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.dp_group = dp_group
+        self.engine = build_rollout_engine(cfg, model_path, tokenizer, trust_remote_code=trust_remote_code)
+        self.sync: WeightSync | None = None
+        self._in_phase = False
+        self.last_metrics: dict[str, float] = {}
+
+    def attach(self, actor: "MegatronEngine") -> None:
+        """Plan the weight transfer from ``actor`` (collective), then release the KV cache until
+        the first :meth:`phase`."""
+        self.sync = WeightSync(
+            actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
+        )
+        self.engine.release()
+
+    @contextlib.contextmanager
+    def phase(self) -> Iterator[dict[str, float]]:
+        """The rollout phase (collective): KV cache back, actor weights pushed; released on exit.
+
+        Yields the push's metrics (``timing_s/update_weights``, ``update_weights/bytes_*``).
+        """
+        if self.sync is None:
+            raise RuntimeError("Rollout.phase: call attach(actor) first")
+        if self._in_phase:
+            yield {}
+            return
+        with self.sync.rollout_phase() as push:
+            self._in_phase = True
+            try:
+                yield push
+            finally:
+                self._in_phase = False
+
+    def generate(self, prompts: Batch, *, seed: int, validate: bool = False, greedy: bool = False) -> Batch:
+        """Samples for every prompt of ``prompts`` (whole on every rank), ``n`` per prompt adjacent
+        (``val_kwargs`` with ``validate``; one greedy sample per prompt with ``greedy``).
+
+        Outside :meth:`phase` a phase is entered for this call. ``last_metrics`` holds the
+        engine's ``rollout/*`` metrics of this call (its replica's share) and ``timing_s/gen``.
+        """
+        if not self._in_phase:
+            with self.phase():
+                return self.generate(prompts, seed=seed, validate=validate, greedy=greedy)
+        start = time.perf_counter()
+        piece = shard(prompts, self.dp_group)
+        if greedy:
+            with self._sampling(do_sample=False, n=1):
+                local = self.engine.generate(piece.rows, seed=seed)
+        else:
+            local = self.engine.generate(piece.rows, validate=validate, seed=seed)
+        n = len(local) // max(len(piece.rows), 1)
+        whole = collect(local, self.dp_group, dataclasses.replace(piece, pad=piece.pad * n))
+        self.last_metrics = {**self.engine.last_metrics, "timing_s/gen": time.perf_counter() - start}
+        return whole
+
+    @contextlib.contextmanager
+    def _sampling(self, **changes: Any) -> Iterator[None]:
+        """The engine samples with ``changes`` to its rollout config for the block (ReMax's greedy
+        baseline: the engine's public ``cfg`` is its sampling source)."""
+        saved = self.engine.cfg
+        self.engine.cfg = dataclasses.replace(saved, **changes)
+        try:
+            yield
+        finally:
+            self.engine.cfg = saved
+
+    def shutdown(self) -> None:
+        """Free the engine."""
+        self.engine.shutdown()

@@ -1,0 +1,61 @@
+"""What every trainer's command line does after parsing: check, start the world, train, tear down.
+
+``main_sft`` and ``main_ppo`` differ only in their config class, their start-up checks, their
+trainer and the summary they print; :func:`run_trainer` is the rest, once. Every user-caused
+problem exits with status 2 and one message (from rank 0), before any model is built when the
+checks can see it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from verl.utils.cli import fail, user_errors
+from verl.utils.logging import log_rank0
+
+__all__ = ["run_trainer"]
+
+
+def run_trainer(
+    cfg: Any,
+    *,
+    prog: str,
+    check: Callable[[Any], None],
+    make_trainer: Callable[[Any], Any],
+    summary: Callable[[Any, dict[str, float]], str],
+) -> int:
+    """``check(cfg)`` (a user error: exit 2), start torch.distributed on ``cfg.trainer.device``,
+    ``make_trainer(cfg)`` and ``fit()`` inside ``with trainer`` (a user error: exit 2), log
+    ``summary(trainer, metrics)`` before the trainer closes (its list of outputs comes last) and
+    tear the world down; returns the exit status."""
+    with user_errors(prog):
+        check(cfg)
+    if cfg.trainer.device == "cpu":
+        # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+
+    try:
+        init_distributed(device=cfg.trainer.device)
+    except ValueError as exc:
+        fail(prog, f"trainer.device={cfg.trainer.device}: {exc}")
+    try:
+        # A setting that only the data or the model reveals (run length, shapes, a bad row);
+        # the finally below tears the world down.
+        with user_errors(prog):
+            trainer = make_trainer(cfg)
+            with trainer:  # closing it lists the run's outputs: the last lines a user reads
+                metrics = trainer.fit()
+                log_rank0(
+                    logging.getLogger(prog.split()[-1]),
+                    logging.INFO,
+                    "done: step %d, %s",
+                    trainer.global_step,
+                    summary(trainer, metrics),
+                )
+    finally:
+        destroy_distributed()
+    return 0

@@ -1,0 +1,201 @@
+"""What ``main_ppo`` checks before it builds any model, beyond the config's own validation.
+
+``PPOConfig.validate`` (``verl.config.validation``) already refuses layouts that do not divide
+the world, a rollout TP' that does not divide the actor's ranks and batch sizes that do not
+divide. :func:`check_ppo_inputs` adds what needs files or the algorithm registries:
+
+- the model directories and data files exist;
+- the algorithm has the roles it needs: an estimator that reads critic values with the critic
+  off, a KL estimator that needs whole distributions, pass@k with one sample per prompt;
+- each role's TP/PP splits its model (heads, MLP, layers), and the rollout TP' divides the
+  model's attention heads (the engine shards them);
+- every ``data_source`` in the data files has a rule-based scorer (unless a reward model or a
+  custom reward function scores them);
+- a reward model reads the policy's token ids, so it must share the policy's tokenizer;
+- the output locations can be written (``verl.trainer.run_checks``).
+
+Every problem found is reported at once, each naming the setting at fault.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+from verl.config.schema import PPOConfig
+from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs
+
+__all__ = ["check_ppo_inputs", "data_sources", "needs_values"]
+
+# Data sources listed in a message at most.
+_SHOWN = 5
+
+
+def needs_values(adv_estimator: str) -> bool:
+    """Whether the registered advantage estimator reads critic ``values``."""
+    from verl.algos import get_adv_estimator
+
+    return "values" in inspect.signature(get_adv_estimator(adv_estimator)).parameters
+
+
+def data_sources(files: str | list[str] | None, key: str) -> set[str]:
+    """The distinct values of column ``key`` (``data.reward_fn_key``) in ``files``."""
+    from verl.data.io import TableStore
+
+    paths = as_file_list(files)
+    if not paths:
+        return set()
+    store = TableStore(paths, columns=[key.split(".")[0]])
+    store.require_columns([key])
+    return {str(v) for _, _, values in store.iter_column(key) for v in values}
+
+
+def _algorithm_problems(cfg: PPOConfig) -> list[str]:
+    problems = []
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    if needs_values(algo.adv_estimator) and not cfg.use_critic:
+        problems.append(
+            f"algorithm.adv_estimator={algo.adv_estimator} reads critic values, but critic.enable=false; "
+            "enable the critic (critic.enable=true, or leave it null) or choose an estimator without one "
+            "(grpo, rloo, reinforce_plus_plus, ...)"
+        )
+    if algo.use_kl_in_reward and algo.kl_penalty.startswith("full"):
+        problems.append(
+            f"algorithm.kl_penalty={algo.kl_penalty} needs whole distributions; the in-reward penalty has "
+            "token log-probabilities only (use kl, abs, mse or low_var_kl)"
+        )
+    if actor.use_kl_loss and actor.kl_loss_type.startswith("full"):
+        problems.append(
+            f"actor_rollout_ref.actor.kl_loss_type={actor.kl_loss_type} needs whole distributions, which the "
+            "trainer does not keep; use kl, abs, mse or low_var_kl"
+        )
+    if algo.adv_estimator == "grpo_passk" and cfg.actor_rollout_ref.rollout.n < 2:
+        problems.append(
+            "algorithm.adv_estimator=grpo_passk needs actor_rollout_ref.rollout.n >= 2 (a group per prompt)"
+        )
+    return problems
+
+
+def _split_problems(cfg: PPOConfig) -> list[str]:
+    """Each role's layout against its model's shapes (heads, MLP, layers), and the rollout TP'."""
+    from verl.engine.build import load_model_spec
+    from verl.hybrid.layout import check_rollout_degrees
+    from verl.models.builder import split_problems
+
+    arr = cfg.actor_rollout_ref
+    spec = load_model_spec(arr.model)
+    roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, spec)]
+    if cfg.use_reference:
+        roles.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron, spec))
+    if cfg.use_critic:
+        roles.append(("critic.megatron", cfg.critic.megatron, load_model_spec(cfg.critic.model)))
+    problems = []
+    for prefix, m, role_spec in roles:
+        found = split_problems(
+            role_spec,
+            tp_size=m.tensor_model_parallel_size,
+            pp_size=m.pipeline_model_parallel_size,
+            cp_size=m.context_parallel_size,
+            vpp_size=m.virtual_pipeline_model_parallel_size,
+        )
+        problems += [
+            f"{prefix}.tensor_model_parallel_size={m.tensor_model_parallel_size} x "
+            f"pipeline_model_parallel_size={m.pipeline_model_parallel_size} cannot split the model: {p}"
+            for p in found
+        ]
+    tp = arr.rollout.tensor_model_parallel_size
+    problems += [
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {p}"
+        for p in check_rollout_degrees(spec, tp)
+    ]
+    return problems
+
+
+def _scorer_problems(cfg: PPOConfig) -> list[str]:
+    if cfg.custom_reward_function.path or cfg.reward_model.enable:
+        return []
+    from verl.rewards import known_data_sources
+    from verl.roles.reward_model import has_rule_scorer
+
+    problems = []
+    key = cfg.data.reward_fn_key
+    for setting in ("train_files", "val_files"):
+        files = getattr(cfg.data, setting)
+        try:
+            found = data_sources(files, key)
+        except ValueError as exc:
+            problems.append(f"data.{setting}: {exc}")
+            continue
+        unknown = sorted(s for s in found if not has_rule_scorer(s))
+        if unknown:
+            shown = ", ".join(repr(s) for s in unknown[:_SHOWN]) + (" ..." if len(unknown) > _SHOWN else "")
+            problems.append(
+                f"data.{setting}: data.reward_fn_key={key!r} values {shown} have no rule-based scorer "
+                f"(known: {', '.join(known_data_sources())}); register one (verl.rewards.register_scorer), "
+                "set custom_reward_function.path/name, or enable a reward model"
+            )
+    return problems
+
+
+def _reward_model_problems(cfg: PPOConfig) -> list[str]:
+    rm = cfg.reward_model
+    if not rm.enable or not rm.model.path:
+        return []
+    problems = []
+    if rm.max_length is not None:
+        problems.append(
+            f"reward_model.max_length={rm.max_length}: truncating the reward model's inputs is not "
+            "supported; leave it null (the reward model reads whole prompt + response sequences)"
+        )
+    if rm.model.input_tokenizer is not None:
+        problems.append(
+            f"reward_model.model.input_tokenizer={rm.model.input_tokenizer}: re-tokenising responses for the "
+            "reward model is not supported; leave it null (the reward model must share the policy's "
+            "tokenizer)"
+        )
+    from verl.data.tokenizer import load_tokenizer
+
+    policy = cfg.actor_rollout_ref.model
+    policy_tok = load_tokenizer(
+        os.path.expanduser(policy.tokenizer_path or policy.path), trust_remote_code=policy.trust_remote_code
+    )
+    rm_tok = load_tokenizer(os.path.expanduser(rm.model.path), trust_remote_code=rm.model.trust_remote_code)
+    if policy_tok.get_vocab() != rm_tok.get_vocab():
+        problems += [
+            f"reward_model.model.path={rm.model.path}: its tokenizer differs from the policy's; the reward "
+            "model scores the policy's token ids, so it must use the same tokenizer (re-tokenising is not "
+            "supported)"
+        ]
+    return problems
+
+
+def check_ppo_inputs(cfg: PPOConfig) -> None:
+    """Fail (ValueError listing every problem, each naming its setting) before any model is built."""
+    arr = cfg.actor_rollout_ref
+    models = {"actor_rollout_ref.model.path": arr.model.path}
+    if cfg.use_critic:
+        models["critic.model.path"] = cfg.critic.model.path
+    if cfg.reward_model.enable:
+        models["reward_model.model.path"] = cfg.reward_model.model.path
+    problems = missing_inputs(
+        models=models, data={"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
+    )
+    problems += _algorithm_problems(cfg)
+    if not problems:  # the files below exist
+        problems += _split_problems(cfg)
+        problems += _scorer_problems(cfg)
+        problems += _reward_model_problems(cfg)
+    if problems:
+        if len(problems) == 1:
+            raise ValueError(problems[0])
+        raise ValueError(f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+    check_run_outputs(
+        cfg.trainer,
+        inputs={
+            "actor_rollout_ref.model.path": arr.model.path,
+            "actor_rollout_ref.model.tokenizer_path": arr.model.tokenizer_path,
+            "critic.model.path": cfg.critic.model.path if cfg.use_critic else None,
+            "reward_model.model.path": cfg.reward_model.model.path if cfg.reward_model.enable else None,
+            "data files": as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files),
+        },
+    )

@@ -1,0 +1,698 @@
+"""``RLTrainer``: PPO, GRPO and their relatives on the roles of ``verl.roles``; ``fit()`` is the one loop.
+
+Every rank of the torchrun world runs the same code (SPMD). The roles are colocated on all
+ranks (``verl.parallel.Topology``): actor, rollout and reference time-share them (the hybrid
+engine), the critic and the reward model too, each with its own TP/PP/CP (DP derived) and its
+own process groups. A step's batch is held whole on every rank; each role takes its
+data-parallel share and hands its results back whole (``verl.roles.dispatch``).
+
+One step (shared/DESIGN.md), each piece a method that takes and returns a ``Batch``, so a
+caller can compose its own loop (``verl.RLTrainer`` / ``DataStream`` operators):
+
+1. :meth:`generate` — the actor's weights pushed into the engine, ``n`` samples per prompt;
+   ReMax adds a greedy baseline; with ``algorithm.filter_groups`` (DAPO dynamic sampling)
+   :meth:`collect_batch` keeps drawing until ``train_batch_size`` groups have a spread in the
+   filter metric, at most ``max_num_gen_batches`` draws;
+2. :meth:`compute_reward` — rule-based and/or reward-model scores (``token_level_scores``);
+3. :meth:`compute_old_log_prob` — the actor's log-probabilities (``old_log_probs``) and their
+   agreement with the engine's (``training/rollout_probs_diff_*``, ``token_mult_prob_error``);
+4. :meth:`compute_ref_log_prob` (``ref_log_prob``), :meth:`compute_values` (``values``);
+5. :meth:`compute_advantage` — the in-reward KL penalty (fixed or adaptive controller), then
+   the estimator ``algorithm.adv_estimator`` (``advantages``, ``returns``);
+6. :meth:`update_critic`, then :meth:`update_actor` (after ``trainer.critic_warmup`` steps);
+7. metrics, a checkpoint every ``save_freq`` steps, validation every ``test_freq``.
+
+Checkpoints (``global_step_N/``): the actor and critic engines (model, optimizer, scheduler,
+every rank's RNG states; reshardable), and in ``trainer_state.json`` the data loader's position,
+the KL controller and the step. Sampling is seeded per step, so a resumed run samples what the
+uninterrupted one did. At the end the actor is exported as a Hugging Face checkpoint.
+
+Departures from the reference verl: mini-batches are cut from the global batch before it is
+split over data-parallel ranks (so DP=2 takes the same optimizer steps as DP=1); the actor
+waits ``critic_warmup`` full steps (the reference starts it at step ``critic_warmup``); learning-
+rate schedule lengths count trainer steps as in the reference, converted to the engine's
+optimizer updates (``ppo_epochs x train_batch_size / ppo_mini_batch_size`` per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl.algos import apply_kl_penalty, compute_advantage, filter_groups, make_kl_controller, masked_mean
+from verl.config import PPOConfig, to_dict
+from verl.config.schema import ModelConfig, OptimConfig
+from verl.data.rl_dataset import build_dataloader, create_rl_dataset
+from verl.data.tokenizer import load_tokenizer
+from verl.engine import lr_schedule_steps
+from verl.parallel import megatron_state
+from verl.parallel.topology import RoleLayout, Topology
+from verl.protocol import Batch
+from verl.rewards import reward_manager_from_config
+from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
+from verl.roles.reward_model import DATA_SOURCE_COLUMN
+from verl.trainer.checkpoint import CheckpointManager
+from verl.trainer.ppo_checks import check_ppo_inputs
+from verl.trainer.ppo_metrics import (
+    data_metrics,
+    rollout_agreement_metrics,
+    throughput_metrics,
+    validation_metrics,
+)
+from verl.trainer.run_checks import as_file_list, hf_export_dir, show_files
+from verl.trainer.startup import run_outputs
+from verl.trainer.tracking import Tracking, progress_bar
+from verl.utils.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RLTrainer"]
+
+ACTOR_SUBDIR = "actor"
+CRITIC_SUBDIR = "critic"
+# Per-call sampling seeds: rollout.seed + step * _STEP_STRIDE + draw; validation is offset by _VAL_OFFSET.
+_STEP_STRIDE = 1000
+_VAL_OFFSET = 10**9
+_REMAX_OFFSET = 500
+
+
+class _Timer:
+    """``with timer("gen"):`` adds the block's seconds to ``timing_s/gen``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def _to_batch(data: dict[str, Any]) -> Batch:
+    tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+    return Batch.from_dict(tensors, {k: v for k, v in data.items() if k not in tensors})
+
+
+def _schedule(optim: OptimConfig, trainer_steps: int, updates_per_step: int) -> tuple[OptimConfig, int]:
+    """``optim`` with its schedule lengths (trainer steps) converted to optimizer updates, and the
+    run's number of updates."""
+    steps = optim.total_training_steps if optim.total_training_steps > 0 else trainer_steps
+    scaled = {}
+    if optim.lr_warmup_steps is not None:
+        scaled["lr_warmup_steps"] = optim.lr_warmup_steps * updates_per_step
+    if optim.lr_decay_steps is not None:
+        scaled["lr_decay_steps"] = optim.lr_decay_steps * updates_per_step
+    converted = dataclasses.replace(optim, **scaled) if scaled else optim
+    total = steps * updates_per_step
+    lr_schedule_steps(converted, total)  # a bad warm-up fails before the model is built
+    return converted, total
+
+
+class RLTrainer:
+    """The PPO/GRPO trainer on an initialised torch.distributed world (see the module docstring).
+
+    Call :meth:`fit`; :meth:`close` (or ``with RLTrainer(cfg) as trainer``) frees the engines and
+    Megatron's state.
+    """
+
+    def __init__(self, cfg: PPOConfig) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "RLTrainer needs torch.distributed initialised (python -m verl.trainer.main_ppo does it)"
+            )
+        self.world_size = dist.get_world_size()
+        cfg.validate(world_size=self.world_size)
+        check_ppo_inputs(cfg)
+        self.cfg = cfg
+        t = cfg.trainer
+        # Loggers first: one that cannot start fails before any model is built.
+        self.tracking = Tracking(
+            backends=t.logger,
+            project_name=t.project_name,
+            experiment_name=t.experiment_name,
+            log_dir=t.log_dir,
+            config=to_dict(cfg),
+            outputs=run_outputs(t, model="actor"),
+        )
+        try:
+            self._build()
+        except BaseException:
+            self.tracking.close(list_outputs=False)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        arr = cfg.actor_rollout_ref
+        self.n = arr.rollout.n
+        self.use_critic = cfg.use_critic
+        self.use_reference = cfg.use_reference
+        model_path = os.path.expanduser(arr.model.path)
+        self.tokenizer = load_tokenizer(
+            os.path.expanduser(cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path),
+            trust_remote_code=arr.model.trust_remote_code,
+        )
+        self.train_dataset = create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.train_files))
+        self.val_dataset = (
+            create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.val_files))
+            if cfg.data.val_files
+            else None
+        )
+        self.loader = build_dataloader(self.train_dataset, cfg.data, train=True)
+        self.val_loader = (
+            build_dataloader(self.val_dataset, cfg.data, train=False) if self.val_dataset else None
+        )
+        self.steps_per_epoch = len(self.loader)
+        t = cfg.trainer
+        self.total_steps = t.total_training_steps or t.total_epochs * self.steps_per_epoch
+        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        actor_updates = arr.actor.ppo_epochs * (cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size)
+        actor_optim, actor_total = _schedule(arr.actor.optim, self.total_steps, actor_updates)
+        critic_cfg = None
+        if self.use_critic:
+            c = cfg.critic
+            critic_optim, critic_total = _schedule(
+                c.optim, self.total_steps, c.ppo_epochs * (cfg.data.train_batch_size // c.ppo_mini_batch_size)
+            )
+            critic_cfg = dataclasses.replace(c, optim=critic_optim)
+
+        # Placement: every role on every rank, each with its own layout and groups.
+        self.topology = self._topology()
+        groups = self.topology.build_groups()
+        # The engine first (every rank at the same point: it creates process groups), then
+        # the training RNG is seeded (vLLM seeds the global RNGs as it starts).
+        self.rollout = Rollout(
+            arr.rollout,
+            model_path,
+            self.tokenizer,
+            dp_group=groups["rollout"].groups["dp"],
+            trust_remote_code=arr.model.trust_remote_code,
+        )
+        self.closed = False
+        try:
+            megatron_state.initialize_role(groups["actor"].pg_collection, seed=arr.actor.megatron.seed)
+            torch.manual_seed(t.seed)
+            balance = t.balance_batch
+            temperature = arr.rollout.temperature
+            self.actor = Actor(
+                dataclasses.replace(arr.actor, optim=actor_optim),
+                arr.model,
+                pg=groups["actor"].pg_collection,
+                total_training_steps=actor_total,
+                max_sequence_length=max_len,
+                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                temperature=temperature,
+                balance=balance,
+            )
+            self.reference = (
+                Reference(
+                    arr.ref,
+                    arr.model,
+                    pg=groups["ref"].pg_collection,
+                    max_sequence_length=max_len,
+                    temperature=temperature,
+                    balance=balance,
+                )
+                if self.use_reference
+                else None
+            )
+            self.critic = (
+                Critic(
+                    critic_cfg,
+                    pg=groups["critic"].pg_collection,
+                    total_training_steps=critic_total,
+                    max_sequence_length=max_len,
+                    balance=balance,
+                )
+                if critic_cfg is not None
+                else None
+            )
+            self.reward = self._reward_model(groups, max_len, balance)
+            self.rollout.attach(self.actor.engine)
+            a = cfg.algorithm
+            self.kl_ctrl = make_kl_controller(
+                type=a.kl_ctrl.type,
+                kl_coef=a.kl_ctrl.kl_coef,
+                target_kl=a.kl_ctrl.target_kl,
+                horizon=a.kl_ctrl.horizon,
+            )
+            keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
+            self.checkpoints = CheckpointManager(t.default_local_dir, max_to_keep=min(keep) if keep else None)
+        except BaseException:
+            self.rollout.shutdown()
+            megatron_state.destroy_model_parallel()
+            raise
+        self.global_step = 0
+        self._iterator: Iterator[dict[str, Any]] | None = None
+        self._last_saved_step: int | None = None
+        self._resumed = False
+        log_rank0(
+            logger,
+            logging.INFO,
+            "RL trainer: %s on %s; training %s (%d prompts, %d steps per epoch of %d x n=%d, %d steps); "
+            "%s; %s",
+            cfg.algorithm.adv_estimator,
+            os.path.abspath(model_path),
+            show_files(cfg.data.train_files),
+            len(self.train_dataset),
+            self.steps_per_epoch,
+            cfg.data.train_batch_size,
+            self.n,
+            self.total_steps,
+            f"validation {show_files(cfg.data.val_files)} ({len(self.val_dataset)} prompts)"
+            if self.val_dataset is not None else "no validation",
+            self.topology.describe(),
+        )
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _topology(self) -> Topology:
+        cfg, world = self.cfg, self.world_size
+        ranks = tuple(range(world))
+
+        def megatron(m) -> RoleLayout:
+            return RoleLayout(
+                ranks=ranks,
+                tensor_parallel=m.tensor_model_parallel_size,
+                pipeline_parallel=m.pipeline_model_parallel_size,
+                context_parallel=m.context_parallel_size,
+            )
+
+        arr = cfg.actor_rollout_ref
+        roles = {
+            "actor": megatron(arr.actor.megatron),
+            "rollout": RoleLayout(ranks=ranks, tensor_parallel=arr.rollout.tensor_model_parallel_size),
+        }
+        if self.use_reference:
+            roles["ref"] = megatron(arr.ref.megatron)
+        if self.use_critic:
+            roles["critic"] = megatron(cfg.critic.megatron)
+        if cfg.reward_model.enable:
+            roles["reward_model"] = megatron(cfg.reward_model.megatron)
+        return Topology(world_size=world, roles=roles)
+
+    def _reward_model(self, groups, max_len: int, balance: bool) -> RewardModel:
+        cfg = self.cfg
+        rm = cfg.reward_model
+        model_role = None
+        if rm.enable:
+            model_role = RewardModel.build_model_role(
+                model=ModelConfig(
+                    path=rm.model.path,
+                    trust_remote_code=rm.model.trust_remote_code,
+                    override_config=dict(rm.model.override_config),
+                ),
+                megatron=rm.megatron,
+                pg=groups["reward_model"].pg_collection,
+                max_sequence_length=max_len,
+                balance=balance,
+            )
+        return RewardModel(
+            reward_manager_from_config(cfg, self.tokenizer),
+            custom_scorer=bool(cfg.custom_reward_function.path),
+            model_role=model_role,
+            micro_batch_size=rm.micro_batch_size_per_gpu,
+        )
+
+    # -- data -----------------------------------------------------------------------------
+
+    def _next_prompts(self) -> dict[str, Any] | None:
+        """The next training batch of prompts, moving to the next epoch as needed; None when
+        ``trainer.total_epochs`` epochs are used up."""
+        while self.loader.epoch < self.cfg.trainer.total_epochs:
+            if self._iterator is None:
+                self._iterator = iter(self.loader)
+            try:
+                return next(self._iterator)
+            except StopIteration:  # the loader has moved to the next epoch
+                self._iterator = None
+        return None
+
+    def _seed(self, draw: int) -> int:
+        return self.cfg.actor_rollout_ref.rollout.seed + self.global_step * _STEP_STRIDE + draw
+
+    # -- the step's pieces ----------------------------------------------------------------
+
+    def generate(self, prompts: Batch, *, seed: int) -> tuple[Batch, dict[str, float]]:
+        """Rollout (weights pushed first): ``n`` samples per prompt; ReMax adds ``reward_baselines`` [B*n]."""
+        with self.rollout.phase() as push:
+            batch = self.rollout.generate(prompts, seed=seed)
+            metrics = {**push, **self.rollout.last_metrics}
+            if self.cfg.algorithm.adv_estimator == "remax":
+                greedy = self.rollout.generate(prompts, seed=seed + _REMAX_OFFSET, greedy=True)
+                baseline = self.reward.score(greedy).scores  # [B]
+                batch["reward_baselines"] = baseline.repeat_interleave(self.n)
+        batch["response_mask"] = batch["response_mask"].to(torch.float32)
+        return batch, metrics
+
+    def compute_reward(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_scores`` [B, R] and the scorers' per-sample extras (``acc`` ...) as columns."""
+        result = self.reward.score(batch)
+        batch["token_level_scores"] = result.token_level_scores
+        for key, values in result.extra.items():
+            if key not in batch:
+                batch[key] = values
+        return batch, result.metrics
+
+    def compute_old_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``old_log_probs`` [B, R] from the actor, ``actor/entropy`` and the rollout agreement metrics."""
+        log_probs, entropy = self.actor.compute_log_prob(batch)
+        batch["old_log_probs"] = log_probs
+        mask = batch["response_mask"]
+        metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
+        if "rollout_log_probs" in batch:
+            metrics.update(rollout_agreement_metrics(batch["rollout_log_probs"], log_probs, mask))
+        return batch, metrics
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """``ref_log_prob`` [B, R] from the frozen reference."""
+        batch["ref_log_prob"] = self.reference.compute_log_prob(batch)
+        return batch
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values`` [B, R] from the critic."""
+        batch["values"] = self.critic.compute_values(batch)
+        return batch
+
+    def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_rewards`` (minus the in-reward KL penalty), then ``advantages`` and
+        ``returns`` [B, R]."""
+        a = self.cfg.algorithm
+        mask = batch["response_mask"]
+        metrics: dict[str, float] = {}
+        if a.use_kl_in_reward:
+            rewards, kl = apply_kl_penalty(
+                token_level_scores=batch["token_level_scores"],
+                old_log_prob=batch["old_log_probs"],
+                ref_log_prob=batch["ref_log_prob"],
+                response_mask=mask,
+                kl_ctrl=self.kl_ctrl,
+                kl_penalty=a.kl_penalty,
+            )
+            metrics = {
+                "actor/reward_kl_penalty": kl["reward_kl_penalty"],
+                "actor/reward_kl_penalty_coeff": kl["reward_kl_penalty_coeff"],
+            }
+        else:
+            rewards = batch["token_level_scores"]
+        batch["token_level_rewards"] = rewards
+        inputs: dict[str, Any] = dict(
+            token_level_rewards=rewards,
+            response_mask=mask,
+            index=batch.non_tensors["uid"],
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        )
+        if "values" in batch:
+            inputs["values"] = batch["values"]
+        if "reward_baselines" in batch:
+            inputs["reward_baselines"] = batch["reward_baselines"]
+        advantages, returns = compute_advantage(a.adv_estimator, **inputs)
+        batch["advantages"], batch["returns"] = advantages.float(), returns.float()
+        return batch, metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """One critic update on the step's batch; ``critic/*`` metrics."""
+        return self.critic.update(batch, shuffle_seed=self._shuffle_seed(1), rollout_n=self.n)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """One actor update on the step's batch; ``actor/*`` metrics."""
+        return self.actor.update(batch, shuffle_seed=self._shuffle_seed(0), rollout_n=self.n)
+
+    def _shuffle_seed(self, role: int) -> int:
+        return (self.cfg.trainer.seed * 1_000_003 + self.global_step) * 2 + role
+
+    # -- a whole step ---------------------------------------------------------------------
+
+    def _filter_metric(self, batch: Batch, name: str) -> Any:
+        if name == "seq_reward":
+            return batch["token_level_scores"].sum(-1)
+        if name == "seq_final_reward":
+            return (
+                batch["token_level_rewards"].sum(-1)
+                if "token_level_rewards" in batch
+                else batch["token_level_scores"].sum(-1)
+            )
+        if name == "score":
+            return batch["token_level_scores"].sum(-1)
+        if name in batch:
+            return batch[name]
+        raise ValueError(
+            f"algorithm.filter_groups.metric={name!r} is neither seq_reward, seq_final_reward, score "
+            f"nor a field the reward function returns (the batch has {sorted(batch.non_tensors)})"
+        )
+
+    def collect_batch(self, timer: _Timer) -> tuple[Batch | None, dict[str, float]]:
+        """Rollout and reward for one step; with ``algorithm.filter_groups``, DAPO's dynamic
+        sampling. Returns (None, {}) when the epochs are used up."""
+        fg = self.cfg.algorithm.filter_groups
+        want = self.cfg.data.train_batch_size
+        kept: list[Batch] = []
+        kept_groups = 0
+        metrics: dict[str, float] = {}
+        draw = 0
+        while True:
+            data = self._next_prompts()
+            if data is None:
+                return None, {}
+            prompts = _to_batch(data)
+            prompts["uid"] = [f"{self.global_step}/{draw}/{i}" for i in range(len(prompts))]
+            with timer("gen"):
+                batch, gen_metrics = self.generate(prompts, seed=self._seed(draw))
+            metrics.update(gen_metrics)
+            with timer("reward"):
+                batch, reward_metrics = self.compute_reward(batch)
+            metrics.update(reward_metrics)
+            draw += 1
+            if not fg.enable:
+                return batch, metrics
+            result = filter_groups(
+                index=batch.non_tensors["uid"], metric_values=self._filter_metric(batch, fg.metric)
+            )
+            kept.append(batch[result.kept_indices])
+            kept_groups += result.num_kept_groups
+            if kept_groups >= want:
+                whole = Batch.concat(kept)[: want * self.n]
+                metrics.update(
+                    {"dapo/num_gen_batches": float(draw), "dapo/num_kept_groups": float(kept_groups)}
+                )
+                return whole, metrics
+            if 0 < fg.max_num_gen_batches <= draw:
+                raise ValueError(
+                    f"dynamic sampling (algorithm.filter_groups) kept {kept_groups} of the {want} prompt "
+                    f"groups a step needs after {draw} generation batches "
+                    f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}): too many "
+                    f"groups score the same on filter_groups.metric={fg.metric!r}. Raise max_num_gen_batches "
+                    "(0: no limit), raise actor_rollout_ref.rollout.n or the temperature, or use easier or "
+                    "harder prompts"
+                )
+
+    def train_step(self) -> dict[str, float] | None:
+        """One PPO/GRPO step in DESIGN.md's order; its metrics, or None when the data is used up."""
+        timer = _Timer()
+        start = time.perf_counter()
+        batch, metrics = self.collect_batch(timer)
+        if batch is None:
+            return None
+        self.global_step += 1
+        with timer("old_log_prob"):
+            batch, more = self.compute_old_log_prob(batch)
+            metrics.update(more)
+        if self.reference is not None:
+            with timer("ref"):
+                batch = self.compute_ref_log_prob(batch)
+        if self.critic is not None:
+            with timer("values"):
+                batch = self.compute_values(batch)
+        with timer("adv"):
+            batch, more = self.compute_advantage(batch)
+            metrics.update(more)
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(self.update_critic(batch))
+        if self.global_step > self.cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(self.update_actor(batch))
+        seconds = time.perf_counter() - start
+        timer.seconds["step"] = seconds
+        metrics.update(data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(throughput_metrics(batch, step_seconds=seconds, world_size=self.world_size))
+        metrics.update(timer.metrics())
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
+
+    # -- validation -----------------------------------------------------------------------
+
+    def validate(self) -> dict[str, float]:
+        """Validation with ``rollout.val_kwargs``: ``val-core/{data_source}/reward/mean@{n}`` ...
+        (the same on every rank)."""
+        if self.val_loader is None:
+            return {}
+        start = time.perf_counter()
+        samples: list[dict[str, Any]] = []  # one record per sample: data_source, prompt, reward, extras
+        offset = 0
+        with self.rollout.phase():
+            for data in self.val_loader:
+                prompts = _to_batch(data)
+                prompts["uid"] = [f"val/{offset + i}" for i in range(len(prompts))]
+                offset += len(prompts)
+                out = self.rollout.generate(prompts, seed=_VAL_OFFSET + self._seed(0), validate=True)
+                result = self.reward.score(out)
+                for i, (source, uid) in enumerate(
+                    zip(out.non_tensors[DATA_SOURCE_COLUMN], out.non_tensors["uid"])
+                ):
+                    record = {name: values[i] for name, values in result.extra.items()}
+                    samples.append(
+                        {**record, "reward": float(result.scores[i]), "_source": str(source), "_uid": uid}
+                    )
+        names = list(dict.fromkeys(k for s in samples for k in s if not k.startswith("_")))
+        metrics = validation_metrics(
+            data_sources=[s["_source"] for s in samples],
+            prompt_ids=[s["_uid"] for s in samples],
+            variables={name: [s.get(name) for s in samples] for name in names},
+        )
+        metrics["timing_s/testing"] = time.perf_counter() - start
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(self) -> str:
+        """Checkpoint the actor, the critic and the trainer state at the current step (collective)."""
+
+        def write(tmp: str) -> None:
+            self.actor.role.save(os.path.join(tmp, ACTOR_SUBDIR))
+            if self.critic is not None:
+                self.critic.role.save(os.path.join(tmp, CRITIC_SUBDIR))
+
+        state = {
+            "dataloader": self.loader.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "total_steps": self.total_steps,
+        }
+        path = self.checkpoints.save(self.global_step, write, state)
+        self._last_saved_step = self.global_step
+        return path
+
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume_mode`` selects (if any); returns the step to continue
+        from. Runs once (``fit`` calls it)."""
+        if self._resumed:
+            return self.global_step
+        self._resumed = True
+        t = self.cfg.trainer
+        found = self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
+        if found is not None:
+            state = self.checkpoints.read_trainer_state(found.path)
+            self.actor.role.load(os.path.join(found.path, ACTOR_SUBDIR))
+            if self.critic is not None:
+                critic_dir = os.path.join(found.path, CRITIC_SUBDIR)
+                if not os.path.isdir(critic_dir):
+                    raise ValueError(
+                        f"{found.path} has no {CRITIC_SUBDIR}/ checkpoint but this run trains a critic; "
+                        "resume from a checkpoint of a run with a critic, or start without resuming "
+                        "(trainer.resume_mode=disable)"
+                    )
+                self.critic.role.load(critic_dir)
+            self.loader.load_state_dict(state["dataloader"])
+            self._iterator = None
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+            self.global_step = int(state["global_step"])
+            self._last_saved_step = self.global_step
+            log_rank0(logger, logging.INFO, "resumed from %s (step %d)", found.path, self.global_step)
+        self.tracking.rewind(self.global_step)
+        return self.global_step
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def fit(self, *, stop_after: int | None = None) -> dict[str, float]:
+        """Train to ``total_steps`` (resuming first); returns the last step's and validation metrics.
+
+        ``stop_after`` ends the loop after that global step without the end-of-run actions
+        (validation, save, export), as if the run were interrupted there.
+        """
+        t = self.cfg.trainer
+        self.resume()
+        val: dict[str, float] = {}
+        if t.val_before_train and self.global_step == 0 and self.val_loader is not None:
+            val = self.validate()
+            self.tracking.log(val, self.global_step)
+            log_rank0(logger, logging.INFO, "validation before training: %s", _core(val))
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rl", enabled=t.progress_bar)
+        last: dict[str, float] = {}
+        interrupted = False
+        try:
+            while self.global_step < self.total_steps:
+                metrics = self.train_step()
+                if metrics is None:
+                    break
+                if t.test_freq > 0 and self.global_step % t.test_freq == 0:
+                    val = self.validate()
+                    metrics.update(val)
+                if t.save_freq > 0 and self.global_step % t.save_freq == 0:
+                    save_start = time.perf_counter()
+                    self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
+                self.tracking.log(metrics, self.global_step)
+                last = metrics
+                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")  # before update: the log line carries it
+                bar.update(1)
+                if stop_after is not None and self.global_step >= stop_after:
+                    interrupted = True
+                    break
+        finally:
+            bar.close()
+        if interrupted:
+            return {**last, **val}
+        if (
+            t.test_freq > 0
+            and self.val_loader is not None
+            and not (last and self.global_step % t.test_freq == 0)
+        ):
+            val = self.validate()
+            self.tracking.log(val, self.global_step)
+        if t.save_freq > 0 and self._last_saved_step != self.global_step:
+            self.save_checkpoint()
+        if t.save_hf:
+            with self.actor.role.active():
+                self.actor.engine.export_hf(hf_export_dir(t))
+        if val:
+            log_rank0(logger, logging.INFO, "validation after training: %s", _core(val))
+        return {**last, **val}
+
+    def close(self) -> None:
+        """Free the rollout engine, the reward workers, the loggers and Megatron's state."""
+        if self.closed:
+            return
+        self.closed = True
+        self.tracking.close()
+        if self.reward.manager is not None:
+            self.reward.manager.close()
+        self.rollout.shutdown()
+        megatron_state.destroy_model_parallel()
+
+    def __enter__(self) -> "RLTrainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _core(metrics: dict[str, float]) -> str:
+    return (
+        ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("val-core/")) or "none"
+    )
