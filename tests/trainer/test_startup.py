@@ -40,9 +40,10 @@ def test_main_ppo_lists_every_output_at_the_start_and_at_the_end(tiny_model_dir,
     with open(log, "w", encoding="utf-8") as out:  # what nohup or a cluster job gets: a file
         proc = subprocess.run(argv, env=_env(), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, timeout=560)
-    text = log.read_text(encoding="utf-8")
+    with open(log, encoding="utf-8", newline="") as f:  # newline="": keep any \r as it was written
+        text = f.read()
     assert proc.returncode == 0, text[-4000:]
-    assert "\r" not in text
+    assert "\r" not in text, [line for line in text.split("\n") if "\r" in line][:3]
     lines = text.splitlines()
     messages = [line.split(": ", 1)[1] if ": " in line else line for line in lines]
     starts = [i for i, m in enumerate(messages) if m == "outputs of this run:"]

@@ -10,7 +10,12 @@ the quiet-start filters), so what the parser says about aliases is shown; then, 
    that merely probe for them (W&B unless ``trainer.logger`` has ``wandb``;
    :func:`verl.utils.imports.defer_import`);
 2. the run's relative output paths are made absolute against the working directory
-   (:meth:`verl.config.schema.RunConfig.resolve_paths`), so every log line names them absolute.
+   (:meth:`verl.config.schema.RunConfig.resolve_paths`), so every log line names them absolute;
+3. where the trainer draws no bar (stderr is a log file or a pipe, ``trainer.progress_bar=false``),
+   the dependencies draw none either: ``TQDM_DISABLE`` and ``HF_HUB_DISABLE_PROGRESS_BARS`` are
+   set (unless the user set them), which tqdm and transformers read when they are imported
+   (transformers' "Loading weights" bar, Megatron's and the tools' bars), and which the
+   run's child processes inherit.
 
 The run's output locations (:func:`run_outputs` plus the loggers' own) are then listed by
 :class:`verl.trainer.tracking.Tracking`, which the trainers create before any model is built,
@@ -26,15 +31,20 @@ from verl.trainer.report import REPORT_FILE
 from verl.trainer.run_checks import hf_export_dir
 from verl.utils.imports import defer_import
 from verl.utils.outputs import OutputLocation
+from verl.utils.progress import bar_allowed
 
 __all__ = ["prepare_run", "run_outputs"]
 
 
 def prepare_run(run: RunConfig) -> None:
-    """Defer unneeded optional imports and resolve output paths (see the module docstring)."""
+    """Defer unneeded optional imports, resolve output paths and keep dependencies' progress bars
+    out of log files (see the module docstring). Call it before torch or transformers is imported."""
     if "wandb" not in run.logger:
         defer_import("wandb")
     run.resolve_paths()
+    if not (run.progress_bar and bar_allowed()):
+        for var in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ.setdefault(var, "1")
 
 
 def run_outputs(run: RunConfig, *, model: str = "model") -> list[OutputLocation]:
