@@ -319,7 +319,12 @@ def test_missing_input_is_named():
         compute_advantage("gae", token_level_rewards=rewards, response_mask=mask, gamma=1.0, lam=1.0)
 
 
-def test_custom_estimator_registration():
+def test_custom_estimator_registration(monkeypatch):
+    from verl.algos.advantage import ADV_ESTIMATORS
+
+    # The registration lasts for this test only: later tests list the registry.
+    monkeypatch.setattr(ADV_ESTIMATORS, "_table", dict(ADV_ESTIMATORS._table))
+
     @algos.register_adv_estimator("test_constant_one")
     def constant_one(*, token_level_rewards, response_mask):
         out = response_mask.to(token_level_rewards.dtype)
