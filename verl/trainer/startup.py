@@ -15,7 +15,10 @@ the quiet-start filters), so what the parser says about aliases is shown; then, 
    the dependencies draw none either: ``TQDM_DISABLE`` and ``HF_HUB_DISABLE_PROGRESS_BARS`` are
    set (unless the user set them), which tqdm and transformers read when they are imported
    (transformers' "Loading weights" bar, Megatron's and the tools' bars), and which the
-   run's child processes inherit.
+   run's child processes inherit;
+4. vLLM logs through verl's logging (``VLLM_CONFIGURE_LOGGING=0`` unless the user set it): one
+   format with the rank, the quiet-start filters, and vLLM's INFO chatter off
+   (:func:`verl.utils.logging.setup_logging`).
 
 The run's output locations (:func:`run_outputs` plus the loggers' own) are then listed by
 :class:`verl.trainer.tracking.Tracking`, which the trainers create before any model is built,
@@ -42,6 +45,7 @@ def prepare_run(run: RunConfig) -> None:
     if "wandb" not in run.logger:
         defer_import("wandb")
     run.resolve_paths()
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     if not (run.progress_bar and bar_allowed()):
         for var in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
             os.environ.setdefault(var, "1")

