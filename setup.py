@@ -1,7 +1,12 @@
-"""Install verl and build its ``verl._C`` extension from csrc/.
+"""Install verl; compile its ``verl._C`` extension from csrc/ when torch is importable.
 
-Build without isolation so the extension compiles against the torch already installed
-(an isolated build would pull a CUDA torch of several GB):
+``pip install .`` / ``pip install -e .`` (pip's isolated build) see no torch: they install the
+package with the csrc/ sources, and the first ``import verl._C`` compiles them against the
+installed torch into a per-user cache (verl/utils/extension.py). That build never needs or
+pulls a torch of its own, so a CPU machine keeps its CPU torch.
+
+Built without isolation, with torch installed, verl._C is compiled here, ahead of time (what
+tools/setup_env.sh and CI do):
 
     pip install torch==2.13.0
     pip install --no-build-isolation -e ".[cpu,test]"
@@ -12,16 +17,30 @@ torch is a CUDA build and a CUDA toolkit is found (set VERL_BUILD_CUDA=0 to skip
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CPU_SOURCES = [f"{CSRC}/byte_copy.cpp", f"{CSRC}/copy_ranges.cpp", f"{CSRC}/bindings.cpp"]
-CUDA_SOURCES = [f"{CSRC}/byte_copy_cuda.cpp", f"{CSRC}/byte_copy_kernel.cu"]
+
+
+def _load_extension_rules():
+    """verl/utils/extension.py (source lists, CUDA rule), loaded by path: importing verl here
+    would need the package's dependencies."""
+    spec = importlib.util.spec_from_file_location("_verl_extension_rules", ROOT / "verl" / "utils" / "extension.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RULES = _load_extension_rules()
+CPU_SOURCES = [f"{CSRC}/{name}" for name in RULES.CPU_SOURCES]
+CUDA_SOURCES = [f"{CSRC}/{name}" for name in RULES.CUDA_SOURCES]
 
 BASE_REQUIRES = [
     "torch>=2.4",
@@ -37,6 +56,7 @@ BASE_REQUIRES = [
     "matplotlib",  # the run report's plots (verl.trainer.report)
     "xxhash",  # checkpoint content checksums (verl.utils.checksum)
     "math-verify",
+    "ninja",  # the first-use build of verl._C (torch.utils.cpp_extension.load)
     # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the newest that installs on 3.11.
     "megatron-core==0.16.1; python_version < '3.12'",
     "megatron-core>=0.16; python_version >= '3.12'",
@@ -60,28 +80,34 @@ EXTRAS = {
 }
 
 
+class BuildPy(build_py):
+    """Also copy csrc/ into the package (verl/_csrc), for the first-use build of a wheel."""
+
+    def run(self) -> None:
+        super().run()
+        target = Path(self.build_lib) / "verl" / RULES.PACKAGED_SOURCES
+        target.mkdir(parents=True, exist_ok=True)
+        for name in (*RULES.CPU_SOURCES, *RULES.CUDA_SOURCES, *RULES.HEADERS):
+            shutil.copy2(ROOT / CSRC / name, target / name)
+
 
 def _extension_build() -> tuple[list, dict]:
-    """The ``verl._C`` extension (CPU always, CUDA when possible) and its build command."""
+    """The ``verl._C`` extension (CPU always, CUDA when possible) and the build commands; no
+    extension when torch cannot be imported (an isolated build: verl._C compiles on first use)."""
     try:
         import torch
         from torch.utils import cpp_extension
     except ImportError as exc:
-        raise SystemExit(
-            "verl builds verl._C against the installed torch, which could not be imported "
-            f"({exc}). Install torch first (pip install torch==2.13.0), then "
-            "pip install --no-build-isolation -e ."
-        ) from exc
+        # setup.py is a script, not library code: one plain line on stderr is its log.
+        print(
+            f"verl setup: torch is not importable here ({exc}); installing without compiling "
+            "verl._C, which compiles on first import against the installed torch",
+            file=sys.stderr,
+        )
+        return [], {"build_py": BuildPy}
 
-    cxx_flags = ["-O3"]  # BuildExtension adds the C++ standard torch needs
-    want_cuda = os.environ.get("VERL_BUILD_CUDA", "auto").lower() not in ("0", "false", "no", "off")
-    reason = ""
-    if not want_cuda:
-        reason = "VERL_BUILD_CUDA=0"
-    elif not torch.version.cuda:
-        reason = f"torch {torch.__version__} is a CPU build"
-    elif cpp_extension.CUDA_HOME is None:
-        reason = "no CUDA toolkit found (set CUDA_HOME to one with nvcc)"
+    cxx_flags = list(RULES.CXX_FLAGS)
+    reason = RULES.cuda_skip_reason(torch, cpp_extension.CUDA_HOME)
     if reason:
         ext = cpp_extension.CppExtension(
             name="verl._C",
@@ -94,8 +120,8 @@ def _extension_build() -> tuple[list, dict]:
             name="verl._C",
             sources=CPU_SOURCES + CUDA_SOURCES,
             include_dirs=[str(ROOT / CSRC)],
-            define_macros=[("VERL_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+            define_macros=[RULES.CUDA_MACRO],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": list(RULES.NVCC_FLAGS)},
         )
 
     class BuildExt(cpp_extension.BuildExtension):
@@ -103,11 +129,10 @@ def _extension_build() -> tuple[list, dict]:
 
         def run(self) -> None:
             if reason:
-                # setup.py is a script, not library code: one plain line on stderr is its log.
                 print(f"verl setup: building verl._C without CUDA kernels ({reason})", file=sys.stderr)
             super().run()
 
-    return [ext], {"build_ext": BuildExt}
+    return [ext], {"build_ext": BuildExt, "build_py": BuildPy}
 
 
 EXT_MODULES, CMDCLASS = _extension_build()

@@ -323,20 +323,10 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def _reshard_layouts(spec: Any, args: argparse.Namespace, world: int) -> tuple[list, list]:
     """Source (actor) and destination layouts of every rank, from the config alone."""
-    from verl.hybrid.layout import hf_layout, megatron_layout, vllm_layout
-    from verl.parallel.topology import Topology
+    from verl.hybrid.plan import cluster_layouts
 
-    topo = Topology.colocated(world_size=world, tensor_parallel=args.train_tp, pipeline_parallel=args.train_pp,
-                              rollout_tensor_parallel=args.rollout_tp)
-    sources, dests = [], []
-    for rank in range(world):
-        c = topo.coords("actor", rank)
-        sources.append(megatron_layout(spec, tp=args.train_tp, tp_rank=c.tp, pp=args.train_pp, pp_rank=c.pp,
-                                       vpp=args.train_vpp, vocab_pad_multiple=None))
-        t = rank % args.rollout_tp
-        dests.append(vllm_layout(spec, tp=args.rollout_tp, tp_rank=t) if args.destination == "vllm"
-                     else hf_layout(spec, tp=args.rollout_tp, tp_rank=t))
-    return sources, dests
+    return cluster_layouts(spec, world_size=world, train_tp=args.train_tp, train_pp=args.train_pp,
+                           train_vpp=args.train_vpp, rollout_tp=args.rollout_tp, destination=args.destination)
 
 
 def _naive_estimate(spec: Any, sources: list, args: argparse.Namespace, elem: int) -> list[dict[str, int]]:
@@ -518,7 +508,7 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
         "gathered on every rank); per rank and in total: bytes over the network, bytes copied locally, time, GB/s, "
         "peak extra memory (allocation tracking), and this machine's memcpy bandwidth as the ceiling. Run it under "
         "torchrun. With --plan-only --world N nothing is allocated: the plan's traffic and the memory bound are "
-        "computed from the config for N ranks (e.g. tools/model_configs/llama3_70b.json at TP8 x PP4 -> TP'8) and "
+        "computed from the config for N ranks (e.g. configs/models/llama3_70b.json at TP8 x PP4 -> TP'8) and "
         "the plan is logged as a table (per rank: bytes copied locally, received, sent, tensors touched, and "
         "bytes received from each peer)."
     )
@@ -558,7 +548,6 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
         ranks = []
         for rank in range(world):
             st = plan.rank_stats(rank)
-            largest_pair = max([*st.received.values(), *st.sent.values(), 0]) * elem
             ranks.append({
                 "rank": rank,
                 "bytes_local": st.local_elements * elem,
@@ -566,7 +555,7 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
                 "bytes_sent": st.sent_elements * elem,
                 "peers": len(st.received),
                 "tensors_touched": st.tensors_touched,
-                "peak_extra_bytes_bound": 2 * min(bucket, largest_pair),
+                "peak_extra_bytes_bound": plan.peak_extra_bound(rank, elem, bucket),
                 "naive_bytes_received": naive[rank]["received_bytes"],
                 "naive_peak_extra_bytes": naive[rank]["peak_extra_bytes"],
             })

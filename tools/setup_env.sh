@@ -43,8 +43,8 @@ if [[ "$extras" == *test* ]]; then
   fi
 fi
 
-# torch first: the extension is built against it without build isolation (an isolated
-# build would pull a CUDA torch of several GB onto a CPU machine).
+# torch first, then verl without build isolation, so that setup.py sees this torch and
+# compiles verl._C ahead of time (an isolated build leaves it to the first import).
 if [[ "$extras" == *cpu* ]]; then
   "${pip[@]}" install "torch==2.13.0"
 else

@@ -272,3 +272,45 @@ def test_conversations_are_checked_at_load(tmp_path, fmt, name, row, messages, p
     TableStore(write(str(tmp_path / ("good-" + name)), chats(), fmt)).check_fields(
         [FieldCheck("messages", ("conversation",))], batch_rows=3
     )
+
+
+def test_select_keeps_rows_and_their_origin(tmp_path):
+    a = write(str(tmp_path / "a.parquet"), ROWS[:10], "parquet", row_group_size=3)
+    b = write(str(tmp_path / "b.jsonl"), ROWS[10:], "jsonl")
+    store = TableStore([a, b])
+    picked = store.select([1, 4, 9, 10, 17, 24])
+    assert len(picked) == 6 and len(store) == len(ROWS)  # the original is untouched
+    assert [picked.row(i) for i in range(6)] == [ROWS[j] for j in (1, 4, 9, 10, 17, 24)]
+    assert [picked.origin(i) for i in range(6)] == [1, 4, 9, 10, 17, 24]
+    assert picked.locate(4) == (picked.sources[1], 7)
+    again = picked.select([0, 3, 5])  # composes: rows of the selection
+    assert [again.origin(i) for i in range(3)] == [1, 10, 24]
+    seen = [(s.path, rows.tolist(), values) for s, rows, values in again.iter_column("extra_info", batch_rows=4)]
+    assert seen == [(a, [1], [ROWS[1]["extra_info"]]), (b, [0], [ROWS[10]["extra_info"]]),
+                    (b, [14], [ROWS[24]["extra_info"]])]
+    for bad in ([3, 1], [0, 0], [-1], [6]):
+        with pytest.raises(ValueError, match=r"TableStore.select needs increasing row indices in \[0, 6\)"):
+            picked.select(bad)
+    with pytest.raises(IndexError, match=r"row 3 out of range \[0, 3\)"):
+        again.row(3)
+
+
+def test_frames_in_memory_join_a_store(tmp_path):
+    """A pyarrow Table and a datasets.Dataset (also one with an indices mapping) read as files do."""
+    from verl.data.io import FrameSource
+
+    table = pa.Table.from_pylist(ROWS[:8])
+    sources = [FrameSource(table, "table", columns=["prompt", "extra_info"])]
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(ROWS[8:])
+    sources += [FrameSource(ds, "ds"), FrameSource(ds.select([3, 0, 5]), "picked")]
+    store = TableStore(sources)
+    assert len(store) == 8 + 17 + 3
+    assert store.row(2) == {"prompt": ROWS[2]["prompt"], "extra_info": ROWS[2]["extra_info"]}
+    assert [store.row(i) for i in range(8, 25)] == ROWS[8:]
+    assert [store.row(i) for i in (25, 26, 27)] == [ROWS[11], ROWS[8], ROWS[13]]
+    store.check_fields([FieldCheck("prompt", ("messages",)), FieldCheck("extra_info", ("dict",))])
+    with pytest.raises(ValueError, match=r"^ds: every row lacks the field 'answer'"):
+        TableStore(sources[1]).check_fields([FieldCheck("answer")])
+    with pytest.raises(TypeError, match="a pyarrow Table or datasets.Dataset is needed, got list"):
+        FrameSource(ROWS, "rows")

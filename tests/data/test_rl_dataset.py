@@ -256,3 +256,179 @@ def test_dataset_pickles_for_spawned_workers(tmp_path, tokenizer):
     clone = pickle.loads(pickle.dumps(ds))
     actual = [clone[i]["raw_prompt_ids"] for i in range(4)]
     assert actual == expected
+
+
+# ------------------------------------------------------------------------------------------
+# The reference verl's extension point: RLHFDataset subclasses named by data.custom_cls
+
+TUTORIAL_DATASET = '''
+import datasets
+
+from verl.utils.dataset import RLHFDataset
+
+
+class ArrowRLHFDataset(RLHFDataset):
+    """Reads the data set's arrow files with Hugging Face datasets."""
+
+    def _read_files_and_tokenize(self):
+        self.dataframe = datasets.load_dataset("arrow", data_files=self.data_files)["train"]
+        self.dataframe = self.maybe_filter_out_long_prompts(self.dataframe)
+
+
+class BareFilterCall(RLHFDataset):
+    """The same, with the filter called for its effect only."""
+
+    def _read_files_and_tokenize(self):
+        self.dataframe = datasets.load_dataset("arrow", data_files=self.data_files)["train"]
+        self.maybe_filter_out_long_prompts(self.dataframe)
+'''
+
+
+def _arrow_dataset_files(datasets, tmp_path, rows) -> list[str]:
+    """A multi-file arrow data set as Hugging Face datasets writes it (save_to_disk, 3 shards)."""
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    files = sorted(str(p) for p in (tmp_path / "saved").glob("*.arrow"))
+    assert len(files) == 3, files
+    return files
+
+
+def test_tutorial_custom_class_feeds_the_rl_dataloader(tmp_path, tokenizer, monkeypatch):
+    """The tutorial's RLHFDataset subclass, in a user's file, loads a multi-file arrow data set
+    with datasets, is built by the factory from data.custom_cls and feeds StatefulDataLoader;
+    its items equal the built-in dataset's over the same files (same filter, same order)."""
+    datasets = pytest.importorskip("datasets")
+    schema = pytest.importorskip("verl.config.schema")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    rows = [record(i, n_words=3 if i % 4 else 40) for i in range(16)]  # rows 0, 4, 8, 12 are long
+    files = _arrow_dataset_files(datasets, tmp_path, rows)
+    user_file = tmp_path / "my_dataset.py"
+    user_file.write_text(TUTORIAL_DATASET)
+    cfg = schema.DataConfig(
+        train_files=files, val_files=None, max_prompt_length=32, filter_overlong_prompts=True,
+        train_batch_size=4, seed=5,
+        custom_cls=schema.CustomClassConfig(path=str(user_file), name="ArrowRLHFDataset"),
+    )
+
+    ds = create_rl_dataset(cfg, tokenizer, cfg.train_files)
+    from verl.data import StatefulDataLoader
+    from verl.utils.dataset import RLHFDataset
+
+    assert type(ds).__name__ == "ArrowRLHFDataset" and isinstance(ds, RLHFDataset)
+    assert isinstance(ds.dataframe, datasets.Dataset) and len(ds.dataframe) == 12 and len(ds) == 12
+    assert ds.data_files == files and ds.config is cfg
+
+    builtin = RLPromptDataset(files, tokenizer, max_prompt_length=32, filter_overlong_prompts=True)
+    expected = [builtin[i]["raw_prompt_ids"] for i in range(len(builtin))]
+    actual = [ds[i]["raw_prompt_ids"] for i in range(len(ds))]
+    assert actual == expected
+    assert [ds[i]["extra_info"]["index"] for i in range(len(ds))] == [i for i in range(16) if i % 4]
+
+    loader = build_dataloader(ds, cfg, train=True)
+    assert isinstance(loader, StatefulDataLoader) and len(loader) == 3
+    batches = list(loader)
+    assert [b["input_ids"].shape for b in batches] == [(4, 32)] * 3
+    assert sorted(np.concatenate([b["index"].astype(np.int64) for b in batches]).tolist()) == list(range(12))
+    assert set(np.concatenate([b["data_source"] for b in batches]).tolist()) == {"verl/arithmetic"}
+
+    # Forked DataLoader workers and checkpointing get a copy that reads the same rows.
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(ds))
+    assert [clone[i]["raw_prompt_ids"] for i in range(len(clone))] == expected
+
+    cfg.custom_cls.name = "BareFilterCall"
+    bare = create_rl_dataset(cfg, tokenizer, cfg.train_files)
+    assert len(bare) == 12 and len(bare.dataframe) == 12
+
+
+def test_rlhf_dataset_accepts_a_pyarrow_table_or_table_store(tmp_path, tokenizer):
+    path = to_parquet(tmp_path / "d.parquet", [record(i, n_words=3 if i % 2 else 40) for i in range(6)])
+    module = tmp_path / "frames.py"
+    module.write_text(textwrap.dedent("""
+        import pyarrow.parquet as pq
+
+        from verl.data import TableStore
+        from verl.utils.dataset.rl_dataset import RLHFDataset
+
+        class FromTable(RLHFDataset):
+            def _read_files_and_tokenize(self):
+                self.dataframe = pq.read_table(self.data_files[0])
+                self.dataframe = self.maybe_filter_out_long_prompts(self.dataframe)
+
+        class FromStore(RLHFDataset):
+            def _read_files_and_tokenize(self):
+                self.dataframe = TableStore(self.data_files)
+                self.maybe_filter_out_long_prompts()
+
+        class NoFrame(RLHFDataset):
+            def _read_files_and_tokenize(self):
+                pass
+
+        class Splits(RLHFDataset):
+            def _read_files_and_tokenize(self):
+                self.dataframe = {"train": None}
+    """))
+    cfg = SimpleNamespace(
+        prompt_key="prompt", reward_fn_key="data_source", max_prompt_length=32, truncation="error",
+        filter_overlong_prompts=True, apply_chat_template=True, return_raw_chat=False,
+        custom_cls=SimpleNamespace(path=str(module), name="FromTable"),
+    )
+    expected = [RLPromptDataset(path, tokenizer, max_prompt_length=32)[i]["raw_prompt_ids"] for i in (1, 3, 5)]
+    table = create_rl_dataset(cfg, tokenizer, [path])
+    assert isinstance(table.dataframe, pa.Table) and table.dataframe.num_rows == 3
+    assert [table[i]["raw_prompt_ids"] for i in range(3)] == expected
+    assert [table[i]["index"] for i in range(3)] == [0, 1, 2]  # rows of self.dataframe as set
+    cfg.custom_cls.name = "FromStore"
+    store = create_rl_dataset(cfg, tokenizer, [path])
+    assert [store[i]["raw_prompt_ids"] for i in range(3)] == expected
+    assert [store[i]["index"] for i in range(3)] == [1, 3, 5]  # rows of the files
+    cfg.custom_cls.name = "NoFrame"
+    with pytest.raises(ValueError, match=r"^NoFrame._read_files_and_tokenize did not set self.dataframe; set it"):
+        create_rl_dataset(cfg, tokenizer, [path])
+    cfg.custom_cls.name = "Splits"
+    with pytest.raises(ValueError, match=r"set self.dataframe to a dict; set it to a datasets.Dataset"):
+        create_rl_dataset(cfg, tokenizer, [path])
+    with pytest.raises(ValueError, match="multimodal processors are not supported"):
+        table.__class__([path], tokenizer, cfg, processor=object())
+
+
+def test_custom_dataset_rows_are_checked_at_load(tmp_path, tokenizer):
+    """A user's dataframe gets the built-in checks, its rows named by the class."""
+    rows = [record(0), record(1)]
+    rows[1]["data_source"] = None
+    path = to_parquet(tmp_path / "d.parquet", rows)
+    module = tmp_path / "mine.py"
+    module.write_text(textwrap.dedent("""
+        import pyarrow.parquet as pq
+        from verl.utils.dataset import RLHFDataset
+
+        class Mine(RLHFDataset):
+            def _read_files_and_tokenize(self):
+                self.dataframe = pq.read_table(self.data_files)
+    """))
+    schema = pytest.importorskip("verl.config.schema")
+    cfg = schema.DataConfig(custom_cls=schema.CustomClassConfig(path=str(module), name="Mine"))
+    with pytest.raises(ValueError, match=r"^Mine.dataframe: row 1: field 'data_source' is null; fix the file"):
+        create_rl_dataset(cfg, tokenizer, [path])
+
+
+def test_custom_cls_bad_input_is_one_line_naming_key_and_fix(tmp_path, tokenizer):
+    module = tmp_path / "user_data.py"
+    module.write_text(textwrap.dedent("""
+        class NotADataset:
+            pass
+    """))
+    cfg = SimpleNamespace(custom_cls=SimpleNamespace(path=str(tmp_path / "missing.py"), name="X"))
+    cases = [
+        ("missing.py", "X", r"data.custom_cls.path='.*missing.py' is not a Python file; point it at the .py file"),
+        ("user_data.py", "Nope", r"data.custom_cls.name='Nope' is not defined in .*user_data.py \(classes there: "
+                                 r"\['NotADataset'\]\); set it to your dataset class's name"),
+        ("user_data.py", "NotADataset", r"data.custom_cls 'NotADataset' from .*user_data.py must be a subclass of "
+                                        r"torch.utils.data.Dataset, got .*; subclass verl.utils.dataset.RLHFDataset"),
+        ("user_data.py", None, r"data.custom_cls.name is not set; set it to the dataset class defined in"),
+    ]
+    for file, name, message in cases:
+        cfg.custom_cls.path, cfg.custom_cls.name = str(tmp_path / file), name
+        with pytest.raises(ValueError, match=message) as info:
+            create_rl_dataset(cfg, tokenizer, ["f.parquet"])
+        assert "\n" not in str(info.value), str(info.value)

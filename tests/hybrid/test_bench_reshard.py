@@ -12,7 +12,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(REPO, "tools", "bench.py")
-LLAMA3_70B = os.path.join(REPO, "tools", "model_configs", "llama3_70b.json")
+LLAMA3_70B = os.path.join(REPO, "configs", "models", "llama3_70b.json")
 
 
 def _json(proc: subprocess.CompletedProcess) -> dict:

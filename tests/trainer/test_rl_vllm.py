@@ -33,7 +33,7 @@ LOGPROB_ATOL = 1e-4
 MARGIN = 0.05
 
 
-def _body(model_dir: str, files: dict[str, str], root: str) -> dict[int, dict[str, float]]:
+def _body(model_dir: str, files: dict[str, str], root: str) -> dict[str, object]:
     from verl.config import PPOConfig, SFTConfig, load_config
     from verl.trainer.rl_trainer import RLTrainer
     from verl.trainer.sft_trainer import SFTTrainer
@@ -90,6 +90,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict[int, dict[st
             "trainer.save_freq=-1",
             "trainer.save_hf=false",
             "trainer.logger=[jsonl]",
+            "trainer.report_freq=10",
             "trainer.resume_mode=disable",
             f"trainer.default_local_dir={root}/grpo",
             f"trainer.log_dir={root}/grpo/logs",
@@ -97,17 +98,30 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict[int, dict[st
     )
     with RLTrainer(grpo) as trainer:
         trainer.fit()
+    logs = os.path.join(root, "grpo", "logs")
     out: dict[int, dict[str, float]] = {}
-    with open(os.path.join(root, "grpo", "logs", "metrics.jsonl"), encoding="utf-8") as f:
+    with open(os.path.join(logs, "metrics.jsonl"), encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
             out.setdefault(record.pop("step"), {}).update(record)
-    return out
+
+    def records(name: str) -> list[dict]:
+        with open(os.path.join(logs, name), encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    return {
+        "steps": out,
+        "scores": records("scores.jsonl"),
+        "samples": records("samples.jsonl"),
+        "files": sorted(os.listdir(logs)),
+        "report": open(os.path.join(logs, "report.html"), encoding="utf-8").read(),
+    }
 
 
 @pytest.mark.timeout(600)
 def test_grpo_with_vllm_agrees_with_the_trainer_and_learns(tiny_model_dir, arithmetic_files, tmp_path):
-    [steps, _] = run_distributed(_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+    [run, _] = run_distributed(_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+    steps = run["steps"]
     key = "val-core/verl/arithmetic/reward/mean@4"
     before, after = steps[0][key], steps[RL_STEPS][key]
     print(
@@ -125,3 +139,16 @@ def test_grpo_with_vllm_agrees_with_the_trainer_and_learns(tiny_model_dir, arith
     assert after >= before + MARGIN, (
         f"validation reward {before:.3f} -> {after:.3f}, expected a rise of {MARGIN}"
     )
+    # The run report, written by the trainer (every 10 steps and at the end) from what it logged:
+    # each step's sequence scores, each validation's generations as text, the config.
+    assert {"report.html", "scores.jsonl", "samples.jsonl", "config.json", "metrics.jsonl"} <= set(run["files"])
+    assert [r["step"] for r in run["scores"]] == list(range(1, RL_STEPS + 1))
+    assert all(len(r["scores"]) == 32 * 8 for r in run["scores"])
+    assert sorted({r["step"] for r in run["samples"]}) == [0, RL_STEPS]  # before and after training
+    assert len(run["samples"]) == 2 * 64 * 4
+    first = run["samples"][0]
+    assert first["data_source"] == "verl/arithmetic" and "+" in first["prompt"] and first["response"]
+    assert any(r["reward"] > 0 for r in run["samples"] if r["step"] == RL_STEPS)
+    page = run["report"]
+    assert page.count("<svg") >= 8 and 'id="plot-reward"' in page and 'id="samples"' in page
+    assert "val-core/verl/arithmetic/reward/mean@4" in page or "verl/arithmetic" in page

@@ -369,3 +369,17 @@ def test_a_logger_that_cannot_start_fails_on_every_rank(tmp_path):
 
     results = run_distributed(_failing_logger_on_rank0, 2, str(tmp_path))
     assert results == ["trainer.logger includes 'failing' but it could not start; set FAILING_OK=1"] * 2
+
+
+def test_an_output_not_written_keeps_its_how_to(tmp_path, caplog):
+    from verl.utils.outputs import OutputLocation, log_output_locations
+
+    report = OutputLocation("report", str(tmp_path / "report.html"), use="build it with `make-report`")
+    with caplog.at_level(logging.INFO, logger="verl.outputs"):
+        log_output_locations("outputs", [report], logger=logging.getLogger("verl.outputs"), at_end=True)
+        (tmp_path / "report.html").write_text("<html>")
+        log_output_locations("outputs", [report], logger=logging.getLogger("verl.outputs"), at_end=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "outputs:", f"  report  {tmp_path}/report.html  (not written; build it with `make-report`)",
+        "outputs:", f"  report  {tmp_path}/report.html  (build it with `make-report`)",
+    ]

@@ -391,6 +391,12 @@ class RunConfig(ConfigBase):
     )
     save_hf: bool = option(True, "At the end, export the trained model (the actor in RL) as a Hugging Face checkpoint (for the rollout engines).")
     hf_export_dir: str | None = option(None, "Where save_hf writes; None: <default_local_dir>/huggingface.")
+    collective_timeout_s: float = option(
+        600.0,
+        "Seconds a collective (all-reduce, broadcast, barrier) may wait for the other ranks before the run "
+        "stops, naming the rank that stopped answering and its phase; a dead or hung rank never hangs the job.",
+        gt=0,
+    )
 
     # Fields holding paths the run writes or resumes from: made absolute by resolve_paths().
     PATH_FIELDS: ClassVar[tuple[str, ...]] = ("default_local_dir", "resume_from_path", "log_dir", "hf_export_dir")
@@ -420,6 +426,18 @@ class TrainerConfig(RunConfig):
     max_critic_ckpt_to_keep: int | None = option(None, "Keep at most this many critic checkpoints; None: keep all.", ge=1)
     critic_warmup: int = option(0, "Steps that update only the critic before the actor starts.", ge=0)
     balance_batch: bool = option(True, "Reorder each batch so data-parallel ranks get similar token counts.")
+    max_consecutive_skipped_steps: int = option(
+        3,
+        "Stop the run after this many steps in a row whose update was skipped for a non-finite loss or "
+        "gradient norm (each skip is counted in training/skipped_steps); 0: never stop.",
+        ge=0,
+    )
+    report_freq: int = option(
+        10,
+        "Rewrite report.html (plots of the run, in trainer.log_dir) every this many steps and at the end; "
+        "-1: only at the end; 0: never.",
+        ge=-1,
+    )
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:
     # str.replace, not str.format: a user path may contain other braces.

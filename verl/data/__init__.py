@@ -8,12 +8,14 @@ import importlib
 from typing import Any
 
 _LAZY = {
+    "FrameSource": "verl.data.io",
     "TableStore": "verl.data.io",
     "detect_format": "verl.data.io",
     "open_source": "verl.data.io",
     "read_records": "verl.data.io",
     "write_parquet": "verl.data.io",
     "PreferenceDataset": "verl.data.preference_dataset",
+    "RLHFDataset": "verl.data.rl_dataset",
     "RLPromptDataset": "verl.data.rl_dataset",
     "build_dataloader": "verl.data.rl_dataset",
     "collate_fn": "verl.data.rl_dataset",

@@ -3,7 +3,9 @@
 A multi-GB dataset file is never loaded whole: parquet is read one row group at a time
 (only the columns asked for, a few row groups cached), arrow files are memory-mapped (the
 OS pages them in on demand), and jsonl keeps one byte offset per line and seeks. Several
-files are concatenated into one row space by ``TableStore``.
+files are concatenated into one row space by ``TableStore``; a table already in memory (a
+pyarrow Table, a Hugging Face ``datasets.Dataset``) joins it through ``FrameSource``, and
+``TableStore.select`` keeps a subset of rows (a filter) without copying any data.
 
 File handles are opened lazily per process, so a store survives the fork of DataLoader
 workers.
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import abc
 import bisect
+import copy
 import json
 import logging
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -258,6 +262,9 @@ class FileSource(abc.ABC):
             raise ValueError(f"data file {path} does not exist")
         if os.path.getsize(path) == 0:
             raise ValueError(f"data file {path} is empty (0 bytes)")
+        self._setup(path, columns)
+
+    def _setup(self, path: str, columns: Sequence[str] | None) -> None:
         self.path = path
         self._wanted = list(columns) if columns is not None else None
         self._pid: int | None = None
@@ -408,6 +415,9 @@ class ArrowSource(FileSource):
             raise ValueError(
                 f"{self.path}: not a readable arrow IPC file or stream (corrupt or truncated?): {e}"
             ) from e
+        self._set_batches(schema, batches)
+
+    def _set_batches(self, schema: pa.Schema, batches: Sequence[pa.RecordBatch]) -> None:
         self.column_names = list(schema.names)
         keep = self._columns_to_read()
         self._h_batches = [b.select(keep) for b in batches]
@@ -430,6 +440,41 @@ class ArrowSource(FileSource):
                 raise ValueError(f"{self.path}: columns {missing} were not selected for reading")
             for start in range(0, batch.num_rows, batch_rows):
                 yield {name: batch.column(name).slice(start, batch_rows) for name in names}
+
+
+def _is_hf_dataset(frame: Any) -> bool:
+    """Whether ``frame`` is a Hugging Face ``datasets.Dataset`` (without importing datasets)."""
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(frame, datasets.Dataset)
+
+
+def is_frame(frame: Any) -> bool:
+    """Whether ``frame`` is a table ``FrameSource`` reads: a pyarrow Table or a ``datasets.Dataset``."""
+    return isinstance(frame, pa.Table) or _is_hf_dataset(frame)
+
+
+class FrameSource(ArrowSource):
+    """A table already in memory as a source: a pyarrow Table, or a Hugging Face
+    ``datasets.Dataset`` read through its Arrow data (memory-mapped from datasets' cache files;
+    a dataset with an indices mapping, after ``select``/``filter``, is taken through it).
+
+    ``label`` stands for the file path in messages. A ``datasets.Dataset`` is pickled as datasets
+    pickles it (by its cache files) and its Arrow view is rebuilt in each process.
+    """
+
+    def __init__(self, frame: Any, label: str, columns: Sequence[str] | None = None):
+        if not is_frame(frame):
+            raise TypeError(f"{label}: a pyarrow Table or datasets.Dataset is needed, got {type(frame).__name__}")
+        self.frame = frame
+        self._setup(label, columns)
+
+    def _open(self) -> None:
+        if isinstance(self.frame, pa.Table):
+            table = self.frame
+        else:
+            # Rows of a datasets.Dataset as Arrow (lists of structs stay lists of dicts, as in files).
+            table = self.frame.with_format("arrow")[:]
+        self._set_batches(table.schema, table.to_batches())
 
 
 class JsonlSource(FileSource):
@@ -516,30 +561,49 @@ def open_source(path: str, columns: Sequence[str] | None = None) -> FileSource:
 
 
 class TableStore:
-    """Several data files concatenated into one row space, read lazily.
+    """Several data files (or sources) concatenated into one row space, read lazily.
 
-    ``locate(i)`` maps a global row index to (file path, row within the file) for messages.
+    ``locate(i)`` maps a row index to (source, row within its file) for messages. A store made
+    by ``select`` holds a subset of the rows of another over the same open sources; ``origin(i)``
+    is then row ``i``'s index in the full concatenation.
     """
 
-    def __init__(self, files: str | Sequence[str], columns: Sequence[str] | None = None):
-        paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    def __init__(self, files: str | FileSource | Sequence[str | FileSource], columns: Sequence[str] | None = None):
+        paths = [files] if isinstance(files, (str, os.PathLike, FileSource)) else list(files)
         if not paths:
             raise ValueError("no data files given (data.train_files / data.val_files is empty)")
         # Config defaults name files under "~" (e.g. ~/data/gsm8k/train.parquet).
-        self.sources = [open_source(os.path.expanduser(os.fspath(p)), columns) for p in paths]
+        self.sources = [
+            p if isinstance(p, FileSource) else open_source(os.path.expanduser(os.fspath(p)), columns) for p in paths
+        ]
         self._starts = [0]
         for s in self.sources:
             self._starts.append(self._starts[-1] + s.num_rows)
+        self._rows: np.ndarray | None = None  # selected rows of the concatenation, increasing
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return self._starts[-1] if self._rows is None else len(self._rows)
 
-    def locate(self, i: int) -> tuple[FileSource, int]:
-        """The source holding global row ``i`` and the row's index within that file."""
+    def select(self, rows: Sequence[int] | np.ndarray) -> TableStore:
+        """A store of rows ``rows`` of this one (increasing indices), sharing its sources."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(rows) and (rows[0] < 0 or rows[-1] >= len(self) or (np.diff(rows) <= 0).any()):
+            raise ValueError(f"TableStore.select needs increasing row indices in [0, {len(self)})")
+        view = copy.copy(self)
+        view._rows = rows if self._rows is None else self._rows[rows]
+        return view
+
+    def origin(self, i: int) -> int:
+        """Row ``i``'s index in the concatenation of every source (``i`` itself unless selected)."""
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} out of range [0, {len(self)})")
-        f = bisect.bisect_right(self._starts, i) - 1
-        return self.sources[f], i - self._starts[f]
+        return i if self._rows is None else int(self._rows[i])
+
+    def locate(self, i: int) -> tuple[FileSource, int]:
+        """The source holding row ``i`` and the row's index within that source."""
+        j = self.origin(i)
+        f = bisect.bisect_right(self._starts, j) - 1
+        return self.sources[f], j - self._starts[f]
 
     def row(self, i: int) -> dict[str, Any]:
         source, j = self.locate(i)
@@ -563,7 +627,8 @@ class TableStore:
         the wrong kind of value, naming the file, the row and the field (ValueError).
 
         Parquet and arrow columns are checked vectorised with pyarrow (a row is converted to
-        Python only to word the message); jsonl records are parsed once for all checks.
+        Python only to word the message); jsonl records are parsed once for all checks. Every
+        row of the sources is checked, selected or not.
         """
         self.require_columns([c.key for c in checks if not c.nullable])
         for source in self.sources:
@@ -577,15 +642,28 @@ class TableStore:
                     _check_batch(values, check, source.path, start)
                 start += len(values)
 
-    def iter_column(self, name: str, batch_rows: int = 4096) -> Iterator[tuple[FileSource, int, list[Any]]]:
-        """Yield (source, first row within the file, values) over every file, in order."""
+    def iter_column(
+        self, name: str, batch_rows: int = 4096
+    ) -> Iterator[tuple[FileSource, np.ndarray, list[Any]]]:
+        """Yield (source, rows within its file [n], values [n]) over the selected rows, in order."""
         column, _ = split_key(name)
-        for source in self.sources:
-            start = 0
+        for f, source in enumerate(self.sources):
             if source.num_rows == 0:
                 continue
+            wanted = None
+            if self._rows is not None:
+                lo, hi = np.searchsorted(self._rows, [self._starts[f], self._starts[f + 1]])
+                wanted = self._rows[lo:hi] - self._starts[f]
+                if not len(wanted):
+                    continue
+            start = 0
             for values in source.iter_column(column, batch_rows):
-                yield source, start, values
+                if wanted is None:
+                    yield source, np.arange(start, start + len(values)), values
+                else:
+                    lo, hi = np.searchsorted(wanted, [start, start + len(values)])
+                    if hi > lo:
+                        yield source, wanted[lo:hi], [values[k - start] for k in wanted[lo:hi]]
                 start += len(values)
 
 

@@ -3,21 +3,32 @@
 A record holds ``prompt`` (chat message list or string), ``data_source`` (which reward
 function scores it), ``reward_model: {style, ground_truth}`` and ``extra_info``. Items are
 left-padded to ``max_prompt_length`` so a batch goes to the rollout engine as is.
+
+The extension point is the reference verl's: ``RLHFDataset`` (also importable as
+``verl.utils.dataset.RLHFDataset``) is built from the ``data`` config, and a subclass named by
+``data.custom_cls.path/name`` overrides ``_read_files_and_tokenize`` to set ``self.dataframe``
+from ``self.data_files`` (a ``datasets.Dataset``, a pyarrow Table or a ``TableStore``),
+calling ``self.maybe_filter_out_long_prompts``; everything after (checks, templating,
+padding, truncation) is the built-in dataset's. ``create_rl_dataset`` is the factory the
+trainer calls.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
-from verl.data.io import FieldCheck, TableStore, get_field, split_key
+from verl.data.io import FieldCheck, FileSource, FrameSource, TableStore, get_field, is_frame, split_key
 from verl.data.sampler import StatefulDataLoader
 from verl.data.tokenizer import (
     TRUNCATION_MODES,
@@ -74,12 +85,22 @@ def collate_fn(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _config_field(cfg: Any, name: str) -> Any:
-    try:
-        return getattr(cfg, name)
-    except AttributeError:
-        raise ValueError(
-            f"data config {type(cfg).__name__} has no field {name!r}, which the dataset needs"
-        ) from None
+    if isinstance(cfg, Mapping):
+        if name in cfg:
+            return cfg[name]
+    else:
+        try:
+            return getattr(cfg, name)
+        except AttributeError:
+            pass
+    raise ValueError(f"data config {type(cfg).__name__} has no field {name!r}, which the dataset needs")
+
+
+def _optional_field(section: Any, name: str) -> Any:
+    """``section.name`` of a section whose fields default to None (``CustomClassConfig``), or None."""
+    if section is None:
+        return None
+    return section.get(name) if isinstance(section, Mapping) else getattr(section, name, None)
 
 
 class RLPromptDataset(Dataset):
@@ -87,8 +108,12 @@ class RLPromptDataset(Dataset):
 
     Each item: ``input_ids``, ``attention_mask``, ``position_ids`` (tensors [max_prompt_length],
     left-padded), ``raw_prompt_ids`` (the unpadded ids), ``data_source``, ``reward_model``,
-    ``extra_info``, ``index`` (row in the concatenated files), ``uid``, and ``raw_prompt``
-    (the message list) when ``return_raw_chat``.
+    ``extra_info``, ``index`` (the row in the concatenated files, or in ``self.dataframe`` as a
+    subclass set it), ``uid``, and ``raw_prompt`` (the message list) when ``return_raw_chat``.
+
+    Loading is ``_read_files_and_tokenize()`` (see ``RLHFDataset`` for overriding it): by
+    default ``self.dataframe`` is a ``TableStore`` over ``self.data_files``, which reads rows on
+    demand within a byte budget. Every row's fields are checked before the dataset is used.
     """
 
     def __init__(
@@ -110,65 +135,117 @@ class RLPromptDataset(Dataset):
         if max_prompt_length <= 0:
             raise ValueError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
         self.tokenizer = ensure_pad_token(tokenizer)
+        # Config defaults name files under "~" (e.g. ~/data/gsm8k/train.parquet).
+        paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+        self.data_files = [os.path.expanduser(os.fspath(p)) for p in paths]
         self.max_prompt_length = max_prompt_length
         self.prompt_key = prompt_key
         self.reward_fn_key = reward_fn_key
         self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
         self.apply_chat_template = apply_chat_template
         self.return_raw_chat = return_raw_chat
         self.extra_keys = tuple(extra_keys)
         columns = {split_key(k)[0] for k in (prompt_key, reward_fn_key, *self.extra_keys)}
-        self.store = TableStore(files, columns=sorted(columns | set(_OPTIONAL_COLUMNS)))
-        # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
-        self.store.check_fields(
-            [
-                FieldCheck(prompt_key, ("string", "messages")),
-                FieldCheck(reward_fn_key, ("string",)),
-                *(FieldCheck(k) for k in self.extra_keys),
-                *(FieldCheck(k, ("dict",), nullable=True) for k in _OPTIONAL_COLUMNS),
-            ]
-        )
-        self.files = [s.path for s in self.store.sources]
-        if len(self.store) == 0:
-            raise ValueError(f"data files {self.files} hold no rows")
+        self._columns = sorted(columns | set(_OPTIONAL_COLUMNS))
+        self._checks = [
+            FieldCheck(prompt_key, ("string", "messages")),
+            FieldCheck(reward_fn_key, ("string",)),
+            *(FieldCheck(k) for k in self.extra_keys),
+            *(FieldCheck(k, ("dict",), nullable=True) for k in _OPTIONAL_COLUMNS),
+        ]
+        self._checked: list[FileSource] = []  # sources whose every row passed self._checks
         # Prompts truncated so far by this process (DataLoader workers count in their own copy).
         self.num_truncated = 0
-        # Row indices into the store; None means every row in order (no filtering pass).
-        self._rows: np.ndarray | None = None
-        if filter_overlong_prompts:
-            self._filter_overlong()
+        self.dataframe: Any = None
+        self._read_files_and_tokenize()
+        # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
+        self.store = self._checked_store(self.dataframe)
+        self.files = [s.path for s in self.store.sources]
+        if len(self.store) == 0:
+            if any(isinstance(source, FrameSource) for source in self.store.sources):
+                raise ValueError(f"{type(self).__name__}.dataframe holds no rows (data files {self.data_files})")
+            raise ValueError(f"data files {self.files} hold no rows")
 
     @classmethod
     def from_config(cls, data_cfg: Any, tokenizer: Any, files: str | Sequence[str]) -> RLPromptDataset:
         """Build from a ``data`` config section (read by attribute name, duck-typed)."""
-        return cls(
-            files,
-            tokenizer,
-            max_prompt_length=_config_field(data_cfg, "max_prompt_length"),
-            prompt_key=_config_field(data_cfg, "prompt_key"),
-            reward_fn_key=_config_field(data_cfg, "reward_fn_key"),
-            truncation=_config_field(data_cfg, "truncation"),
-            filter_overlong_prompts=_config_field(data_cfg, "filter_overlong_prompts"),
-            apply_chat_template=_config_field(data_cfg, "apply_chat_template"),
-            return_raw_chat=_config_field(data_cfg, "return_raw_chat"),
-        )
+        return cls(files, tokenizer, **_options(data_cfg))
+
+    def _read_files_and_tokenize(self) -> None:
+        """Set ``self.dataframe`` from ``self.data_files``, then drop overlong prompts if asked.
+
+        The default reads lazily (a ``TableStore``); override it to read the files your way.
+        """
+        self.dataframe = TableStore(self.data_files, columns=self._columns)
+        self.dataframe = self.maybe_filter_out_long_prompts(self.dataframe)
+
+    def maybe_filter_out_long_prompts(self, dataframe: Any = None) -> Any:
+        """``dataframe`` (default: ``self.dataframe``) without the rows whose prompt is longer than
+        ``max_prompt_length`` tokens when ``filter_overlong_prompts`` is on, else as given.
+
+        The result is of the same kind (``datasets.Dataset.select``, ``pyarrow.Table.take``,
+        ``TableStore.select``). Given ``self.dataframe``, it also becomes ``self.dataframe``, so
+        both ``self.dataframe = self.maybe_filter_out_long_prompts(self.dataframe)`` and the bare
+        call filter. Rows are checked first (ValueError naming the row and field).
+        """
+        if dataframe is None:
+            dataframe = self.dataframe
+        store = self._checked_store(dataframe)
+        if not self.filter_overlong_prompts:
+            return dataframe
+        keep = self._fitting_rows(store)
+        if isinstance(dataframe, TableStore):
+            kept = dataframe.select(keep)
+        elif isinstance(dataframe, pa.Table):
+            kept = dataframe.take(pa.array(keep, type=pa.int64()))
+        else:  # datasets.Dataset
+            kept = dataframe.select(keep.tolist())
+        if dataframe is self.dataframe:
+            self.dataframe = kept
+        return kept
+
+    def _checked_store(self, frame: Any) -> TableStore:
+        """``frame`` as a TableStore, its rows checked once against the dataset's fields."""
+        if isinstance(frame, TableStore):
+            store = frame
+        elif is_frame(frame):
+            store = TableStore(FrameSource(frame, f"{type(self).__name__}.dataframe", columns=self._columns))
+        elif frame is None:
+            raise ValueError(
+                f"{type(self).__name__}._read_files_and_tokenize did not set self.dataframe; set it from "
+                f"self.data_files (e.g. datasets.load_dataset('arrow', data_files=self.data_files)['train'])"
+            )
+        else:
+            hint = ""
+            if type(frame).__name__ == "DatasetDict":
+                hint = f" with splits {list(frame)}: take one, e.g. load_dataset(...)['train']"
+            raise ValueError(
+                f"{type(self).__name__}._read_files_and_tokenize set self.dataframe to a "
+                f"{type(frame).__name__}{hint}; set it to a datasets.Dataset (e.g. datasets.load_dataset("
+                f"'arrow', data_files=self.data_files)['train']), a pyarrow Table or a verl.data.TableStore"
+            )
+        unchecked = [s for s in store.sources if not any(s is c for c in self._checked)]
+        if unchecked:
+            TableStore(unchecked).check_fields(self._checks)
+            self._checked.extend(unchecked)
+        return store
 
     def _prompt_text(self, prompt: Any, where: str) -> tuple[str, bool]:
         return prompt_to_text(
             self.tokenizer, prompt, apply_chat_template=self.apply_chat_template, where=where
         )
 
-    def _filter_overlong(self) -> None:
-        """One pass over the prompt column: keep rows whose prompt fits ``max_prompt_length``."""
+    def _fitting_rows(self, store: TableStore) -> np.ndarray:
+        """One pass over the prompt column: the rows of ``store`` whose prompt fits ``max_prompt_length``."""
         column, nested = split_key(self.prompt_key)
         keep: list[np.ndarray] = []
         base = 0
         dropped_per_file: dict[str, int] = {}
-        for source, start, values in self.store.iter_column(self.prompt_key, batch_rows=1024):
+        for source, file_rows, values in store.iter_column(self.prompt_key, batch_rows=1024):
             texts: dict[bool, list[str]] = {True: [], False: []}
             slots: dict[bool, list[int]] = {True: [], False: []}
-            for k, value in enumerate(values):
-                row = start + k
+            for k, (row, value) in enumerate(zip(file_rows.tolist(), values)):
                 where = f"{source.path}: row {row}"
                 prompt = get_field({column: value}, self.prompt_key, path=source.path, row_index=row)
                 text, templated = self._prompt_text(prompt, where)
@@ -183,35 +260,35 @@ class RLPromptDataset(Dataset):
             dropped_per_file[source.path] = dropped_per_file.get(source.path, 0) + int((~ok).sum())
             keep.append(base + np.nonzero(ok)[0])
             base += len(values)
-        assert base == len(self.store), (base, len(self.store))
+        assert base == len(store), (base, len(store))
         rows = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
-        dropped = len(self.store) - len(rows)
+        dropped = len(store) - len(rows)
         log_rank0(
             logger,
             logging.INFO,
             "filter_overlong_prompts: dropped %d of %d prompts longer than %d tokens (%s)",
             dropped,
-            len(self.store),
+            len(store),
             self.max_prompt_length,
             ", ".join(f"{os.path.basename(p)}: {n}" for p, n in dropped_per_file.items()),
         )
         if len(rows) == 0:
             raise ValueError(
-                f"no prompts left in {self.files}: all {dropped} rows were dropped by "
+                f"no prompts left in {[s.path for s in store.sources]}: all {dropped} rows were dropped by "
                 f"filter_overlong_prompts "
                 f"because they are longer than max_prompt_length={self.max_prompt_length} tokens; raise "
                 f"data.max_prompt_length or check the prompt key {self.prompt_key!r}"
             )
-        self._rows = rows
+        return rows
 
     def __len__(self) -> int:
-        return len(self.store) if self._rows is None else len(self._rows)
+        return len(self.store)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not 0 <= i < len(self):
             raise IndexError(f"index {i} out of range [0, {len(self)})")
-        index = i if self._rows is None else int(self._rows[i])
-        source, row_index = self.store.locate(index)
+        index = self.store.origin(i)
+        source, row_index = self.store.locate(i)
         row = source.row(row_index)
         where = f"{source.path}: row {row_index}"
         prompt = get_field(row, self.prompt_key, path=source.path, row_index=row_index)
@@ -242,23 +319,101 @@ class RLPromptDataset(Dataset):
         return item
 
 
-def load_dataset_class(path: str, name: str) -> type[Dataset]:
-    """Import class ``name`` from the Python file ``path``; it must subclass torch Dataset."""
-    if not path or not os.path.isfile(path):
-        raise ValueError(f"data.custom_cls.path={path!r} is not a Python file")
-    module_name = f"verl_custom_dataset_{abs(hash(os.path.abspath(path)))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"data.custom_cls.path={path!r} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def _options(data_cfg: Any) -> dict[str, Any]:
+    """RLPromptDataset's keyword arguments from a ``data`` config section."""
+    names = (
+        "max_prompt_length",
+        "prompt_key",
+        "reward_fn_key",
+        "truncation",
+        "filter_overlong_prompts",
+        "apply_chat_template",
+        "return_raw_chat",
+    )
+    return {name: _config_field(data_cfg, name) for name in names}
+
+
+class RLHFDataset(RLPromptDataset):
+    """The reference verl's RL dataset and its extension point, over ``RLPromptDataset``.
+
+    Built as ``RLHFDataset(data_files, tokenizer, config)`` from the ``data`` config (the
+    ``DataConfig`` section or a mapping with the same keys). To read data your own way, subclass
+    it, override ``_read_files_and_tokenize(self)`` to set ``self.dataframe`` from
+    ``self.data_files`` and call ``self.maybe_filter_out_long_prompts(self.dataframe)``, and name
+    the class in ``data.custom_cls.path`` / ``data.custom_cls.name``::
+
+        class MyDataset(RLHFDataset):
+            def _read_files_and_tokenize(self):
+                self.dataframe = datasets.load_dataset("arrow", data_files=self.data_files)["train"]
+                self.dataframe = self.maybe_filter_out_long_prompts(self.dataframe)
+
+    ``self.dataframe`` may be a ``datasets.Dataset``, a pyarrow Table or a ``TableStore``; it
+    is read once, after ``_read_files_and_tokenize``, and items are the built-in dataset's.
+    Departures from the reference: no multimodal ``processor`` and no ``max_samples`` (both
+    refused when set), and every option the dataset reads must be in ``config`` (the defaults
+    live in ``DataConfig`` only).
+    """
+
+    def __init__(self, data_files: str | Sequence[str], tokenizer: Any, config: Any, processor: Any = None,
+                 max_samples: int = -1):
+        if processor is not None:
+            raise ValueError(
+                f"{type(self).__name__}: multimodal processors are not supported (got processor of type "
+                f"{type(processor).__name__}); pass processor=None"
+            )
+        if max_samples not in (-1, None):
+            raise ValueError(
+                f"{type(self).__name__}: max_samples={max_samples} is not supported; select the rows in "
+                f"_read_files_and_tokenize (e.g. self.dataframe.select(range(n)))"
+            )
+        self.config = config
+        self.processor = None
+        super().__init__(data_files, tokenizer, **_options(config))
+
+    @classmethod
+    def from_config(cls, data_cfg: Any, tokenizer: Any, files: str | Sequence[str]) -> RLHFDataset:
+        """Build as the reference factory does: ``cls(data_files=files, tokenizer=tokenizer, config=data_cfg)``."""
+        return cls(data_files=files, tokenizer=tokenizer, config=data_cfg)
+
+
+def load_dataset_class(path: str | None, name: str | None) -> type[Dataset]:
+    """Import class ``name`` from the Python file ``path``; it must subclass torch Dataset.
+
+    The file is imported once per process as a module of its own (registered in sys.modules,
+    so classes and dataclasses in it behave as in any module).
+    """
+    if not path or not os.path.isfile(os.path.expanduser(path)):
+        raise ValueError(
+            f"data.custom_cls.path={path!r} is not a Python file; point it at the .py file that defines "
+            f"your dataset class, or unset it for the built-in dataset"
+        )
+    path = os.path.abspath(os.path.expanduser(path))
+    if not name:
+        raise ValueError(f"data.custom_cls.name is not set; set it to the dataset class defined in {path}")
+    module_name = "verl_custom_dataset_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"data.custom_cls.path={path!r} cannot be imported as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
     cls = getattr(module, name, None)
     if cls is None:
-        raise ValueError(f"data.custom_cls.name={name!r} is not defined in {path}")
+        classes = sorted(k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module_name)
+        raise ValueError(
+            f"data.custom_cls.name={name!r} is not defined in {path} (classes there: {classes}); "
+            f"set it to your dataset class's name"
+        )
     if not (isinstance(cls, type) and issubclass(cls, Dataset)):
         raise ValueError(
             f"data.custom_cls {name!r} from {path} must be a subclass of torch.utils.data.Dataset, "
-            f"got {cls!r}"
+            f"got {cls!r}; subclass verl.utils.dataset.RLHFDataset and override _read_files_and_tokenize"
         )
     return cls
 
@@ -267,13 +422,14 @@ def create_rl_dataset(data_cfg: Any, tokenizer: Any, files: str | Sequence[str])
     """The dataset for ``files``: the user's ``data.custom_cls`` when set, else ``RLPromptDataset``.
 
     A custom class is built with its ``from_config(data_cfg, tokenizer, files)`` when it has
-    one, else as ``cls(data_files=files, tokenizer=tokenizer, config=data_cfg)``.
+    one (``RLHFDataset`` subclasses do: ``cls(data_files=files, tokenizer=tokenizer,
+    config=data_cfg)``), else as ``cls(data_files=files, tokenizer=tokenizer, config=data_cfg)``.
     """
     custom = _config_field(data_cfg, "custom_cls")
-    path = getattr(custom, "path", None) if custom is not None else None
+    path = _optional_field(custom, "path")
     if not path:
         return RLPromptDataset.from_config(data_cfg, tokenizer, files)
-    cls = load_dataset_class(path, _config_field(custom, "name"))
+    cls = load_dataset_class(path, _optional_field(custom, "name"))
     log_rank0(logger, logging.INFO, "using custom dataset class %s from %s", cls.__name__, path)
     if hasattr(cls, "from_config"):
         return cls.from_config(data_cfg, tokenizer, files)

@@ -27,12 +27,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from verl.hybrid.layout import Box, Layout
 
-__all__ = ["RankStats", "ReshardPlan", "build_plan"]
+if TYPE_CHECKING:
+    from verl.models.hf_config import HFModelSpec
+
+__all__ = ["RankStats", "ReshardPlan", "build_plan", "cluster_layouts"]
 
 # Columns of a range array.
 SRC_TENSOR, SRC_OFFSET, DST_TENSOR, DST_OFFSET, LENGTH = range(5)
@@ -96,6 +100,13 @@ class ReshardPlan:
                 sent[d] = n
         return RankStats(rank=rank, local_elements=local, received=received, sent=sent, tensors_touched=len(touched))
 
+    def peak_extra_bound(self, rank: int, element_size: int, bucket_bytes: int) -> int:
+        """Bound on the push's extra memory on ``rank`` in bytes: two buckets (one filling, one in
+        flight), never more than twice the largest exchange with one peer."""
+        st = self.rank_stats(rank)
+        largest_pair = max([*st.received.values(), *st.sent.values(), 0]) * element_size
+        return 2 * min(bucket_bytes, largest_pair)
+
     def describe(self, element_size: int) -> str:
         """A readable table: per rank, bytes copied locally, received (and from whom), sent, tensors touched."""
         lines = [f"{'rank':>4}  {'local':>12}  {'received':>12}  {'sent':>12}  {'tensors':>7}  received from"]
@@ -108,6 +119,38 @@ class ReshardPlan:
                 f"{st.tensors_touched:>7}  {peers}"
             )
         return "\n".join(lines)
+
+
+def cluster_layouts(
+    spec: "HFModelSpec",
+    *,
+    world_size: int,
+    train_tp: int,
+    train_pp: int,
+    train_vpp: int | None = None,
+    rollout_tp: int,
+    destination: str = "vllm",
+) -> tuple[list[Layout], list[Layout]]:
+    """Source (actor, Megatron) and destination (``vllm`` or ``hf-shards``) layouts of every rank of a
+    colocated world, from the config alone: the actor at TP x PP (x VPP) in Megatron's rank order,
+    the rollout replicas of TP' consecutive ranks (what ``WeightSync`` plans on a live world)."""
+    from verl.hybrid.layout import hf_layout, megatron_layout, vllm_layout
+    from verl.parallel.topology import Topology
+
+    if destination not in ("vllm", "hf-shards"):
+        raise ValueError(f"destination={destination!r}; use 'vllm' or 'hf-shards'")
+    topo = Topology.colocated(
+        world_size=world_size, tensor_parallel=train_tp, pipeline_parallel=train_pp, rollout_tensor_parallel=rollout_tp
+    )
+    sources, dests = [], []
+    for rank in range(world_size):
+        c = topo.coords("actor", rank)
+        sources.append(megatron_layout(spec, tp=train_tp, tp_rank=c.tp, pp=train_pp, pp_rank=c.pp,
+                                       vpp=train_vpp, vocab_pad_multiple=None))
+        t = rank % rollout_tp
+        dests.append(vllm_layout(spec, tp=rollout_tp, tp_rank=t) if destination == "vllm"
+                     else hf_layout(spec, tp=rollout_tp, tp_rank=t))
+    return sources, dests
 
 
 def _fmt(nbytes: int) -> str:

@@ -23,13 +23,14 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def extension() -> ModuleType:
-    """Import ``verl._C`` (torch is already imported, so libc10 resolves)."""
+    """Import ``verl._C`` (torch is already imported, so libc10 resolves); an install that did
+    not compile it compiles it here, once (verl/utils/extension.py)."""
     try:
         from verl import _C
     except ImportError as exc:
         raise ImportError(
-            "verl._C is not built; build it from the repository root with "
-            "`pip install --no-build-isolation -e .` (or bash tools/setup_env.sh)"
+            f"verl._C cannot be imported: {exc} (to compile it ahead of time instead: "
+            "`pip install --no-build-isolation -e .` from the repository root, or bash tools/setup_env.sh)"
         ) from exc
     return _C
 

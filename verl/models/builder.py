@@ -20,6 +20,7 @@ The Transformer Engine spec is used when ``transformer_engine`` imports (``trans
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class ModelBuildConfig:
     """Longest sequence the model will see; None takes ``max_position_embeddings`` from the config."""
     init_weights: bool = True
     """Randomly initialise parameters; False leaves them uninitialised (every one is about to be loaded)."""
+    meta_device: bool = False
+    """Build on the meta device: real shapes, no storage (the ``--dry-run`` memory plan); implies no init."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -192,7 +195,7 @@ def transformer_config_from_hf(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        use_cpu_initialization=not cuda,
+        use_cpu_initialization=not cuda or cfg.meta_device,  # meta: no device is touched
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -205,7 +208,8 @@ def transformer_config_from_hf(
         # HF sliding window w: token i attends to j with i - w < j <= i.
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
         transformer_impl="transformer_engine" if use_te else "local",
-        perform_initialization=cfg.init_weights,
+        perform_initialization=cfg.init_weights and not cfg.meta_device,
+        init_model_with_meta_device=cfg.meta_device,
     )
     if cfg.recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -263,25 +267,27 @@ def build_gpt_model(
     post_process = pp_rank == pp_size - 1 and (vp_stage is None or vp_stage == (vpp_size or 1) - 1)
     padded = padded_vocab_size(spec.vocab_size, tp_size, cfg.vocab_pad_multiple)
     tie = spec.tie_word_embeddings and cfg.head == "lm"
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank),
-        vocab_size=padded,
-        max_sequence_length=cfg.max_sequence_length or spec.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=tie,
-        position_embedding_type="rope",
-        rotary_base=spec.rope.theta,
-        pg_collection=pg,
-        vp_stage=vp_stage,
-    )
+    inv_freq = rope_inv_freq(spec.rope, spec.head_dim)  # outside the meta context: real values
+    with torch.device("meta") if cfg.meta_device else contextlib.nullcontext():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_spec(config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank),
+            vocab_size=padded,
+            max_sequence_length=cfg.max_sequence_length or spec.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type="rope",
+            rotary_base=spec.rope.theta,
+            pg_collection=pg,
+            vp_stage=vp_stage,
+        )
+        if post_process and cfg.head != "lm":
+            model.output_layer = ScalarHead(config, pg=pg, init_std=spec.initializer_range)
     # Exact transformers frequencies for every supported rope type (see module docstring).
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(model.rotary_pos_emb.inv_freq.device)
+    model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.forward.cache_clear()
-    if post_process and cfg.head != "lm":
-        model.output_layer = ScalarHead(config, pg=pg, init_std=spec.initializer_range)
     # Bookkeeping the loaders and the forward pass read.
     model.verl_spec = spec
     model.verl_build = cfg

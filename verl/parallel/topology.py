@@ -19,6 +19,7 @@ ranks call ``new_group`` for every group, in the same order) and, for Megatron r
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import itertools
 import logging
@@ -306,8 +307,11 @@ class Topology:
 
     # -- process groups -------------------------------------------------------------------
 
-    def build_groups(self) -> dict[str, RoleGroups]:
+    def build_groups(self, *, timeout: datetime.timedelta | None = None) -> dict[str, RoleGroups]:
         """Create every role's process groups; returns this rank's groups for each of its roles.
+
+        ``timeout``: how long the groups' collectives wait for a missing rank (None: torch's
+        default, 30 minutes for gloo and 10 for NCCL).
 
         Collective: every rank of the world must call it, with the same topology. Identical
         rank sets share one ProcessGroup (e.g. colocated roles with the same layout).
@@ -332,7 +336,7 @@ class Topology:
                 for ranks in self.group_ranks(role, kind):
                     if ranks not in cache:
                         # Every rank runs this same sequence of new_group calls (torch requires it).
-                        cache[ranks] = dist.new_group(ranks=list(ranks))
+                        cache[ranks] = dist.new_group(ranks=list(ranks), timeout=timeout)
                     if rank in ranks:
                         groups[kind] = cache[ranks]
                         ranks_of[kind] = ranks

@@ -78,6 +78,7 @@ class Actor:
             optim=cfg.optim,
             total_training_steps=total_training_steps,
             head="lm",
+            name="actor",
             max_sequence_length=max_sequence_length,
             balance=balance,
         )

@@ -58,6 +58,7 @@ class Critic:
             optim=cfg.optim,
             total_training_steps=total_training_steps,
             head="value",
+            name="critic",
             max_sequence_length=max_sequence_length,
             balance=balance,
         )

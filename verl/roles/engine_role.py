@@ -13,14 +13,22 @@ Every Megatron role (actor, critic, reference, reward model) composes one. It
   (columns ``P-1 .. P+R-2``, as the reference verl slices them);
 - runs the PPO mini-batch loop of :meth:`train`: the global batch split into global
   mini-batches (in order, or shuffled with a seed), each mini-batch sharded over DP and given
-  to ``MegatronEngine.train_step`` with the loss function the role builds for it.
+  to ``MegatronEngine.train_step`` with the loss function the role builds for it;
+- survives running out of memory: an out-of-memory error in a micro-batch halves that call's
+  micro-batch size (down to 1; it stays halved for the rest of the run), warns once with the
+  new value and redoes the call. A training mini-batch is redone from its start (the engine
+  zeroes the gradients first), so it equals the same mini-batch run at the smaller size.
+  Every rank of the role must meet the error in the same call (the usual case: the same
+  shapes everywhere); a rank that alone fails leaves the others in a collective until
+  ``trainer.collective_timeout_s`` names it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +39,8 @@ from verl.parallel import megatron_state
 from verl.protocol import Batch
 from verl.roles.dispatch import collect, shard
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -39,6 +49,8 @@ if TYPE_CHECKING:
     from verl.models.weight_mapping import HeadKind
 
 __all__ = ["LossBuilder", "RoleEngine", "response_slice"]
+
+T = TypeVar("T")
 
 LossBuilder = Callable[[GlobalBatchInfo, int], LossShareFn]
 """``make_loss(info, num_micro_batches) -> loss_fn`` for one mini-batch: ``info`` holds the
@@ -61,6 +73,7 @@ class RoleEngine:
         model, megatron, optim, total_training_steps, head, max_sequence_length: as ``MegatronEngine``.
         pg: the role's ``ProcessGroupCollection`` (from ``Topology.build_groups``).
         balance: reorder rows so the data-parallel ranks get similar token counts (``trainer.balance_batch``).
+        name: the role's name in messages (``actor``, ``critic`` ...).
     """
 
     def __init__(
@@ -74,9 +87,13 @@ class RoleEngine:
         head: "HeadKind" = "lm",
         max_sequence_length: int | None = None,
         balance: bool = False,
+        name: str = "model",
     ) -> None:
         self.pg = pg
         self.balance = balance
+        self.name = name
+        # Micro-batch sizes lowered after an out-of-memory error, per kind of call.
+        self.micro_batch_cap: dict[str, int] = {}
         with self.active():
             self.engine = MegatronEngine(
                 model=model,
@@ -94,6 +111,31 @@ class RoleEngine:
         with megatron_state.activate_role(self.pg):
             yield
 
+    def _fitting(self, kind: str, micro_batch_size: int, run: Callable[[int], "T"]) -> "T":
+        """``run(size)`` at ``micro_batch_size`` (or the lower size an earlier out-of-memory error
+        left for ``kind``), halving the size on an out-of-memory error until it is 1."""
+        size = min(micro_batch_size, self.micro_batch_cap.get(kind, micro_batch_size))
+        while True:
+            try:
+                return run(size)
+            except torch.OutOfMemoryError:
+                if size <= 1:
+                    raise
+                smaller = size // 2
+                self.micro_batch_cap[kind] = smaller
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                logger.warning(
+                    "%s %s: out of memory at micro-batch size %d; now %d for the rest of the run (set "
+                    "the role's micro-batch size to %d to start there)",
+                    self.name,
+                    kind,
+                    size,
+                    smaller,
+                    smaller,
+                )
+                size = smaller
+
     def forward(
         self,
         batch: Batch,
@@ -109,14 +151,18 @@ class RoleEngine:
         (and ``entropy``) or ``values``, each [B, R] float32, identical on every rank.
         ``full=True`` returns every column ([B, P+R]) instead."""
         piece = shard(batch.select(["input_ids", "attention_mask"]), self.pg.dp, balance=self.balance)
-        with self.active():
-            result = self.engine.forward(
-                piece.rows.tensors,
-                micro_batch_size=micro_batch_size,
-                output=output,
-                temperature=temperature,
-                with_entropy=with_entropy,
-            )
+
+        def run(size: int):
+            with self.active():
+                return self.engine.forward(
+                    piece.rows.tensors,
+                    micro_batch_size=size,
+                    output=output,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                )
+
+        result = self._fitting(f"forward ({output})", micro_batch_size, run)
         local = Batch.from_dict(
             {
                 k: (v if full else response_slice(k, v, response_length)).float().cpu()
@@ -159,18 +205,19 @@ class RoleEngine:
                 local = piece.rows.tensors
                 mask = local["response_mask"]  # [b, R]
                 info = GlobalBatchInfo.from_masks([mask.float()], group=self.pg.dp)
-                num_micro = -(-mask.shape[0] // micro_batch_size)
-                with self.active():
-                    results.append(
-                        self.engine.train_step(
+
+                def run(size: int, local=local, info=info, rows=mask.shape[0]):
+                    with self.active():
+                        return self.engine.train_step(
                             local,
-                            micro_batch_size=micro_batch_size,
-                            loss_fn=make_loss(info, num_micro),
+                            micro_batch_size=size,
+                            loss_fn=make_loss(info, -(-rows // size)),
                             output=output,
                             temperature=temperature,
                             with_entropy=with_entropy,
                         )
-                    )
+
+                results.append(self._fitting("update", micro_batch_size, run))
         return results
 
     # -- checkpoints ----------------------------------------------------------------------

@@ -54,6 +54,7 @@ class Reference:
             pg=pg,
             max_sequence_length=max_sequence_length,
             balance=balance,
+            name="reference",
         )
 
     def compute_log_prob(self, batch: Batch) -> torch.Tensor:

@@ -100,6 +100,7 @@ class RewardModel:
             megatron=megatron,
             pg=pg,
             head="reward",
+            name="reward_model",
             max_sequence_length=max_sequence_length,
             balance=balance,
         )

@@ -8,11 +8,14 @@ checks can see it.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from verl.trainer.resilience import RankFailure
 from verl.utils.cli import fail, user_errors
 from verl.utils.logging import log_rank0
 
@@ -39,23 +42,33 @@ def run_trainer(
     from verl.parallel.bootstrap import destroy_distributed, init_distributed
 
     try:
-        init_distributed(device=cfg.trainer.device)
+        init_distributed(
+            device=cfg.trainer.device, timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
+        )
     except ValueError as exc:
         fail(prog, f"trainer.device={cfg.trainer.device}: {exc}")
     try:
         # A setting that only the data or the model reveals (run length, shapes, a bad row);
         # the finally below tears the world down.
-        with user_errors(prog):
-            trainer = make_trainer(cfg)
-            with trainer:  # closing it lists the run's outputs: the last lines a user reads
-                metrics = trainer.fit()
-                log_rank0(
-                    logging.getLogger(prog.split()[-1]),
-                    logging.INFO,
-                    "done: step %d, %s",
-                    trainer.global_step,
-                    summary(trainer, metrics),
-                )
+        try:
+            with user_errors(prog):
+                trainer = make_trainer(cfg)
+                with trainer:  # closing it lists the run's outputs: the last lines a user reads
+                    metrics = trainer.fit()
+                    log_rank0(
+                        logging.getLogger(prog.split()[-1]),
+                        logging.INFO,
+                        "done: step %d, %s",
+                        trainer.global_step,
+                        summary(trainer, metrics),
+                    )
+        except RankFailure as exc:
+            # Another rank died or hangs: tearing the world down could wait on it too. Every
+            # rank that noticed says so (the message names this rank) and leaves now, non-zero.
+            sys.stderr.write(f"{prog}: error: {exc}\n")
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(1)
     finally:
         destroy_distributed()
     return 0

@@ -4,13 +4,16 @@
 the world, a rollout TP' that does not divide the actor's ranks and batch sizes that do not
 divide. :func:`check_ppo_inputs` adds what needs files or the algorithm registries:
 
-- the model directories and data files exist;
+- the model directories and data files exist, and a custom dataset class (``data.custom_cls``)
+  can be imported and is a ``torch.utils.data.Dataset``;
 - the algorithm has the roles it needs: an estimator that reads critic values with the critic
   off, a KL estimator that needs whole distributions, pass@k with one sample per prompt;
 - each role's TP/PP splits its model (heads, MLP, layers), and the rollout TP' divides the
   model's attention heads (the engine shards them);
 - every ``data_source`` in the data files has a rule-based scorer (unless a reward model or a
-  custom reward function scores them);
+  custom reward function scores them); with a custom dataset class (``data.custom_cls``) the
+  class reads the files, in its own format and columns, so :func:`check_dataset_scorers` checks
+  the data sources of the built dataset instead;
 - a reward model reads the policy's token ids, so it must share the policy's tokenizer;
 - the output locations can be written (``verl.trainer.run_checks``).
 
@@ -20,12 +23,20 @@ Every problem found is reported at once, each naming the setting at fault.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from verl.config.schema import PPOConfig
 from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs
 
-__all__ = ["check_ppo_inputs", "data_sources", "needs_values"]
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["check_dataset_scorers", "check_ppo_inputs", "data_sources", "needs_values"]
 
 # Data sources listed in a message at most.
 _SHOWN = 5
@@ -111,30 +122,76 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
     return problems
 
 
-def _scorer_problems(cfg: PPOConfig) -> list[str]:
-    if cfg.custom_reward_function.path or cfg.reward_model.enable:
-        return []
+def _needs_rule_scorers(cfg: PPOConfig) -> bool:
+    return not (cfg.custom_reward_function.path or cfg.reward_model.enable)
+
+
+def _unscored(cfg: PPOConfig, setting: str, found: set[str]) -> list[str]:
+    """The problem (at most one) of the data sources ``found`` in ``data.<setting>``."""
     from verl.rewards import known_data_sources
     from verl.roles.reward_model import has_rule_scorer
 
-    problems = []
     key = cfg.data.reward_fn_key
+    unknown = sorted(s for s in found if not has_rule_scorer(s))
+    if not unknown:
+        return []
+    shown = ", ".join(repr(s) for s in unknown[:_SHOWN]) + (" ..." if len(unknown) > _SHOWN else "")
+    return [
+        f"data.{setting}: data.reward_fn_key={key!r} values {shown} have no rule-based scorer "
+        f"(known: {', '.join(known_data_sources())}); register one (verl.rewards.register_scorer), "
+        "set custom_reward_function.path/name, or enable a reward model"
+    ]
+
+
+def _scorer_problems(cfg: PPOConfig) -> list[str]:
+    # A custom dataset class reads the files its own way: check_dataset_scorers checks what it built.
+    if not _needs_rule_scorers(cfg) or cfg.data.custom_cls.path:
+        return []
+    problems = []
     for setting in ("train_files", "val_files"):
-        files = getattr(cfg.data, setting)
         try:
-            found = data_sources(files, key)
+            found = data_sources(getattr(cfg.data, setting), cfg.data.reward_fn_key)
         except ValueError as exc:
             problems.append(f"data.{setting}: {exc}")
             continue
-        unknown = sorted(s for s in found if not has_rule_scorer(s))
-        if unknown:
-            shown = ", ".join(repr(s) for s in unknown[:_SHOWN]) + (" ..." if len(unknown) > _SHOWN else "")
-            problems.append(
-                f"data.{setting}: data.reward_fn_key={key!r} values {shown} have no rule-based scorer "
-                f"(known: {', '.join(known_data_sources())}); register one (verl.rewards.register_scorer), "
-                "set custom_reward_function.path/name, or enable a reward model"
-            )
+        problems += _unscored(cfg, setting, found)
     return problems
+
+
+def check_dataset_scorers(cfg: PPOConfig, datasets: Mapping[str, Dataset | None]) -> None:
+    """Every data source of the built datasets (``{"train_files": ds, "val_files": ds}``) has a
+    rule-based scorer, as :func:`check_ppo_inputs` checks the files of the built-in dataset.
+
+    For a dataset built on ``RLPromptDataset`` (``verl.utils.dataset.RLHFDataset`` subclasses)
+    the data sources are read from its rows, one column; any other ``torch`` Dataset is not read
+    here (a data source without a scorer then fails when its batch is scored).
+    """
+    from verl.data.rl_dataset import RLPromptDataset
+
+    if not _needs_rule_scorers(cfg):
+        return
+    problems = []
+    for setting, dataset in datasets.items():
+        if dataset is None:
+            continue
+        if not isinstance(dataset, RLPromptDataset):
+            logger.info(
+                "data.%s: %s is not an RLHFDataset; its data sources are checked when scored",
+                setting,
+                type(dataset).__name__,
+            )
+            continue
+        key = dataset.reward_fn_key
+        found = {str(v) for _, _, values in dataset.store.iter_column(key) for v in values}
+        problems += _unscored(cfg, setting, found)
+    if problems:
+        _raise(problems)
+
+
+def _raise(problems: list[str]) -> None:
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    raise ValueError(f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
 
 
 def _reward_model_problems(cfg: PPOConfig) -> list[str]:
@@ -181,14 +238,19 @@ def check_ppo_inputs(cfg: PPOConfig) -> None:
         models=models, data={"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
     )
     problems += _algorithm_problems(cfg)
+    if cfg.data.custom_cls.path:
+        from verl.data.rl_dataset import load_dataset_class
+
+        try:  # the file exists, defines the class, and it is a torch Dataset
+            load_dataset_class(cfg.data.custom_cls.path, cfg.data.custom_cls.name)
+        except ValueError as exc:
+            problems.append(str(exc))
     if not problems:  # the files below exist
         problems += _split_problems(cfg)
         problems += _scorer_problems(cfg)
         problems += _reward_model_problems(cfg)
     if problems:
-        if len(problems) == 1:
-            raise ValueError(problems[0])
-        raise ValueError(f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+        _raise(problems)
     check_run_outputs(
         cfg.trainer,
         inputs={

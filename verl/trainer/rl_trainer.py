@@ -27,6 +27,14 @@ every rank's RNG states; reshardable), and in ``trainer_state.json`` the data lo
 the KL controller and the step. Sampling is seeded per step, so a resumed run samples what the
 uninterrupted one did. At the end the actor is exported as a Hugging Face checkpoint.
 
+Reliability (``verl.trainer.resilience``): SIGTERM/SIGINT/SIGUSR1 finish the step, checkpoint
+and stop (every rank agrees after each step); a step whose update was skipped for a non-finite
+loss or gradient norm is counted and ``trainer.max_consecutive_skipped_steps`` in a row stop the
+run; a non-finite reward or advantage stops it before the update, naming the sample; each rank
+posts its phase, so a collective that fails or times out (``trainer.collective_timeout_s``)
+names the rank that stopped answering. An out-of-memory micro-batch is halved and redone
+(``verl.roles.engine_role``). ``report.html`` is rewritten every ``trainer.report_freq`` steps.
+
 Departures from the reference verl: mini-batches are cut from the global batch before it is
 split over data-parallel ranks (so DP=2 takes the same optimizer steps as DP=1); the actor
 waits ``critic_warmup`` full steps (the reference starts it at step ``critic_warmup``); learning-
@@ -38,10 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,12 +70,22 @@ from verl.rewards import reward_manager_from_config
 from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
 from verl.roles.reward_model import DATA_SOURCE_COLUMN
 from verl.trainer.checkpoint import CheckpointManager
-from verl.trainer.ppo_checks import check_ppo_inputs
+from verl.trainer import report
+from verl.trainer.ppo_checks import check_dataset_scorers, check_ppo_inputs
 from verl.trainer.ppo_metrics import (
     data_metrics,
     rollout_agreement_metrics,
     throughput_metrics,
     validation_metrics,
+)
+from verl.trainer.resilience import (
+    PhaseBoard,
+    SkippedSteps,
+    StopSignals,
+    check_finite_rewards,
+    is_collective_failure,
+    log_stop,
+    rank_failure,
 )
 from verl.trainer.run_checks import as_file_list, hf_export_dir, show_files
 from verl.trainer.startup import run_outputs
@@ -85,13 +105,17 @@ _REMAX_OFFSET = 500
 
 
 class _Timer:
-    """``with timer("gen"):`` adds the block's seconds to ``timing_s/gen``."""
+    """``with timer("gen"):`` adds the block's seconds to ``timing_s/gen`` (and tells ``on_enter``
+    the phase's name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_enter: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.on_enter = on_enter
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if self.on_enter is not None:
+            self.on_enter(name)
         start = time.perf_counter()
         try:
             yield
@@ -146,7 +170,7 @@ class RLTrainer:
             experiment_name=t.experiment_name,
             log_dir=t.log_dir,
             config=to_dict(cfg),
-            outputs=run_outputs(t, model="actor"),
+            outputs=run_outputs(t, model="actor", report_freq=t.report_freq),
         )
         try:
             self._build()
@@ -171,6 +195,8 @@ class RLTrainer:
             if cfg.data.val_files
             else None
         )
+        if cfg.data.custom_cls.path:  # check_ppo_inputs left the data sources to the user's class
+            check_dataset_scorers(cfg, {"train_files": self.train_dataset, "val_files": self.val_dataset})
         self.loader = build_dataloader(self.train_dataset, cfg.data, train=True)
         self.val_loader = (
             build_dataloader(self.val_dataset, cfg.data, train=False) if self.val_dataset else None
@@ -191,7 +217,8 @@ class RLTrainer:
 
         # Placement: every role on every rank, each with its own layout and groups.
         self.topology = self._topology()
-        groups = self.topology.build_groups()
+        groups = self.topology.build_groups(timeout=datetime.timedelta(seconds=t.collective_timeout_s))
+        self.board = PhaseBoard()
         # The engine first (every rank at the same point: it creates process groups), then
         # the training RNG is seeded (vLLM seeds the global RNGs as it starts).
         self.rollout = Rollout(
@@ -251,6 +278,11 @@ class RLTrainer:
             )
             keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
             self.checkpoints = CheckpointManager(t.default_local_dir, max_to_keep=min(keep) if keep else None)
+            # The run report's inputs beside metrics.jsonl (rank 0 writes them).
+            self.reporting = t.report_freq != 0 and "jsonl" in t.logger
+            self._is_rank0 = dist.get_rank() == 0
+            self.scores_file = report.StepRecords(os.path.join(t.log_dir, report.SCORES_FILE))
+            self.samples_file = report.StepRecords(os.path.join(t.log_dir, report.SAMPLES_FILE))
         except BaseException:
             self.rollout.shutdown()
             megatron_state.destroy_model_parallel()
@@ -258,7 +290,10 @@ class RLTrainer:
         self.global_step = 0
         self._iterator: Iterator[dict[str, Any]] | None = None
         self._last_saved_step: int | None = None
+        self._last_checkpoint: str | None = None
         self._resumed = False
+        self.skipped = SkippedSteps(t.max_consecutive_skipped_steps)
+        self.stopped_by: str | None = None  # the signal that stopped fit(), if one did
         log_rank0(
             logger,
             logging.INFO,
@@ -501,9 +536,12 @@ class RLTrainer:
                     "harder prompts"
                 )
 
+    def _enter(self, phase: str) -> None:
+        self.board.post(phase, self.global_step)
+
     def train_step(self) -> dict[str, float] | None:
         """One PPO/GRPO step in DESIGN.md's order; its metrics, or None when the data is used up."""
-        timer = _Timer()
+        timer = _Timer(self._enter)
         start = time.perf_counter()
         batch, metrics = self.collect_batch(timer)
         if batch is None:
@@ -521,12 +559,24 @@ class RLTrainer:
         with timer("adv"):
             batch, more = self.compute_advantage(batch)
             metrics.update(more)
+            check_finite_rewards(
+                self.global_step,
+                {"token_level_rewards": batch["token_level_rewards"], "advantages": batch["advantages"]},
+                batch["response_mask"],
+                batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
+            )
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(self.update_critic(batch))
         if self.global_step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.update_actor(batch))
+        skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
+        metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
+        if self.reporting and self._is_rank0:
+            self.scores_file.append(
+                self.global_step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}]
+            )
         seconds = time.perf_counter() - start
         timer.seconds["step"] = seconds
         metrics.update(data_metrics(batch, use_critic=self.critic is not None))
@@ -543,8 +593,10 @@ class RLTrainer:
         (the same on every rank)."""
         if self.val_loader is None:
             return {}
+        self._enter("testing")
         start = time.perf_counter()
         samples: list[dict[str, Any]] = []  # one record per sample: data_source, prompt, reward, extras
+        shown: list[dict[str, Any]] = []  # generations for the run report
         offset = 0
         with self.rollout.phase():
             for data in self.val_loader:
@@ -560,6 +612,8 @@ class RLTrainer:
                     samples.append(
                         {**record, "reward": float(result.scores[i]), "_source": str(source), "_uid": uid}
                     )
+                if self.reporting and self._is_rank0:
+                    shown.extend(self._generations(out, result.scores))
         names = list(dict.fromkeys(k for s in samples for k in s if not k.startswith("_")))
         metrics = validation_metrics(
             data_sources=[s["_source"] for s in samples],
@@ -567,7 +621,41 @@ class RLTrainer:
             variables={name: [s.get(name) for s in samples] for name in names},
         )
         metrics["timing_s/testing"] = time.perf_counter() - start
+        if shown:
+            self.samples_file.append(self.global_step, shown)
         return metrics
+
+    def _generations(self, out: Batch, scores: torch.Tensor) -> list[dict[str, Any]]:
+        """(data_source, prompt, response, reward) of each validation sample, as text."""
+        r = out["responses"].shape[1]
+        prompt_mask = out["attention_mask"][:, :-r].bool()
+        response_mask = out["response_mask"].bool() if "response_mask" in out else out["attention_mask"][:, -r:].bool()
+        records = []
+        for i, source in enumerate(out.non_tensors[DATA_SOURCE_COLUMN]):
+            records.append(
+                {
+                    "data_source": str(source),
+                    "prompt": self.tokenizer.decode(out["prompts"][i][prompt_mask[i]].tolist(), skip_special_tokens=True),
+                    "response": self.tokenizer.decode(
+                        out["responses"][i][response_mask[i]].tolist(), skip_special_tokens=True
+                    ),
+                    "reward": round(float(scores[i]), 6),
+                }
+            )
+        return records
+
+    def write_report(self) -> str | None:
+        """Rewrite ``report.html`` in ``trainer.log_dir`` from what the run logged (rank 0); its path."""
+        if not (self.reporting and self._is_rank0):
+            return None
+        t = self.cfg.trainer
+        config_path = os.path.join(t.log_dir, report.CONFIG_FILE)
+        if not os.path.isfile(config_path):
+            tmp = f"{config_path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(to_dict(self.cfg), f, indent=2, sort_keys=True, default=str)
+            os.replace(tmp, config_path)
+        return report.build_report(t.log_dir, title=f"{t.project_name} / {t.experiment_name}")
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -584,8 +672,10 @@ class RLTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "total_steps": self.total_steps,
         }
+        self._enter("save_checkpoint")
         path = self.checkpoints.save(self.global_step, write, state)
         self._last_saved_step = self.global_step
+        self._last_checkpoint = path
         return path
 
     def resume(self) -> int:
@@ -613,8 +703,12 @@ class RLTrainer:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
             self.global_step = int(state["global_step"])
             self._last_saved_step = self.global_step
+            self._last_checkpoint = found.path
             log_rank0(logger, logging.INFO, "resumed from %s (step %d)", found.path, self.global_step)
         self.tracking.rewind(self.global_step)
+        if self._is_rank0:
+            self.scores_file.rewind(self.global_step)
+            self.samples_file.rewind(self.global_step)
         return self.global_step
 
     # -- the loop -------------------------------------------------------------------------
@@ -623,8 +717,19 @@ class RLTrainer:
         """Train to ``total_steps`` (resuming first); returns the last step's and validation metrics.
 
         ``stop_after`` ends the loop after that global step without the end-of-run actions
-        (validation, save, export), as if the run were interrupted there.
+        (validation, save, export), as if the run were interrupted there. A stop signal ends it
+        after the current step with a checkpoint (:attr:`stopped_by` names the signal). A
+        collective that fails because another rank died or hung raises ``RankFailure`` naming it.
         """
+        with StopSignals() as signals:  # also while a failure is described: the launcher's SIGTERM waits
+            try:
+                return self._fit(signals, stop_after)
+            except Exception as exc:
+                if is_collective_failure(exc):
+                    raise rank_failure(self.board, exc, timeout_s=self.cfg.trainer.collective_timeout_s) from exc
+                raise
+
+    def _fit(self, signals: StopSignals, stop_after: int | None) -> dict[str, float]:
         t = self.cfg.trainer
         self.resume()
         val: dict[str, float] = {}
@@ -651,6 +756,17 @@ class RLTrainer:
                 last = metrics
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")  # before update: the log line carries it
                 bar.update(1)
+                if t.report_freq > 0 and self.global_step % t.report_freq == 0:
+                    self.write_report()
+                self._enter("end_of_step")
+                stop = signals.agreed()
+                if stop is not None:
+                    if self._last_saved_step != self.global_step:
+                        self.save_checkpoint()
+                    self.stopped_by = stop.name
+                    log_stop(stop.name, self.global_step, self._last_checkpoint)
+                    self.write_report()
+                    return {**last, **val}
                 if stop_after is not None and self.global_step >= stop_after:
                     interrupted = True
                     break
@@ -668,10 +784,12 @@ class RLTrainer:
         if t.save_freq > 0 and self._last_saved_step != self.global_step:
             self.save_checkpoint()
         if t.save_hf:
+            self._enter("export_hf")
             with self.actor.role.active():
                 self.actor.engine.export_hf(hf_export_dir(t))
         if val:
             log_rank0(logger, logging.INFO, "validation after training: %s", _core(val))
+        self.write_report()  # named in the run's list of outputs that closing the trainer logs
         return {**last, **val}
 
     def close(self) -> None:

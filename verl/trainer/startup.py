@@ -51,9 +51,11 @@ def prepare_run(run: RunConfig) -> None:
             os.environ.setdefault(var, "1")
 
 
-def run_outputs(run: RunConfig, *, model: str = "model") -> list[OutputLocation]:
+def run_outputs(run: RunConfig, *, model: str = "model", report_freq: int | None = None) -> list[OutputLocation]:
     """The trainer's own outputs, for the list the loggers add theirs to: checkpoints, the Hugging
-    Face export of ``model`` ("model", "actor") and the report built from ``metrics.jsonl``."""
+    Face export of ``model`` ("model", "actor") and the report built from ``metrics.jsonl``, which
+    the trainer writes every ``report_freq`` steps and at the end (-1: at the end; None or 0: the
+    trainer does not write it, ``python -m verl.trainer.report`` does)."""
     outputs = []
     if run.save_freq > 0:
         outputs.append(OutputLocation("checkpoints", run.default_local_dir, when=f"every {run.save_freq} steps and at the end"))
@@ -61,6 +63,10 @@ def run_outputs(run: RunConfig, *, model: str = "model") -> list[OutputLocation]
         outputs.append(OutputLocation(f"Hugging Face {model}", hf_export_dir(run), when="at the end"))
     if "jsonl" in run.logger:  # the report is built from metrics.jsonl
         log_dir = os.path.abspath(os.path.expanduser(run.log_dir))
-        outputs.append(OutputLocation("report", os.path.join(log_dir, REPORT_FILE),
-                                      use=f"build it with `python -m verl.trainer.report {log_dir}`"))
+        path = os.path.join(log_dir, REPORT_FILE)
+        if report_freq:
+            when = "at the end" if report_freq < 0 else f"every {report_freq} steps and at the end"
+            outputs.append(OutputLocation("report", path, when=when))
+        else:
+            outputs.append(OutputLocation("report", path, use=f"build it with `python -m verl.trainer.report {log_dir}`"))
     return outputs

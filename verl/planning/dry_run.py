@@ -1,0 +1,141 @@
+"""``--dry-run``: the full-size placement built on one CPU process, measured, and planned.
+
+For a representative rank of every pipeline stage of every Megatron role, this process joins a
+simulated world of the cluster's size (torch.distributed's ``fake`` backend: collectives are
+no-ops, no peers exist), builds the real :class:`~verl.parallel.topology.Topology` and its process
+groups, and builds that rank's Megatron model chunks with the real builder on the meta device
+(shapes, no storage). The parameter counts measured from those modules, and the weight sync's
+figures from the real reshard plan (:func:`verl.hybrid.plan.cluster_layouts` and
+:func:`~verl.hybrid.plan.build_plan`), go into the one memory model (:mod:`verl.planning.memory`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from verl.models.hf_config import HFModelSpec
+from verl.planning.memory import MemoryPlan, PlanInputs, StageParams, SyncFigures, memory_plan
+
+__all__ = ["measure_stage_params", "measure_sync", "dry_run_plan"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {2: "bf16", 4: "fp32"}
+
+
+def _topology(inputs: PlanInputs):
+    from verl.parallel.topology import RoleLayout, Topology
+
+    ranks = tuple(range(inputs.world_size))
+    roles = {
+        r.name: RoleLayout(ranks=ranks, tensor_parallel=r.tp, pipeline_parallel=r.pp, context_parallel=r.cp)
+        for r in inputs.roles
+    }
+    roles["rollout"] = RoleLayout(ranks=ranks, tensor_parallel=inputs.rollout.tp)
+    return Topology(world_size=inputs.world_size, roles=roles)
+
+
+def measure_stage_params(inputs: PlanInputs) -> dict[str, list[StageParams]]:
+    """Per role, per pipeline stage: parameter elements of one GPU's meta-device model chunks.
+
+    One simulated rank per (role, stage) not yet measured: its TP rank 0 (every TP rank of a stage
+    holds the same count: the vocabulary is padded to a multiple of TP). Roles with the same model,
+    head and layout (the actor and its reference) share one build per stage.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.parallel import megatron_state
+
+    if dist.is_initialized():
+        raise RuntimeError("dry run: torch.distributed is already initialised in this process; run it alone")
+    topo = _topology(inputs)
+    todo = {(r.name, s) for r in inputs.roles for s in range(r.pp)}
+    found: dict[str, dict[int, StageParams]] = {r.name: {} for r in inputs.roles}
+    built: dict[tuple, StageParams] = {}
+    start = time.perf_counter()
+    for rank in range(inputs.world_size):
+        here = {(r.name, topo.coords(r.name, rank).pp) for r in inputs.roles
+                if topo.coords(r.name, rank).tp == 0} & todo
+        if not here:
+            continue
+        dist.init_process_group("fake", rank=rank, world_size=inputs.world_size, store=FakeStore())
+        try:
+            groups = topo.build_groups()
+            for role in inputs.roles:
+                stage = topo.coords(role.name, rank).pp
+                if (role.name, stage) not in here:
+                    continue
+                spec = inputs.spec_of(role.name)
+                key = (spec, role.head, role.tp, role.pp, role.cp, role.vpp, role.dtype_bytes, stage)
+                if key not in built:
+                    pg = groups[role.name].pg_collection
+                    megatron_state.initialize_role(pg)
+                    build = ModelBuildConfig(
+                        dtype=_DTYPES[role.dtype_bytes], head=role.head, sequence_parallel=role.sequence_parallel,
+                        transformer_impl="local", meta_device=True, recompute_activations=role.recompute,
+                    )
+                    chunks = build_model_chunks(spec, build, pg, vpp_size=role.vpp)
+                    built[key] = StageParams(
+                        params=sum(p.numel() for c in chunks for p in c.parameters()),
+                        layers=sum(len(c.decoder.layers) for c in chunks),
+                        pre=any(c.pre_process for c in chunks),
+                        post=any(c.post_process for c in chunks),
+                    )
+                    megatron_state.destroy_model_parallel()
+                found[role.name][stage] = built[key]
+                todo.discard((role.name, stage))
+        finally:
+            megatron_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        if not todo:
+            break
+    logger.info("dry run: built %d meta-device stages in %.1f s", len(built),
+                time.perf_counter() - start)
+    return {name: [stages[s] for s in sorted(stages)] for name, stages in found.items()}
+
+
+def measure_sync(inputs: PlanInputs) -> SyncFigures:
+    """The weight sync's figures from the real reshard plan of this cluster (actor -> vLLM layout)."""
+    from verl.hybrid.plan import build_plan, cluster_layouts
+
+    actor, r = inputs.role("actor"), inputs.rollout
+    sources, dests = cluster_layouts(
+        inputs.spec, world_size=inputs.world_size, train_tp=actor.tp, train_pp=actor.pp, train_vpp=actor.vpp,
+        rollout_tp=r.tp, destination="vllm",
+    )
+    plan = build_plan(sources, dests)
+    elem = r.dtype_bytes
+    weights, transient, received = [], [], []
+    for rank in range(inputs.world_size):
+        weights.append(sum(box.numel for box in dests[rank].boxes) * elem)
+        transient.append(plan.peak_extra_bound(rank, elem, r.bucket_bytes))
+        received.append(plan.rank_stats(rank).received_elements * elem)
+    return SyncFigures(rollout_weight_bytes=tuple(weights), transient_bytes=tuple(transient),
+                       received_bytes=tuple(received))
+
+
+def dry_run_plan(inputs: PlanInputs, *, stages: Mapping[str, list[StageParams]] | None = None) -> MemoryPlan:
+    """The memory plan of ``inputs`` from meta-device models and the real reshard plan."""
+    return memory_plan(
+        inputs, stages if stages is not None else measure_stage_params(inputs), measure_sync(inputs),
+        source="dry run: meta-device Megatron models on a simulated world, the real reshard plan",
+    )
+
+
+def check_inputs(inputs: PlanInputs, spec: HFModelSpec) -> list[str]:
+    """Why the layout cannot be built at all (the builder's split rules), per role."""
+    from verl.hybrid.layout import check_rollout_degrees
+    from verl.models.builder import split_problems
+
+    problems = []
+    for r in inputs.roles:
+        for p in split_problems(inputs.spec_of(r.name), tp_size=r.tp, pp_size=r.pp, cp_size=r.cp, vpp_size=r.vpp):
+            problems.append(f"{r.name}: {p}")
+    for p in check_rollout_degrees(spec, inputs.rollout.tp):
+        problems.append(f"rollout: {p}")
+    return problems

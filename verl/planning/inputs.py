@@ -1,0 +1,145 @@
+"""A PPO/GRPO config -> the memory model's inputs (one reading, shared by the dry run and plan.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from verl.config.loader import CONFIG_DIR
+from verl.models.hf_config import HFModelSpec, parse_hf_config
+from verl.planning.memory import DEFAULT_RESERVE_GIB, MegatronRole, PlanInputs, RolloutSetup
+
+if TYPE_CHECKING:
+    from verl.config.schema import MegatronConfig, PPOConfig
+
+__all__ = ["MODEL_CONFIG_DIR", "inputs_from_config", "load_spec", "named_model_configs"]
+
+MODEL_CONFIG_DIR = str(CONFIG_DIR / "models")
+"""Hugging Face config.json files of the recipes' models (``llama3_70b``, ``qwen2_7b``): what a dry run
+reads on a machine without the weights."""
+
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def named_model_configs() -> dict[str, str]:
+    """Name -> path of every config in :data:`MODEL_CONFIG_DIR`."""
+    if not os.path.isdir(MODEL_CONFIG_DIR):
+        return {}
+    return {f[:-5]: os.path.join(MODEL_CONFIG_DIR, f) for f in sorted(os.listdir(MODEL_CONFIG_DIR)) if f.endswith(".json")}
+
+
+def load_spec(model: str, *, override: dict | None = None, what: str = "--model") -> HFModelSpec:
+    """The model of a config.json file, a model directory holding one, or a name of
+    :func:`named_model_configs`; ValueError naming ``what`` otherwise."""
+    path = model
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+    elif not os.path.isfile(model):
+        named = named_model_configs()
+        if model not in named:
+            raise ValueError(
+                f"{what}={model!r} is neither a config.json, a model directory nor a known model "
+                f"({', '.join(named) or 'none'} in {MODEL_CONFIG_DIR})"
+            )
+        path = named[model]
+    if not os.path.isfile(path):
+        raise ValueError(f"{what}={model!r}: no config.json at {path}")
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    raw.update(override or {})
+    return parse_hf_config(raw, source=path)
+
+
+def _dtype_bytes(dtype: str, device: str) -> int:
+    if dtype == "auto":
+        return 4 if device == "cpu" else 2  # as verl.engine.build.resolve_dtype on that device
+    return _BYTES[dtype]
+
+
+def _megatron_role(name: str, m: "MegatronConfig", *, device: str, **kw) -> MegatronRole:
+    return MegatronRole(
+        name=name,
+        tp=m.tensor_model_parallel_size,
+        pp=m.pipeline_model_parallel_size,
+        cp=m.context_parallel_size,
+        vpp=m.virtual_pipeline_model_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+        dtype_bytes=_dtype_bytes(m.dtype, device),
+        distributed_optimizer=m.use_distributed_optimizer,
+        offload_params=m.param_offload,
+        offload_grads=m.grad_offload,
+        offload_optimizer=m.optimizer_offload,
+        **kw,
+    )
+
+
+def _micro_batches(mini_batch_prompts: int, n: int, dp: int, micro: int) -> int:
+    return max(1, mini_batch_prompts * n // max(1, dp) // micro)
+
+
+def inputs_from_config(
+    cfg: "PPOConfig",
+    *,
+    spec: HFModelSpec,
+    critic_spec: HFModelSpec | None = None,
+    reward_spec: HFModelSpec | None = None,
+    gpu_memory_gib: float = 80.0,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+) -> PlanInputs:
+    """The memory model's inputs for ``cfg`` on its declared cluster (``trainer.nnodes x n_gpus_per_node``).
+
+    ``megatron.dtype=auto`` is bf16 unless ``trainer.device=cpu`` (the engine's own rule on a GPU).
+    Recompute follows ``actor_rollout_ref.model.enable_gradient_checkpointing`` (critic: its own).
+    """
+    t = cfg.trainer
+    world = t.nnodes * t.n_gpus_per_node
+    device = t.device
+    arr = cfg.actor_rollout_ref
+    n = arr.rollout.n
+    a = arr.actor
+    a_dp = world // (a.megatron.tensor_model_parallel_size * a.megatron.pipeline_model_parallel_size
+                     * a.megatron.context_parallel_size)
+    roles = [
+        _megatron_role(
+            "actor", a.megatron, device=device, head="lm", trains=True, optimizer=a.optim.optimizer,
+            recompute=arr.model.enable_gradient_checkpointing, micro_batch=a.ppo_micro_batch_size_per_gpu,
+            micro_batches=_micro_batches(a.ppo_mini_batch_size, n, a_dp, a.ppo_micro_batch_size_per_gpu),
+            forward_micro_batch=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        )
+    ]
+    if cfg.use_reference:
+        roles.append(_megatron_role(
+            "ref", arr.ref.megatron, device=device, head="lm", trains=False,
+            forward_micro_batch=arr.ref.log_prob_micro_batch_size_per_gpu,
+        ))
+    if cfg.use_critic:
+        c = cfg.critic
+        c_dp = world // (c.megatron.tensor_model_parallel_size * c.megatron.pipeline_model_parallel_size
+                         * c.megatron.context_parallel_size)
+        roles.append(_megatron_role(
+            "critic", c.megatron, device=device, head="value", trains=True, optimizer=c.optim.optimizer,
+            recompute=c.model.enable_gradient_checkpointing, micro_batch=c.ppo_micro_batch_size_per_gpu,
+            micro_batches=_micro_batches(c.ppo_mini_batch_size, n, c_dp, c.ppo_micro_batch_size_per_gpu),
+            forward_micro_batch=c.forward_micro_batch_size_per_gpu,
+        ))
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        roles.append(_megatron_role(
+            "reward_model", rm.megatron, device=device, head="reward", trains=False,
+            forward_micro_batch=rm.micro_batch_size_per_gpu,
+        ))
+    r = arr.rollout
+    rollout = RolloutSetup(
+        tp=r.tensor_model_parallel_size,
+        dtype_bytes=_dtype_bytes(r.dtype, device),
+        sequences=cfg.data.train_batch_size * n,
+        bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+    )
+    return PlanInputs(
+        spec=spec, critic_spec=critic_spec, reward_spec=reward_spec, world_size=world, gpus_per_node=t.n_gpus_per_node,
+        seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        response_len=cfg.data.max_response_length, roles=tuple(roles), rollout=rollout,
+        gpu_memory_gib=gpu_memory_gib, reserve_gib=reserve_gib,
+    )

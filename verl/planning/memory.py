@@ -1,0 +1,525 @@
+"""The one memory model of a colocated PPO/GRPO placement: bytes per role per GPU, per phase, fit.
+
+Both the ``--dry-run`` (parameter counts measured from meta-device Megatron models of every
+pipeline stage, weight-sync figures from the real reshard plan) and ``tools/plan.py`` (counts from
+:func:`formula_stage_params`, sync from :func:`formula_sync`) hand their counts to
+:func:`memory_plan`; everything after the counts is this module, once.
+
+Per GPU, for each Megatron role on it (actor, reference, critic, reward model; every role is
+colocated on every rank, as ``RLTrainer`` places them):
+
+- parameters: ``params x dtype bytes`` (bf16: 2);
+- gradients (trained roles): ``params x 4`` — Megatron's DDP keeps an fp32 ``main_grad`` buffer
+  (``grad_reduce_in_fp32=True`` in ``verl.engine.build``);
+- optimizer state (trained roles): Adam's two moments in fp32 (8 bytes per parameter) plus an
+  fp32 master copy when the parameters are bf16/fp16 (4 more); SGD (no momentum) keeps only the
+  master copy. The distributed optimizer divides it by the data-parallel degree (x context
+  parallel: Megatron shards over DP x CP);
+- activations of one training micro-batch, with recompute on and off (see
+  :func:`layer_activation_bytes`): under 1F1B pipeline stage ``i`` of ``PP`` holds
+  ``min(PP - i, micro-batches)`` micro-batches in flight; full recompute keeps each layer's input
+  only, plus one layer rebuilt during backward; the last stage adds the logits (bf16 output and
+  the fp32 log-softmax of the vocabulary shard). Forward-only passes (log-probs, values) hold one
+  layer's working set and the logits.
+
+The rollout engine (vLLM) on each GPU: its weights at TP' (the rollout layout's tensors), and
+its memory share: vLLM allocates ``gpu_memory_utilization x GPU memory`` for weights and KV cache
+whatever the batch needs, so the KV cache held is that share minus the weights; the KV cache the
+rollout batch needs (sequences of one replica x (prompt + response) x layers x K and V x KV heads
+on the rank x head dim) is printed next to it, with the number of waves the engine needs. The
+weight sync's transient buffers (at most two buckets) and its traffic per step come from the
+reshard plan (dry run) or its formula (plan.py).
+
+Phases (what is resident at once; the peak is the largest):
+
+- ``rollout``: the training state minus the actor's offloaded categories
+  (``actor_rollout_ref.actor.megatron.{param,grad,optimizer}_offload``), the other roles' state,
+  the engine's share and the push's buffers (the push reads the actor's parameters before
+  ``param_offload`` moves them, so that offload does not lower this phase);
+- ``<role>_update``: every role's state plus that role's training activations (the engine is
+  asleep: its weights and cache are in host memory or dropped);
+- ``forward``: every role's state plus the largest forward-only working set.
+
+A fixed ``reserve_gib`` (CUDA context, NCCL buffers, allocator fragmentation) is added to every
+phase. A GPU fits when its peak is within ``gpu_memory_gib`` (GiB, 2**30 bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from verl.models.hf_config import HFModelSpec
+from verl.models.weight_mapping import padded_vocab_size
+
+__all__ = [
+    "GIB",
+    "MegatronRole",
+    "MemoryPlan",
+    "PlanInputs",
+    "RankMemory",
+    "RoleMemory",
+    "RolloutSetup",
+    "StageParams",
+    "SyncFigures",
+    "formula_stage_params",
+    "formula_sync",
+    "layer_activation_bytes",
+    "memory_plan",
+]
+
+GIB = 2**30
+DEFAULT_RESERVE_GIB = 3.0
+"""CUDA context (~0.5 GiB), NCCL communicators and buffers (~1 GiB), allocator fragmentation."""
+
+Head = Literal["lm", "value", "reward"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronRole:
+    """One Megatron role's layout and the memory settings that matter."""
+
+    name: str
+    """actor, ref, critic or reward_model."""
+    tp: int
+    pp: int
+    cp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    head: Head = "lm"
+    dtype_bytes: int = 2
+    trains: bool = True
+    optimizer: Literal["adam", "sgd"] = "adam"
+    distributed_optimizer: bool = False
+    recompute: bool = False
+    micro_batch: int = 1
+    """Sequences per forward/backward on one GPU (training roles)."""
+    micro_batches: int = 1
+    """Micro-batches per optimizer step on one data-parallel rank (the 1F1B schedule's length)."""
+    forward_micro_batch: int = 1
+    """Sequences per forward-only pass (log-probs, values, scores) on one GPU."""
+    offload_params: bool = False
+    offload_grads: bool = False
+    offload_optimizer: bool = False
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel degree over the whole world (every role is colocated on every rank)."""
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def describe(self) -> str:
+        """One line of the layout."""
+        bits = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp:
+            bits.append(f"VPP{self.vpp}")
+        if self.cp > 1:
+            bits.append(f"CP{self.cp}")
+        if self.sequence_parallel:
+            bits.append("SP")
+        if self.trains:
+            bits.append("dist-opt" if self.distributed_optimizer else "replicated-opt")
+            bits.append("recompute" if self.recompute else "no-recompute")
+        return " ".join(bits)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSetup:
+    """The rollout engine's layout and batch."""
+
+    tp: int
+    dtype_bytes: int = 2
+    sequences: int
+    """Sequences generated per step (prompts x n), over all replicas."""
+    bucket_bytes: int = 512 * 2**20
+    gpu_memory_utilization: float = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """Everything the memory model needs besides the parameter counts."""
+
+    spec: HFModelSpec
+    """The actor's (and reference's) model."""
+    critic_spec: HFModelSpec | None = None
+    """The critic's model; None: the actor's."""
+    reward_spec: HFModelSpec | None = None
+    """The reward model's model; None: the actor's."""
+    world_size: int
+    gpus_per_node: int
+    seq_len: int
+    """prompt + response tokens of one sequence."""
+    response_len: int
+    """Generated tokens of one sequence (the decode steps of the step-time estimate)."""
+    roles: tuple[MegatronRole, ...]
+    rollout: RolloutSetup
+    gpu_memory_gib: float = 80.0
+    reserve_gib: float = DEFAULT_RESERVE_GIB
+
+    def role(self, name: str) -> MegatronRole | None:
+        """The role called ``name``, or None when the run has none."""
+        return next((r for r in self.roles if r.name == name), None)
+
+    def spec_of(self, role: str) -> HFModelSpec:
+        """The model a role runs."""
+        if role == "critic" and self.critic_spec is not None:
+            return self.critic_spec
+        if role == "reward_model" and self.reward_spec is not None:
+            return self.reward_spec
+        return self.spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageParams:
+    """What one pipeline stage of a role holds on one GPU (all its virtual chunks together)."""
+
+    params: int
+    """Parameter elements on one GPU of this stage."""
+    layers: int
+    """Transformer layers on this stage."""
+    pre: bool
+    """Holds the embedding (first stage)."""
+    post: bool
+    """Holds the final norm and the head (last stage)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncFigures:
+    """The weight sync per rank: the engine's weights, the push's buffers and traffic (bytes)."""
+
+    rollout_weight_bytes: tuple[int, ...]
+    transient_bytes: tuple[int, ...]
+    received_bytes: tuple[int, ...]
+
+
+# -- formulas ---------------------------------------------------------------------------------
+
+
+def _layer_params(spec: HFModelSpec, tp: int) -> int:
+    h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_kv_heads, spec.intermediate_size
+    qkv = h * (a + 2 * g) * d + ((a + 2 * g) * d if spec.qkv_bias else 0)
+    return (qkv + a * d * h + 3 * h * f) // tp + 2 * h  # q/k/v, o, gate/up/down split over TP; two norms replicated
+
+
+def formula_stage_params(spec: HFModelSpec, role: MegatronRole) -> list[StageParams]:
+    """Parameter elements per GPU of every pipeline stage of ``role``, from the HF config alone.
+
+    Layers split uniformly; the vocabulary padded as the builder pads it (vLLM's padding); a tied
+    LM head on a pipeline of more than one stage is a second copy on the last stage (Megatron);
+    a value/reward head is one ``[1, hidden]`` row, replicated.
+    """
+    chunks = role.pp * (role.vpp or 1)
+    if spec.num_layers % chunks:
+        raise ValueError(
+            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline {role.pp} x virtual {role.vpp or 1}"
+        )
+    layers = spec.num_layers // role.pp
+    vocab = padded_vocab_size(spec.vocab_size, role.tp) * spec.hidden_size // role.tp
+    tied = spec.tie_word_embeddings and role.head == "lm"
+    out = []
+    for stage in range(role.pp):
+        pre, post = stage == 0, stage == role.pp - 1
+        n = layers * _layer_params(spec, role.tp)
+        if pre:
+            n += vocab
+        if post:
+            n += spec.hidden_size  # final norm
+            if role.head != "lm":
+                n += spec.hidden_size
+            elif not tied or role.pp > 1:
+                n += vocab
+        out.append(StageParams(params=n, layers=layers, pre=pre, post=post))
+    return out
+
+
+def _rollout_elements(spec: HFModelSpec, tp: int) -> int:
+    # vLLM's shards: every layer's matrices over TP', norms replicated, vocabulary padded.
+    vocab = padded_vocab_size(spec.vocab_size, tp) * spec.hidden_size // tp
+    head = 0 if spec.tie_word_embeddings else vocab
+    return spec.num_layers * _layer_params(spec, tp) + vocab + head + spec.hidden_size
+
+
+def formula_sync(inputs: PlanInputs) -> SyncFigures:
+    """The weight sync from formulas: the engine's shard, two buckets, and the part of the shard a
+    rank does not already hold (a rank holds ``1/PP`` of the layers, and of each tensor its
+    ``1/TP`` training slice, which covers ``min(1, TP'/TP)`` of its ``1/TP'`` rollout slice)."""
+    actor = inputs.role("actor")
+    r = inputs.rollout
+    weights = _rollout_elements(inputs.spec, r.tp) * r.dtype_bytes
+    local = min(1.0, r.tp / actor.tp) / actor.pp
+    received = int(weights * (1.0 - local))
+    transient = 2 * min(r.bucket_bytes, max(received, 1))
+    n = inputs.world_size
+    return SyncFigures(rollout_weight_bytes=(weights,) * n, transient_bytes=(transient,) * n, received_bytes=(received,) * n)
+
+
+def layer_activation_bytes(spec: HFModelSpec, role: MegatronRole, tokens: int) -> int:
+    """Bytes one transformer layer saves for backward for ``tokens`` tokens of one GPU (bf16 here).
+
+    Counted per saved tensor (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+    Large Transformer Models", redone for this architecture: no dropout masks, RMSNorm, grouped-
+    query attention, SwiGLU, flash/fused attention that saves its output and not the ``s x s``
+    scores): the two norms' inputs and outputs (split over TP only under sequence parallel), q/k/v
+    after rotary, the attention output, gate and up outputs and their SwiGLU product (split over TP).
+    Megatron's local spec (no Transformer Engine: the CPU path) uses unfused attention, which also
+    keeps the ``[b, heads / TP, s, s]`` softmax; that path is not what the GPU recipes run and is not
+    counted here.
+    """
+    h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_kv_heads, spec.intermediate_size
+    t = role.tp
+    sp = t if role.sequence_parallel else 1
+    per_token = 4 * h / sp + (a + 2 * g) * d / t + a * d / t + 3 * f / t
+    return int(role.dtype_bytes * tokens * per_token)
+
+
+def _logits_bytes(spec: HFModelSpec, role: MegatronRole, tokens: int) -> int:
+    if role.head != "lm":
+        return tokens * 4
+    # bf16 logits of the vocabulary shard and their fp32 log-softmax.
+    return tokens * padded_vocab_size(spec.vocab_size, role.tp) // role.tp * (role.dtype_bytes + 4)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleMemory:
+    """One role on one GPU (bytes)."""
+
+    role: str
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Training activations with the role's recompute setting (forward-only working set if frozen)."""
+    activations_recompute_on: int
+    activations_recompute_off: int
+    forward_activations: int
+
+    @property
+    def state(self) -> int:
+        """Parameters, gradients and optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """One GPU: every role, the engine, the phases and the peak (bytes)."""
+
+    rank: int
+    roles: dict[str, RoleMemory]
+    rollout_weights: int
+    kv_cache: int
+    """What the engine holds for its KV cache (its memory share minus its weights)."""
+    kv_cache_needed: int
+    """What this replica's share of the rollout batch needs."""
+    sync_transient: int
+    sync_received: int
+    phases: dict[str, int]
+    reserve: int
+
+    @property
+    def peak(self) -> int:
+        """The largest phase, reserve included."""
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def key(self) -> tuple:
+        """Ranks with the same key print as one row."""
+        return (
+            tuple((r.role, r.stage, r.params, r.grads, r.optimizer, r.activations) for r in self.roles.values()),
+            self.rollout_weights, self.kv_cache, self.kv_cache_needed, self.sync_transient, self.sync_received,
+        )
+
+
+@dataclass(kw_only=True)
+class MemoryPlan:
+    """Per-GPU memory of a placement; ``source`` says where the counts came from."""
+
+    inputs: PlanInputs
+    source: str
+    ranks: list[RankMemory]
+    problems: list[str] = field(default_factory=list)
+    """Why the layout cannot run at all (e.g. the engine's share does not hold its weights)."""
+
+    @property
+    def capacity(self) -> int:
+        return int(self.inputs.gpu_memory_gib * GIB)
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and self.peak <= self.capacity
+
+    @property
+    def kv_waves(self) -> int:
+        """Rounds the engine needs to hold the rollout batch's KV cache (1: all at once)."""
+        worst = max(self.ranks, key=lambda r: r.kv_cache_needed)
+        return max(1, math.ceil(worst.kv_cache_needed / worst.kv_cache)) if worst.kv_cache > 0 else 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready figures (bytes) of every distinct GPU."""
+        out = []
+        for rank, group in _groups(self.ranks):
+            out.append({
+                "ranks": group,
+                "roles": {name: {k: getattr(m, k) for k in ("stage", "params", "grads", "optimizer", "activations",
+                                                              "activations_recompute_on", "activations_recompute_off",
+                                                              "forward_activations")}
+                          for name, m in rank.roles.items()},
+                "rollout_weights": rank.rollout_weights,
+                "kv_cache": rank.kv_cache,
+                "kv_cache_needed": rank.kv_cache_needed,
+                "sync_transient": rank.sync_transient,
+                "sync_received": rank.sync_received,
+                "phases": rank.phases,
+                "peak": rank.peak,
+            })
+        return {"source": self.source, "world_size": self.inputs.world_size, "gpu_memory_gib": self.inputs.gpu_memory_gib,
+                "fits": self.fits, "peak": self.peak, "problems": self.problems, "gpus": out}
+
+    def table(self) -> str:
+        """A readable per-GPU table: one block per distinct GPU (ranks listed), GiB."""
+        inp = self.inputs
+        lines = [
+            f"memory plan ({self.source}): {inp.world_size} GPUs ({inp.world_size // inp.gpus_per_node} nodes x "
+            f"{inp.gpus_per_node}), {inp.gpu_memory_gib:g} GiB each, {inp.seq_len} tokens per sequence, "
+            f"reserve {inp.reserve_gib:g} GiB per GPU",
+        ]
+        for role in inp.roles:
+            batches = f"micro-batch {role.micro_batch} x {role.micro_batches} per optimizer step, " if role.trains else ""
+            lines.append(f"  {role.name:<12} {role.describe()}, DP{role.dp(inp.world_size)}, {batches}"
+                         f"forward micro-batch {role.forward_micro_batch}")
+        r = inp.rollout
+        lines.append(f"  {'rollout':<12} TP'{r.tp}, {r.sequences} sequences per step over "
+                     f"{inp.world_size // r.tp} replicas, gpu_memory_utilization {r.gpu_memory_utilization:g}")
+        for rank, group in _groups(self.ranks):
+            lines.append(f"GPU ranks {_ranks_text(group)}:")
+            lines.append(f"  {'role':<12} {'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'act':>9} "
+                         f"{'act(rc on)':>10} {'act(rc off)':>11} {'fwd act':>9}")
+            for m in rank.roles.values():
+                lines.append(
+                    f"  {m.role:<12} {m.stage:>5} {_g(m.params):>9} {_g(m.grads):>9} {_g(m.optimizer):>9} "
+                    f"{_g(m.activations):>9} {_g(m.activations_recompute_on):>10} {_g(m.activations_recompute_off):>11} "
+                    f"{_g(m.forward_activations):>9}"
+                )
+            lines.append(
+                f"  rollout: weights {_g(rank.rollout_weights)}, KV cache held {_g(rank.kv_cache)} (the batch needs "
+                f"{_g(rank.kv_cache_needed)}), sync buffers {_g(rank.sync_transient)}, sync received "
+                f"{_g(rank.sync_received)} per step"
+            )
+            phases = ", ".join(f"{k} {_g(v)}" for k, v in rank.phases.items())
+            verdict = "fits" if rank.peak <= self.capacity else "DOES NOT FIT"
+            lines.append(f"  phases (reserve included): {phases}; peak {_g(rank.peak)} in {rank.peak_phase} "
+                         f"of {inp.gpu_memory_gib:g} GiB: {verdict}")
+        for p in self.problems:
+            lines.append(f"problem: {p}")
+        lines.append(f"KV cache waves for the rollout batch: {self.kv_waves}")
+        lines.append(f"verdict: {'fits' if self.fits else 'does not fit'} (peak {_g(self.peak)} GiB on rank "
+                     f"{self.worst.rank} in {self.worst.peak_phase}, capacity {inp.gpu_memory_gib:g} GiB)")
+        return "\n".join(lines)
+
+
+def _g(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    if len(ranks) > 8:
+        return ",".join(map(str, ranks[:8])) + f",... ({len(ranks)} GPUs)"
+    return ",".join(map(str, ranks))
+
+
+def _groups(ranks: list[RankMemory]) -> list[tuple[RankMemory, list[int]]]:
+    seen: dict[tuple, tuple[RankMemory, list[int]]] = {}
+    for r in ranks:
+        seen.setdefault(r.key(), (r, []))[1].append(r.rank)
+    return list(seen.values())
+
+
+def _role_memory(inputs: PlanInputs, role: MegatronRole, stage: int, counts: StageParams) -> RoleMemory:
+    spec = inputs.spec_of(role.name)
+    params = counts.params * role.dtype_bytes
+    grads = optimizer = 0
+    if role.trains:
+        grads = counts.params * 4
+        per = (4 if role.dtype_bytes < 4 else 0) + (8 if role.optimizer == "adam" else 0)
+        shard = role.dp(inputs.world_size) * role.cp if role.distributed_optimizer else 1
+        optimizer = math.ceil(counts.params * per / shard)
+    tokens = role.micro_batch * inputs.seq_len // role.cp
+    layer = layer_activation_bytes(spec, role, tokens)
+    in_flight = min(role.pp - stage, max(1, role.micro_batches))
+    logits = _logits_bytes(spec, role, tokens) if counts.post else 0
+    off = in_flight * counts.layers * layer + logits
+    layer_input = int(role.dtype_bytes * tokens * spec.hidden_size / (role.tp if role.sequence_parallel else 1))
+    inputs_only = in_flight * counts.layers * layer_input
+    on = inputs_only + layer + logits
+    f_tokens = role.forward_micro_batch * inputs.seq_len // role.cp
+    forward = layer_activation_bytes(spec, role, f_tokens) + (_logits_bytes(spec, role, f_tokens) if counts.post else 0)
+    act = (on if role.recompute else off) if role.trains else forward
+    return RoleMemory(
+        role=role.name, stage=stage, params=params, grads=grads, optimizer=optimizer, activations=act,
+        activations_recompute_on=on if role.trains else 0, activations_recompute_off=off if role.trains else 0,
+        forward_activations=forward,
+    )
+
+
+def memory_plan(
+    inputs: PlanInputs, stages: Mapping[str, Sequence[StageParams]], sync: SyncFigures, *, source: str
+) -> MemoryPlan:
+    """Per-GPU memory of ``inputs`` from per-stage parameter counts and the weight sync's figures."""
+    world = inputs.world_size
+    capacity = int(inputs.gpu_memory_gib * GIB)
+    reserve = int(inputs.reserve_gib * GIB)
+    r = inputs.rollout
+    spec = inputs.spec
+    replicas = world // r.tp
+    per_replica = math.ceil(r.sequences / replicas)
+    kv_heads = max(1, spec.num_kv_heads // r.tp)
+    kv_needed = per_replica * inputs.seq_len * spec.num_layers * 2 * kv_heads * spec.head_dim * r.dtype_bytes
+    problems = []
+    ranks = []
+    for rank in range(world):
+        roles = {}
+        for role in inputs.roles:
+            # Megatron's rank order (verl.parallel.topology): tp fastest, then cp, dp, pp.
+            stage = rank // (role.tp * role.cp * role.dp(world))
+            roles[role.name] = _role_memory(inputs, role, stage, stages[role.name][stage])
+        weights = sync.rollout_weight_bytes[rank]
+        share = int(r.gpu_memory_utilization * capacity)
+        kv = max(0, share - weights)
+        if kv == 0 and not problems:
+            problems.append(
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} gives the engine "
+                f"{_g(share)} GiB, not more than its weights ({_g(weights)} GiB at TP'{r.tp}); raise it or TP'"
+            )
+        state_all = sum(m.state for m in roles.values())
+        actor = roles.get("actor")
+        kept = state_all
+        if actor is not None:
+            a = inputs.role("actor")
+            kept -= (actor.grads if a.offload_grads else 0) + (actor.optimizer if a.offload_optimizer else 0)
+        phases = {"rollout": kept + weights + kv + sync.transient_bytes[rank] + reserve}
+        for role in inputs.roles:
+            if role.trains:
+                phases[f"{role.name}_update"] = state_all + roles[role.name].activations + reserve
+        phases["forward"] = state_all + max(m.forward_activations for m in roles.values()) + reserve
+        ranks.append(RankMemory(
+            rank=rank, roles=roles, rollout_weights=weights, kv_cache=kv, kv_cache_needed=kv_needed,
+            sync_transient=sync.transient_bytes[rank], sync_received=sync.received_bytes[rank], phases=phases,
+            reserve=reserve,
+        ))
+    return MemoryPlan(inputs=inputs, source=source, ranks=ranks, problems=problems)

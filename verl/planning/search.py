@@ -1,0 +1,174 @@
+"""Step-time estimate of a placement, and the search for layouts that fit (formula plans, ranked).
+
+The estimate is arithmetic over stated figures (:mod:`verl.planning.hardware`) and these
+assumptions, not a measurement:
+
+- every sequence runs to prompt + response tokens (an upper bound for the rollout and training);
+- training and prefill run at ``MFU`` of the peak bf16 throughput; a training pass costs 6 FLOPs
+  per parameter per token (forward 2, backward 4), 8 with full recompute, a forward-only pass 2;
+  the 1F1B pipeline bubble adds ``(PP - 1) / micro-batches`` of the training time;
+- decoding is bound by memory bandwidth: every token step of a replica reads its weight shard and
+  its KV cache once, at ``HBM_EFFICIENCY`` of the peak bandwidth, in as many waves as the KV cache
+  needs to hold the batch;
+- the weight sync moves the largest rank's received bytes at the inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from verl.planning.hardware import GPUPreset
+from verl.planning.memory import MegatronRole, MemoryPlan, PlanInputs, formula_stage_params, formula_sync, memory_plan
+
+__all__ = [
+    "HBM_EFFICIENCY", "MFU", "Candidate", "estimate_step_seconds", "grow_cluster", "search_layouts", "suggestion_overrides",
+]
+
+MFU = 0.40
+"""Model-FLOPs utilisation assumed for training and prefill (Megatron-core dense models commonly
+report 40-50% on H100 clusters; the lower end, as RL steps mix in short passes)."""
+HBM_EFFICIENCY = 0.60
+"""Fraction of peak memory bandwidth a decode step reaches (small-batch GEMV-like kernels)."""
+
+
+def _params_total(inputs: PlanInputs, role: str) -> int:
+    head = inputs.role(role).head if inputs.role(role) is not None else "lm"
+    whole = MegatronRole(name=role, tp=1, pp=1, head=head)
+    return sum(s.params for s in formula_stage_params(inputs.spec_of(role), whole))
+
+
+def estimate_step_seconds(plan: MemoryPlan, gpu: GPUPreset) -> dict[str, float]:
+    """Seconds per RL step by phase (rollout, sync, forward, training) and in total (see module docstring)."""
+    inp = plan.inputs
+    world = inp.world_size
+    flops = gpu.bf16_tflops * 1e12 * MFU * world
+    tokens = inp.rollout.sequences * inp.seq_len
+    train = forward = 0.0
+    for role in inp.roles:
+        n = _params_total(inp, role.name)
+        forward += 2 * n * tokens / flops
+        if role.trains:
+            per = 8 if role.recompute else 6
+            bubble = (role.pp - 1) / max(1, role.micro_batches)
+            train += per * n * tokens / flops * (1 + bubble)
+    forward += 2 * _params_total(inp, "actor") * tokens / flops  # old log-probs of the actor
+    worst = plan.worst
+    r = inp.rollout
+    replicas = world // r.tp
+    response = inp.response_len
+    per_replica = math.ceil(r.sequences / replicas)
+    waves = max(1, plan.kv_waves)
+    kv_read = worst.kv_cache_needed / waves
+    bw = gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY
+    decode = waves * response * (worst.rollout_weights + kv_read / 2) / bw
+    prefill_flops = 2 * _params_total(inp, "actor") * per_replica * (inp.seq_len - response)
+    prefill = prefill_flops / (gpu.bf16_tflops * 1e12 * MFU * r.tp)
+    sync = max(x.sync_received for x in plan.ranks) / (gpu.internode_gb_s * 1e9)
+    out = {"rollout": decode + prefill, "weight_sync": sync, "forward": forward, "train": train}
+    out["total"] = sum(out.values())
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that was tried, with its formula plan and time."""
+
+    inputs: PlanInputs
+    plan: MemoryPlan
+    seconds: float
+
+    def describe(self) -> str:
+        a = self.inputs.role("actor")
+        offl = [k for k, v in (("grads", a.offload_grads), ("optimizer", a.offload_optimizer)) if v]
+        return (f"TP{a.tp} PP{a.pp}{' SP' if a.sequence_parallel else ''} TP'{self.inputs.rollout.tp}"
+                f"{' recompute' if a.recompute else ''}{' dist-opt' if a.distributed_optimizer else ''}"
+                f"{' offload ' + '+'.join(offl) if offl else ''}: peak {self.plan.peak / 2**30:.1f} GiB, "
+                f"~{self.seconds:.0f} s/step")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _variant(
+    inputs: PlanInputs, *, world: int, tp: int, pp: int, rollout_tp: int, recompute: bool, offload: bool
+) -> PlanInputs:
+    roles = []
+    for r in inputs.roles:
+        dp = world // (tp * pp * r.cp)
+        mini = r.micro_batch * r.micro_batches * r.dp(inputs.world_size)  # sequences per optimizer step, kept
+        changes = dict(tp=tp, pp=pp, vpp=None, sequence_parallel=tp > 1)
+        if r.trains:
+            changes.update(recompute=recompute, distributed_optimizer=True,
+                           micro_batches=max(1, mini // max(1, dp) // r.micro_batch))
+            if r.name == "actor":
+                changes.update(offload_grads=offload, offload_optimizer=offload)
+        roles.append(dataclasses.replace(r, **changes))
+    return dataclasses.replace(inputs, world_size=world, roles=tuple(roles),
+                               rollout=dataclasses.replace(inputs.rollout, tp=rollout_tp))
+
+
+def search_layouts(inputs: PlanInputs, gpu: GPUPreset, *, limit: int = 5, nodes: int | None = None) -> list[Candidate]:
+    """Layouts that fit on ``nodes`` nodes (default: the inputs' cluster), fastest first (formula
+    plans): every Megatron role on one TP x PP, TP and TP' within a node, the distributed optimizer,
+    recompute and the actor's grad/optimizer offload tried both ways; the sequences per optimizer
+    step are kept."""
+    from verl.hybrid.layout import check_rollout_degrees
+    from verl.models.builder import split_problems
+
+    node = inputs.gpus_per_node
+    world = node * nodes if nodes is not None else inputs.world_size
+    found = []
+    for tp in _divisors(node):
+        for pp in _divisors(world // tp):
+            if any(split_problems(inputs.spec_of(r.name), tp_size=tp, pp_size=pp) for r in inputs.roles):
+                continue
+            for rollout_tp in _divisors(node):
+                if world % rollout_tp or check_rollout_degrees(inputs.spec, rollout_tp):
+                    continue
+                for recompute in (False, True):
+                    for offload in (False, True):
+                        v = _variant(inputs, world=world, tp=tp, pp=pp, rollout_tp=rollout_tp, recompute=recompute,
+                                     offload=offload)
+                        plan = memory_plan(v, {r.name: formula_stage_params(v.spec_of(r.name), r) for r in v.roles},
+                                           formula_sync(v), source="formulas")
+                        if plan.fits:
+                            found.append(Candidate(v, plan, estimate_step_seconds(plan, gpu)["total"]))
+    found.sort(key=lambda c: (c.seconds, c.plan.peak))
+    return found[:limit]
+
+
+def grow_cluster(inputs: PlanInputs, gpu: GPUPreset, *, limit: int = 5, max_factor: int = 8) -> tuple[int, list[Candidate]]:
+    """The fewest nodes (the cluster doubled, up to ``max_factor`` times) on which some layout fits,
+    and those layouts; (0, []) when none does."""
+    nodes = inputs.world_size // inputs.gpus_per_node
+    factor = 2
+    while factor <= max_factor:
+        found = search_layouts(inputs, gpu, limit=limit, nodes=nodes * factor)
+        if found:
+            return nodes * factor, found
+        factor *= 2
+    return 0, []
+
+
+def suggestion_overrides(candidate: Candidate) -> list[str]:
+    """The main_ppo overrides that select ``candidate``'s layout (and its node count)."""
+    out = [f"trainer.nnodes={candidate.inputs.world_size // candidate.inputs.gpus_per_node}"]
+    for r in candidate.inputs.roles:
+        prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
+                  "reward_model": "reward_model"}[r.name]
+        out += [f"{prefix}.megatron.tensor_model_parallel_size={r.tp}",
+                f"{prefix}.megatron.pipeline_model_parallel_size={r.pp}",
+                f"{prefix}.megatron.sequence_parallel={str(r.sequence_parallel).lower()}"]
+        if r.trains:
+            out.append(f"{prefix}.megatron.use_distributed_optimizer=true")
+        if r.name == "actor":
+            out += [f"actor_rollout_ref.model.enable_gradient_checkpointing={str(r.recompute).lower()}",
+                    f"{prefix}.megatron.grad_offload={str(r.offload_grads).lower()}",
+                    f"{prefix}.megatron.optimizer_offload={str(r.offload_optimizer).lower()}"]
+        if r.name == "critic":
+            out.append(f"critic.model.enable_gradient_checkpointing={str(r.recompute).lower()}")
+    out.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={candidate.inputs.rollout.tp}")
+    return out

@@ -1,0 +1,76 @@
+"""The Python half of the launchers in ``launch/`` (files that are valid bash and valid Python).
+
+``torchrun ... launch/X.sh key=value`` hands the file to Python on every rank; ``bash launch/X.sh``
+starts that same torchrun itself (``launch/common.sh``). Either way each rank ends here:
+:func:`run_recipe` optionally prepares inputs once (global rank 0 runs the launcher's preparation
+while the others wait at a barrier: on a shared file system every node then sees them), then runs
+``main_ppo`` with the recipe's config, the launcher's overrides and the user's ``key=value``
+arguments (last wins). ``--dry-run`` runs in one process, without torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+
+__all__ = ["launched_world_overrides", "run_recipe"]
+
+_TORCHRUN_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+})
+
+
+def launched_world_overrides() -> list[str]:
+    """``trainer.nnodes``/``n_gpus_per_node`` of the torchrun world this rank is in ([] outside torchrun)."""
+    if "WORLD_SIZE" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        return []
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return [f"trainer.nnodes={world // local}", f"trainer.n_gpus_per_node={local}"]
+
+
+def _prepare_once(command: Sequence[str], device: str) -> None:
+    """Global rank 0 runs ``command``; every rank waits for it (the world is started here for that)."""
+    import torch.distributed as dist
+
+    from verl.parallel.bootstrap import init_distributed
+
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as run_trainer does, before anything initialises CUDA
+    init_distributed(device=device)
+    status = [0]
+    if dist.get_rank() == 0:
+        # The command is no rank of this world: torchrun's variables would make a trainer in it join.
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+        status = [subprocess.run(list(command), check=False, env=env).returncode]
+    dist.broadcast_object_list(status, src=0)
+    if status[0] != 0:
+        raise SystemExit(f"launcher: preparing the run failed (exit {status[0]}): {' '.join(command)}")
+
+
+def run_recipe(
+    config: str,
+    argv: Sequence[str],
+    *,
+    overrides: Sequence[str] = (),
+    prepare: Sequence[str] | None = None,
+    device: str = "auto",
+    dry_run_model_config: str | None = None,
+) -> int:
+    """Run ``main_ppo --config CONFIG [overrides] [argv]``; returns its exit status.
+
+    ``prepare``: a command run once (global rank 0) before training, not in a dry run.
+    ``dry_run_model_config``: the ``--model-config`` a dry run uses unless ``argv`` names one (the
+    recipe's model is not on a planning machine).
+    """
+    from verl.trainer import main_ppo
+
+    args = ["--config", config, *overrides, *argv]
+    if "--dry-run" in argv or "--help" in argv or "-h" in argv:
+        if "--dry-run" in argv and dry_run_model_config and not any(a.split("=", 1)[0] == "--model-config" for a in argv):
+            args += ["--model-config", dry_run_model_config]
+        return main_ppo.main(args)
+    if prepare is not None:
+        _prepare_once(prepare, device)
+    return main_ppo.main(args)
