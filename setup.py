@@ -72,6 +72,11 @@ EXTRAS = {
     # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
     # playwright drives Debian's chromium (setup_env.sh --test installs it) for the report's browser test.
     "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
+    # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
+    # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the
+    # tracking part of the full `mlflow` package without its UI and model-serving dependencies
+    # (the full package works the same).
+    "loggers": ["wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
 }
 
 

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl.parallel.bootstrap import under_torchrun
     from verl.utils.cli import user_errors
     from verl.utils.logging import global_rank, setup_logging
+    from verl.utils.progress import bar_allowed
 
     setup_logging(logging.WARNING)
     show = not under_torchrun() or global_rank() == 0
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             head=args.head,
             vocab_pad_multiple=args.vocab_pad_multiple,
             overwrite=args.overwrite,
-            progress=not args.no_progress,
+            progress=not args.no_progress and bar_allowed(),  # a bar on a terminal only, never in a log
         )
         if show:
             rss = report.peak_rss_mib_per_rank

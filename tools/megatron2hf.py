@@ -28,7 +28,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--megatron-dir", required=True, help="checkpoint written by tools/hf2megatron.py or by verl training")
+    parser.add_argument(
+        "--megatron-dir", required=True,
+        help="checkpoint written by tools/hf2megatron.py, or a training checkpoint: global_step_N (its actor's "
+             "model), global_step_N/actor or global_step_N/critic (their model/ folder)",
+    )
     parser.add_argument("--out-dir", required=True, help="where the Hugging Face model goes; written to a hidden temporary sibling and renamed at the end")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="dtype of the written tensors (default: the checkpoint's)")
     parser.add_argument("--max-shard-gib", type=positive_float, default=2.0, help="largest safetensors file in GiB (default 2)")
@@ -73,27 +77,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from verl.models.convert import megatron_to_hf, quiet_megatron_warnings
+    from verl.models.convert import find_megatron_model, megatron_to_hf, quiet_megatron_warnings
     from verl.utils.cli import fail, user_errors
     from verl.utils.logging import setup_logging
+    from verl.utils.progress import bar_allowed
 
     setup_logging(logging.WARNING)
     with quiet_megatron_warnings(), user_errors("megatron2hf"):
-        check_distcp_files(args.megatron_dir)
+        megatron_dir = find_megatron_model(args.megatron_dir)
+        if megatron_dir != os.path.abspath(os.path.expanduser(args.megatron_dir)):
+            print(f"reading the model checkpoint {megatron_dir}", file=sys.stderr)
+        check_distcp_files(megatron_dir)
         try:
             report = megatron_to_hf(
-                megatron_dir=args.megatron_dir,
+                megatron_dir=megatron_dir,
                 out_dir=args.out_dir,
                 dtype=args.dtype,
                 overwrite=args.overwrite,
                 max_shard_bytes=int(args.max_shard_gib * 1024**3),
-                progress=not args.no_progress,
+                progress=not args.no_progress and bar_allowed(),  # a bar on a terminal only, never in a log
             )
         except CheckpointException as exc:  # a BaseException: one rank's read failed
             first = next(iter(exc.failures.values()))[0]
             fail(
                 "megatron2hf",
-                f"cannot read the checkpoint in {args.megatron_dir} ({type(first).__name__}: {first}); "
+                f"cannot read the checkpoint in {megatron_dir} ({type(first).__name__}: {first}); "
                 "is it complete and unmodified? Copy it again",
             )
     print(f"wrote {report.out_dir} ({report.num_tensors} tensors), peak_rss_mib={report.peak_rss_mib_per_rank[0]:.0f}")

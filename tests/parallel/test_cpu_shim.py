@@ -220,3 +220,38 @@ def test_noop_when_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sys.meta_path == meta_path_before
     assert torch.Tensor.cuda is tensor_cuda_before
     assert not cpu_shim.shim_needed()
+
+
+_JIT_FUSER_CHECK = """
+import sys, torch
+from verl.parallel import cpu_shim
+cpu_shim.apply_cpu_shim()
+from megatron.core.fusions.fused_bias_gelu import bias_gelu  # decorated with jit_fuser at import
+decorated_without_dynamo = "torch._dynamo" not in sys.modules
+compiled = []
+def record(fn, **options):  # stands in for torch.compile, which would build a C++ kernel here
+    compiled.append(fn.__name__)
+    return fn
+torch.compile = record
+bias, y = torch.tensor([0.5, -1.0]), torch.tensor([1.0, 2.0])
+x = bias + y
+expected = x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+first, second = bias_gelu(bias, y), bias_gelu(bias, y)
+print(decorated_without_dynamo, compiled, torch.equal(first, expected) and torch.equal(second, expected))
+"""
+
+
+@needs_cpu_only
+def test_fix7_jit_fuser_compiles_at_the_first_call_not_at_import() -> None:
+    """Megatron decorates its fused helpers with torch.compile at import, which imports dynamo and
+    inductor (seconds of start-up); under the shim the compile happens at the first call, once."""
+    import os
+    import subprocess
+
+    import verl
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(verl.__file__))}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _JIT_FUSER_CHECK],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "True ['bias_gelu'] True"

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept_per_test():
+    """An entry point run in-process (``main_ppo.main``) sets process-wide defaults
+    (``verl.trainer.startup.prepare_run``: TQDM_DISABLE, VLLM_CONFIGURE_LOGGING, ...): they end with its test."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
-        "generate", help="generate solvable puzzles into DIR/train.parquet and DIR/test.parquet"
+        "generate",
+        help="generate solvable puzzles into OUT_DIR/train.parquet and OUT_DIR/test.parquet",
+        description="Generate countdown puzzles that have a solution (reach a target from --count numbers in "
+        "[1, --max-number] with + - * /, each number at most once) into OUT_DIR/train.parquet (--train puzzles) and "
+        "OUT_DIR/test.parquet (--val puzzles), in the verl format (prompt, data_source, reward_model.ground_truth).",
     )
     g.add_argument("--out-dir", required=True, help="output folder")
     g.add_argument("--train", type=positive_int, default=1000, help="training puzzles (default %(default)s)")
@@ -41,7 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     g.add_argument("--max-number", type=positive_int, default=99, help="largest number drawn (default %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    c = sub.add_parser("convert", help="convert a file with nums/target columns")
+    c = sub.add_parser(
+        "convert",
+        help="convert a file with nums/target columns",
+        description="Convert a local countdown file (.jsonl, .parquet or .arrow with columns nums, a list of "
+        "integers, and target, an integer) into one verl-format parquet file.",
+    )
     c.add_argument("--input", required=True, help="input .jsonl, .parquet or .arrow file")
     c.add_argument("--output", required=True, help="output parquet file")
     c.add_argument(

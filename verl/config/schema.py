@@ -14,6 +14,7 @@ expresses the same thing with ``${...}`` interpolation).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -373,6 +374,7 @@ class RunConfig(ConfigBase):
     project_name: str = option("verl", "Project name for loggers and the checkpoint directory.")
     experiment_name: str = option("run", "Run name for loggers and the checkpoint directory.")
     logger: list[LoggerName] = option(["console"], "Metric sinks. (Reference default adds wandb, which needs an account.)")
+    progress_bar: bool = option(True, "Draw a progress bar when stderr is a terminal (never in a log file or pipe, where progress is a log line every 30 s); false: log lines only. TQDM_DISABLE=1 also turns the bar off.")
     nnodes: int = option(1, "Nodes in the job.", ge=1)
     n_gpus_per_node: int = option(1, "Ranks (GPUs, or CPU processes) per node; nnodes x n_gpus_per_node must equal the launched world size. (Reference: 8.)", ge=1)
     device: DeviceName = option("auto", "Device: auto (cuda when available, else cpu), cuda or cpu. (Reference: cuda.)")
@@ -396,10 +398,21 @@ class RunConfig(ConfigBase):
         gt=0,
     )
 
+    # Fields holding paths the run writes or resumes from: made absolute by resolve_paths().
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("default_local_dir", "resume_from_path", "log_dir", "hf_export_dir")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.default_local_dir = _fill_run_names(self.default_local_dir, self.project_name, self.experiment_name)
         self.log_dir = _fill_run_names(self.log_dir, self.project_name, self.experiment_name)
+
+    def resolve_paths(self) -> None:
+        """Make every ``PATH_FIELDS`` path absolute (``~`` expanded, relative to the working directory),
+        so log lines and recorded configs name it the same wherever they are read."""
+        for name in self.PATH_FIELDS:
+            value = getattr(self, name)
+            if value:
+                setattr(self, name, os.path.abspath(os.path.expanduser(value)))
 
 
 @dataclass(kw_only=True)

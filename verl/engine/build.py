@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from verl.utils.paths import check_model_dir, load_json_object
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_optimizer",
@@ -163,6 +166,10 @@ def build_optimizer(
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         use_distributed_optimizer=use_distributed_optimizer,
+    )
+    logger.debug(
+        "Megatron's OptimizerConfig has clip_grad=0.0 because verl clips the gradient norm itself "
+        "(optim.clip_grad=%g)", optim.clip_grad,
     )
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False, pg_collection=pg)
     for chunk in chunks:

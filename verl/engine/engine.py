@@ -143,7 +143,7 @@ class MegatronEngine:
             logger,
             logging.INFO,
             "engine ready: %s %s head, %s, tp=%d pp=%d dp=%d, %s lr=%g "
-            "(%s, warm-up %d, decay %d of %d steps), clip %g",
+            "(%s, warm-up %d, decay %d of %d steps), %s",
             self.spec.model_type,
             head,
             self.build_config.dtype,
@@ -156,7 +156,8 @@ class MegatronEngine:
             self.scheduler.lr_warmup_steps,
             self.scheduler.lr_decay_steps,
             self.total_training_steps,
-            optim.clip_grad,
+            # Megatron's optimizer config says clip_grad=0.0: verl clips (engine.step), not Megatron.
+            f"grad-norm clip {optim.clip_grad:g} (by verl)" if optim.clip_grad > 0 else "no grad-norm clip",
         )
 
     # ------------------------------------------------------------------------------------------

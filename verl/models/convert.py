@@ -277,6 +277,50 @@ def _check_storage_files(ckpt_dir: str) -> None:
         raise ValueError(f"{ckpt_dir}: data files {', '.join(missing)} are missing (an interrupted copy?)")
 
 
+TRAINED_MODEL_ROLE = "actor"
+"""The role whose model a trainer checkpoint's ``global_step_N/`` stands for (SFT's model, RL's policy)."""
+
+
+def find_megatron_model(path: str) -> str:
+    """The Megatron model checkpoint (the folder holding ``verl_model.json``) that ``path`` names.
+
+    Accepts the model folder itself (what tools/hf2megatron.py writes, or ``global_step_N/actor/model``),
+    an engine checkpoint (``global_step_N/actor``: its ``model/``) and a trainer checkpoint
+    (``global_step_N``: the actor's model, or its only role's). A checkpoint root with
+    ``global_step_*`` folders, or a step with several roles and no actor, is a ValueError naming the
+    exact folder to pass; anything else is returned as given, for :func:`read_checkpoint_meta` to judge.
+    """
+    from verl.engine.state import MODEL_SUBDIR
+    from verl.models.checkpoint import META_FILE
+    from verl.trainer.checkpoint import step_of_dir_name
+
+    given = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(given) or os.path.isfile(os.path.join(given, META_FILE)):
+        return given
+    if os.path.isfile(os.path.join(given, MODEL_SUBDIR, META_FILE)):
+        return os.path.join(given, MODEL_SUBDIR)
+    names = sorted(os.listdir(given))
+    roles = [n for n in names if os.path.isfile(os.path.join(given, n, MODEL_SUBDIR, META_FILE))]
+    if roles:
+        role = TRAINED_MODEL_ROLE if TRAINED_MODEL_ROLE in roles else roles[0] if len(roles) == 1 else None
+        if role is None:
+            choices = " or ".join(os.path.join(given, r, MODEL_SUBDIR) for r in roles)
+            raise ValueError(f"{given} holds the models of {', '.join(roles)}; pass one of them: {choices}")
+        chosen = os.path.join(given, role, MODEL_SUBDIR)
+        others = [os.path.join(given, r, MODEL_SUBDIR) for r in roles if r != role]
+        logger.info("%s is a training checkpoint: converting its %s model %s%s", given, role, chosen,
+                    f" (also there: {', '.join(others)})" if others else "")
+        return chosen
+    steps = sorted((step, n) for n in names if (step := step_of_dir_name(n)) is not None)
+    if steps:
+        newest = os.path.join(given, steps[-1][1])
+        raise ValueError(
+            f"{given} holds the checkpoints of {len(steps)} training step(s); pass one step, e.g. the newest: "
+            f"--megatron-dir {newest} (its {TRAINED_MODEL_ROLE} model, {os.path.join(newest, TRAINED_MODEL_ROLE, MODEL_SUBDIR)})"
+        )
+    return given
+
+
 def megatron_to_hf(
     *,
     megatron_dir: str,
@@ -288,10 +332,13 @@ def megatron_to_hf(
 ) -> ConversionReport:
     """Write a Hugging Face checkpoint (safetensors + config + tokenizer) from a verl Megatron checkpoint.
 
-    ``dtype`` None keeps the stored dtype (the round trip HF -> Megatron -> HF is then bit-exact).
+    ``megatron_dir`` may also be a training checkpoint (:func:`find_megatron_model`). ``dtype`` None
+    keeps the stored dtype (the round trip HF -> Megatron -> HF is then bit-exact).
     """
     from verl.models.checkpoint import HF_SUBDIR, iter_checkpoint_hf_weights, read_checkpoint_meta
     from verl.trainer.checkpoint import validate_enclosing_checkpoint
+
+    megatron_dir = find_megatron_model(megatron_dir)
 
     validate_enclosing_checkpoint(megatron_dir)  # inside a trainer checkpoint: its checksums hold
     meta, spec = read_checkpoint_meta(megatron_dir)

@@ -21,6 +21,10 @@ them, and does nothing when CUDA is available (the GPU path is never altered):
    ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces its grads over TP.
 6. ``torch.cuda.current_stream()`` returns a dummy stream (megatron-core 0.19 calls it in
    the DDP grad-sync path; 0.16 does not).
+7. (start-up time, not correctness) ``megatron.core.jit.jit_fuser`` is ``torch.compile``, applied
+   at import to every fused helper: each decoration imports dynamo and inductor (seconds),
+   while verl's CPU runs call none of them (its models turn the fusions off). The shim makes
+   ``jit_fuser`` compile on the first call instead, which ``torch.compile`` does anyway.
 
 Scope. vLLM runs in the same process later, so fixes 1, 3 (factories), 4 and 6 are visible
 to Megatron's modules only: every ``megatron.*`` module's global ``torch`` (and any global
@@ -35,6 +39,7 @@ The RNG fix swaps names inside ``megatron.core.tensor_parallel.random`` only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import logging
@@ -271,8 +276,26 @@ def _patch_rng_module(random_mod: types.ModuleType) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _compile_on_first_call(fn: Any = None, **options: Any) -> Any:
+    """Fix 7: ``torch.compile(fn, **options)`` made at ``fn``'s first call, not at decoration."""
+    if fn is None:  # used as @jit_fuser(...)
+        return functools.partial(_compile_on_first_call, **options)
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
 def _redirect_module(module: types.ModuleType) -> None:
     """Point a Megatron module's ``torch`` / ``torch.cuda`` globals at the proxies."""
+    if module.__name__ == "megatron.core.jit" and module.__dict__.get("jit_fuser") is torch.compile:
+        module.jit_fuser = _compile_on_first_call
     namespace = module.__dict__
     for key, value in list(namespace.items()):
         if value is torch:

@@ -69,6 +69,7 @@ import torch.distributed as dist
 from verl.rollout import vllm_internals as internals
 from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
 from verl.utils.env import environ
+from verl.utils.progress import bar_allowed
 
 if TYPE_CHECKING:
     from verl.config.schema import RolloutConfig
@@ -298,6 +299,9 @@ class VLLMRollout(RolloutEngine):
             logprobs_mode="processed_logprobs",
             load_format=load_format,
             trust_remote_code=trust_remote_code,
+            # vLLM passes tqdm's disable itself (TQDM_DISABLE is not read): its weight-loading bar
+            # only where verl draws bars, never into a log file.
+            use_tqdm_on_load=bar_allowed(),
         )
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)

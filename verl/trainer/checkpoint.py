@@ -63,6 +63,7 @@ __all__ = [
     "TRACKER_FILE",
     "TRAINER_STATE_FILE",
     "step_dir_name",
+    "step_of_dir_name",
     "validate_enclosing_checkpoint",
 ]
 
@@ -84,6 +85,12 @@ class CheckpointError(ValueError):
 def step_dir_name(step: int) -> str:
     """``global_step_{step}``."""
     return f"global_step_{step}"
+
+
+def step_of_dir_name(name: str) -> int | None:
+    """The step of a ``global_step_{step}`` folder name; None for any other name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 def _rank() -> int:

@@ -32,7 +32,8 @@ def run_trainer(
 ) -> int:
     """``check(cfg)`` (a user error: exit 2), start torch.distributed on ``cfg.trainer.device``,
     ``make_trainer(cfg)`` and ``fit()`` inside ``with trainer`` (a user error: exit 2), log
-    ``summary(trainer, metrics)`` and tear the world down; returns the exit status."""
+    ``summary(trainer, metrics)`` before the trainer closes (its list of outputs comes last) and
+    tear the world down; returns the exit status."""
     with user_errors(prog):
         check(cfg)
     if cfg.trainer.device == "cpu":
@@ -52,8 +53,15 @@ def run_trainer(
         try:
             with user_errors(prog):
                 trainer = make_trainer(cfg)
-                with trainer:
+                with trainer:  # closing it lists the run's outputs: the last lines a user reads
                     metrics = trainer.fit()
+                    log_rank0(
+                        logging.getLogger(prog.split()[-1]),
+                        logging.INFO,
+                        "done: step %d, %s",
+                        trainer.global_step,
+                        summary(trainer, metrics),
+                    )
         except RankFailure as exc:
             # Another rank died or hangs: tearing the world down could wait on it too. Every
             # rank that noticed says so (the message names this rank) and leaves now, non-zero.
@@ -61,13 +69,6 @@ def run_trainer(
             sys.stderr.flush()
             logging.shutdown()
             os._exit(1)
-        log_rank0(
-            logging.getLogger(prog.split()[-1]),
-            logging.INFO,
-            "done: step %d, %s",
-            trainer.global_step,
-            summary(trainer, metrics),
-        )
     finally:
         destroy_distributed()
     return 0

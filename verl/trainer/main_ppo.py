@@ -67,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dry_run is not None:
         with user_errors(PROG):
             return run_dry_run(cfg, dry_run)
+    from verl.trainer.startup import prepare_run
+
+    prepare_run(cfg.trainer)  # before the trainer's imports: they bring Megatron-core, which probes for W&B
     from verl.trainer.entry import run_trainer
     from verl.trainer.ppo_checks import check_ppo_inputs
     from verl.trainer.rl_trainer import RLTrainer

@@ -34,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl.utils.logging import setup_logging
     from verl.utils.paths import check_dir
 
+    setup_logging(logging.INFO)  # before parsing: the aliases are logged as they are read
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_cli(
         SFTConfig,
@@ -42,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_config_file=str(CONFIG_DIR / "sft_trainer.yaml"),
         world_size=world_size,
     )
-    setup_logging(logging.INFO)
+    from verl.trainer.startup import prepare_run
+
+    prepare_run(cfg.trainer)  # before the trainer's imports: they bring Megatron-core, which probes for W&B
     from verl.trainer.entry import run_trainer
     from verl.trainer.sft_trainer import SFTTrainer, check_sft_outputs, check_sft_paths
 

@@ -87,7 +87,8 @@ from verl.trainer.resilience import (
     log_stop,
     rank_failure,
 )
-from verl.trainer.run_checks import as_file_list, hf_export_dir
+from verl.trainer.run_checks import as_file_list, hf_export_dir, show_files
+from verl.trainer.startup import run_outputs
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
 
@@ -161,6 +162,24 @@ class RLTrainer:
         cfg.validate(world_size=self.world_size)
         check_ppo_inputs(cfg)
         self.cfg = cfg
+        t = cfg.trainer
+        # Loggers first: one that cannot start fails before any model is built.
+        self.tracking = Tracking(
+            backends=t.logger,
+            project_name=t.project_name,
+            experiment_name=t.experiment_name,
+            log_dir=t.log_dir,
+            config=to_dict(cfg),
+            outputs=run_outputs(t, model="actor", report_freq=t.report_freq),
+        )
+        try:
+            self._build()
+        except BaseException:
+            self.tracking.close(list_outputs=False)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         arr = cfg.actor_rollout_ref
         self.n = arr.rollout.n
         self.use_critic = cfg.use_critic
@@ -259,13 +278,6 @@ class RLTrainer:
             )
             keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
             self.checkpoints = CheckpointManager(t.default_local_dir, max_to_keep=min(keep) if keep else None)
-            self.tracking = Tracking(
-                backends=t.logger,
-                project_name=t.project_name,
-                experiment_name=t.experiment_name,
-                log_dir=t.log_dir,
-                config=to_dict(cfg),
-            )
             # The run report's inputs beside metrics.jsonl (rank 0 writes them).
             self.reporting = t.report_freq != 0 and "jsonl" in t.logger
             self._is_rank0 = dist.get_rank() == 0
@@ -285,15 +297,18 @@ class RLTrainer:
         log_rank0(
             logger,
             logging.INFO,
-            "RL trainer: %s, %d prompts (%d steps per epoch of %d x n=%d, %d steps), "
-            "%s validation prompts; %s",
+            "RL trainer: %s on %s; training %s (%d prompts, %d steps per epoch of %d x n=%d, %d steps); "
+            "%s; %s",
             cfg.algorithm.adv_estimator,
+            os.path.abspath(model_path),
+            show_files(cfg.data.train_files),
             len(self.train_dataset),
             self.steps_per_epoch,
             cfg.data.train_batch_size,
             self.n,
             self.total_steps,
-            len(self.val_dataset) if self.val_dataset is not None else "no",
+            f"validation {show_files(cfg.data.val_files)} ({len(self.val_dataset)} prompts)"
+            if self.val_dataset is not None else "no validation",
             self.topology.describe(),
         )
 
@@ -722,7 +737,7 @@ class RLTrainer:
             val = self.validate()
             self.tracking.log(val, self.global_step)
             log_rank0(logger, logging.INFO, "validation before training: %s", _core(val))
-        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rl")
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rl", enabled=t.progress_bar)
         last: dict[str, float] = {}
         interrupted = False
         try:
@@ -739,8 +754,8 @@ class RLTrainer:
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
                 self.tracking.log(metrics, self.global_step)
                 last = metrics
+                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")  # before update: the log line carries it
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")
                 if t.report_freq > 0 and self.global_step % t.report_freq == 0:
                     self.write_report()
                 self._enter("end_of_step")
@@ -774,9 +789,7 @@ class RLTrainer:
                 self.actor.engine.export_hf(hf_export_dir(t))
         if val:
             log_rank0(logger, logging.INFO, "validation after training: %s", _core(val))
-        path = self.write_report()
-        if path:
-            log_rank0(logger, logging.INFO, "run report: %s", os.path.abspath(path))
+        self.write_report()  # named in the run's list of outputs that closing the trainer logs
         return {**last, **val}
 
     def close(self) -> None:

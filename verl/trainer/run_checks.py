@@ -18,7 +18,7 @@ from verl.config.schema import RunConfig
 from verl.utils.outputs import check_output_dir, probe_writable
 from verl.utils.paths import check_model_dir
 
-__all__ = ["as_file_list", "check_run_outputs", "hf_export_dir", "missing_inputs"]
+__all__ = ["as_file_list", "check_run_outputs", "hf_export_dir", "missing_inputs", "show_files"]
 
 
 def as_file_list(files: str | Sequence[str] | None) -> list[str]:
@@ -26,6 +26,12 @@ def as_file_list(files: str | Sequence[str] | None) -> list[str]:
     if files is None:
         return []
     return [os.path.expanduser(f) for f in ([files] if isinstance(files, str) else files)]
+
+
+def show_files(files: str | Sequence[str] | None) -> str:
+    """A data-files setting for a log line: absolute paths, one bare or several in brackets."""
+    paths = [os.path.abspath(f) for f in as_file_list(files)]
+    return paths[0] if len(paths) == 1 else "[" + ", ".join(paths) + "]"
 
 
 def missing_inputs(
@@ -62,7 +68,7 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     """
     if t.save_freq > 0 or t.resume_mode != "disable":
         probe_writable(t.default_local_dir, key="trainer.default_local_dir")
-    if any(name in t.logger for name in ("jsonl", "tensorboard")):
+    if any(name in t.logger for name in ("jsonl", "tensorboard", "wandb", "mlflow")):  # all write under log_dir
         probe_writable(t.log_dir, key="trainer.log_dir")
     if t.save_hf:
         export = hf_export_dir(t)

@@ -37,8 +37,9 @@ from verl.data.tokenizer import load_tokenizer
 from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.parallel import megatron_state
 from verl.trainer.checkpoint import CheckpointManager
-from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs
+from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs, show_files
 from verl.trainer.run_checks import hf_export_dir as run_hf_export_dir
+from verl.trainer.startup import run_outputs
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
 
@@ -99,6 +100,23 @@ class SFTTrainer:
         check_sft_paths(cfg)
         check_sft_outputs(cfg)
         self.cfg = cfg
+        # Loggers first: one that cannot start fails before any model is built.
+        self.tracking = Tracking(
+            backends=cfg.trainer.logger,
+            project_name=cfg.trainer.project_name,
+            experiment_name=cfg.trainer.experiment_name,
+            log_dir=cfg.trainer.log_dir,
+            config=to_dict(cfg),
+            outputs=run_outputs(cfg.trainer),
+        )
+        try:
+            self._build()
+        except BaseException:
+            self.tracking.close(list_outputs=False)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         m = cfg.megatron
         self.pg = megatron_state.initialize_model_parallel(
             tensor_model_parallel_size=m.tensor_model_parallel_size,
@@ -139,26 +157,22 @@ class SFTTrainer:
         self.checkpoints = CheckpointManager(
             cfg.trainer.default_local_dir, max_to_keep=cfg.trainer.max_ckpt_to_keep
         )
-        self.tracking = Tracking(
-            backends=cfg.trainer.logger,
-            project_name=cfg.trainer.project_name,
-            experiment_name=cfg.trainer.experiment_name,
-            log_dir=cfg.trainer.log_dir,
-            config=to_dict(cfg),
-        )
         self.global_step = 0
         self._last_saved_step: int | None = None
         self._resumed = False
+        val = (f"validation {show_files(cfg.data.val_files)} ({len(self.val_dataset)} rows)"
+               if self.val_dataset is not None else "no validation")
         log_rank0(
             logger,
             logging.INFO,
-            "SFT: %d training rows (%d steps per epoch of %d rows, %d steps in all), "
-            "%s validation rows, dp=%d",
+            "SFT: model %s; training %s (%d rows, %d steps per epoch of %d rows); %s; %d steps in all, dp=%d",
+            os.path.abspath(os.path.expanduser(cfg.model.path)),
+            show_files(cfg.data.train_files),
             len(self.train_dataset),
             self.steps_per_epoch,
             cfg.data.train_batch_size,
+            val,
             self.total_steps,
-            len(self.val_dataset) if self.val_dataset is not None else "no",
             self.dp_size,
         )
 
@@ -268,7 +282,7 @@ class SFTTrainer:
         """
         t = self.cfg.trainer
         self.resume()
-        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="sft")
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="sft", enabled=t.progress_bar)
         last: dict[str, float] = {}
         val: dict[str, float] = {}
         interrupted = False
@@ -285,8 +299,8 @@ class SFTTrainer:
                         metrics.update(val)
                     self.tracking.log(metrics, self.global_step)
                     last = metrics
-                    bar.update(1)
                     bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                    bar.update(1)
                     if t.save_freq > 0 and self.global_step % t.save_freq == 0:
                         self.save_checkpoint()
                     if stop_after is not None and self.global_step >= stop_after:
@@ -310,7 +324,7 @@ class SFTTrainer:
         return {**last, **val}
 
     def close(self) -> None:
-        """Close the loggers and tear down Megatron's parallel state."""
+        """Close the loggers (listing the run's outputs) and tear down Megatron's parallel state."""
         self.tracking.close()
         megatron_state.destroy_model_parallel()
 

@@ -2,14 +2,23 @@
 
 ``Tracking(backends=[...], ...)`` fans ``log(metrics, step)`` out to every selected sink; each
 sink is a plain factory function in ``LOGGERS`` (``@register_logger("name")``) returning an
-object with ``log(metrics, step)`` and ``close()``. Only global rank 0 creates sinks; on other
-ranks ``Tracking`` is a no-op, so trainers call it unconditionally.
+object with ``log(metrics, step)``, ``rewind(step)``, ``close()`` and ``location()``. Only global
+rank 0 creates sinks; on other ranks ``Tracking`` is a no-op, so trainers call it unconditionally.
 
-Files go under ``log_dir``: ``metrics.jsonl`` (one JSON object per step: ``{"step": N,
-"train/loss": ...}``) and ``tensorboard/`` (event files); ``rewind(step)`` drops what they hold
-after a step, so a resumed run's re-done steps appear once. W&B and MLflow are used when their
-packages are installed; selecting one that is missing is a ValueError that names the
-package to install. ``progress_bar`` gives a tqdm bar on rank 0 (a silent stand-in elsewhere).
+Where each sink writes (all under ``log_dir`` unless the user points elsewhere):
+
+- ``jsonl``: ``metrics.jsonl``, one JSON object per step (``{"step": N, "train/loss": ...}``);
+- ``tensorboard``: event files in ``tensorboard/``;
+- ``wandb``: a W&B run, its files in ``wandb/`` (``WANDB_MODE=offline``: files only, uploaded
+  later with ``wandb sync``; online it needs ``WANDB_API_KEY`` or ``wandb login``);
+- ``mlflow``: an MLflow run in experiment ``project_name``, at ``MLFLOW_TRACKING_URI`` when set,
+  else in the SQLite store ``mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///.../mlflow.db``).
+
+``rewind(step)`` drops what the file sinks hold after a step, so a resumed run's re-done steps
+appear once. Selecting W&B or MLflow without its package is a ValueError naming the package;
+one that cannot start is a ValueError saying what to set. ``progress_bar`` (from
+:mod:`verl.utils.progress`) is the loop's progress: a bar on a terminal, a periodic log line in
+a log file or pipe, nothing on ranks other than 0.
 """
 
 from __future__ import annotations
@@ -19,12 +28,16 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from verl.utils.logging import global_rank
+from verl.utils.outputs import OutputLocation, log_output_locations
+from verl.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
+_outputs_logger = logging.getLogger("verl.outputs")
 
 __all__ = ["LOGGERS", "MetricSink", "Tracking", "format_metrics", "progress_bar", "register_logger", "rewind_jsonl"]
 
@@ -39,6 +52,10 @@ class MetricSink(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    def location(self) -> OutputLocation | None:
+        """Where the sink writes, for the run's list of outputs (None: nowhere to point at)."""
+        ...
 
 
 SinkFactory = Callable[..., MetricSink]
@@ -110,6 +127,9 @@ class _ConsoleSink:
     def close(self) -> None:
         pass
 
+    def location(self) -> None:
+        return None
+
 
 def rewind_jsonl(path: str, step: int) -> int:
     """Keep the ``{"step": N, ...}`` lines of ``path`` with N <= ``step`` (a line a killed run did
@@ -162,6 +182,9 @@ class _JsonlSink:
     def close(self) -> None:
         self._f.close()
 
+    def location(self) -> OutputLocation:
+        return OutputLocation("metrics (jsonl)", self.path)
+
 
 class _TensorboardSink:
     def __init__(self, log_dir: str) -> None:
@@ -184,15 +207,27 @@ class _TensorboardSink:
     def close(self) -> None:
         self.writer.close()
 
+    def location(self) -> OutputLocation:
+        return OutputLocation("TensorBoard", self._log_dir, use=f"tensorboard --logdir {os.path.abspath(self._log_dir)}")
+
 
 class _WandbSink:
+    """A W&B run in ``log_dir/wandb/`` (``WANDB_MODE=offline``: files only, ``wandb sync`` them later)."""
+
     def __init__(
         self, *, project_name: str, experiment_name: str, log_dir: str, config: Mapping[str, Any]
     ) -> None:
         import wandb
 
-        self._wandb = wandb
-        self.run = wandb.init(project=project_name, name=experiment_name, config=dict(config), dir=log_dir)
+        os.makedirs(log_dir, exist_ok=True)
+        try:
+            self.run = wandb.init(project=project_name, name=experiment_name, config=dict(config), dir=log_dir)
+        except Exception as exc:  # UsageError (no API key), CommError (no network), ...
+            raise ValueError(
+                f"trainer.logger includes 'wandb' but W&B could not start ({_first_line(exc)}); set WANDB_API_KEY "
+                f"(or run `wandb login`), or WANDB_MODE=offline to keep the run in {os.path.abspath(log_dir)}/wandb "
+                "and `wandb sync` it later"
+            ) from None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
@@ -203,27 +238,74 @@ class _WandbSink:
     def close(self) -> None:
         self.run.finish()
 
+    def location(self) -> OutputLocation:
+        sync_dir = self.run.settings.sync_dir
+        if self.run.url:
+            return OutputLocation("W&B run", self.run.url, use=f"files in {sync_dir}")
+        return OutputLocation("W&B run", sync_dir, use=f"offline; upload with `wandb sync {sync_dir}`")
+
 
 class _MlflowSink:
-    def __init__(self, *, project_name: str, experiment_name: str, config: Mapping[str, Any]) -> None:
-        import mlflow
+    """An MLflow run in experiment ``project_name``: at ``MLFLOW_TRACKING_URI`` when set, else in a
+    SQLite store ``log_dir/mlflow.db`` (artifacts in ``log_dir/mlartifacts``), which MLflow 3 needs
+    for a local store (its ./mlruns file store refuses to start)."""
 
-        self._mlflow = mlflow
-        mlflow.set_experiment(project_name)
-        self.run = mlflow.start_run(run_name=experiment_name)
-        flat = _flatten(config)
-        # MLflow caps parameter values at a few hundred characters.
-        mlflow.log_params({k: str(v)[:250] for k, v in flat.items()})
+    def __init__(
+        self, *, project_name: str, experiment_name: str, log_dir: str, config: Mapping[str, Any]
+    ) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        given = os.environ.get("MLFLOW_TRACKING_URI")
+        log_dir = os.path.abspath(log_dir)
+        self.uri = given or f"sqlite:///{os.path.join(log_dir, 'mlflow.db')}"
+        try:
+            if not given:
+                os.makedirs(log_dir, exist_ok=True)
+            self.client = MlflowClient(tracking_uri=self.uri)
+            experiment = self.client.get_experiment_by_name(project_name)
+            if experiment is not None:
+                experiment_id = experiment.experiment_id
+            else:
+                artifacts = None if given else "file://" + os.path.join(log_dir, "mlartifacts")
+                experiment_id = self.client.create_experiment(project_name, artifact_location=artifacts)
+            self.run_id = self.client.create_run(experiment_id, run_name=experiment_name).info.run_id
+        except Exception as exc:  # MlflowException (file store, bad URI), ImportError (no SQLAlchemy), ...
+            where = "MLFLOW_TRACKING_URI" if given else "the local store"
+            raise ValueError(
+                f"trainer.logger includes 'mlflow' but MLflow could not start with {where} {self.uri} "
+                f"({_first_line(exc)}); set MLFLOW_TRACKING_URI to a database (sqlite:///PATH/mlflow.db) or a "
+                f"server (http://HOST:5000), or unset it to use {log_dir}/mlflow.db (needs `pip install mlflow`)"
+            ) from None
+        self.experiment = project_name
+        # MLflow caps parameter values (a few hundred characters in older servers) and batch sizes.
+        params = [Param(k, str(v)[:250]) for k, v in _flatten(config).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        # MLflow metric names may not contain some characters W&B accepts ('@', ...); '/' is fine.
-        self._mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        # MLflow stores no NaN/inf; '/' is a valid character of a metric name.
+        batch = [Metric(k, v, now, step) for k, v in metrics.items() if math.isfinite(v)]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def rewind(self, step: int) -> None:
         pass  # MLflow keeps every logged value; re-logged steps get a second point
 
     def close(self) -> None:
-        self._mlflow.end_run()
+        self.client.set_terminated(self.run_id)
+
+    def location(self) -> OutputLocation:
+        view = f"mlflow ui --backend-store-uri {self.uri}" if self.uri.startswith("sqlite:") else "its web UI"
+        return OutputLocation("MLflow run", self.uri, use=f"experiment {self.experiment!r}, run {self.run_id}; {view}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -270,9 +352,9 @@ def _wandb(*, project_name: str, experiment_name: str, log_dir: str, config: Map
 
 
 @register_logger("mlflow")
-def _mlflow(*, project_name: str, experiment_name: str, config: Mapping[str, Any], **_: Any) -> MetricSink:
+def _mlflow(*, project_name: str, experiment_name: str, log_dir: str, config: Mapping[str, Any]) -> MetricSink:
     _require("mlflow", "mlflow")
-    return _MlflowSink(project_name=project_name, experiment_name=experiment_name, config=config)
+    return _MlflowSink(project_name=project_name, experiment_name=experiment_name, log_dir=log_dir, config=config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,13 +362,20 @@ def _mlflow(*, project_name: str, experiment_name: str, config: Mapping[str, Any
 
 
 class Tracking:
-    """Send metrics to every selected sink, on global rank 0 only.
+    """Send metrics to every selected sink, on global rank 0 only; list the run's outputs.
+
+    Create it before any model is built: a logger that cannot start (a missing package, W&B
+    without an API key, an MLflow store that refuses) is a ValueError naming what to set, raised
+    on every rank when torch.distributed is initialised (rank 0 decides), so none is left waiting.
+    Once the sinks are up, rank 0 logs every output location of the run (``outputs`` plus the
+    sinks' files and runs), absolute; :meth:`close` logs them again, marking what was not written.
 
     Args:
         backends: names from ``LOGGERS`` (``trainer.logger``).
         project_name, experiment_name: run identity for W&B/MLflow.
-        log_dir: folder for ``metrics.jsonl`` and ``tensorboard/``.
+        log_dir: folder for ``metrics.jsonl``, ``tensorboard/``, ``wandb/`` and ``mlflow.db``.
         config: the resolved config as a nested dict (recorded by W&B/MLflow).
+        outputs: the trainer's own outputs (checkpoints, Hugging Face export, report), listed first.
         rank: the global rank; None reads torch.distributed (0 when not initialised).
     """
 
@@ -298,6 +387,7 @@ class Tracking:
         experiment_name: str,
         log_dir: str,
         config: Mapping[str, Any] | None = None,
+        outputs: Sequence[OutputLocation] = (),
         rank: int | None = None,
     ) -> None:
         backends = list(dict.fromkeys(backends))
@@ -307,15 +397,27 @@ class Tracking:
         self.rank = global_rank() if rank is None else rank
         self.log_dir = log_dir
         self.sinks: dict[str, MetricSink] = {}
-        if self.rank != 0:
-            return
-        for name in backends:
-            self.sinks[name] = LOGGERS[name](
-                project_name=project_name,
-                experiment_name=experiment_name,
-                log_dir=log_dir,
-                config=dict(config or {}),
-            )
+        self.outputs: list[OutputLocation] = []
+        error = None
+        if self.rank == 0:
+            try:
+                for name in backends:
+                    self.sinks[name] = LOGGERS[name](
+                        project_name=project_name,
+                        experiment_name=experiment_name,
+                        log_dir=log_dir,
+                        config=dict(config or {}),
+                    )
+            except ValueError as exc:
+                error = str(exc)
+                self.close(list_outputs=False)
+        error = _same_on_every_rank(error)
+        if error is not None:
+            raise ValueError(error)
+        if self.rank == 0:
+            sink_outputs = [getattr(sink, "location", lambda: None)() for sink in self.sinks.values()]
+            self.outputs = [*outputs, *(loc for loc in sink_outputs if loc is not None)]
+            log_output_locations("outputs of this run", self.outputs, logger=_outputs_logger)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record scalar ``metrics`` (floats, ints, one-element tensors) for ``step``; others are ignored."""
@@ -331,11 +433,15 @@ class Tracking:
         for sink in self.sinks.values():
             sink.rewind(step)
 
-    def close(self) -> None:
-        """Flush and close every sink (idempotent)."""
+    def close(self, *, list_outputs: bool = True) -> None:
+        """Flush and close every sink, then list the run's outputs once more (idempotent).
+        ``list_outputs=False``: a run that failed before its first step has nothing to point at."""
         for sink in self.sinks.values():
             sink.close()
         self.sinks = {}
+        outputs, self.outputs = self.outputs, []
+        if list_outputs:
+            log_output_locations("outputs of this run", outputs, logger=_outputs_logger, at_end=True)
 
     def __enter__(self) -> "Tracking":
         return self
@@ -344,51 +450,15 @@ class Tracking:
         self.close()
 
 
-class _NoBar:
-    """The progress bar of non-zero ranks: accepts tqdm's calls, draws nothing."""
+def _same_on_every_rank(error: str | None) -> str | None:
+    """Rank 0's ``error`` on every rank of an initialised torch.distributed world (else as given)."""
+    import sys
 
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Bar:
-    """A tqdm bar whose lifetime also routes log records through ``tqdm.write``, so log lines
-    (the console logger's metrics) print above the bar instead of through it."""
-
-    def __init__(self, *, total: int, initial: int, desc: str) -> None:
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
-        self._redirect = logging_redirect_tqdm()
-        self._redirect.__enter__()
-
-    def update(self, n: int = 1) -> None:
-        self._bar.update(n)
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        self._bar.set_postfix(*args, **kwargs)
-
-    def close(self) -> None:
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
-        self._bar.close()
-
-
-def progress_bar(
-    *, total: int, initial: int = 0, desc: str = "training", rank: int | None = None
-) -> _Bar | _NoBar:
-    """A tqdm bar over ``total`` steps from ``initial`` on global rank 0; a silent stand-in elsewhere.
-
-    Call ``close()`` when done (it also ends the redirection of log lines above the bar).
-    """
-    if (global_rank() if rank is None else rank) != 0:
-        return _NoBar()
-    return _Bar(total=total, initial=initial, desc=desc)
+    torch = sys.modules.get("torch")
+    if torch is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return error
+    if torch.distributed.get_world_size() == 1:
+        return error
+    box = [error]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

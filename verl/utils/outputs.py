@@ -12,25 +12,31 @@ through three steps:
    moved aside first and deleted only once the new one is in place), so an interrupted run
    never leaves a partial directory under the target name and never deletes the old one early.
 
-:func:`probe_writable` finds an unwritable location at start-up instead of at the first save.
+:func:`probe_writable` finds an unwritable location at start-up instead of at the first save;
+:func:`log_output_locations` tells the user, at the start and at the end of a run, where every
+output of the run is (absolute paths), once.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "MARKER_FILE",
+    "OutputLocation",
     "OutputPathError",
     "check_output_apart",
     "check_output_dir",
     "commit_output",
+    "log_output_locations",
     "probe_writable",
     "staging_dir",
 ]
@@ -166,3 +172,40 @@ def commit_output(tmp_dir: str, out_dir: str, *, what: str) -> None:
     os.rename(tmp_dir, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class OutputLocation:
+    """One output of a run, for :func:`log_output_locations`."""
+
+    label: str
+    """What it is ("checkpoints", "metrics (jsonl)", "W&B run")."""
+    path: str
+    """Where: a local path (made absolute when listed) or a URL/URI (kept as given)."""
+    when: str = ""
+    """When it is written ("every 600 steps and at the end"), said at the start only."""
+    use: str = ""
+    """How to use it ("tensorboard --logdir ..."), said at the start and at the end."""
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path and not path.startswith("sqlite:")
+
+
+def log_output_locations(
+    title: str, locations: Sequence[OutputLocation], *, logger: logging.Logger, at_end: bool = False
+) -> None:
+    """Log ``title`` and one aligned line per location (local paths absolute). ``at_end``: a local
+    path that does not exist is marked "not written" (its ``use`` still said: how to make it).
+    Callers log on one rank only."""
+    if not locations:
+        return
+    width = max(len(loc.label) for loc in locations)
+    logger.info("%s:", title)
+    for loc in locations:
+        path = os.path.abspath(os.path.expanduser(loc.path)) if _is_local(loc.path) else loc.path
+        if at_end and _is_local(loc.path) and not os.path.exists(path):
+            notes = ["not written", *([loc.use] if loc.use else [])]
+        else:
+            notes = [n for n in ((loc.when if not at_end else ""), loc.use) if n]
+        logger.info("  %s  %s%s", loc.label.ljust(width), path, f"  ({'; '.join(notes)})" if notes else "")
