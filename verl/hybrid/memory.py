@@ -250,7 +250,8 @@ class TrainingStateOffload:
             self._stream.synchronize()  # the old buffer may still feed a reload's copies
         self._host = None
         self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        log_rank0(logger, logging.INFO, "training-state host buffer: %.1f MiB", nbytes / 2**20)
+        if nbytes:  # nothing to move (no offload asked for, or Adam's state not there yet): say nothing
+            log_rank0(logger, logging.INFO, "training-state host buffer: %.1f MiB", nbytes / 2**20)
         return self._host
 
     def offload(self) -> None:
