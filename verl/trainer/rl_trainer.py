@@ -376,6 +376,15 @@ class RLTrainer:
     def _seed(self, draw: int) -> int:
         return self.cfg.actor_rollout_ref.rollout.seed + self.global_step * _STEP_STRIDE + draw
 
+    def sampling_seed(self, draw: int = 0) -> int:
+        """The rollout seed of this step's ``draw``-th generation batch (what :meth:`train_step` uses)."""
+        return self._seed(draw)
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The directory of the newest checkpoint this run saved or resumed from."""
+        return self._last_checkpoint
+
     # -- the step's pieces ----------------------------------------------------------------
 
     def generate(self, prompts: Batch, *, seed: int) -> tuple[Batch, dict[str, float]]:
