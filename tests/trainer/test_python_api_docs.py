@@ -1,12 +1,16 @@
-"""``verl.RLTrainer``, the keyword facade: fit drives verl.trainer.rl_trainer.RLTrainer.fit."""
+"""docs/python_api.md runs as written (the ``verl.RLTrainer`` facade's fit, a ``DataStream`` that
+builds its own trainer, the build-time check), and the facade's cheap checks."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 
 import pytest
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "python_api.md")
 
 
 @pytest.fixture
@@ -17,28 +21,24 @@ def restore_env():
     os.environ.update(saved)
 
 
-def test_fit_runs_steps_and_writes_checkpoints(tiny_model_dir, arithmetic_files, tmp_path, restore_env):
+def _doc_blocks() -> list[str]:
+    with open(DOC, encoding="utf-8") as f:
+        text = f.read()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp_path, restore_env, capsys):
     import torch.distributed as dist
 
-    import verl
+    blocks = _doc_blocks()
+    assert len(blocks) == 3
+    ns = {"MODEL": tiny_model_dir, "TRAIN_FILE": arithmetic_files["train"], "OUT": str(tmp_path)}
+    for block in blocks:
+        exec(compile(block, DOC, "exec"), ns)
+        assert not dist.is_initialized()  # fit / close tear down the world of one they started
 
-    trainer = verl.RLTrainer(
-        tiny_model_dir,
-        algorithm="grpo",
-        use_vllm=False,
-        rollout_batch_size=4,
-        n_samples=4,
-        micro_batch_size=16,
-        learning_rate=1e-4,
-        max_prompt_length=24,
-        max_response_length=8,
-        device="cpu",
-    )
-    out = tmp_path / "run"
-    metrics = trainer.fit(
-        dataset_path=arithmetic_files["train"], max_steps=2, save_steps=1, output_dir=str(out), save_hf=False
-    )
-    assert not dist.is_initialized()  # the world of one fit started is torn down
+    # The facade: 2 steps, a checkpoint after each, one metrics line per step.
+    metrics, out = ns["metrics"], tmp_path / "run"
     assert metrics["global_step"] == 2
     for key in ("reward_mean", "loss", "final_kl"):
         assert math.isfinite(metrics[key]), key
@@ -48,11 +48,21 @@ def test_fit_runs_steps_and_writes_checkpoints(tiny_model_dir, arithmetic_files,
             assert json.load(f)["global_step"] == step
         assert (out / f"global_step_{step}" / "actor").is_dir()
     with open(out / "logs" / "metrics.jsonl", encoding="utf-8") as f:
-        logged = [json.loads(line) for line in f if line.strip()]
-    assert [r["step"] for r in logged] == [1, 2]
-    cfg = trainer.last_config
+        assert [json.loads(line)["step"] for line in f if line.strip()] == [1, 2]
+    cfg = ns["trainer"].last_config
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.data.train_batch_size == 4 and cfg.actor_rollout_ref.actor.use_kl_loss
+
+    # The stream built its own trainer from the keyword arguments and its operators' settings.
+    step = ns["step"]
+    assert step["step"] == 2 and 0 < step["filter/kept"] < 16
+    for key in ("reward_mean", "loss", "kl", "timing_s/op/ResponseLength", "timing_s/op/length_score"):
+        assert math.isfinite(step[key]), key
+    assert step["kl"] == step["actor/kl_loss"]
+    with open(tmp_path / "stream" / "logs" / "metrics.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f if line.strip()] == [1, 2]
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 3  # the blocks' prints: one fit summary, two stream steps
 
 
 def test_ppo_maps_to_gae_with_a_critic(tiny_model_dir, arithmetic_files, tmp_path):
