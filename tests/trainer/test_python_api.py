@@ -82,6 +82,7 @@ def _responses(trainer, batch) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_rollout_reward_update_stream_runs_steps(trainer):
     stream = (
         DataStream(trainer=trainer)
@@ -90,7 +91,7 @@ def test_rollout_reward_update_stream_runs_steps(trainer):
         .add_operator(PPOUpdateOperator(estimator="grpo"))
     )
     first = trainer.global_step
-    for k in range(3):
+    for k in range(2):
         m = stream.step()
         assert trainer.global_step == first + k + 1
         assert m["step"] == trainer.global_step
@@ -107,7 +108,7 @@ def test_rollout_reward_update_stream_runs_steps(trainer):
     # step() logged each step to the trainer's metrics.jsonl
     with open(os.path.join(trainer.cfg.trainer.log_dir, "metrics.jsonl"), encoding="utf-8") as f:
         steps = [line for line in f if line.strip()]
-    assert len(steps) >= 3
+    assert len(steps) >= 2
 
 
 class ResponseLength:
@@ -121,6 +122,7 @@ class ResponseLength:
         return batch
 
 
+@pytest.mark.slow
 def test_user_operator_and_filter(trainer):
     seen = []
 
@@ -155,6 +157,7 @@ def test_user_operator_and_filter(trainer):
     assert m["filter/kept"] == len(threshold.last_batch)
 
 
+@pytest.mark.slow
 def test_multi_reward_scorer_sums_weighted_scores(trainer):
     multi = MultiRewardScorer([("verl/arithmetic", 1.0), (length_score, 0.5)])
     stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(multi)
@@ -178,6 +181,7 @@ def test_missing_input_fails_at_build_naming_the_field():
         PPOUpdateOperator(estimator="nope")
 
 
+@pytest.mark.slow
 def test_operator_settings_must_match_a_given_trainer(trainer):
     stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
     with pytest.raises(ValueError, match="algorithm.adv_estimator='gae' but the trainer was built with"):

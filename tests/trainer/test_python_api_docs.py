@@ -27,6 +27,7 @@ def _doc_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
+@pytest.mark.slow
 def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp_path, restore_env, capsys):
     import torch.distributed as dist
 
