@@ -32,7 +32,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     import torch.distributed as dist
 
     blocks = _doc_blocks()
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     ns = {"MODEL": tiny_model_dir, "TRAIN_FILE": arithmetic_files["train"], "OUT": str(tmp_path)}
     for block in blocks:
         exec(compile(block, DOC, "exec"), ns)
@@ -50,6 +50,14 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
         assert (out / f"global_step_{step}" / "actor").is_dir()
     with open(out / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         assert [json.loads(line)["step"] for line in f if line.strip()] == [1, 2]
+    # Resumed from global_step_1, step 2 repeats the uninterrupted run's step 2. The same
+    # samples (seeded per step) score the same exactly; the loss runs on the restored weights and
+    # optimizer (same arithmetic, so equal within float32 rounding).
+    again = ns["again"]
+    assert again["global_step"] == 2 and again["checkpoint"] == str(out / "global_step_2")
+    assert again["critic/score/mean"] == metrics["critic/score/mean"]
+    assert again["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-5)
+    assert again["actor/kl_loss"] == pytest.approx(metrics["actor/kl_loss"], abs=1e-6)
     cfg = ns["trainer"].last_config
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.data.train_batch_size == 4 and cfg.actor_rollout_ref.actor.use_kl_loss
@@ -63,7 +71,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     with open(tmp_path / "stream" / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         assert [json.loads(line)["step"] for line in f if line.strip()] == [1, 2]
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 3  # the blocks' prints: one fit summary, two stream steps
+    assert len(printed) == 4  # the blocks' prints: two fit summaries, two stream steps
 
 
 def test_ppo_maps_to_gae_with_a_critic(tiny_model_dir, arithmetic_files, tmp_path):

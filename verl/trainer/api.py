@@ -8,6 +8,7 @@ runs. Checkpoints are the trainer's: ``output_dir/global_step_N/`` (actor, criti
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,17 @@ ALGORITHMS: dict[str, str] = {
 """``algorithm=`` name -> ``algorithm.adv_estimator`` (``ppo`` is GAE with a critic)."""
 
 _NOT_YET = ("dpo", "hybrid_ppo")
+
+RUN_FILE = "verl_rl_trainer.json"
+"""Written into ``output_dir`` by :meth:`RLTrainer.fit`: the arguments, for :meth:`RLTrainer.from_checkpoint`."""
+
+_FIT_DEFAULTS: dict[str, Any] = {
+    "save_steps": -1,
+    "output_dir": "outputs/verl",
+    "val_dataset_path": None,
+    "eval_steps": -1,
+    "save_hf": True,
+}
 
 
 class RLTrainer:
@@ -79,6 +91,8 @@ class RLTrainer:
             config: the YAML config started from (a name under configs/ or a path).
             overrides: ``key=value`` settings applied last (any ``python -m verl.config --help`` key).
         """
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._init_args.update(actor_model=os.fspath(actor_model), overrides=list(overrides))
         if algorithm not in ALGORITHMS:
             if algorithm in _NOT_YET:
                 raise ValueError(
@@ -119,6 +133,30 @@ class RLTrainer:
         self._overrides = list(overrides)
         self.last_config: PPOConfig | None = None
         self.last_checkpoint: str | None = None
+        self._resume_path: str | None = None
+        self._fit_defaults: dict[str, Any] = {}
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> "RLTrainer":
+        """The trainer whose :meth:`fit` wrote checkpoint ``path`` (``output_dir/global_step_N``),
+        with its arguments (read from ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)``
+        then continues at step N+1 with the same data and ``max_steps`` unless given again."""
+        path = os.path.abspath(os.fspath(path))
+        run_file = os.path.join(os.path.dirname(path), RUN_FILE)
+        if not os.path.isdir(path):
+            raise ValueError(f"RLTrainer.from_checkpoint: {path} is not a checkpoint directory")
+        try:
+            with open(run_file, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"RLTrainer.from_checkpoint: cannot read {run_file} ({exc}); it is written by verl.RLTrainer.fit "
+                "beside its checkpoints. For a main_ppo run, resume with trainer.resume_mode=resume_path"
+            ) from None
+        trainer = cls(**saved["init"])
+        trainer._resume_path = path
+        trainer._fit_defaults = dict(saved["fit"])
+        return trainer
 
     def build_config(
         self,
@@ -136,6 +174,10 @@ class RLTrainer:
         from verl.operator.stream import build_config
 
         out = os.fspath(output_dir)
+        if resume_from_checkpoint and self._resume_path is not None:
+            resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={self._resume_path}"]
+        else:
+            resume = [f"trainer.resume_mode={'auto' if resume_from_checkpoint else 'disable'}"]
         run = [
             f"trainer.total_training_steps={max_steps}",
             "trainer.total_epochs=1000000",  # max_steps ends the run, not the epochs
@@ -143,7 +185,7 @@ class RLTrainer:
             f"trainer.default_local_dir={out}",
             f"trainer.log_dir={os.path.join(out, 'logs')}",
             "trainer.logger=[console,jsonl]",
-            f"trainer.resume_mode={'auto' if resume_from_checkpoint else 'disable'}",
+            *resume,
             f"trainer.save_hf={str(save_hf).lower()}",
             f"trainer.test_freq={eval_steps}",
             f"trainer.val_before_train={'true' if val_dataset_path and eval_steps > 0 else 'false'}",
@@ -159,17 +201,20 @@ class RLTrainer:
     def fit(
         self,
         *,
-        dataset_path: str | Sequence[str],
-        max_steps: int,
-        save_steps: int = -1,
-        output_dir: str = "outputs/verl",
+        dataset_path: str | Sequence[str] | None = None,
+        max_steps: int | None = None,
+        save_steps: int | None = None,
+        output_dir: str | None = None,
         val_dataset_path: str | None = None,
-        eval_steps: int = -1,
+        eval_steps: int | None = None,
         resume_from_checkpoint: bool = False,
-        save_hf: bool = True,
+        save_hf: bool | None = None,
     ) -> dict[str, Any]:
         """Train ``max_steps`` steps on the prompts of ``dataset_path`` (parquet/jsonl/json with
         ``prompt``, ``data_source`` and ``reward_model.ground_truth``, as ``main_ppo`` reads).
+
+        An argument left None takes the value of the run :meth:`from_checkpoint` read, else its
+        default: ``save_steps=-1``, ``output_dir="outputs/verl"``, ``eval_steps=-1``, ``save_hf=True``.
 
         Args:
             dataset_path: training prompt file(s).
@@ -188,17 +233,29 @@ class RLTrainer:
         """
         from verl.operator.stream import build_trainer
 
-        cfg = self.build_config(
+        given = dict(
             dataset_path=dataset_path,
             max_steps=max_steps,
             save_steps=save_steps,
             output_dir=output_dir,
             val_dataset_path=val_dataset_path,
             eval_steps=eval_steps,
-            resume_from_checkpoint=resume_from_checkpoint,
             save_hf=save_hf,
         )
+        args = {**_FIT_DEFAULTS, **self._fit_defaults, **{k: v for k, v in given.items() if v is not None}}
+        for name in ("dataset_path", "max_steps"):
+            if args.get(name) is None:
+                raise ValueError(f"RLTrainer.fit needs {name}=")
+        if isinstance(args["dataset_path"], (str, os.PathLike)):
+            args["dataset_path"] = os.path.abspath(os.fspath(args["dataset_path"]))
+        else:
+            args["dataset_path"] = [os.path.abspath(os.fspath(p)) for p in args["dataset_path"]]
+        args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
+        cfg = self.build_config(**args, resume_from_checkpoint=resume_from_checkpoint)
         self.last_config = cfg
+        os.makedirs(args["output_dir"], exist_ok=True)
+        with open(os.path.join(args["output_dir"], RUN_FILE), "w", encoding="utf-8") as f:
+            json.dump({"init": self._init_args, "fit": args}, f, indent=2)
         trainer, started = build_trainer(cfg)
         try:
             with trainer:
