@@ -188,3 +188,27 @@ def test_operator_settings_must_match_a_given_trainer(trainer):
         stream.add_operator(PPOUpdateOperator(estimator="gae"))
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.n=8"):
         DataStream(trainer=trainer).add_operator(RolloutOperator(n=8))
+
+
+class CountCalls:
+    inputs = ("responses",)
+    outputs = ()
+
+    def __init__(self):
+        self.calls = 0
+
+    def process(self, batch):
+        self.calls += 1
+        return batch
+
+
+@pytest.mark.slow
+def test_stream_fit_runs_its_step_in_the_trainer_loop(trainer):
+    counter = CountCalls()
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(counter)
+    stream.add_operator(RewardOperator()).add_operator(PPOUpdateOperator())
+    start = trainer.global_step
+    m = stream.fit(stop_after=start + 1)
+    assert counter.calls == 1 and trainer.global_step == start + 1
+    assert m["training/global_step"] == start + 1 and "timing_s/op/CountCalls" in m
+    assert m["reward/config/mean"] == m["critic/score/mean"]  # the config's verl/arithmetic scorer

@@ -226,10 +226,11 @@ class DataStream:
             self.trainer.tracking.log(metrics, self.trainer.global_step)
         return metrics
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, *, stop_after: int | None = None) -> dict[str, float]:
         """Train to the config's step count with this stream's step in the trainer's loop
-        (``RLTrainer.fit(step_fn=...)``: resume, validation, checkpoints, stop signals, report)."""
-        return self.trainer.fit(step_fn=self.run_operators)
+        (``RLTrainer.fit(step_fn=...)``: resume, validation, checkpoints, stop signals, report);
+        ``stop_after`` ends it after that global step, as ``RLTrainer.fit`` does."""
+        return self.trainer.fit(stop_after=stop_after, step_fn=self.run_operators)
 
     def save_checkpoint(self) -> str:
         """The trainer's checkpoint at the current step (``global_step_N/`` under ``default_local_dir``)."""
