@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from verl.protocol import Batch
     from verl.trainer.rl_trainer import RLTrainer
 
 __all__ = ["Operator", "declared", "operator_name"]
