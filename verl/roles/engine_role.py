@@ -186,7 +186,8 @@ class RoleEngine:
         with_entropy: bool = False,
     ) -> list[EngineStepResult]:
         """PPO updates: ``epochs`` passes over ``batch`` in global mini-batches of ``mini_batch_rows``
-        rows, one optimizer step each; returns every step's result (identical on every rank).
+        rows (the last one shorter when the rows do not divide), one optimizer step each; returns
+        every step's result (identical on every rank).
 
         ``keys`` are the tensors the loss reads besides ``input_ids``/``attention_mask``
         (``response_mask`` among them: it counts the loss's tokens). ``shuffle_seed`` (None: in
@@ -200,7 +201,9 @@ class RoleEngine:
             if shuffle_seed is not None:
                 gen = torch.Generator().manual_seed(int(shuffle_seed) * 1_000_003 + epoch)
                 ordered = rows.reorder(torch.randperm(len(rows), generator=gen))
-            for mini in ordered.split(mini_batch_rows):
+            # A batch a DataStream filter shortened ends in a short mini-batch (its own optimizer
+            # step); the config keeps every other batch a whole number of mini-batches.
+            for mini in ordered.split(mini_batch_rows, allow_uneven=True):
                 piece = shard(mini, self.pg.dp, balance=self.balance)
                 local = piece.rows.tensors
                 mask = local["response_mask"]  # [b, R]

@@ -7,7 +7,9 @@ own process groups. A step's batch is held whole on every rank; each role takes 
 data-parallel share and hands its results back whole (``verl.roles.dispatch``).
 
 One step (shared/DESIGN.md), each piece a method that takes and returns a ``Batch``, so a
-caller can compose its own loop (``verl.RLTrainer`` / ``DataStream`` operators):
+caller can compose its own step (``verl.DataStream`` operators call these methods, and
+:meth:`fit` runs their step in place of :meth:`train_step`; ``verl.RLTrainer`` builds a config and
+calls :meth:`fit`):
 
 1. :meth:`generate` — the actor's weights pushed into the engine, ``n`` samples per prompt;
    ReMax adds a greedy baseline; with ``algorithm.filter_groups`` (DAPO dynamic sampling)
@@ -376,8 +378,27 @@ class RLTrainer:
                 self._iterator = None
         return None
 
+    def prompt_batch(self, draw: int = 0) -> Batch | None:
+        """The next training batch of prompts with a ``uid`` per prompt (``step/draw/i``); None when
+        ``trainer.total_epochs`` epochs are used up."""
+        data = self._next_prompts()
+        if data is None:
+            return None
+        prompts = _to_batch(data)
+        prompts["uid"] = [f"{self.global_step}/{draw}/{i}" for i in range(len(prompts))]
+        return prompts
+
     def _seed(self, draw: int) -> int:
         return self.cfg.actor_rollout_ref.rollout.seed + self.global_step * _STEP_STRIDE + draw
+
+    def sampling_seed(self, draw: int = 0) -> int:
+        """The rollout seed of this step's ``draw``-th generation batch (what :meth:`train_step` uses)."""
+        return self._seed(draw)
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The directory of the newest checkpoint this run saved or resumed from."""
+        return self._last_checkpoint
 
     # -- the step's pieces ----------------------------------------------------------------
 
@@ -501,11 +522,9 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         draw = 0
         while True:
-            data = self._next_prompts()
-            if data is None:
+            prompts = self.prompt_batch(draw)
+            if prompts is None:
                 return None, {}
-            prompts = _to_batch(data)
-            prompts["uid"] = [f"{self.global_step}/{draw}/{i}" for i in range(len(prompts))]
             with timer("gen"):
                 batch, gen_metrics = self.generate(prompts, seed=self._seed(draw))
             metrics.update(gen_metrics)
@@ -546,6 +565,23 @@ class RLTrainer:
         batch, metrics = self.collect_batch(timer)
         if batch is None:
             return None
+        return self.update_step(batch, metrics, timer=timer, start=start)
+
+    def update_step(
+        self,
+        batch: Batch,
+        metrics: dict[str, float] | None = None,
+        *,
+        timer: _Timer | None = None,
+        start: float | None = None,
+    ) -> dict[str, float]:
+        """The step after rollout and reward (``batch`` has ``token_level_scores``): old, reference
+        log-probs and values, advantages, the critic and actor updates; returns ``metrics`` with the
+        step's added. Advances :attr:`global_step`. ``start`` is when the step began
+        (``time.perf_counter()``; now when None)."""
+        timer = timer if timer is not None else _Timer(self._enter)
+        start = start if start is not None else time.perf_counter()
+        metrics = dict(metrics or {})
         self.global_step += 1
         with timer("old_log_prob"):
             batch, more = self.compute_old_log_prob(batch)
@@ -713,8 +749,13 @@ class RLTrainer:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def fit(self, *, stop_after: int | None = None) -> dict[str, float]:
+    def fit(
+        self, *, stop_after: int | None = None, step_fn: Callable[[], dict[str, float] | None] | None = None
+    ) -> dict[str, float]:
         """Train to ``total_steps`` (resuming first); returns the last step's and validation metrics.
+
+        ``step_fn`` replaces :meth:`train_step` as one step of the loop (``verl.DataStream.fit``
+        passes its operators); it returns the step's metrics or None when the data is used up.
 
         ``stop_after`` ends the loop after that global step without the end-of-run actions
         (validation, save, export), as if the run were interrupted there. A stop signal ends it
@@ -723,13 +764,15 @@ class RLTrainer:
         """
         with StopSignals() as signals:  # also while a failure is described: the launcher's SIGTERM waits
             try:
-                return self._fit(signals, stop_after)
+                return self._fit(signals, stop_after, step_fn or self.train_step)
             except Exception as exc:
                 if is_collective_failure(exc):
                     raise rank_failure(self.board, exc, timeout_s=self.cfg.trainer.collective_timeout_s) from exc
                 raise
 
-    def _fit(self, signals: StopSignals, stop_after: int | None) -> dict[str, float]:
+    def _fit(
+        self, signals: StopSignals, stop_after: int | None, step_fn: Callable[[], dict[str, float] | None]
+    ) -> dict[str, float]:
         t = self.cfg.trainer
         self.resume()
         val: dict[str, float] = {}
@@ -742,7 +785,7 @@ class RLTrainer:
         interrupted = False
         try:
             while self.global_step < self.total_steps:
-                metrics = self.train_step()
+                metrics = step_fn()
                 if metrics is None:
                     break
                 if t.test_freq > 0 and self.global_step % t.test_freq == 0:

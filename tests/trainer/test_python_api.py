@@ -1,0 +1,214 @@
+"""``verl.DataStream`` and its operators on the tiny model (a world of one, the transformers engine).
+
+One RLTrainer is built for the module (building the roles is the slow part) and every stream
+runs on it (``DataStream(trainer=...)``); the build-time checks need no trainer at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from verl.operator import (
+    DataStream,
+    FilterOperator,
+    MultiRewardScorer,
+    PPOUpdateOperator,
+    RewardOperator,
+    RolloutOperator,
+    build_config,
+    build_trainer,
+)
+
+FAST = [
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.name=hf",
+    "algorithm.adv_estimator=grpo",
+    "data.max_prompt_length=24",
+    "data.max_response_length=8",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.optim.lr=1e-4",
+    "trainer.total_training_steps=20",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.save_hf=false",
+    "trainer.resume_mode=disable",
+    "trainer.logger=[jsonl]",
+    "data.val_files=null",
+]
+
+
+def length_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A rule any response gets a spread of scores on (the raw tiny model never answers right)."""
+    return float(len(solution_str) % 3) / 2.0
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir, arithmetic_files, tmp_path_factory):
+    saved = dict(os.environ)
+    out = tmp_path_factory.mktemp("stream")
+    cfg = build_config(
+        model=tiny_model_dir,
+        train_files=arithmetic_files["train"],
+        overrides=[*FAST, f"trainer.default_local_dir={out}/ckpt", f"trainer.log_dir={out}/logs"],
+    )
+    t, started = build_trainer(cfg)
+    assert started  # a world of one, started for this module
+    yield t
+    t.close()
+    from verl.parallel.bootstrap import destroy_distributed
+
+    destroy_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _responses(trainer, batch) -> list[str]:
+    mask = batch["response_mask"].bool()
+    return [
+        trainer.tokenizer.decode(batch["responses"][i][mask[i]].tolist(), skip_special_tokens=True)
+        for i in range(len(batch))
+    ]
+
+
+@pytest.mark.slow
+def test_rollout_reward_update_stream_runs_steps(trainer):
+    stream = (
+        DataStream(trainer=trainer)
+        .add_operator(RolloutOperator())
+        .add_operator(RewardOperator(length_score))
+        .add_operator(PPOUpdateOperator(estimator="grpo"))
+    )
+    first = trainer.global_step
+    for k in range(2):
+        m = stream.step()
+        assert trainer.global_step == first + k + 1
+        assert m["step"] == trainer.global_step
+        for key in ("reward_mean", "loss", "kl", "actor/grad_norm"):
+            assert math.isfinite(m[key]), key
+        for op in ("RolloutOperator", "length_score", "PPOUpdateOperator"):
+            assert m[f"timing_s/op/{op}"] > 0, op
+        # The stream's reward is the function's, on the responses this step sampled.
+        expected = sum(length_score(None, r, None) for r in _responses(trainer, stream.last_batch)) / 16
+        assert m["reward_mean"] == pytest.approx(expected, abs=1e-6)
+        assert m["critic/score/mean"] == pytest.approx(expected, abs=1e-6)
+        assert m["kl"] == m["actor/kl_loss"]  # the KL loss to the reference is on
+        assert m["actor/grad_norm"] > 0
+    # step() logged each step to the trainer's metrics.jsonl
+    with open(os.path.join(trainer.cfg.trainer.log_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        steps = [line for line in f if line.strip()]
+    assert len(steps) >= 2
+
+
+class ResponseLength:
+    """A user-written operator: one method, declared inputs and outputs."""
+
+    inputs = ("response_mask",)
+    outputs = ("response_length",)
+
+    def process(self, batch):
+        batch["response_length"] = batch["response_mask"].sum(-1)  # [B]
+        return batch
+
+
+@pytest.mark.slow
+def test_user_operator_and_filter(trainer):
+    seen = []
+
+    def keep(sample):
+        seen.append(sample)
+        return sample["reward"] > 0 and sample["response_length"] >= 1
+
+    stream = (
+        DataStream(trainer=trainer)
+        .add_operator(RolloutOperator())
+        .add_operator(ResponseLength())
+        .add_operator(RewardOperator(length_score))
+        .add_operator(FilterOperator(predicate=keep))
+        .add_operator(PPOUpdateOperator())
+    )
+    m = stream.step()
+    batch = stream.last_batch
+    assert len(seen) == 16 and {"reward", "response_length", "uid", "data_source"} <= set(seen[0])
+    wanted = sum(1 for s in seen if s["reward"] > 0 and s["response_length"] >= 1)
+    assert 0 < wanted < 16, "the fixed seed's samples should be partly kept"
+    assert m["filter/kept"] == wanted and m["filter/dropped"] == 16 - wanted
+    assert len(batch) == wanted
+    assert (batch["token_level_scores"].sum(-1) > 0).all()
+    assert "response_length" in batch and "advantages" in batch
+    assert m["timing_s/op/ResponseLength"] >= 0 and math.isfinite(m["loss"])
+
+    threshold = DataStream(trainer=trainer).add_operator(RolloutOperator())
+    threshold.add_operator(RewardOperator(length_score)).add_operator(FilterOperator(threshold=1.0))
+    threshold.add_operator(PPOUpdateOperator())
+    m = threshold.step()
+    assert (threshold.last_batch["token_level_scores"].sum(-1) >= 1.0).all()
+    assert m["filter/kept"] == len(threshold.last_batch)
+
+
+@pytest.mark.slow
+def test_multi_reward_scorer_sums_weighted_scores(trainer):
+    multi = MultiRewardScorer([("verl/arithmetic", 1.0), (length_score, 0.5)])
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(multi)
+    stream.add_operator(PPOUpdateOperator())
+    m = stream.step()
+    a, b = m["reward/verl/arithmetic/mean"], m["reward/length_score/mean"]
+    assert m["reward/length_score/weight"] == 0.5
+    assert m["reward_mean"] == pytest.approx(1.0 * a + 0.5 * b, abs=1e-6)
+
+
+def test_missing_input_fails_at_build_naming_the_field():
+    # No trainer is built: DataStream(model=...) builds its own only on the first step.
+    stream = DataStream(model="unused").add_operator(RolloutOperator())
+    with pytest.raises(ValueError, match="PPOUpdateOperator needs field 'token_level_scores'"):
+        stream.add_operator(PPOUpdateOperator())
+    with pytest.raises(ValueError, match="ResponseLength needs field 'response_mask'"):
+        DataStream(model="unused").add_operator(ResponseLength())
+    with pytest.raises(TypeError, match="needs a process"):
+        stream.add_operator(object())
+    with pytest.raises(ValueError, match="unknown estimator"):
+        PPOUpdateOperator(estimator="nope")
+
+
+@pytest.mark.slow
+def test_operator_settings_must_match_a_given_trainer(trainer):
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='gae' but the trainer was built with"):
+        stream.add_operator(PPOUpdateOperator(estimator="gae"))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.n=8"):
+        DataStream(trainer=trainer).add_operator(RolloutOperator(n=8))
+
+
+class CountCalls:
+    inputs = ("responses",)
+    outputs = ()
+
+    def __init__(self):
+        self.calls = 0
+
+    def process(self, batch):
+        self.calls += 1
+        return batch
+
+
+@pytest.mark.slow
+def test_stream_fit_runs_its_step_in_the_trainer_loop(trainer):
+    counter = CountCalls()
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(counter)
+    stream.add_operator(RewardOperator()).add_operator(PPOUpdateOperator())
+    start = trainer.global_step
+    m = stream.fit(stop_after=start + 1)
+    assert counter.calls == 1 and trainer.global_step == start + 1
+    assert m["training/global_step"] == start + 1 and "timing_s/op/CountCalls" in m
+    assert m["reward/config/mean"] == m["critic/score/mean"]  # the config's verl/arithmetic scorer

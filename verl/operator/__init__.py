@@ -1,0 +1,29 @@
+"""The Python API's dataflow: ``DataStream`` and its operators (see docs/python_api.md).
+
+Each built-in operator wraps step pieces of :class:`verl.trainer.rl_trainer.RLTrainer`; the stream
+runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit`` (one loop).
+"""
+
+from verl.operator.base import Operator
+from verl.operator.ops import (
+    FilterOperator,
+    MultiRewardScorer,
+    PPOUpdateOperator,
+    RewardModelScorer,
+    RewardOperator,
+    RolloutOperator,
+)
+from verl.operator.stream import DataStream, build_config, build_trainer
+
+__all__ = [
+    "DataStream",
+    "FilterOperator",
+    "MultiRewardScorer",
+    "Operator",
+    "PPOUpdateOperator",
+    "RewardModelScorer",
+    "RewardOperator",
+    "RolloutOperator",
+    "build_config",
+    "build_trainer",
+]

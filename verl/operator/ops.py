@@ -1,0 +1,323 @@
+"""The built-in operators: each wraps step pieces of :class:`verl.trainer.rl_trainer.RLTrainer`.
+
+| operator | trainer pieces | adds |
+| --- | --- | --- |
+| :class:`RolloutOperator` | ``prompt_batch``, ``generate`` | ``responses``, ``response_mask``, ... |
+| :class:`RewardOperator` | the trainer's ``RewardModel`` role (``compute_reward``), or one on the given scorer | ``token_level_scores`` |
+| :class:`MultiRewardScorer` | several reward operators, weighted sum | ``token_level_scores`` |
+| :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
+| :class:`PPOUpdateOperator` | ``update_step``: old/ref log-probs, values, advantages, critic and actor updates | ``advantages``, ... |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from verl.operator.base import Operator
+
+if TYPE_CHECKING:
+    from verl.protocol import Batch
+    from verl.trainer.rl_trainer import RLTrainer
+
+__all__ = [
+    "FilterOperator",
+    "MultiRewardScorer",
+    "PPOUpdateOperator",
+    "RewardModelScorer",
+    "RewardOperator",
+    "RolloutOperator",
+]
+
+ROLLOUT_FIELDS = (
+    "prompts",
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "uid",
+    "data_source",
+)
+
+
+class RolloutOperator(Operator):
+    """The step's prompts from the trainer's data loader, ``n`` samples each (``RLTrainer.generate``:
+    the actor's weights pushed into the engine first). Makes the step's batch; None when the
+    data is used up.
+
+    Args (None: the config's value):
+        n: samples per prompt (``actor_rollout_ref.rollout.n``).
+        temperature: sampling temperature (``actor_rollout_ref.rollout.temperature``).
+        top_p: nucleus sampling (``actor_rollout_ref.rollout.top_p``).
+        max_new_tokens: response length limit (``data.max_response_length``).
+    """
+
+    outputs = ROLLOUT_FIELDS
+
+    def __init__(
+        self,
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.settings = {
+            "actor_rollout_ref.rollout.n": n,
+            "actor_rollout_ref.rollout.temperature": temperature,
+            "actor_rollout_ref.rollout.top_p": top_p,
+            "data.max_response_length": max_new_tokens,
+        }
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in self.settings.items() if v is not None}
+
+    def process(self, batch: "Batch | None") -> "tuple[Batch | None, dict[str, float]]":
+        if batch is not None:
+            raise ValueError("RolloutOperator makes the step's batch: it must be the stream's first operator")
+        trainer = self.trainer
+        prompts = trainer.prompt_batch(0)
+        if prompts is None:
+            return None, {}
+        return trainer.generate(prompts, seed=trainer.sampling_seed(0))
+
+
+def _scorer_name(scorer: Any) -> str:
+    if scorer is None:
+        return "config"
+    if isinstance(scorer, str):
+        return scorer
+    return getattr(scorer, "__name__", type(scorer).__name__)
+
+
+class RewardOperator(Operator):
+    """Scores every response into ``token_level_scores`` [B, R] (the score on the last token).
+
+    Args:
+        scorer: None: the config's rule-based scorers by each sample's ``data_source``
+            (the trainer's reward role, as ``RLTrainer.compute_reward``); a registered scorer name (``"verl/arithmetic"``,
+            ``"openai/gsm8k"``: ``verl.rewards.known_data_sources()``) applied to every sample; or
+            a Python function ``f(data_source, solution_str, ground_truth, extra_info) -> float``
+            (the ``custom_reward_function`` contract; a dict with a ``"score"`` key also works).
+        name: the name in metrics (``reward/<name>/mean``); the scorer's name by default.
+    """
+
+    inputs = ("responses", "response_mask", "data_source")
+    outputs = ("token_level_scores",)
+
+    def __init__(self, scorer: str | Callable[..., Any] | None = None, *, name: str | None = None) -> None:
+        super().__init__()
+        if scorer is not None and not isinstance(scorer, str) and not callable(scorer):
+            raise TypeError(
+                f"RewardOperator(scorer=...) takes None, a scorer name or a function, got {type(scorer).__name__}"
+            )
+        if isinstance(scorer, str):
+            from verl.rewards import get_scorer
+
+            get_scorer(scorer)  # an unknown name fails now, listing the known ones
+        self.scorer = scorer
+        self.name = name or _scorer_name(scorer)
+        self._role = None
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        super().bind(trainer)
+        if self.scorer is None:
+            return
+        from verl.rewards import RewardManager, default_compute_score
+        from verl.roles import RewardModel
+
+        if isinstance(self.scorer, str):
+            source = self.scorer
+
+            def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+                return default_compute_score(source, solution_str, ground_truth, extra_info)
+
+        else:
+            compute_score = self.scorer
+        self._role = RewardModel(RewardManager(trainer.tokenizer, compute_score=compute_score), custom_scorer=True)
+
+    def score(self, batch: "Batch") -> tuple[torch.Tensor, dict[str, float]]:
+        """(``token_level_scores`` [B, R], metrics) of ``batch``; the batch is not changed."""
+        scores, metrics, _ = self._score(batch)
+        return scores, metrics
+
+    def _score(self, batch: "Batch") -> tuple[torch.Tensor, dict[str, float], dict[str, list[Any]]]:
+        # The trainer's RewardModel role (the config's scorers) or this operator's own.
+        role = self._role if self._role is not None else self.trainer.reward
+        result = role.score(batch)
+        scores, metrics = result.token_level_scores, dict(result.metrics)
+        metrics[f"reward/{self.name}/mean"] = float(scores.sum(-1).mean())
+        return scores, metrics, result.extra
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        scores, metrics, extra = self._score(batch)
+        batch["token_level_scores"] = scores
+        for key, values in extra.items():  # the scorers' per-sample fields (acc, pred), as compute_reward adds them
+            if key not in batch:
+                batch[key] = values
+        metrics["reward_mean"] = float(scores.sum(-1).mean())
+        return batch, metrics
+
+
+class RewardModelScorer(RewardOperator):
+    """:class:`RewardOperator` under the tutorials' name: ``rm_model`` is a rule-based scorer name or
+    a Python function. A trained reward model is configured on the trainer instead
+    (``reward_model.enable=true reward_model.model.path=DIR``) and scored by ``RewardOperator()``."""
+
+    def __init__(self, rm_model: str | Callable[..., Any] | None = None, *, name: str | None = None) -> None:
+        if rm_model is not None and not isinstance(rm_model, str) and not callable(rm_model):
+            raise TypeError(f"RewardModelScorer(rm_model=...) takes a scorer name or a function, got {type(rm_model).__name__}")
+        if isinstance(rm_model, torch.nn.Module):
+            raise ValueError(
+                "RewardModelScorer(rm_model=<nn.Module>): model objects are not supported yet; set "
+                "reward_model.enable=true reward_model.model.path=DIR on the trainer and use RewardOperator()"
+            )
+        super().__init__(rm_model, name=name)
+
+
+class MultiRewardScorer(Operator):
+    """The weighted sum of several scorers into ``token_level_scores``; logs each one's mean
+    (``reward/<name>/mean``) and its weight.
+
+    Args:
+        scorers: ``[(scorer, weight), ...]``; a scorer is a :class:`RewardOperator` or what
+            ``RewardOperator(scorer=...)`` takes.
+    """
+
+    inputs = RewardOperator.inputs
+    outputs = RewardOperator.outputs
+
+    def __init__(self, scorers: Sequence[tuple[Any, float]]) -> None:
+        super().__init__()
+        if not scorers:
+            raise ValueError("MultiRewardScorer needs at least one (scorer, weight) pair")
+        self.parts: list[tuple[RewardOperator, float]] = []
+        names: list[str] = []
+        for pair in scorers:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"MultiRewardScorer takes (scorer, weight) pairs, got {pair!r}")
+            scorer, weight = pair
+            op = scorer if isinstance(scorer, RewardOperator) else RewardOperator(scorer)
+            if op.name in names:
+                op.name = f"{op.name}_{len(names)}"
+            names.append(op.name)
+            self.parts.append((op, float(weight)))
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        super().bind(trainer)
+        for op, _ in self.parts:
+            op.bind(trainer)
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        total = None
+        metrics: dict[str, float] = {}
+        for op, weight in self.parts:
+            scores, more = op.score(batch)
+            metrics.update(more)
+            metrics[f"reward/{op.name}/weight"] = weight
+            total = weight * scores if total is None else total + weight * scores
+        batch["token_level_scores"] = total
+        metrics["reward_mean"] = float(total.sum(-1).mean())
+        return batch, metrics
+
+
+def sample_view(batch: "Batch", i: int, reward: torch.Tensor) -> dict[str, Any]:
+    """Sample ``i`` as a dict for predicates: ``reward`` (its sequence score), every per-sample
+    tensor field of shape [B] (as a Python number) and every non-tensor field."""
+    view: dict[str, Any] = {"reward": float(reward[i])}
+    for key in batch.keys():
+        value = batch[key]
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 1:
+                view[key] = value[i].item()
+        else:
+            view[key] = value[i]
+    return view
+
+
+class FilterOperator(Operator):
+    """Keeps the samples whose reward is at least ``threshold``, or for which ``predicate(sample)``
+    is true (``sample``: :func:`sample_view`); the others leave the step's batch. A GRPO group
+    left with one sample gets zero advantage. Fails when no sample is kept.
+
+    Logs ``filter/kept`` and ``filter/dropped``.
+    """
+
+    inputs = ("token_level_scores",)
+
+    def __init__(
+        self, threshold: float | None = None, *, predicate: Callable[[dict[str, Any]], bool] | None = None
+    ) -> None:
+        super().__init__()
+        if (threshold is None) == (predicate is None):
+            raise ValueError("FilterOperator takes threshold= or predicate=, exactly one")
+        self.threshold = threshold
+        self.predicate = predicate
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        reward = batch["token_level_scores"].sum(-1)  # [B]
+        if self.threshold is not None:
+            keep = [i for i in range(len(batch)) if float(reward[i]) >= self.threshold]
+            rule = f"reward >= {self.threshold}"
+        else:
+            keep = [i for i in range(len(batch)) if self.predicate(sample_view(batch, i, reward))]
+            rule = "the predicate"
+        if not keep:
+            raise ValueError(
+                f"FilterOperator kept none of the {len(batch)} samples ({rule}; rewards from "
+                f"{float(reward.min()):.3g} to {float(reward.max()):.3g}); lower the threshold or loosen the predicate"
+            )
+        kept = batch if len(keep) == len(batch) else batch[keep]
+        return kept, {"filter/kept": float(len(keep)), "filter/dropped": float(len(batch) - len(keep))}
+
+
+class PPOUpdateOperator(Operator):
+    """The rest of the step: old and reference log-probs, values, advantages, the critic and
+    actor updates and the step's metrics (``RLTrainer.update_step``; advances the global step).
+
+    Args (None: the config's value):
+        estimator: the advantage estimator (``algorithm.adv_estimator``: ``grpo``, ``gae`` (PPO
+            with a critic), ``rloo``, ``reinforce_plus_plus``, ``remax``, ...: ``verl.algos.list_adv_estimators()``).
+        kl_coef: the KL-to-reference loss coefficient (``actor.kl_loss_coef``; sets ``use_kl_loss``).
+        clip_range: PPO's ratio clip (``actor.clip_ratio``).
+        lr: the actor's learning rate (``actor.optim.lr``).
+    """
+
+    inputs = ("responses", "response_mask", "uid", "token_level_scores")
+    outputs = ("old_log_probs", "token_level_rewards", "advantages", "returns")
+
+    def __init__(
+        self,
+        *,
+        estimator: str | None = None,
+        kl_coef: float | None = None,
+        clip_range: float | None = None,
+        lr: float | None = None,
+    ) -> None:
+        super().__init__()
+        if estimator is not None:
+            from verl.algos import list_adv_estimators
+
+            if estimator not in list_adv_estimators():
+                raise ValueError(
+                    f"PPOUpdateOperator(estimator={estimator!r}): unknown estimator; choose one of {list_adv_estimators()}"
+                )
+        a = "actor_rollout_ref.actor"
+        self.settings = {
+            "algorithm.adv_estimator": estimator,
+            f"{a}.use_kl_loss": None if kl_coef is None else kl_coef > 0,
+            f"{a}.kl_loss_coef": kl_coef,
+            f"{a}.clip_ratio": clip_range,
+            f"{a}.optim.lr": lr,
+        }
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in self.settings.items() if v is not None}
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        metrics = self.trainer.update_step(batch)
+        return batch, metrics

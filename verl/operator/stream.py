@@ -1,0 +1,254 @@
+"""``DataStream``: one PPO/GRPO step composed of operators, run by the one trainer loop.
+
+A stream holds a :class:`verl.trainer.rl_trainer.RLTrainer` (its roles, data loader, checkpoints
+and loggers) and a list of operators. :meth:`DataStream.step` passes one batch through the
+operators in order; :meth:`DataStream.fit` hands that step to ``RLTrainer.fit(step_fn=...)``, so
+validation, checkpoints every ``save_freq``, stop signals and the run report are the trainer's.
+
+Where the trainer comes from:
+
+- ``DataStream(trainer=t)``: an ``RLTrainer`` the caller built (and closes); the operators' own
+  settings (``PPOUpdateOperator(estimator=...)``, ``RolloutOperator(n=...)``) must agree with its
+  config, or :meth:`add_operator` fails naming the key;
+- ``DataStream(model=PATH, train_files=FILE, config="ppo_trainer", overrides=[...])``: the stream
+  builds the config (the YAML file, then ``overrides``, then the operators' settings) and the
+  trainer on its first :meth:`step`/:meth:`fit`, starting a world of one process when
+  torch.distributed is not initialised; :meth:`close` frees both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from verl.operator.base import Operator, declared, operator_name
+
+if TYPE_CHECKING:
+    from verl.config import PPOConfig
+    from verl.protocol import Batch
+    from verl.trainer.rl_trainer import RLTrainer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataStream", "build_config", "build_trainer"]
+
+
+def build_config(
+    *,
+    model: str | None = None,
+    train_files: str | Sequence[str] | None = None,
+    config: str = "ppo_trainer",
+    overrides: Sequence[str] = (),
+) -> "PPOConfig":
+    """A ``PPOConfig`` from a YAML file under configs/ (or a path), the model and data paths, then
+    ``key=value`` ``overrides`` (later ones win); checked against the launched world size."""
+    from verl.config import PPOConfig, load_config
+
+    args: list[str] = []
+    if model is not None:
+        args.append(f"actor_rollout_ref.model.path={os.fspath(model)}")
+    if train_files is not None:
+        files = [train_files] if isinstance(train_files, (str, os.PathLike)) else list(train_files)
+        args.append(f"data.train_files=[{','.join(os.fspath(f) for f in files)}]")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return load_config(PPOConfig, config_file=config, overrides=[*args, *overrides], world_size=world)
+
+
+def build_trainer(cfg: "PPOConfig") -> tuple["RLTrainer", bool]:
+    """``RLTrainer(cfg)`` on the current torch.distributed world, or on a world of one that this
+    call starts; returns the trainer and whether the world was started here."""
+    import torch.distributed as dist
+
+    from verl.parallel.bootstrap import init_distributed
+    from verl.trainer.rl_trainer import RLTrainer
+
+    started = False
+    if not dist.is_initialized():
+        if cfg.trainer.device == "cpu":
+            # Megatron chooses CUDA whenever it is visible (as main_ppo does: verl.trainer.entry).
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        init_distributed(device=cfg.trainer.device)
+        started = True
+    try:
+        return RLTrainer(cfg), started
+    except BaseException:
+        if started:
+            from verl.parallel.bootstrap import destroy_distributed
+
+            destroy_distributed()
+        raise
+
+
+def _config_value(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+class DataStream:
+    """Operators run in order on one batch per step (see the module docstring).
+
+    Args:
+        trainer: an ``RLTrainer`` to run on; or None to build one from the arguments below.
+        model: the actor's Hugging Face checkpoint directory (``actor_rollout_ref.model.path``).
+        train_files: parquet/jsonl/json prompt files (``data.train_files``).
+        config: the YAML config the trainer starts from (a name under configs/ or a path).
+        overrides: ``key=value`` settings applied after ``config`` (``data.train_batch_size=8``).
+    """
+
+    def __init__(
+        self,
+        trainer: "RLTrainer | None" = None,
+        *,
+        model: str | None = None,
+        train_files: str | Sequence[str] | None = None,
+        config: str = "ppo_trainer",
+        overrides: Sequence[str] = (),
+    ) -> None:
+        if trainer is not None and (model is not None or train_files is not None or overrides):
+            raise ValueError("DataStream: pass either trainer= or model=/train_files=/overrides=, not both")
+        if trainer is None and model is None:
+            raise ValueError("DataStream needs trainer= (an RLTrainer) or model= (a model directory)")
+        self._trainer = trainer
+        self._owns_trainer = trainer is None
+        self._started_world = False
+        self._build_args = dict(model=model, train_files=train_files, config=config, overrides=tuple(overrides))
+        self.operators: list[Any] = []
+        self._names: list[str] = []
+        self._fields: set[str] = set()
+
+    # -- building -------------------------------------------------------------------------
+
+    def add_operator(self, op: Any) -> "DataStream":
+        """Append ``op``; fails (ValueError) when one of its inputs is produced by no earlier
+        operator, or when its settings disagree with the given trainer's config. Returns the stream."""
+        if not callable(getattr(op, "process", None)):
+            raise TypeError(
+                f"{type(op).__name__} is not an operator: it needs a process(batch) method "
+                "and inputs/outputs tuples (verl.operator.Operator)"
+            )
+        inputs, outputs = declared(op)
+        name = operator_name(op, self._names)
+        missing = [f for f in inputs if f not in self._fields]
+        if missing:
+            earlier = ", ".join(self._names) or "none"
+            raise ValueError(
+                f"operator {name} needs field {missing[0]!r}"
+                + (f" (and {missing[1:]})" if len(missing) > 1 else "")
+                + f", which no earlier operator produces (earlier operators: {earlier}; fields they "
+                f"produce: {sorted(self._fields) or 'none'}); add the operator that produces it first"
+            )
+        if self._trainer is not None and isinstance(op, Operator):
+            self._check_settings(name, op, self._trainer.cfg)
+        self.operators.append(op)
+        self._names.append(name)
+        self._fields.update(outputs)
+        if self._trainer is not None and isinstance(op, Operator):
+            op.bind(self._trainer)
+        return self
+
+    def _check_settings(self, name: str, op: Operator, cfg: "PPOConfig") -> None:
+        for key, wanted in op.config_overrides().items():
+            have = _config_value(cfg, key)
+            if have != wanted:
+                raise ValueError(
+                    f"operator {name} sets {key}={wanted!r} but the trainer was built with {key}={have!r}; "
+                    f"build the trainer with {key}={wanted!r}, or build the stream from model=/train_files= "
+                    "so that its operators configure the trainer"
+                )
+
+    @property
+    def trainer(self) -> "RLTrainer":
+        """The trainer, built now if the stream builds its own."""
+        if self._trainer is None:
+            overrides = list(self._build_args["overrides"])
+            for op in self.operators:
+                if isinstance(op, Operator):
+                    overrides += [f"{k}={v}" for k, v in op.config_overrides().items()]
+            cfg = build_config(
+                model=self._build_args["model"],
+                train_files=self._build_args["train_files"],
+                config=self._build_args["config"],
+                overrides=overrides,
+            )
+            self._trainer, self._started_world = build_trainer(cfg)
+            for op in self.operators:
+                if isinstance(op, Operator):
+                    op.bind(self._trainer)
+        return self._trainer
+
+    # -- running --------------------------------------------------------------------------
+
+    def run_operators(self) -> dict[str, float] | None:
+        """One step through every operator; its metrics, or None when the data is used up.
+
+        Besides the operators' own metrics: ``reward_mean`` (mean sequence score of the step's
+        samples as the reward operator scored them, before any filter), ``loss`` (``actor/pg_loss``),
+        ``kl`` (``actor/kl_loss``, the KL to the reference, when the actor uses a KL loss, else
+        ``actor/ppo_kl``, old vs updated policy), ``timing_s/op/<name>`` per operator, ``step``.
+        """
+        if not self.operators:
+            raise ValueError("DataStream has no operators: add_operator(RolloutOperator()) first")
+        trainer = self.trainer
+        start = time.perf_counter()
+        batch: "Batch | None" = None
+        metrics: dict[str, float] = {}
+        for name, op in zip(self._names, self.operators):
+            t0 = time.perf_counter()
+            out = op.process(batch)
+            if isinstance(out, tuple):
+                out, more = out
+                metrics.update(more)
+            metrics[f"timing_s/op/{name}"] = time.perf_counter() - t0
+            if out is None:
+                if batch is None:  # the first operator found no more prompts
+                    return None
+                raise ValueError(f"operator {name} returned None; process(batch) must return the batch")
+            batch = out
+        metrics["timing_s/stream_step"] = time.perf_counter() - start
+        if "actor/pg_loss" in metrics:
+            metrics["loss"] = metrics["actor/pg_loss"]
+        kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
+        if kl_key in metrics:
+            metrics["kl"] = metrics[kl_key]
+        metrics["step"] = float(trainer.global_step)
+        self.last_batch = batch
+        return metrics
+
+    def step(self) -> dict[str, float] | None:
+        """:meth:`run_operators` and log its metrics to the trainer's loggers (``metrics.jsonl`` ...)."""
+        metrics = self.run_operators()
+        if metrics is not None:
+            self.trainer.tracking.log(metrics, self.trainer.global_step)
+        return metrics
+
+    def fit(self, *, stop_after: int | None = None) -> dict[str, float]:
+        """Train to the config's step count with this stream's step in the trainer's loop
+        (``RLTrainer.fit(step_fn=...)``: resume, validation, checkpoints, stop signals, report);
+        ``stop_after`` ends it after that global step, as ``RLTrainer.fit`` does."""
+        return self.trainer.fit(stop_after=stop_after, step_fn=self.run_operators)
+
+    def save_checkpoint(self) -> str:
+        """The trainer's checkpoint at the current step (``global_step_N/`` under ``default_local_dir``)."""
+        return self.trainer.save_checkpoint()
+
+    def close(self) -> None:
+        """Close the trainer (and the world of one) if the stream built them."""
+        if self._owns_trainer and self._trainer is not None:
+            self._trainer.close()
+            self._trainer = None
+            if self._started_world:
+                from verl.parallel.bootstrap import destroy_distributed
+
+                destroy_distributed()
+                self._started_world = False
+
+    def __enter__(self) -> "DataStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,279 @@
+"""``verl.RLTrainer``: the keyword-argument facade over :class:`verl.trainer.rl_trainer.RLTrainer`.
+
+It only builds a ``PPOConfig`` (from a YAML file under configs/, then its arguments, then
+``overrides``) and calls the trainer's ``fit`` — the loop ``python -m verl.trainer.main_ppo``
+runs. Checkpoints are the trainer's: ``output_dir/global_step_N/`` (actor, critic, and
+``trainer_state.json``), logs under ``output_dir/logs`` (``metrics.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from verl.config import PPOConfig
+
+__all__ = ["ALGORITHMS", "RLTrainer"]
+
+ALGORITHMS: dict[str, str] = {
+    "ppo": "gae",
+    "grpo": "grpo",
+    "rloo": "rloo",
+    "reinforce_plus_plus": "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+    "remax": "remax",
+    "gpg": "gpg",
+    "opo": "opo",
+    "grpo_passk": "grpo_passk",
+}
+"""``algorithm=`` name -> ``algorithm.adv_estimator`` (``ppo`` is GAE with a critic)."""
+
+_NOT_YET = ("dpo", "hybrid_ppo")
+
+RUN_FILE = "verl_rl_trainer.json"
+"""Written into ``output_dir`` by :meth:`RLTrainer.fit`: the arguments, for :meth:`RLTrainer.from_checkpoint`."""
+
+_FIT_DEFAULTS: dict[str, Any] = {
+    "save_steps": -1,
+    "output_dir": "outputs/verl",
+    "val_dataset_path": None,
+    "eval_steps": -1,
+    "save_hf": True,
+}
+
+
+class RLTrainer:
+    """Train a policy with PPO, GRPO, RLOO, ... from a few keyword arguments."""
+
+    def __init__(
+        self,
+        actor_model: str,
+        *,
+        algorithm: str = "grpo",
+        use_vllm: bool = True,
+        rollout_batch_size: int = 32,
+        n_samples: int = 4,
+        train_batch_size: int | None = None,
+        micro_batch_size: int = 16,
+        learning_rate: float = 1e-6,
+        kl_coef: float = 0.001,
+        clip_range: float = 0.2,
+        max_prompt_length: int = 512,
+        max_response_length: int = 256,
+        temperature: float = 1.0,
+        seed: int = 1,
+        device: str = "auto",
+        config: str = "ppo_trainer",
+        overrides: Sequence[str] = (),
+    ) -> None:
+        """
+        Args:
+            actor_model: the policy's Hugging Face checkpoint directory (Llama, Qwen2, Mistral
+                families), trained through Megatron-core.
+            algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free).
+            use_vllm: rollout with vLLM (``True``) or the transformers ``generate`` engine.
+            rollout_batch_size: prompts per step (``data.train_batch_size``).
+            n_samples: responses per prompt (``actor_rollout_ref.rollout.n``).
+            train_batch_size: prompts per optimizer step (``actor.ppo_mini_batch_size``;
+                ``rollout_batch_size`` when None: one update per step).
+            micro_batch_size: sequences per forward/backward pass and per log-prob pass.
+            learning_rate: the actor's (and critic's) learning rate.
+            kl_coef: KL-to-reference loss coefficient (0: no reference model, no KL loss).
+            clip_range: PPO's policy-ratio clip.
+            max_prompt_length: prompt tokens kept (``data.max_prompt_length``).
+            max_response_length: new tokens per response (``data.max_response_length``).
+            temperature: rollout sampling temperature.
+            seed: the trainer's and the rollout's seed.
+            device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (``trainer.device``).
+            config: the YAML config started from (a name under configs/ or a path).
+            overrides: ``key=value`` settings applied last (any ``python -m verl.config --help`` key).
+        """
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._init_args.update(actor_model=os.fspath(actor_model), overrides=list(overrides))
+        if algorithm not in ALGORITHMS:
+            if algorithm in _NOT_YET:
+                raise ValueError(
+                    f"algorithm={algorithm!r} is not available in verl.RLTrainer yet; choose one of "
+                    f"{sorted(ALGORITHMS)}"
+                )
+            raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+        self.actor_model = os.fspath(actor_model)
+        self.algorithm = algorithm
+        mini = rollout_batch_size if train_batch_size is None else train_batch_size
+        a = "actor_rollout_ref"
+        self._settings = [
+            f"algorithm.adv_estimator={ALGORITHMS[algorithm]}",
+            f"{a}.rollout.name={'vllm' if use_vllm else 'hf'}",
+            f"data.train_batch_size={rollout_batch_size}",
+            f"{a}.rollout.n={n_samples}",
+            f"{a}.actor.ppo_mini_batch_size={mini}",
+            f"{a}.actor.ppo_micro_batch_size_per_gpu={micro_batch_size}",
+            f"{a}.rollout.log_prob_micro_batch_size_per_gpu={micro_batch_size}",
+            f"{a}.ref.log_prob_micro_batch_size_per_gpu={micro_batch_size}",
+            f"critic.ppo_mini_batch_size={mini}",
+            f"critic.ppo_micro_batch_size_per_gpu={micro_batch_size}",
+            f"critic.forward_micro_batch_size_per_gpu={micro_batch_size}",
+            f"{a}.actor.optim.lr={learning_rate}",
+            f"critic.optim.lr={learning_rate}",
+            f"{a}.actor.use_kl_loss={str(kl_coef > 0).lower()}",
+            f"{a}.actor.kl_loss_coef={kl_coef}",
+            f"{a}.actor.clip_ratio={clip_range}",
+            f"data.max_prompt_length={max_prompt_length}",
+            f"data.max_response_length={max_response_length}",
+            f"{a}.rollout.temperature={temperature}",
+            f"trainer.seed={seed}",
+            f"{a}.rollout.seed={seed}",
+            f"trainer.device={device}",
+            "trainer.n_gpus_per_node=1",
+        ]
+        self._config = config
+        self._overrides = list(overrides)
+        self.last_config: PPOConfig | None = None
+        self.last_checkpoint: str | None = None
+        self._resume_path: str | None = None
+        self._fit_defaults: dict[str, Any] = {}
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> "RLTrainer":
+        """The trainer whose :meth:`fit` wrote checkpoint ``path`` (``output_dir/global_step_N``),
+        with its arguments (read from ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)``
+        then continues at step N+1 with the same data and ``max_steps`` unless given again."""
+        path = os.path.abspath(os.fspath(path))
+        run_file = os.path.join(os.path.dirname(path), RUN_FILE)
+        if not os.path.isdir(path):
+            raise ValueError(f"RLTrainer.from_checkpoint: {path} is not a checkpoint directory")
+        try:
+            with open(run_file, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"RLTrainer.from_checkpoint: cannot read {run_file} ({exc}); it is written by verl.RLTrainer.fit "
+                "beside its checkpoints. For a main_ppo run, resume with trainer.resume_mode=resume_path"
+            ) from None
+        trainer = cls(**saved["init"])
+        trainer._resume_path = path
+        trainer._fit_defaults = dict(saved["fit"])
+        return trainer
+
+    def build_config(
+        self,
+        *,
+        dataset_path: str | Sequence[str],
+        max_steps: int,
+        save_steps: int = -1,
+        output_dir: str = "outputs/verl",
+        val_dataset_path: str | None = None,
+        eval_steps: int = -1,
+        resume_from_checkpoint: bool = False,
+        save_hf: bool = True,
+    ) -> "PPOConfig":
+        """The ``PPOConfig`` :meth:`fit` trains with these arguments (see :meth:`fit`)."""
+        from verl.operator.stream import build_config
+
+        out = os.fspath(output_dir)
+        if resume_from_checkpoint and self._resume_path is not None:
+            resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={self._resume_path}"]
+        else:
+            resume = [f"trainer.resume_mode={'auto' if resume_from_checkpoint else 'disable'}"]
+        run = [
+            f"trainer.total_training_steps={max_steps}",
+            "trainer.total_epochs=1000000",  # max_steps ends the run, not the epochs
+            f"trainer.save_freq={save_steps}",
+            f"trainer.default_local_dir={out}",
+            f"trainer.log_dir={os.path.join(out, 'logs')}",
+            "trainer.logger=[console,jsonl]",
+            *resume,
+            f"trainer.save_hf={str(save_hf).lower()}",
+            f"trainer.test_freq={eval_steps}",
+            f"trainer.val_before_train={'true' if val_dataset_path and eval_steps > 0 else 'false'}",
+            f"data.val_files={os.fspath(val_dataset_path) if val_dataset_path else 'null'}",
+        ]
+        return build_config(
+            model=self.actor_model,
+            train_files=dataset_path,
+            config=self._config,
+            overrides=[*self._settings, *run, *self._overrides],
+        )
+
+    def fit(
+        self,
+        *,
+        dataset_path: str | Sequence[str] | None = None,
+        max_steps: int | None = None,
+        save_steps: int | None = None,
+        output_dir: str | None = None,
+        val_dataset_path: str | None = None,
+        eval_steps: int | None = None,
+        resume_from_checkpoint: bool = False,
+        save_hf: bool | None = None,
+    ) -> dict[str, Any]:
+        """Train ``max_steps`` steps on the prompts of ``dataset_path`` (parquet/jsonl/json with
+        ``prompt``, ``data_source`` and ``reward_model.ground_truth``, as ``main_ppo`` reads).
+
+        An argument left None takes the value of the run :meth:`from_checkpoint` read, else its
+        default: ``save_steps=-1``, ``output_dir="outputs/verl"``, ``eval_steps=-1``, ``save_hf=True``.
+
+        Args:
+            dataset_path: training prompt file(s).
+            max_steps: trainer steps to run (each: ``rollout_batch_size`` prompts).
+            save_steps: checkpoint every this many steps and at the end (-1: no checkpoints).
+            output_dir: checkpoints ``output_dir/global_step_N/``, logs ``output_dir/logs/``, the
+                final Hugging Face model ``output_dir/huggingface/`` (with ``save_hf``).
+            val_dataset_path / eval_steps: validation prompts and how often to validate (-1: never).
+            resume_from_checkpoint: continue from the newest checkpoint in ``output_dir``.
+            save_hf: export the trained actor as a Hugging Face checkpoint at the end.
+
+        Returns the last step's metrics (the trainer's keys) plus ``reward_mean``
+        (``critic/score/mean``), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss`` with
+        a KL loss, else ``actor/ppo_kl``), ``global_step`` and ``checkpoint`` (the newest
+        checkpoint directory, or None).
+        """
+        from verl.operator.stream import build_trainer
+
+        given = dict(
+            dataset_path=dataset_path,
+            max_steps=max_steps,
+            save_steps=save_steps,
+            output_dir=output_dir,
+            val_dataset_path=val_dataset_path,
+            eval_steps=eval_steps,
+            save_hf=save_hf,
+        )
+        args = {**_FIT_DEFAULTS, **self._fit_defaults, **{k: v for k, v in given.items() if v is not None}}
+        for name in ("dataset_path", "max_steps"):
+            if args.get(name) is None:
+                raise ValueError(f"RLTrainer.fit needs {name}=")
+        if isinstance(args["dataset_path"], (str, os.PathLike)):
+            args["dataset_path"] = os.path.abspath(os.fspath(args["dataset_path"]))
+        else:
+            args["dataset_path"] = [os.path.abspath(os.fspath(p)) for p in args["dataset_path"]]
+        args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
+        cfg = self.build_config(**args, resume_from_checkpoint=resume_from_checkpoint)
+        self.last_config = cfg
+        os.makedirs(args["output_dir"], exist_ok=True)
+        with open(os.path.join(args["output_dir"], RUN_FILE), "w", encoding="utf-8") as f:
+            json.dump({"init": self._init_args, "fit": args}, f, indent=2)
+        trainer, started = build_trainer(cfg)
+        try:
+            with trainer:
+                metrics: dict[str, Any] = dict(trainer.fit())
+                step = trainer.global_step
+                self.last_checkpoint = trainer.last_checkpoint
+        finally:
+            if started:
+                from verl.parallel.bootstrap import destroy_distributed
+
+                destroy_distributed()
+        if "critic/score/mean" in metrics:
+            metrics["reward_mean"] = metrics["critic/score/mean"]
+        if "actor/pg_loss" in metrics:
+            metrics["loss"] = metrics["actor/pg_loss"]
+        kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
+        if kl_key in metrics:
+            metrics["final_kl"] = metrics[kl_key]
+        metrics["global_step"] = step
+        metrics["checkpoint"] = self.last_checkpoint
+        return metrics
