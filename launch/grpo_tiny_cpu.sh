@@ -58,42 +58,56 @@ import json
 import os
 import sys
 
-root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, root)
-out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_tiny_cpu")))
-# One thread per rank: at this model size more threads on a busy 2-core machine are much slower.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-# vLLM's caches and sockets stay inside $OUT; its per-request INFO lines are left out.
-for key, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "vllm-rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-    os.environ.setdefault(key, os.path.join(out, "cache", sub))
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from verl.trainer.launcher import launched_world_overrides, run_recipe  # noqa: E402 - after the environment
+def main() -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_tiny_cpu")))
+    # One thread per rank: at this model size more threads on a busy 2-core machine are much slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # vLLM's caches and sockets stay inside $OUT; its per-request INFO lines are left out.
+    for key, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "vllm-rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        os.environ.setdefault(key, os.path.join(out, "cache", sub))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-model = os.path.join(out, "sft_model" if os.environ.get("SFT_STEPS", "600") != "0" else "model")
-overrides = [
-    f"actor_rollout_ref.model.path={model}",
-    f"data.train_files={out}/data/train.parquet", f"data.val_files={out}/data/test.parquet",
-    *launched_world_overrides(), "trainer.resume_mode=disable",
-    f"trainer.default_local_dir={out}/checkpoints", f"trainer.log_dir={out}/logs", f"trainer.hf_export_dir={out}/grpo_model",
-]
-prepare = ["bash", os.path.abspath(__file__)]
-# Read by the bash half when rank 0 runs `prepare`: that part alone, with this interpreter and this
-# checkout's verl (the one every rank imports).
-os.environ["VERL_LAUNCH_STAGE"] = "prepare"
-os.environ.setdefault("PYTHON", sys.executable)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-status = run_recipe("grpo_tiny_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
-if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
-    metrics = os.path.join(out, "logs", "metrics.jsonl")
-    with open(metrics, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f]
-    val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
-    if val:
-        (s0, key, before), (s1, _, after) = val[0], val[-1]
-        print(f"== validation reward ({key}): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})")
-    print(f"== metrics:      {metrics}")
-    print(f"== checkpoints:  {os.path.join(out, 'checkpoints')}")
-    print(f"== HF export:    {os.path.join(out, 'grpo_model')}")
-raise SystemExit(status)
+    from verl.trainer.launcher import launched_world_overrides, run_recipe
+
+    model = os.path.join(out, "sft_model" if os.environ.get("SFT_STEPS", "600") != "0" else "model")
+    overrides = [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={out}/data/train.parquet", f"data.val_files={out}/data/test.parquet",
+        *launched_world_overrides(), "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={out}/checkpoints", f"trainer.log_dir={out}/logs", f"trainer.hf_export_dir={out}/grpo_model",
+    ]
+    prepare = ["bash", os.path.abspath(__file__)]
+    # Read by the bash half when rank 0 runs `prepare`: that part alone, with this interpreter and this
+    # checkout's verl (the one every rank imports).
+    os.environ["VERL_LAUNCH_STAGE"] = "prepare"
+    os.environ.setdefault("PYTHON", sys.executable)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    status = run_recipe("grpo_tiny_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
+    if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
+        metrics = os.path.join(out, "logs", "metrics.jsonl")
+        with open(metrics, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
+        if val:
+            (s0, key, before), (s1, _, after) = val[0], val[-1]
+            print(f"== validation reward ({key}): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})")
+        print(f"== metrics:      {metrics}")
+        print(f"== checkpoints:  {os.path.join(out, 'checkpoints')}")
+        print(f"== HF export:    {os.path.join(out, 'grpo_model')}")
+    return status
+
+
+if __name__ == "__mp_main__":
+    # torchrun runs this file as __main__, so its multiprocessing children (Megatron's checkpoint
+    # writer, reward workers) import it again under this name: they must not start another run,
+    # and they die with the trainer.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from verl.utils.process import exit_with_parent
+
+    exit_with_parent()
+elif __name__ == "__main__":
+    raise SystemExit(main())

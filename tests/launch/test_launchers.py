@@ -29,6 +29,23 @@ def test_launcher_is_bash_and_python(path):
     assert "verl_launch" in shell
 
 
+@pytest.mark.parametrize("path", LAUNCHERS)
+def test_a_multiprocessing_child_does_not_start_another_run(path, monkeypatch):
+    """Run by torchrun, the launcher is ``__main__``; a spawned child (Megatron's checkpoint writer)
+    imports it as ``__mp_main__``: that must only tie the child to its parent, never start a run."""
+    import runpy
+
+    from verl.trainer import launcher
+    from verl.utils import process
+
+    watched = []
+    monkeypatch.setattr(launcher, "run_recipe", lambda *a, **k: pytest.fail("a child started a run"))
+    monkeypatch.setattr(process, "exit_with_parent", lambda **k: watched.append(True))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(os.path.join(ROOT, path), run_name="__mp_main__")
+    assert watched == [True]
+
+
 def test_two_nodes_on_localhost(tmp_path):
     """NNODES=2 NPROC_PER_NODE=1: c10d rendezvous on 127.0.0.1, two steps of the tiny GRPO (HF rollout)."""
     port = free_port()
@@ -37,7 +54,8 @@ def test_two_nodes_on_localhost(tmp_path):
         "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2", "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.n=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "trainer.save_hf=false",
+        # A checkpoint: Megatron's writer is a spawned child, which imports the launcher again.
+        "trainer.save_freq=2", "trainer.save_hf=false",
     ]
     env = {
         **os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "OUT": str(out), "SFT_STEPS": "0", "TRAIN": "200",
