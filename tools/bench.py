@@ -824,6 +824,215 @@ def _rl_step(p: argparse.ArgumentParser) -> Runner:
     return run
 
 
+def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on_step: Callable[[], None]):
+    """TRL's ``GRPOTrainer`` on the same model, prompts and settings, its defaults otherwise; ``on_step``
+    runs after each of its steps, outside its timing. Returns (trainer, per-step records)."""
+    import datasets
+    import pyarrow.parquet as pq
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from verl.data.tokenizer import load_tokenizer
+    from verl.rewards.arithmetic import compute_score
+
+    rows = pq.read_table(train).to_pylist()
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
+    )
+
+    def arithmetic_reward(prompts, completions, ground_truth, **_):
+        # The scorer our trainer uses for data_source verl/arithmetic, on the completion's text.
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [compute_score(t, g) for t, g in zip(texts, ground_truth)]
+
+    config = GRPOConfig(
+        output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=args.steps + args.warmup,
+        use_cpu=True, seed=args.seed,
+        # The same work as our side: B prompts x n samples per step, one optimizer update per step on
+        # all of them, the same response length, sampling, learning rate (constant, no warm-up) and steps.
+        per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1, num_generations=args.n,
+        max_completion_length=args.response_length, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=args.steps + args.warmup,
+        # bf16 left to TRL's default (True) unless fp32 is asked for; beta (KL) is TRL's default 0.0.
+        **({"bf16": False} if args.trl_dtype == "fp32" else {}),
+    )
+    records: list[dict[str, float]] = []
+
+    class Timing(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+            trainer._bench_gen_s = 0.0
+
+        def on_step_end(self, *_, **__):
+            step_s = time.perf_counter() - self.start
+            m = trainer._metrics["train"]
+            records.append({
+                "step_s": step_s, "gen_s": trainer._bench_gen_s,
+                "generated_tokens": m["completions/mean_length"][-1] * args.prompts * args.n,
+                "score_mean": m["reward"][-1],
+            })
+            on_step()
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=config, train_dataset=dataset,
+                          processing_class=load_tokenizer(model), callbacks=[Timing()])
+    generate = trainer._generate
+
+    def timed_generate(*a, **k):  # TRL's rollout: tokenising, transformers' generate, decoding
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            trainer._bench_gen_s += time.perf_counter() - start
+
+    trainer._generate = timed_generate
+    return trainer, records, config
+
+
+def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
+    return {
+        "step_s": _median([r["step_s"] for r in records]),
+        "generated_tokens_per_s": _median([r["generated_tokens"] / r["step_s"] for r in records]),
+        "rollout_tokens_per_s": _median([r["generated_tokens"] / r["gen_s"] for r in records]),
+        "gen_share": _median([r["gen_s"] / r["step_s"] for r in records]),
+        "generated_tokens_per_step": _median([r["generated_tokens"] for r in records]),
+        "rounds": records,
+    }
+
+
+def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    import torch
+
+    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+    from verl.trainer.rl_trainer import RLTrainer
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ValueError("compare-trl runs in one process (TRL's side is one process): start it without torchrun")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both sides on the CPU
+    torch.set_num_threads(args.threads)  # both sides; before vLLM starts (its CPU worker pins the setting)
+    root = tempfile.mkdtemp(prefix="verl-bench-compare-trl-")
+    try:
+        made = _bench_inputs(args.inputs or root, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                             prompts=max(512, 4 * args.prompts * (args.steps + args.warmup)))
+        model = args.model or made["model"]
+        sequences = args.prompts * args.n
+        overrides = [
+            f"actor_rollout_ref.model.path={model}", f"data.train_files={made['train']}",
+            f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
+            f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={args.engine}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one update per step, as TRL's side
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={sequences}",  # TRL runs its batch whole
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
+            "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
+            f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+            "actor_rollout_ref.actor.optim.lr_decay_style=constant",
+            f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
+            *args.overrides,
+        ]
+        cfg = _rl_config("grpo_tiny_cpu", overrides, root, 1)
+        init_distributed(device="cpu")
+        try:
+            with RLTrainer(cfg) as ours:
+                ours_records: list[dict[str, float]] = []
+
+                def our_step() -> None:  # right after each TRL step: a round is one step of each
+                    m = ours.train_step()
+                    if m is None:
+                        raise ValueError("our side ran out of prompts")
+                    ours_records.append({
+                        "step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"] - m.get("timing_s/update_weights", 0.0),
+                        "generated_tokens": m["response_length/mean"] * sequences,
+                        "score_mean": m["critic/score/mean"],
+                    })
+
+                trl_trainer, trl_records, trl_config = _trl_side(args, model, made["train"], f"{root}/trl", our_step)
+                trl_trainer.train()
+        finally:
+            destroy_distributed()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if len(trl_records) != args.steps + args.warmup or len(ours_records) != len(trl_records):
+        raise RuntimeError(f"expected {args.steps + args.warmup} rounds, got TRL {len(trl_records)}, "
+                           f"ours {len(ours_records)}")
+    mine, theirs = _side_summary(ours_records[args.warmup:]), _side_summary(trl_records[args.warmup:])
+    per_round = [
+        (a["generated_tokens"] / a["step_s"]) / (b["generated_tokens"] / b["step_s"])
+        for a, b in zip(ours_records[args.warmup:], trl_records[args.warmup:])
+    ]
+    step_rounds = [b["step_s"] / a["step_s"] for a, b in zip(ours_records[args.warmup:], trl_records[args.warmup:])]
+    import transformers
+    import trl
+
+    return {
+        "bench": "compare-trl",
+        "model": model,
+        "model_parameters": sum(p.numel() for p in trl_trainer.model.parameters()),
+        "prompts_per_step": args.prompts, "n": args.n, "response_length": args.response_length, "lr": args.lr,
+        "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
+        "ours": {"engine": args.engine, "train_dtype": "float32", "rollout_dtype": "float32", **mine},
+        "trl": {"version": trl.__version__, "transformers": transformers.__version__,
+                "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
+                "use_vllm": bool(trl_config.use_vllm), "loss_type": trl_config.loss_type, "beta": trl_config.beta,
+                **theirs},
+        # ours / TRL: > 1 means ours generates more tokens per second of step.
+        "tokens_per_s_ratio_of_medians": mine["generated_tokens_per_s"] / theirs["generated_tokens_per_s"],
+        "tokens_per_s_ratio_rounds": per_round,
+        "tokens_per_s_ratio_median_of_rounds": _median(per_round),
+        "step_time_ratio_trl_over_ours_median_of_rounds": _median(step_rounds),
+        "reward_curve_ours": [r["score_mean"] for r in ours_records],
+        "reward_curve_trl": [r["score_mean"] for r in trl_records],
+    }
+
+
+@subcommand("compare-trl", "our GRPO against TRL's GRPOTrainer on the same work, rounds alternated, in one run")
+def _compare_trl(p: argparse.ArgumentParser) -> Runner:
+    p.description = (
+        "One process, one machine: verl's RL trainer (GRPO, world of one) and TRL's GRPOTrainer on the same local "
+        "tiny Qwen2 (random weights unless --model), the same 2-digit arithmetic prompts and scorer, prompts x n "
+        "samples per step, response length, learning rate (constant), one optimizer update per step, no KL. A "
+        "round is one TRL step then one of ours (after --warmup rounds). Reports each side's generated tokens "
+        "per second of step, seconds per step, share of the step spent generating, the ratio ours/TRL (of the "
+        "medians, and the median of per-round ratios) and both reward curves. TRL keeps its defaults (bf16 "
+        "autocast, gradient checkpointing, transformers generate) unless --trl-dtype fp32."
+    )
+    p.add_argument("overrides", nargs="*", help="key=value overrides for our side (main_ppo's)")
+    p.add_argument("--model", type=hf_model_dir, default=None, help="a Hugging Face model directory (default: made)")
+    p.add_argument("--inputs", default=None, help="folder to make (once) the model and prompts in (default: a temp dir)")
+    p.add_argument("--hidden", type=positive_int, default=64, help="made model's hidden size (default %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=2, help="made model's layers (default %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=2, help="made model's heads (default %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (default %(default)s)")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt (default %(default)s)")
+    p.add_argument("--response-length", type=positive_int, default=32, help="max response tokens (default %(default)s)")
+    p.add_argument("--lr", type=positive_float, default=2e-4, help="learning rate, both sides (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=5, help="measured rounds (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first, not measured (default %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads, both sides (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
+    p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="TRL's precision: bf16 (its default) or fp32 (default %(default)s)")
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        result = _compare_trl_run(args)
+        logger.info(
+            "compare-trl (median of %d rounds): ours %.0f generated tokens/s, %.3f s/step, %.0f%% generating; "
+            "TRL (%s) %.0f tokens/s, %.3f s/step, %.0f%% generating; ours/TRL %.2fx (ratio of medians), %.2fx "
+            "(median of per-round ratios); reward ours %s, TRL %s",
+            args.steps, result["ours"]["generated_tokens_per_s"], result["ours"]["step_s"],
+            100 * result["ours"]["gen_share"], "bf16" if result["trl"]["bf16"] else "fp32",
+            result["trl"]["generated_tokens_per_s"], result["trl"]["step_s"], 100 * result["trl"]["gen_share"],
+            result["tokens_per_s_ratio_of_medians"], result["tokens_per_s_ratio_median_of_rounds"],
+            [round(v, 3) for v in result["reward_curve_ours"]], [round(v, 3) for v in result["reward_curve_trl"]],
+        )
+        return result
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------
 
 
