@@ -919,6 +919,14 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
                              prompts=max(512, 4 * args.prompts * (args.steps + args.warmup)))
         model = args.model or made["model"]
         sequences = args.prompts * args.n
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        # A KV cache that holds the whole step's batch at once (float32 keys and values, twice over for
+        # the engine's blocks and padding), so our engine is not throttled by the small config default.
+        kv_bytes = (sequences * (64 + args.response_length)  # 64: grpo_tiny_cpu's data.max_prompt_length
+                    * hf["num_hidden_layers"] * 2
+                    * hf["num_key_value_heads"] * (hf["hidden_size"] // hf["num_attention_heads"]) * 4)
+        kv_gib = max(0.25, round(2 * kv_bytes / 2**30, 2))
         overrides = [
             f"actor_rollout_ref.model.path={model}", f"data.train_files={made['train']}",
             f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
@@ -927,6 +935,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={sequences}",  # TRL runs its batch whole
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
             "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
+            f"actor_rollout_ref.rollout.cpu_kv_cache_gib={kv_gib}",
             f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
             "actor_rollout_ref.actor.optim.lr_decay_style=constant",
             f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
