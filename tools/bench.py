@@ -956,6 +956,9 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
                         "generated_tokens": m["response_length/mean"] * sequences,
                         "score_mean": m["critic/score/mean"],
                     })
+                    logger.info("compare-trl round %d: TRL %.3f s/step (%.3f s generating), ours %.3f s/step "
+                                "(%.3f s generating)", len(ours_records), trl_records[-1]["step_s"],
+                                trl_records[-1]["gen_s"], ours_records[-1]["step_s"], ours_records[-1]["gen_s"])
 
                 trl_trainer, trl_records, trl_config = _trl_side(args, model, made["train"], f"{root}/trl", our_step)
                 trl_trainer.train()
