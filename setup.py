@@ -71,6 +71,9 @@ EXTRAS = {
     "gpu": ["vllm>=0.32,<0.33", "transformer-engine[pytorch]"],
     # cmake and pybind11: tests/csrc/test_build.py builds csrc/ with CMake (CMakeLists.txt finds pybind11).
     # playwright drives Debian's chromium (setup_env.sh --test installs it) for the report's browser test.
+    # tools/bench.py compare-trl: TRL's GRPOTrainer beside ours (1.16.0 adds only trl and accelerate
+    # to the cpu extra's environment; other versions are unmeasured).
+    "bench": ["trl==1.16.0", "accelerate==1.15.0"],
     "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
     # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
     # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the

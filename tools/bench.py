@@ -581,6 +581,471 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
 
 
 # ---------------------------------------------------------------------------------------------
+# rl-step and compare-trl: the real RL trainer's step, phase by phase
+
+
+# The trainer's phases (``timing_s/<name>``) in step order. ``gen`` encloses ``update_weights`` (the
+# push happens as the rollout phase opens), so the table shows ``gen`` less the push.
+_PHASES = ("gen", "update_weights", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+
+
+def _bench_inputs(root: str, *, hidden: int, layers: int, heads: int, prompts: int, seed: int = 0) -> dict[str, str]:
+    """A tiny Qwen2 (made locally, random weights) and arithmetic prompts under ``root`` (made once,
+    reused when present): ``{"model": dir, "train": parquet}``."""
+    from verl.data.io import write_parquet
+    from verl.data.tasks import arithmetic
+    from verl.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = os.path.join(root, f"qwen2-h{hidden}-l{layers}-a{heads}")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        make_tiny_model(model, TinyModelSpec(family="qwen2", hidden=hidden, layers=layers, heads=heads,
+                                             kv_heads=heads, seed=seed), overwrite=True)
+    train = os.path.join(root, f"arithmetic-2digit-{prompts}.parquet")
+    if not os.path.isfile(train):
+        records, _ = arithmetic.generate_splits(train=prompts, val=0, digits=2, seed=seed)
+        write_parquet(records, train)
+    return {"model": model, "train": train}
+
+
+class _PhaseMemory:
+    """Peak resident memory (CPU) or allocated device memory (CUDA) per trainer phase.
+
+    A thread samples every ``interval_s`` and charges the sample to the phase the trainer last
+    posted on its ``PhaseBoard`` (the trainer posts each phase as it enters it). A phase shorter
+    than the interval may be missed: its entry is then absent.
+    """
+
+    def __init__(self, board: Any, interval_s: float = 0.005) -> None:
+        import threading
+
+        import torch
+
+        self.board, self.interval_s = board, interval_s
+        self.cuda = torch.cuda.is_available()
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-phase-memory", daemon=True)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> int:
+        if self.cuda:
+            import torch
+
+            return int(torch.cuda.memory_allocated())
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            phase, value = self.board.phase, self._sample()
+            if value > self.peaks.get(phase, 0):
+                self.peaks[phase] = value
+
+    def __enter__(self) -> "_PhaseMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _rl_config(config: str, overrides: list[str], root: str, world: int):
+    """The PPO config for a bench run: checkpoints, validation and logging off (they are not part of a
+    step), outputs in ``root``; the user's overrides last, so they win."""
+    from verl.config import PPOConfig, load_config
+
+    quiet = [
+        "trainer.logger=[]", "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.save_hf=false", "trainer.resume_mode=disable", "trainer.report_freq=0",
+        f"trainer.default_local_dir={root}/checkpoints", f"trainer.log_dir={root}/logs",
+        f"trainer.n_gpus_per_node={world}", "trainer.nnodes=1", "data.val_files=null",
+    ]
+    return load_config(PPOConfig, config_file=config, overrides=[*quiet, *overrides], world_size=world)
+
+
+def _step_phases(m: dict[str, float], sequences: int) -> dict[str, Any]:
+    """One step's metrics as phases: seconds, share of the step, tokens/s; the unaccounted rest.
+
+    Tokens: the rollout counts the tokens it generated, every other phase (but the weight push) the
+    batch's tokens (prompt + response, ``perf/total_num_tokens``) it reads; the whole batch, all
+    ranks together.
+    """
+    step = m["timing_s/step"]
+    seconds = {k: m[f"timing_s/{k}"] for k in _PHASES if f"timing_s/{k}" in m}
+    if "gen" in seconds:
+        seconds["gen"] -= seconds.get("update_weights", 0.0)
+    generated = m["response_length/mean"] * sequences
+    total = m["perf/total_num_tokens"]
+    phases = {
+        k: {
+            "seconds": v,
+            "share": v / step,
+            # The push moves weights, not tokens.
+            "tokens_per_s": None if k == "update_weights" or v <= 0 else (generated if k == "gen" else total) / v,
+        }
+        for k, v in seconds.items()
+    }
+    accounted = sum(seconds.values())
+    return {"step_s": step, "phases": phases, "unaccounted_s": step - accounted,
+            "unaccounted_share": (step - accounted) / step, "generated_tokens": generated, "total_tokens": total}
+
+
+def _phase_table(result: dict[str, Any]) -> str:
+    rows = [f"{'phase':<16}{'seconds':>10}{'share':>8}{'tokens/s':>12}{'peak MiB':>10}"]
+    for name, ph in result["phases"].items():
+        tps = f"{ph['tokens_per_s']:.0f}" if ph["tokens_per_s"] is not None else "-"
+        peak = ph.get("peak_memory_bytes")
+        rows.append(f"{name:<16}{ph['seconds']:>10.4f}{ph['share']:>8.1%}{tps:>12}"
+                    f"{(f'{peak / 2**20:.0f}' if peak else '-'):>10}")
+    rows.append(f"{'(unaccounted)':<16}{result['unaccounted_s']:>10.4f}{result['unaccounted_share']:>8.1%}")
+    rows.append(f"{'step':<16}{result['step_s']:>10.4f}{1:>8.1%}{result['generated_tokens_per_s']:>12.0f}"
+                f"   (generated tokens/s)")
+    return "\n".join(rows)
+
+
+def _median_phases(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase the median over steps (seconds, tokens/s); shares of the median step."""
+    step = _median([s["step_s"] for s in steps])
+    phases = {}
+    for name in steps[0]["phases"]:
+        sec = _median([s["phases"][name]["seconds"] for s in steps])
+        tps = [s["phases"][name]["tokens_per_s"] for s in steps if s["phases"][name]["tokens_per_s"] is not None]
+        phases[name] = {"seconds": sec, "share": sec / step, "tokens_per_s": _median(tps) if tps else None}
+    accounted = sum(p["seconds"] for p in phases.values())
+    return {"step_s": step, "phases": phases, "unaccounted_s": step - accounted,
+            "unaccounted_share": (step - accounted) / step}
+
+
+def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+    from verl.trainer.rl_trainer import RLTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    root = tempfile.mkdtemp(prefix="verl-bench-rl-step-")
+    try:
+        overrides = list(args.overrides)
+        if args.inputs:
+            made = _bench_inputs(args.inputs, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                 prompts=args.prompts)
+            overrides = [f"actor_rollout_ref.model.path={made['model']}", f"data.train_files={made['train']}",
+                         *overrides]
+        cfg = _rl_config(args.config, overrides, root, world)
+        if cfg.trainer.device == "cpu":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as main_ppo: Megatron picks CUDA whenever it sees one
+        torch.set_num_threads(args.threads)  # before the engine: vLLM's CPU worker pins the setting
+        init_distributed(device=cfg.trainer.device)
+        try:
+            steps, peaks = [], {}
+            sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+            with RLTrainer(cfg) as trainer:
+                if trainer.total_steps < args.warmup + args.steps:
+                    raise ValueError(f"the config runs {trainer.total_steps} steps, fewer than --warmup {args.warmup} "
+                                     f"+ --steps {args.steps}: raise trainer.total_training_steps")
+                for _ in range(args.warmup):
+                    trainer.train_step()
+                with _PhaseMemory(trainer.board) as memory:
+                    for _ in range(args.steps):
+                        metrics = trainer.train_step()
+                        if metrics is None:
+                            raise ValueError("the data ran out: use more prompts (data.train_files) or fewer steps")
+                        one = _step_phases(metrics, sequences)
+                        one["score_mean"] = metrics["critic/score/mean"]
+                        one["process_peak_memory_gb"] = metrics["perf/max_memory_allocated_gb"]
+                        steps.append(one)
+                peaks = dict(memory.peaks)
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, {"step_s": [s["step_s"] for s in steps], "peaks": peaks})
+        finally:
+            destroy_distributed()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result: dict[str, Any] = {
+        "bench": "rl-step",
+        "config": args.config,
+        "overrides": overrides,
+        "world_size": world,
+        "threads": args.threads,
+        "adv_estimator": cfg.algorithm.adv_estimator,
+        "rollout": cfg.actor_rollout_ref.rollout.name,
+        "prompts_per_step": cfg.data.train_batch_size,
+        "n": cfg.actor_rollout_ref.rollout.n,
+        "response_length": cfg.data.max_response_length,
+        "warmup": args.warmup,
+        "steps": steps,
+        **_median_phases(steps),
+    }
+    for name, ph in result["phases"].items():
+        board = "gen" if name == "update_weights" else name  # the push runs inside the rollout phase
+        ph["peak_memory_bytes"] = max((r["peaks"].get(board, 0) for r in per_rank), default=0) or None
+    result["generated_tokens_per_s"] = _median([s["generated_tokens"] / s["step_s"] for s in steps])
+    result["tokens_per_s"] = _median([s["total_tokens"] / s["step_s"] for s in steps])
+    result["peak_memory_bytes"] = max((max(r["peaks"].values(), default=0) for r in per_rank), default=0)
+    result["rank_step_s"] = [_median(r["step_s"]) for r in per_rank]
+    result["phases_add_up"] = abs(result["unaccounted_share"]) <= 0.05
+    result["table"] = _phase_table(result)
+    return result
+
+
+@subcommand("rl-step", "one RL trainer step, phase by phase: time, share, tokens/s, peak memory")
+def _rl_step(p: argparse.ArgumentParser) -> Runner:
+    p.description = (
+        "Runs --warmup then --steps steps of verl's RL trainer (verl.trainer.rl_trainer.RLTrainer, as main_ppo "
+        "builds it; validation, checkpoints and loggers off) and reports, per phase (rollout, weight push, "
+        "reward, old logprobs, reference, values, advantages, critic and actor updates), the median seconds, "
+        "share of the step, tokens/s and peak memory (resident on CPU, allocated on CUDA, sampled every 5 ms), "
+        "and the share of the step no phase accounts for. torchrun-able; the table goes to stderr."
+    )
+    p.add_argument("--config", default="grpo_tiny_cpu", help="a config under configs/ or a YAML path (default %(default)s)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, as main_ppo takes them")
+    p.add_argument("--steps", type=positive_int, default=3, help="measured steps (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default %(default)s)")
+    p.add_argument("--inputs", default=None,
+                   help="make (once) a random tiny Qwen2 and 2-digit arithmetic prompts in this folder and use them "
+                        "(else the config's model.path and data.train_files)")
+    p.add_argument("--hidden", type=positive_int, default=64, help="--inputs model hidden size (default %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=2, help="--inputs model layers (default %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=2, help="--inputs model heads (default %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=2000, help="--inputs prompts made (default %(default)s)")
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        result = _rl_step_run(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.info("rl-step, median of %d steps:\n%s", args.steps, result["table"])
+        return result
+
+    return run
+
+
+def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on_step: Callable[[], None]):
+    """TRL's ``GRPOTrainer`` on the same model, prompts and settings, its defaults otherwise; ``on_step``
+    runs after each of its steps, outside its timing. Returns (trainer, per-step records)."""
+    import datasets
+    import pyarrow.parquet as pq
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from verl.data.tokenizer import load_tokenizer
+    from verl.rewards.arithmetic import compute_score
+
+    rows = pq.read_table(train).to_pylist()
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
+    )
+
+    def arithmetic_reward(prompts, completions, ground_truth, **_):
+        # The scorer our trainer uses for data_source verl/arithmetic, on the completion's text.
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [compute_score(t, g) for t, g in zip(texts, ground_truth)]
+
+    config = GRPOConfig(
+        output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=args.steps + args.warmup,
+        use_cpu=True, seed=args.seed,
+        # The same work as our side: B prompts x n samples per step, one optimizer update per step on
+        # all of them, the same response length, sampling, learning rate (constant, no warm-up) and steps.
+        per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1, num_generations=args.n,
+        max_completion_length=args.response_length, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=args.steps + args.warmup,
+        # bf16 left to TRL's default (True) unless fp32 is asked for; beta (KL) is TRL's default 0.0.
+        **({"bf16": False} if args.trl_dtype == "fp32" else {}),
+    )
+    records: list[dict[str, float]] = []
+
+    class Timing(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+            trainer._bench_gen_s = 0.0
+
+        def on_step_end(self, *_, **__):
+            step_s = time.perf_counter() - self.start
+            m = trainer._metrics["train"]
+            records.append({
+                "step_s": step_s, "gen_s": trainer._bench_gen_s,
+                "generated_tokens": m["completions/mean_length"][-1] * args.prompts * args.n,
+                "score_mean": m["reward"][-1],
+            })
+            on_step()
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=config, train_dataset=dataset,
+                          processing_class=load_tokenizer(model), callbacks=[Timing()])
+    generate = trainer._generate
+
+    def timed_generate(*a, **k):  # TRL's rollout: tokenising, transformers' generate, decoding
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            trainer._bench_gen_s += time.perf_counter() - start
+
+    trainer._generate = timed_generate
+    return trainer, records, config
+
+
+def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
+    return {
+        "step_s": _median([r["step_s"] for r in records]),
+        "generated_tokens_per_s": _median([r["generated_tokens"] / r["step_s"] for r in records]),
+        "rollout_tokens_per_s": _median([r["generated_tokens"] / r["gen_s"] for r in records]),
+        "gen_share": _median([r["gen_s"] / r["step_s"] for r in records]),
+        "generated_tokens_per_step": _median([r["generated_tokens"] for r in records]),
+        "rounds": records,
+    }
+
+
+def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    import torch
+
+    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+    from verl.trainer.rl_trainer import RLTrainer
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ValueError("compare-trl runs in one process (TRL's side is one process): start it without torchrun")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both sides on the CPU
+    torch.set_num_threads(args.threads)  # both sides; before vLLM starts (its CPU worker pins the setting)
+    root = tempfile.mkdtemp(prefix="verl-bench-compare-trl-")
+    try:
+        made = _bench_inputs(args.inputs or root, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                             prompts=max(512, 4 * args.prompts * (args.steps + args.warmup)))
+        model = args.model or made["model"]
+        sequences = args.prompts * args.n
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        # A KV cache that holds the whole step's batch at once (float32 keys and values, twice over for
+        # the engine's blocks and padding), so our engine is not throttled by the small config default.
+        kv_bytes = (sequences * (64 + args.response_length)  # 64: grpo_tiny_cpu's data.max_prompt_length
+                    * hf["num_hidden_layers"] * 2
+                    * hf["num_key_value_heads"] * (hf["hidden_size"] // hf["num_attention_heads"]) * 4)
+        kv_gib = max(0.25, round(2 * kv_bytes / 2**30, 2))
+        overrides = [
+            f"actor_rollout_ref.model.path={model}", f"data.train_files={made['train']}",
+            f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
+            f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={args.engine}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one update per step, as TRL's side
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={sequences}",  # TRL runs its batch whole
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
+            "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
+            f"actor_rollout_ref.rollout.cpu_kv_cache_gib={kv_gib}",
+            f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+            "actor_rollout_ref.actor.optim.lr_decay_style=constant",
+            f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
+            *args.overrides,
+        ]
+        cfg = _rl_config("grpo_tiny_cpu", overrides, root, 1)
+        init_distributed(device="cpu")
+        try:
+            with RLTrainer(cfg) as ours:
+                ours_records: list[dict[str, float]] = []
+
+                def our_step() -> None:  # right after each TRL step: a round is one step of each
+                    m = ours.train_step()
+                    if m is None:
+                        raise ValueError("our side ran out of prompts")
+                    ours_records.append({
+                        "step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"] - m.get("timing_s/update_weights", 0.0),
+                        "generated_tokens": m["response_length/mean"] * sequences,
+                        "score_mean": m["critic/score/mean"],
+                    })
+                    logger.info("compare-trl round %d: TRL %.3f s/step (%.3f s generating), ours %.3f s/step "
+                                "(%.3f s generating)", len(ours_records), trl_records[-1]["step_s"],
+                                trl_records[-1]["gen_s"], ours_records[-1]["step_s"], ours_records[-1]["gen_s"])
+
+                trl_trainer, trl_records, trl_config = _trl_side(args, model, made["train"], f"{root}/trl", our_step)
+                trl_trainer.train()
+        finally:
+            destroy_distributed()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if len(trl_records) != args.steps + args.warmup or len(ours_records) != len(trl_records):
+        raise RuntimeError(f"expected {args.steps + args.warmup} rounds, got TRL {len(trl_records)}, "
+                           f"ours {len(ours_records)}")
+    mine, theirs = _side_summary(ours_records[args.warmup:]), _side_summary(trl_records[args.warmup:])
+    per_round = [
+        (a["generated_tokens"] / a["step_s"]) / (b["generated_tokens"] / b["step_s"])
+        for a, b in zip(ours_records[args.warmup:], trl_records[args.warmup:])
+    ]
+    step_rounds = [b["step_s"] / a["step_s"] for a, b in zip(ours_records[args.warmup:], trl_records[args.warmup:])]
+    import transformers
+    import trl
+
+    return {
+        "bench": "compare-trl",
+        "model": model,
+        "model_parameters": sum(p.numel() for p in trl_trainer.model.parameters()),
+        "prompts_per_step": args.prompts, "n": args.n, "response_length": args.response_length, "lr": args.lr,
+        "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
+        "ours": {"engine": args.engine, "train_dtype": "float32", "rollout_dtype": "float32", **mine},
+        "trl": {"version": trl.__version__, "transformers": transformers.__version__,
+                "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
+                "use_vllm": bool(trl_config.use_vllm), "loss_type": trl_config.loss_type, "beta": trl_config.beta,
+                **theirs},
+        # ours / TRL: > 1 means ours generates more tokens per second of step.
+        "tokens_per_s_ratio_of_medians": mine["generated_tokens_per_s"] / theirs["generated_tokens_per_s"],
+        "tokens_per_s_ratio_rounds": per_round,
+        "tokens_per_s_ratio_median_of_rounds": _median(per_round),
+        "step_time_ratio_trl_over_ours_median_of_rounds": _median(step_rounds),
+        "reward_curve_ours": [r["score_mean"] for r in ours_records],
+        "reward_curve_trl": [r["score_mean"] for r in trl_records],
+    }
+
+
+@subcommand("compare-trl", "our GRPO against TRL's GRPOTrainer on the same work, rounds alternated, in one run")
+def _compare_trl(p: argparse.ArgumentParser) -> Runner:
+    p.description = (
+        "One process, one machine: verl's RL trainer (GRPO, world of one) and TRL's GRPOTrainer on the same local "
+        "tiny Qwen2 (random weights unless --model), the same 2-digit arithmetic prompts and scorer, prompts x n "
+        "samples per step, response length, learning rate (constant), one optimizer update per step, no KL. A "
+        "round is one TRL step then one of ours (after --warmup rounds). Reports each side's generated tokens "
+        "per second of step, seconds per step, share of the step spent generating, the ratio ours/TRL (of the "
+        "medians, and the median of per-round ratios) and both reward curves. TRL keeps its defaults (bf16 "
+        "autocast, gradient checkpointing, transformers generate) unless --trl-dtype fp32."
+    )
+    p.add_argument("overrides", nargs="*", help="key=value overrides for our side (main_ppo's)")
+    p.add_argument("--model", type=hf_model_dir, default=None, help="a Hugging Face model directory (default: made)")
+    p.add_argument("--inputs", default=None, help="folder to make (once) the model and prompts in (default: a temp dir)")
+    p.add_argument("--hidden", type=positive_int, default=64, help="made model's hidden size (default %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=2, help="made model's layers (default %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=2, help="made model's heads (default %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (default %(default)s)")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt (default %(default)s)")
+    p.add_argument("--response-length", type=positive_int, default=32, help="max response tokens (default %(default)s)")
+    p.add_argument("--lr", type=positive_float, default=2e-4, help="learning rate, both sides (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=5, help="measured rounds (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first, not measured (default %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads, both sides (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
+    p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="TRL's precision: bf16 (its default) or fp32 (default %(default)s)")
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        result = _compare_trl_run(args)
+        logger.info(
+            "compare-trl (median of %d rounds): ours %.0f generated tokens/s, %.3f s/step, %.0f%% generating; "
+            "TRL (%s) %.0f tokens/s, %.3f s/step, %.0f%% generating; ours/TRL %.2fx (ratio of medians), %.2fx "
+            "(median of per-round ratios); reward ours %s, TRL %s",
+            args.steps, result["ours"]["generated_tokens_per_s"], result["ours"]["step_s"],
+            100 * result["ours"]["gen_share"], "bf16" if result["trl"]["bf16"] else "fp32",
+            result["trl"]["generated_tokens_per_s"], result["trl"]["step_s"], 100 * result["trl"]["gen_share"],
+            result["tokens_per_s_ratio_of_medians"], result["tokens_per_s_ratio_median_of_rounds"],
+            [round(v, 3) for v in result["reward_curve_ours"]], [round(v, 3) for v in result["reward_curve_trl"]],
+        )
+        return result
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,49 @@
+"""``tools/bench.py compare-trl`` smoke run: one warm-up and one measured round of TRL's GRPOTrainer and
+ours (transformers rollout, tiny shapes); the JSON holds both sides and ratios consistent with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(REPO, "tools", "bench.py")
+
+pytest.importorskip("trl", reason="the bench extra (pip install -e .[bench]) brings TRL")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_compare_trl_smoke(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, BENCH, "compare-trl", "--inputs", str(tmp_path), "--engine", "hf", "--prompts", "2",
+         "--n", "2", "--response-length", "6", "--steps", "1", "--warmup", "1"],
+        capture_output=True, text=True, timeout=230, cwd=REPO, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert result["trl"]["bf16"] is True  # TRL's own default, kept
+    assert result["trl"]["beta"] == 0.0
+    for side in ("ours", "trl"):
+        rounds = result[side]["rounds"]
+        assert len(rounds) == 1, side
+        for r in rounds:
+            assert 0 < r["gen_s"] < r["step_s"], (side, r)
+            assert 0 < r["generated_tokens"] <= 2 * 2 * 6, (side, r)  # prompts x n x response length
+        assert 0 < result[side]["gen_share"] < 1
+    assert len(result["reward_curve_ours"]) == len(result["reward_curve_trl"]) == 2  # warm-up included
+    expected = result["ours"]["generated_tokens_per_s"] / result["trl"]["generated_tokens_per_s"]
+    assert result["tokens_per_s_ratio_of_medians"] == pytest.approx(expected)
+    per_round = [
+        (a["generated_tokens"] / a["step_s"]) / (b["generated_tokens"] / b["step_s"])
+        for a, b in zip(result["ours"]["rounds"], result["trl"]["rounds"])
+    ]
+    assert result["tokens_per_s_ratio_rounds"] == pytest.approx(per_round)

@@ -1,0 +1,66 @@
+"""``tools/bench.py rl-step``: two steps of the real RL trainer (world of one, transformers rollout, the
+raw tiny model) print one JSON object whose phases add up to the step and follow the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(REPO, "tools", "bench.py")
+
+# 8 prompts x 4 samples of up to 12 tokens, one mini-batch and one micro-batch per step.
+SMALL = [
+    "actor_rollout_ref.rollout.name=hf",
+    "data.train_batch_size=8",
+    "data.max_prompt_length=32",
+    "data.max_response_length=12",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.actor.use_kl_loss=false",  # no reference: its phase must then be absent
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rl_step_phases_add_up(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, BENCH, "rl-step", "--config", "grpo_tiny_cpu", "--inputs", str(tmp_path), "--prompts", "64",
+         "--steps", "2", "--warmup", "1", *SMALL],
+        capture_output=True, text=True, timeout=170, cwd=REPO, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert result["bench"] == "rl-step" and result["world_size"] == 1 and result["rollout"] == "hf"
+    assert len(result["steps"]) == 2
+    # The phases the GRPO step without a KL loss runs, and no others.
+    assert set(result["phases"]) == {"gen", "update_weights", "reward", "old_log_prob", "adv", "update_actor"}
+    for step in result["steps"]:
+        accounted = sum(p["seconds"] for p in step["phases"].values())
+        assert all(p["seconds"] >= 0 for p in step["phases"].values()), step
+        # What no phase times (data loading, metrics) stays under the issue's 5% of the step.
+        assert abs(step["step_s"] - accounted) <= 0.05 * step["step_s"], step
+        assert step["generated_tokens"] > 0 and step["total_tokens"] > step["generated_tokens"]
+        assert 0.0 <= step["score_mean"] <= 1.0
+    assert result["phases_add_up"] is True
+    assert abs(result["unaccounted_share"]) <= 0.05
+    shares = sum(p["share"] for p in result["phases"].values()) + result["unaccounted_share"]
+    assert shares == pytest.approx(1.0)
+    for name in ("gen", "old_log_prob", "update_actor"):
+        phase = result["phases"][name]
+        assert phase["tokens_per_s"] > 0, name
+        assert phase["peak_memory_bytes"] > 50 * 2**20, name  # the process holds torch and two models
+    assert result["phases"]["update_weights"]["tokens_per_s"] is None
+    assert result["generated_tokens_per_s"] > 0 and result["peak_memory_bytes"] > 0
+    for key in ("config", "overrides", "n", "response_length", "prompts_per_step", "threads", "table"):
+        assert key in result, key
+    assert "update_actor" in result["table"] and "(unaccounted)" in result["table"]
