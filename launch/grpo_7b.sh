@@ -23,22 +23,12 @@ exit 1
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from verl.trainer.launcher import launcher_entry, run_recipe  # noqa: E402 - after the path
 
 
 def main() -> int:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from verl.trainer.launcher import run_recipe
-
     return run_recipe("grpo_7b", sys.argv[1:], dry_run_model_config="qwen2_7b")
 
 
-if __name__ == "__mp_main__":
-    # torchrun runs this file as __main__, so its multiprocessing children (Megatron's checkpoint
-    # writer, reward workers) import it again under this name: they must not start another run,
-    # and they die with the trainer.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from verl.utils.process import exit_with_parent
-
-    exit_with_parent()
-elif __name__ == "__main__":
-    raise SystemExit(main())
+launcher_entry(__name__, main)

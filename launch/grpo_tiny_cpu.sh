@@ -58,10 +58,12 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from verl.trainer.launcher import launcher_entry  # noqa: E402 - after the path (a light module)
+
 
 def main() -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, root)
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_tiny_cpu")))
     # One thread per rank: at this model size more threads on a busy 2-core machine are much slower.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -101,13 +103,4 @@ def main() -> int:
     return status
 
 
-if __name__ == "__mp_main__":
-    # torchrun runs this file as __main__, so its multiprocessing children (Megatron's checkpoint
-    # writer, reward workers) import it again under this name: they must not start another run,
-    # and they die with the trainer.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from verl.utils.process import exit_with_parent
-
-    exit_with_parent()
-elif __name__ == "__main__":
-    raise SystemExit(main())
+launcher_entry(__name__, main)

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,8 @@ def run_trainer(
         except RankFailure as exc:
             # Another rank died or hangs: tearing the world down could wait on it too. Every
             # rank that noticed says so (the message names this rank) and leaves now, non-zero.
+            # The failed collective's own traceback first: the summary below replaces nothing.
+            traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
             sys.stderr.write(f"{prog}: error: {exc}\n")
             sys.stderr.flush()
             logging.shutdown()

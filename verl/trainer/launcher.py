@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["launched_world_overrides", "run_recipe"]
+__all__ = ["launched_world_overrides", "launcher_entry", "run_recipe"]
 
 _TORCHRUN_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -74,3 +74,18 @@ def run_recipe(
     if prepare is not None:
         _prepare_once(prepare, device)
     return main_ppo.main(args)
+
+
+def launcher_entry(module_name: str, main: Callable[[], int]) -> None:
+    """The last line of every launcher: run ``main`` when the file is the program.
+
+    torchrun runs a launcher file as ``__main__``, so its multiprocessing children (Megatron's
+    checkpoint writer, reward workers) import it again as ``__mp_main__``: they must not start
+    another run, and they die with the trainer.
+    """
+    if module_name == "__mp_main__":
+        from verl.utils.process import exit_with_parent
+
+        exit_with_parent()
+    elif module_name == "__main__":
+        raise SystemExit(main())

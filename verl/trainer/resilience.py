@@ -174,14 +174,13 @@ class RankFailure(RuntimeError):
     """A collective failed or timed out because another rank died or hung; the message names it."""
 
 
+# What gloo's and the c10d store's errors say when a peer is gone or silent (NCCL's and newer
+# gloo's are DistError subclasses).
 _FAILURE_MARKERS = (
     "timed out",
-    "timeout",
     "connection closed by peer",
     "connection reset by peer",
     "broken pipe",
-    "nccl",
-    "gloo",
 )
 
 
@@ -220,6 +219,11 @@ class PhaseBoard:
             except (ImportError, RuntimeError, ValueError):  # pragma: no cover - a torch without it
                 self._store = None
         self.post("start", 0)
+
+    @property
+    def answering(self) -> bool:
+        """Whether the job's store still answers (False in a world of one)."""
+        return self._store is not None
 
     def post(self, phase: str, step: int) -> None:
         self.phase, self.step, self.since = phase, step, time.time()
@@ -289,7 +293,7 @@ def rank_failure(board: PhaseBoard, exc: BaseException, *, timeout_s: float, wai
                 else f"rank {rank} (never seen)"
             )
         lines.append("Not answering: " + ", ".join(described) + "; its own log (or the launcher's) says why.")
-    elif board.world_size > 1 and board._store is not None:
+    elif board.world_size > 1 and board.answering:
         lines.append("Every other rank saw a failure too; the communication itself failed.")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     lines.append(f"The error: {first}")

@@ -293,6 +293,7 @@ class RLTrainer:
         self._iterator: Iterator[dict[str, Any]] | None = None
         self._last_saved_step: int | None = None
         self._last_checkpoint: str | None = None
+        self._config_written = False
         self._resumed = False
         self.skipped = SkippedSteps(t.max_consecutive_skipped_steps)
         self.stopped_by: str | None = None  # the signal that stopped fit(), if one did
@@ -686,7 +687,8 @@ class RLTrainer:
             return None
         t = self.cfg.trainer
         config_path = os.path.join(t.log_dir, report.CONFIG_FILE)
-        if not os.path.isfile(config_path):
+        if not self._config_written:  # this run's config (a resumed run's overrides may differ)
+            self._config_written = True
             tmp = f"{config_path}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(to_dict(self.cfg), f, indent=2, sort_keys=True, default=str)
