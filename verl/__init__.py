@@ -19,6 +19,7 @@ _LAZY = {
     "MultiRewardScorer": "verl.operator",
     "FilterOperator": "verl.operator",
     "PPOUpdateOperator": "verl.operator",
+    "HumanReviewOperator": "verl.operator",
     "RLTrainer": "verl.trainer.api",
 }
 

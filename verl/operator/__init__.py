@@ -13,11 +13,13 @@ from verl.operator.ops import (
     RewardOperator,
     RolloutOperator,
 )
+from verl.operator.review import HumanReviewOperator
 from verl.operator.stream import DataStream, build_config, build_trainer
 
 __all__ = [
     "DataStream",
     "FilterOperator",
+    "HumanReviewOperator",
     "MultiRewardScorer",
     "Operator",
     "PPOUpdateOperator",

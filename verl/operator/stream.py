@@ -244,7 +244,11 @@ class DataStream:
         return export_as_api(self, out_dir, **app_kwargs)
 
     def close(self) -> None:
-        """Close the trainer (and the world of one) if the stream built them."""
+        """Close the operators that hold resources (``close()``: the review page), then the trainer
+        (and the world of one) if the stream built them."""
+        for op in self.operators:
+            if callable(getattr(op, "close", None)):
+                op.close()
         if self._owns_trainer and self._trainer is not None:
             self._trainer.close()
             self._trainer = None

@@ -34,7 +34,7 @@ from verl.serving.schema import ChatRequest, CompletionRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RequestError", "create_app", "create_model_app"]
+__all__ = ["RequestError", "create_app", "create_model_app", "require_api_key"]
 
 _BODIES = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
 _OPEN_ROUTES = ("/health",)
@@ -71,6 +71,38 @@ def _validation_message(err: dict[str, Any], path: str) -> tuple[str, str]:
     return param, f"{param}: {err.get('msg', 'invalid value')}"
 
 
+def require_api_key(app: Any, api_key: str | None, *, open_paths: tuple[str, ...] = (), query_param: str | None = None) -> None:
+    """With ``api_key`` set, answer 401 to every request outside ``open_paths`` that does not send
+    ``Authorization: Bearer <api_key>`` (or, when ``query_param`` is given, ``?<query_param>=<api_key>``:
+    how a browser opens the review page)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    if api_key is None:
+        return
+    if not api_key:
+        raise ValueError("api_key is empty; pass None for no key or a non-empty key")
+    expected = api_key.encode()
+
+    @app.middleware("http")
+    async def _check_key(request: Request, call_next: Any) -> Any:
+        if request.url.path not in open_paths:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else ""
+            if not token and query_param is not None:
+                token = request.query_params.get(query_param, "")
+            if not hmac.compare_digest(token.encode(), expected):
+                return JSONResponse(
+                    _error_body(
+                        "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                        "Authorization",
+                        "authentication_error",
+                    ),
+                    status_code=401,
+                )
+        return await call_next(request)
+
+
 def create_app(
     model_dir: str,
     *,
@@ -94,6 +126,8 @@ def create_app(
 
     The engine lives as long as the app: ``app.state.model.close()`` frees it.
     """
+    if api_key is not None and not api_key:  # before the model loads
+        raise ValueError("api_key is empty; pass None for no key or a non-empty key")
     model = ServedModel(model_dir, engine=engine, limits=limits, name=name, device=device, seed=seed)
     return create_model_app(model, api_key=api_key)
 
@@ -104,8 +138,6 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    if api_key is not None and not api_key:
-        raise ValueError("api_key is empty; pass None for no key or a non-empty key")
     app = FastAPI(title=f"verl serving: {model.name}", version="1")
     app.state.model = model
     app.state.api_key = api_key
@@ -130,21 +162,7 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
         return JSONResponse(_error_body(f"the server failed on this request: {exc!r}", None, "server_error"),
                             status_code=500)
 
-    @app.middleware("http")
-    async def _check_key(request: Request, call_next: Any) -> Any:
-        if api_key is not None and request.url.path not in _OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return JSONResponse(
-                    _error_body(
-                        "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                        "Authorization",
-                        "authentication_error",
-                    ),
-                    status_code=401,
-                )
-        return await call_next(request)
+    require_api_key(app, api_key, open_paths=_OPEN_ROUTES)
 
     # -- helpers --------------------------------------------------------------------------
 
