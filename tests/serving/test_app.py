@@ -159,6 +159,15 @@ def test_bad_input_is_a_4xx_naming_the_field(client, route, raw, status, param):
     assert err["message"]
 
 
+def test_oversized_body_and_overlong_prompt(client):
+    huge = json.dumps({"prompts": ["x " * (LIMITS.max_body_bytes // 2)]})
+    r = client.post("/generate", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    long_prompt = " ".join(["cat"] * (LIMITS.max_prompt_tokens + 10))
+    r = client.post("/generate", json={"prompts": ["hi", long_prompt]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompts.1"
+
+
 def test_api_key_and_the_bind_rule(app):
     keyed = create_model_app(app.state.model, api_key="s3cret")
     with TestClient(keyed) as c:

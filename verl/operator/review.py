@@ -179,6 +179,15 @@ class HumanReviewOperator(Operator):
         return self._calls
 
     def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # One page and one queue per run; which rank reviews and how decisions reach the
+            # other ranks' batches is not built yet.
+            raise ValueError(
+                f"HumanReviewOperator runs in a world of one process; this run has {dist.get_world_size()} "
+                "ranks. Run the reviewed stream with one process (no torchrun)"
+            )
         scores = batch["token_level_scores"]  # [B, R]
         reward = scores.sum(-1)  # [B]
         step = self._step()

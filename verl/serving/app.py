@@ -164,6 +164,17 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
 
     require_api_key(app, api_key, open_paths=_OPEN_ROUTES)
 
+    @app.middleware("http")
+    async def _body_size(request: Request, call_next: Any) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+            return JSONResponse(
+                _error_body(f"the request body is {size} bytes; this server takes at most {limits.max_body_bytes}",
+                            "body", "invalid_request_error"),
+                status_code=413,
+            )
+        return await call_next(request)
+
     # -- helpers --------------------------------------------------------------------------
 
     def check_model(requested: str) -> None:

@@ -49,10 +49,12 @@ class ServeLimits:
     """How long the batcher waits for more requests after the first before generating."""
     max_batch_sequences: int = 64
     """Sequences (prompts x n) per engine call at most; later requests wait for the next call."""
+    max_body_bytes: int = 1 << 20
+    """Request bodies above this size (``Content-Length``) are refused with a 413 before they are read."""
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "default_completion_tokens", "max_prompts", "max_n", "max_prompt_tokens",
-                     "max_batch_sequences"):
+                     "max_batch_sequences", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeLimits.{name}={getattr(self, name)}; it must be >= 1")
         if self.batch_wait_ms < 0:
