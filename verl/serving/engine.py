@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +93,9 @@ class _Job:
 class Batcher:
     """Collects concurrent requests into engine calls (see the module docstring).
 
-    Bound to the event loop of its first :meth:`submit` (one server's loop); used from another
-    loop (a second server on the same app, one after the other) it starts again there.
+    Each event loop that submits (one per server; the test client and uvicorn may serve the same
+    app at once) gets its own queue and collector task; the engine calls of all of them run one
+    at a time on the one engine thread.
     """
 
     def __init__(self, engine: Any, *, wait_ms: float, max_sequences: int) -> None:
@@ -101,28 +103,31 @@ class Batcher:
         self.wait_s = wait_ms / 1000.0
         self.max_sequences = max_sequences
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-serving-engine")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue | None = None
-        self._task: asyncio.Task | None = None
+        self._loops: dict[asyncio.AbstractEventLoop, tuple[asyncio.Queue, asyncio.Task]] = {}
+        self._lock = threading.Lock()
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
 
-    def _ensure_running(self) -> None:
+    def _queue(self) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
-        if self._loop is loop and self._task is not None and not self._task.done():
-            return
-        self._loop = loop
-        self._queue = asyncio.Queue()
-        self._task = loop.create_task(self._run())
+        with self._lock:
+            for other in [lp for lp in self._loops if lp.is_closed()]:  # servers that have stopped
+                del self._loops[other]
+            entry = self._loops.get(loop)
+            if entry is None or entry[1].done():
+                queue: asyncio.Queue = asyncio.Queue()
+                entry = (queue, loop.create_task(self._run(queue)))
+                self._loops[loop] = entry
+        return entry[0]
 
     async def submit(self, prompts: list[list[int]], spec: SamplingSpec, seed: int | None) -> list[Sample]:
         """``len(prompts) * spec.n`` samples, prompt-major, from the next engine call with room."""
-        self._ensure_running()
+        queue = self._queue()
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Job(prompts, spec, seed, future))
+        await queue.put(_Job(prompts, spec, seed, future))
         return await future
 
-    async def _collect(self) -> list[_Job]:
-        jobs = [await self._queue.get()]
+    async def _collect(self, queue: asyncio.Queue) -> list[_Job]:
+        jobs = [await queue.get()]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         while sum(j.rows for j in jobs) < self.max_sequences:
@@ -130,15 +135,15 @@ class Batcher:
             if left <= 0:
                 break
             try:
-                jobs.append(await asyncio.wait_for(self._queue.get(), left))
+                jobs.append(await asyncio.wait_for(queue.get(), left))
             except asyncio.TimeoutError:
                 break
         return jobs
 
-    async def _run(self) -> None:
+    async def _run(self, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            jobs = await self._collect()
+            jobs = await self._collect(queue)
             groups: dict[Any, list[_Job]] = {}
             for k, job in enumerate(jobs):
                 key = (job.spec, None) if job.seed is None else (job.spec, ("seeded", k))
@@ -148,9 +153,10 @@ class Batcher:
                 if not group:
                     continue
                 prompts = [p for j in group for p in j.prompts]
+                spec, seed = group[0].spec, group[0].seed
                 try:
                     samples = await loop.run_in_executor(
-                        self._executor, lambda: self.engine.sample(prompts, group[0].spec, seed=group[0].seed)
+                        self._executor, lambda: self.engine.sample(prompts, spec, seed=seed)
                     )
                 except Exception as exc:  # every request of the failed call gets the error
                     logger.exception("serving: an engine call of %d request(s) failed", len(group))
@@ -158,9 +164,10 @@ class Batcher:
                         if not j.future.done():
                             j.future.set_exception(exc)
                     continue
-                self.stats["engine_calls"] += 1
-                self.stats["requests"] += len(group)
-                self.stats["sequences"] += len(samples)
+                with self._lock:
+                    self.stats["engine_calls"] += 1
+                    self.stats["requests"] += len(group)
+                    self.stats["sequences"] += len(samples)
                 start = 0
                 for j in group:
                     if not j.future.done():
@@ -168,8 +175,12 @@ class Batcher:
                     start += j.rows
 
     def close(self) -> None:
-        if self._task is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._task.cancel)
+        with self._lock:
+            entries = list(self._loops.items())
+            self._loops.clear()
+        for loop, (_, task) in entries:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
         self._executor.shutdown(wait=True)
 
 
