@@ -46,19 +46,23 @@ def server(app):
         yield s
 
 
-def _greedy_reference(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy decoding of the checkpoint, stopping at eos (the expected ids)."""
+def _greedy_reference(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy decoding of the checkpoint, one prompt at a time, stopping at eos
+    (the expected ids)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        )
-    return out[0, len(prompt_ids):].tolist()
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+                max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            )
+            expected.append(out[0, len(ids):].tolist())
+    return expected
 
 
 # -- through the test client --------------------------------------------------------------
@@ -80,10 +84,10 @@ def test_generate_greedy_matches_transformers(client, app, tiny_model_dir):
     body = r.json()
     assert [o["prompt"] for o in body["outputs"]] == ["1 + 2 =", "the cat"]
     tok = app.state.model.tokenizer
-    for out in body["outputs"]:
+    references = _greedy_reference(tiny_model_dir, [tok.encode(o["prompt"]) for o in body["outputs"]], 10)
+    for out, expected in zip(body["outputs"], references):
         first, second = out["responses"]
         assert first["token_ids"] == second["token_ids"]  # greedy: both samples agree
-        expected = _greedy_reference(tiny_model_dir, tok.encode(out["prompt"]), 10)
         assert first["token_ids"] == expected
         assert first["text"] == tok.decode(expected, skip_special_tokens=True)
         assert len(first["logprobs"]) == len(first["token_ids"])
