@@ -58,10 +58,14 @@ def _greedy_reference(model_dir: str, prompts: list[list[int]], max_new_tokens: 
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-                max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
             )
-            expected.append(out[0, len(ids):].tolist())
+            expected.append(out[0, len(ids) :].tolist())
     return expected
 
 
@@ -79,7 +83,10 @@ def test_health_and_model(client):
 
 
 def test_generate_greedy_matches_transformers(client, app, tiny_model_dir):
-    r = client.post("/generate", json={"prompts": ["1 + 2 =", "the cat"], "sampling": {"temperature": 0, "max_tokens": 10, "n": 2}})
+    r = client.post(
+        "/generate",
+        json={"prompts": ["1 + 2 =", "the cat"], "sampling": {"temperature": 0, "max_tokens": 10, "n": 2}},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [o["prompt"] for o in body["outputs"]] == ["1 + 2 =", "the cat"]
@@ -92,7 +99,9 @@ def test_generate_greedy_matches_transformers(client, app, tiny_model_dir):
         assert first["text"] == tok.decode(expected, skip_special_tokens=True)
         assert len(first["logprobs"]) == len(first["token_ids"])
         assert first["finish_reason"] == ("length" if len(expected) == 10 else "stop")
-    assert body["usage"]["completion_tokens"] == sum(len(r["token_ids"]) for o in body["outputs"] for r in o["responses"])
+    assert body["usage"]["completion_tokens"] == sum(
+        len(r["token_ids"]) for o in body["outputs"] for r in o["responses"]
+    )
 
 
 def test_generate_chat_messages_and_seed(client):
@@ -100,7 +109,9 @@ def test_generate_chat_messages_and_seed(client):
     req = {"messages": [conv], "sampling": {"temperature": 1.0, "max_tokens": 8, "seed": 7}}
     a, b = client.post("/generate", json=req).json(), client.post("/generate", json=req).json()
     assert a["outputs"][0]["prompt"].startswith("<|bos|><|im_start|>system\nbe brief<|im_end|>")
-    assert a["outputs"][0]["prompt"].endswith("<|im_start|>assistant\n")  # the chat template's generation prompt
+    assert a["outputs"][0]["prompt"].endswith(
+        "<|im_start|>assistant\n"
+    )  # the chat template's generation prompt
     assert a["outputs"] == b["outputs"]  # the same seed, the same samples
 
 
@@ -110,16 +121,31 @@ def test_openai_shapes_through_the_test_client(client):
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["usage"]["completion_tokens"] <= 4 * LIMITS.default_completion_tokens
-    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                                  "temperature": 0, "max_tokens": 8})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0,
+            "max_tokens": 8,
+        },
+    )
     chat = r.json()
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
     # Streaming: SSE chunks whose deltas add up to the same greedy answer, then [DONE].
-    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                                  "temperature": 0, "max_tokens": 8, "stream": True,
-                                                  "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0,
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
-    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -133,12 +159,42 @@ BAD = [
     ("/v1/chat/completions", '{"model": "tiny-policy", "messages": [', 400, "body"),
     ("/v1/chat/completions", '{"model": "tiny-policy"}', 400, "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
-    ("/v1/chat/completions", '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 13}', 400, "max_tokens"),
-    ("/v1/chat/completions", '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "temprature": 1}', 400, "temprature"),
-    ("/v1/chat/completions", '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}', 400, "frequency_penalty"),
-    ("/v1/chat/completions", '{"model": "tiny-policy", "messages": [{"role": "robot", "content": "x"}]}', 400, "messages.0.role"),
-    ("/v1/chat/completions", '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n"),
-    ("/v1/chat/completions", '{"model": "/etc/passwd", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 13}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "temprature": 1}',
+        400,
+        "temprature",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}',
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny-policy", "messages": [{"role": "robot", "content": "x"}]}',
+        400,
+        "messages.0.role",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny-policy", "messages": [{"role": "user", "content": "x"}], "n": 3}',
+        400,
+        "n",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"model": "/etc/passwd", "messages": [{"role": "user", "content": "x"}]}',
+        404,
+        "model",
+    ),
     ("/v1/completions", '{"model": "tiny-policy", "prompt": ["a", "b", "c", "d"]}', 400, "prompt"),
     ("/v1/completions", '{"model": "tiny-policy", "prompt": "a", "temperature": -1}', 400, "temperature"),
     ("/v1/completions", '{"model": "tiny-policy", "prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
@@ -199,12 +255,14 @@ def test_openai_client_against_the_server(server):
     assert [m.id for m in client.models.list()] == [NAME]
     done = client.completions.create(model=NAME, prompt="1 + 1 =", max_tokens=5, temperature=0)
     assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 5
-    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+    )
     answer = chat.choices[0].message.content
     assert chat.model == NAME and chat.usage.completion_tokens >= 1
-    stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
-                                            max_tokens=8, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, stream=True
+    )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(pieces) == answer
     with pytest.raises(openai.BadRequestError) as bad:
@@ -257,13 +315,35 @@ def test_command_line_serves(tiny_model_dir):
 
     import httpx
 
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "verl.serving", "--model", tiny_model_dir, "--port", str(port),
-                             "--engine", "hf", "--device", "cpu", "--max-tokens", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "verl.serving",
+            "--model",
+            tiny_model_dir,
+            "--port",
+            str(port),
+            "--engine",
+            "hf",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         deadline, body = time.monotonic() + 120, None
         while time.monotonic() < deadline and proc.poll() is None:
@@ -272,8 +352,14 @@ def test_command_line_serves(tiny_model_dir):
                 break
             except httpx.HTTPError:
                 time.sleep(0.3)
-        assert body is not None and body["status"] == "ok", proc.stdout.read() if proc.poll() is not None else "no answer"
-        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"prompts": ["hi"], "sampling": {"max_tokens": 4}}, timeout=60)
+        assert body is not None and body["status"] == "ok", (
+            proc.stdout.read() if proc.poll() is not None else "no answer"
+        )
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/generate",
+            json={"prompts": ["hi"], "sampling": {"max_tokens": 4}},
+            timeout=60,
+        )
         assert r.status_code == 200 and len(r.json()["outputs"][0]["responses"][0]["token_ids"]) <= 4
     finally:
         proc.terminate()

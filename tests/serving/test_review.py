@@ -34,15 +34,17 @@ def sampled(tiny_model_dir):
     from verl.config.schema import RolloutConfig
     from verl.rollout.hf_engine import HFRollout
 
-    engine = HFRollout(RolloutConfig(name="hf", prompt_length=16, response_length=6, seed=3), tiny_model_dir, device="cpu")
+    engine = HFRollout(
+        RolloutConfig(name="hf", prompt_length=16, response_length=6, seed=3), tiny_model_dir, device="cpu"
+    )
     tok = engine.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     width = max(len(i) for i in ids)
     input_ids = torch.full((len(ids), width), engine.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for row, i in enumerate(ids):
-        input_ids[row, width - len(i):] = torch.tensor(i)
-        mask[row, width - len(i):] = 1
+        input_ids[row, width - len(i) :] = torch.tensor(i)
+        mask[row, width - len(i) :] = 1
     batch = engine.generate(Batch.from_dict({"input_ids": input_ids, "attention_mask": mask}))
     engine.shutdown()
     scores = torch.zeros_like(batch["responses"], dtype=torch.float32)  # [B, R]
@@ -86,7 +88,10 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed (bash tools/setup_env.sh --test installs it)")
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="Debian's chromium is not installed (bash tools/setup_env.sh --test installs it)",
+)
 def test_review_page_in_chromium_scores_reach_the_batch(sampled, tmp_path):
     pytest.importorskip("playwright", reason="playwright is part of the test extra")
     from playwright.sync_api import sync_playwright
@@ -165,9 +170,13 @@ def test_restart_with_pending_items_loses_none(sampled, tmp_path):
         a, b, c = (i["id"] for i in after)
         post = lambda item, body: httpx.post(f"{url}/api/items/{item}/review", json=body, timeout=10)  # noqa: E731
         # Bad reviews are refused, naming the field.
-        for body, param in (({"decision": "maybe"}, "decision"), ({"decision": "score", "score": 7}, "score"),
-                            ({"decision": "score"}, "score"), ({"decision": "approve", "score": 0.5}, "score"),
-                            ({"decision": "approve", "note": "x"}, "note")):
+        for body, param in (
+            ({"decision": "maybe"}, "decision"),
+            ({"decision": "score", "score": 7}, "score"),
+            ({"decision": "score"}, "score"),
+            ({"decision": "approve", "score": 0.5}, "score"),
+            ({"decision": "approve", "note": "x"}, "note"),
+        ):
             r = post(a, body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert post(999, {"decision": "approve"}).status_code == 404

@@ -72,8 +72,13 @@ def arithmetic_file(tmp_path_factory) -> str:
 def test_review_in_a_stream_then_serve_the_trained_actor(tiny_model_dir, arithmetic_file, tmp_path):
     saved = dict(os.environ)
     cfg = build_config(
-        model=tiny_model_dir, train_files=arithmetic_file,
-        overrides=[*FAST, f"trainer.default_local_dir={tmp_path}/run", f"trainer.log_dir={tmp_path}/run/logs"],
+        model=tiny_model_dir,
+        train_files=arithmetic_file,
+        overrides=[
+            *FAST,
+            f"trainer.default_local_dir={tmp_path}/run",
+            f"trainer.log_dir={tmp_path}/run/logs",
+        ],
     )
     trainer, started = build_trainer(cfg)
     app = None
@@ -94,7 +99,11 @@ def test_review_in_a_stream_then_serve_the_trained_actor(tiny_model_dir, arithme
             while time.monotonic() < deadline and len(decided) < 4:
                 if review._server is not None:
                     for item in httpx.get(review.url + "/api/pending", timeout=10).json()["items"]:
-                        body = {"decision": "reject"} if item["sample_index"] == 0 else {"decision": "score", "score": 1.0}
+                        body = (
+                            {"decision": "reject"}
+                            if item["sample_index"] == 0
+                            else {"decision": "score", "score": 1.0}
+                        )
                         httpx.post(f"{review.url}/api/items/{item['id']}/review", json=body, timeout=10)
                         decided.append(item["sample_index"])
                 time.sleep(0.1)
@@ -105,7 +114,11 @@ def test_review_in_a_stream_then_serve_the_trained_actor(tiny_model_dir, arithme
         thread.join(30)
         assert sorted(decided) == [0, 1, 2, 3]
         # The update trained on the human rewards: 0 for the rejected sample, 1.0 for the others.
-        assert metrics["review/reviewed"] == 4 and metrics["review/rejected"] == 1 and metrics["review/scored"] == 3
+        assert (
+            metrics["review/reviewed"] == 4
+            and metrics["review/rejected"] == 1
+            and metrics["review/scored"] == 3
+        )
         assert stream.last_batch["token_level_scores"].sum(-1).tolist() == [0.0, 1.0, 1.0, 1.0]
         assert metrics["critic/score/mean"] == pytest.approx(0.75)
         assert metrics["reward_mean"] == pytest.approx(0.5)  # the reward operator's own scores
@@ -116,7 +129,9 @@ def test_review_in_a_stream_then_serve_the_trained_actor(tiny_model_dir, arithme
         with TestClient(app) as client:
             info = client.get("/model").json()
             assert info["name"] == "policy" and info["step"] == 1
-            body = client.post("/generate", json={"prompts": ["1 + 2 ="], "sampling": {"temperature": 0, "max_tokens": 6}}).json()
+            body = client.post(
+                "/generate", json={"prompts": ["1 + 2 ="], "sampling": {"temperature": 0, "max_tokens": 6}}
+            ).json()
         assert len(body["outputs"][0]["responses"][0]["token_ids"]) >= 1
         # The served model is the trained actor: the exported weights moved away from the start
         # (one update at lr 1e-3), and the engine serves exactly the exported tensors.

@@ -17,11 +17,19 @@ BODY = {"prompts": ["1 + 1 =", "the cat"], "sampling": {"temperature": 0, "max_t
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the cpu or gpu extra)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the cpu or gpu extra)"
+)
 def test_vllm_engine_serves_the_same_greedy_answers_as_transformers(tiny_model_dir):
     answers = {}
     for engine in ("vllm", "hf"):
-        app = create_app(tiny_model_dir, engine=engine, limits=LIMITS, name="tiny", device="cpu" if engine == "hf" else None)
+        app = create_app(
+            tiny_model_dir,
+            engine=engine,
+            limits=LIMITS,
+            name="tiny",
+            device="cpu" if engine == "hf" else None,
+        )
         try:
             with TestClient(app) as c:
                 assert c.get("/health").json()["engine"] == engine
@@ -30,8 +38,16 @@ def test_vllm_engine_serves_the_same_greedy_answers_as_transformers(tiny_model_d
                 answers[engine] = [[x["token_ids"] for x in o["responses"]] for o in r.json()["outputs"]]
                 if engine == "vllm":
                     # A sampled chat answer within the limit, through vLLM's own sampler.
-                    chat = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 5, "temperature": 0.9,
-                                                                "top_k": 20, "messages": [{"role": "user", "content": "hi"}]})
+                    chat = c.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": "tiny",
+                            "max_tokens": 5,
+                            "temperature": 0.9,
+                            "top_k": 20,
+                            "messages": [{"role": "user", "content": "hi"}],
+                        },
+                    )
                     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 5
         finally:
             app.state.model.close()

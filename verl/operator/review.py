@@ -87,7 +87,9 @@ class HumanReviewOperator(Operator):
     ) -> None:
         super().__init__()
         if not callable(select):
-            raise TypeError(f"HumanReviewOperator(select=...) takes a function of a sample, got {type(select).__name__}")
+            raise TypeError(
+                f"HumanReviewOperator(select=...) takes a function of a sample, got {type(select).__name__}"
+            )
         if not timeout_s >= 0:
             raise ValueError(f"HumanReviewOperator(timeout_s={timeout_s}): it must be >= 0 seconds")
         if not 0 <= int(port) <= 65535:
@@ -109,6 +111,7 @@ class HumanReviewOperator(Operator):
         self._store = None
         self._server = None
         self._closing = threading.Event()
+        self._step_lock = threading.Lock()
         self._calls = 0
 
     # -- the page -------------------------------------------------------------------------
@@ -122,8 +125,12 @@ class HumanReviewOperator(Operator):
             path = self.db_path
             if path is None:
                 if self._trainer is None:
-                    raise ValueError("HumanReviewOperator needs db_path= when it is not in a DataStream with a trainer")
-                path = os.path.join(os.path.abspath(self.trainer.cfg.trainer.default_local_dir), REVIEW_DB_FILE)
+                    raise ValueError(
+                        "HumanReviewOperator needs db_path= when it is not in a DataStream with a trainer"
+                    )
+                path = os.path.join(
+                    os.path.abspath(self.trainer.cfg.trainer.default_local_dir), REVIEW_DB_FILE
+                )
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             self._store = ReviewStore(path)
             self.db_path = path
@@ -151,6 +158,16 @@ class HumanReviewOperator(Operator):
     def close(self) -> None:
         """Stop the page and close the database; a step waiting for reviews fails (its items stay pending)."""
         self._closing.set()
+        if self._store is not None:
+            self._store.changed.set()  # wake a waiting step now
+        if not self._step_lock.acquire(timeout=60):
+            raise RuntimeError("HumanReviewOperator.close: a step did not stop waiting for reviews within 60 s")
+        try:
+            self._close_parts()
+        finally:
+            self._step_lock.release()
+
+    def _close_parts(self) -> None:
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -178,6 +195,33 @@ class HumanReviewOperator(Operator):
         self._calls += 1
         return self._calls
 
+    def _await_reviews(
+        self, step: int, batch: "Batch", picked: list[int], reward: torch.Tensor
+    ) -> tuple[list[int], dict[int, dict[str, Any]], int, float]:
+        """Queue the picked samples, wait for their reviews; (ids, rows, how many timed out, seconds waited)."""
+        self.start()
+        store = self.store
+        queued = [(i, *self._texts(batch, i), float(reward[i])) for i in picked]
+        ids = store.add(step, queued)
+        logger.info("step %d: %d sample(s) wait for review at %s/", step, len(ids), self.url)
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        while True:
+            if self._closing.is_set():
+                pending = sum(r["status"] == "pending" for r in store.get(ids).values())
+                raise RuntimeError(
+                    f"HumanReviewOperator was closed while step {step} waited for {pending} review(s); "
+                    f"they stay pending in {self.db_path}"
+                )
+            rows = store.get(ids)
+            waiting = [k for k in ids if rows[k]["status"] == "pending"]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            store.changed.clear()
+            store.changed.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        timed_out = store.expire(waiting)
+        return ids, store.get(ids), timed_out, time.monotonic() - t0
+
     def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
         import torch.distributed as dist
 
@@ -197,27 +241,8 @@ class HumanReviewOperator(Operator):
         if not picked:
             batch["review_status"] = status
             return batch, {**metrics, "review/reviewed": 0.0, "review/timed_out": 0.0}
-        self.start()
-        store = self.store
-        queued = [(i, *self._texts(batch, i), float(reward[i])) for i in picked]
-        ids = store.add(step, queued)
-        logger.info("step %d: %d sample(s) wait for review at %s/", step, len(ids), self.url)
-        t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
-        while True:
-            rows = store.get(ids)
-            waiting = [k for k in ids if rows[k]["status"] == "pending"]
-            if not waiting or time.monotonic() >= deadline:
-                break
-            if self._closing.is_set():
-                raise RuntimeError(
-                    f"HumanReviewOperator was closed while step {step} waited for {len(waiting)} review(s); "
-                    f"they stay pending in {self.db_path}"
-                )
-            store.changed.clear()
-            store.changed.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
-        timed_out = store.expire(waiting)
-        rows = store.get(ids)
+        with self._step_lock:  # close() waits for this block before it closes the database
+            ids, rows, timed_out, wait_s = self._await_reviews(step, batch, picked, reward)
         new_scores = scores.clone()
         counts = {"approve": 0, "reject": 0, "score": 0}
         merged = []
@@ -239,17 +264,24 @@ class HumanReviewOperator(Operator):
             new_scores[i, max(length - 1, 0)] = value  # the sequence score on the last response token
         batch["token_level_scores"] = new_scores
         batch["review_status"] = status
-        metrics.update({
-            "review/reviewed": float(sum(counts.values())),
-            "review/approved": float(counts["approve"]),
-            "review/rejected": float(counts["reject"]),
-            "review/scored": float(counts["score"]),
-            "review/timed_out": float(timed_out),
-            "review/wait_s": time.monotonic() - t0,
-        })
+        metrics.update(
+            {
+                "review/reviewed": float(sum(counts.values())),
+                "review/approved": float(counts["approve"]),
+                "review/rejected": float(counts["reject"]),
+                "review/scored": float(counts["score"]),
+                "review/timed_out": float(timed_out),
+                "review/wait_s": wait_s,
+            }
+        )
         if merged:
             metrics["review/human_score_mean"] = float(torch.tensor(merged).mean())
         if timed_out:
-            logger.info("step %d: %d of %d sample(s) not reviewed within %.0f s keep their model reward",
-                        step, timed_out, len(ids), self.timeout_s)
+            logger.info(
+                "step %d: %d of %d sample(s) not reviewed within %.0f s keep their model reward",
+                step,
+                timed_out,
+                len(ids),
+                self.timeout_s,
+            )
         return batch, metrics

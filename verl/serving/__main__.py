@@ -23,15 +23,43 @@ def parser() -> argparse.ArgumentParser:
         "POST /v1/completions, /v1/chat/completions, /generate; GET /health, /model.",
     )
     p.add_argument("--model", required=True, help="Hugging Face model directory to serve")
-    p.add_argument("--host", default="127.0.0.1", help=f"bind address (default 127.0.0.1; others need {API_KEY_ENV})")
+    p.add_argument(
+        "--host", default="127.0.0.1", help=f"bind address (default 127.0.0.1; others need {API_KEY_ENV})"
+    )
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
-                   help="generation engine: vllm, hf (transformers), auto (vllm when installed; default)")
-    p.add_argument("--name", default=None, help="model name clients send as 'model' (default: the directory's name)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"largest max_tokens a request may ask (default {d.max_tokens})")
-    p.add_argument("--max-prompts", type=int, default=d.max_prompts, help=f"prompts per request at most (default {d.max_prompts})")
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help=f"tokens per prompt at most (default {d.max_prompt_tokens})")
-    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms, help=f"wait for more requests before generating (default {d.batch_wait_ms})")
+    p.add_argument(
+        "--engine",
+        choices=ENGINE_CHOICES,
+        default="auto",
+        help="generation engine: vllm, hf (transformers), auto (vllm when installed; default)",
+    )
+    p.add_argument(
+        "--name", default=None, help="model name clients send as 'model' (default: the directory's name)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=d.max_tokens,
+        help=f"largest max_tokens a request may ask (default {d.max_tokens})",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=d.max_prompts,
+        help=f"prompts per request at most (default {d.max_prompts})",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=d.max_prompt_tokens,
+        help=f"tokens per prompt at most (default {d.max_prompt_tokens})",
+    )
+    p.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=d.batch_wait_ms,
+        help=f"wait for more requests before generating (default {d.batch_wait_ms})",
+    )
     p.add_argument("--device", default=None, help="the hf engine's device (default: cuda when available)")
     return p
 
@@ -45,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     api_key = os.environ.get(API_KEY_ENV) or None
     try:
         check_bind(args.host, api_key)  # before the model loads: a refused bind fails at once
-        limits = ServeLimits(max_tokens=args.max_tokens, max_prompts=args.max_prompts,
-                             max_prompt_tokens=args.max_prompt_tokens, batch_wait_ms=args.batch_wait_ms,
-                             default_completion_tokens=min(ServeLimits().default_completion_tokens, args.max_tokens))
-        app = create_app(args.model, engine=args.engine, limits=limits, api_key=api_key, name=args.name,
-                         device=args.device)
+        limits = ServeLimits(
+            max_tokens=args.max_tokens,
+            max_prompts=args.max_prompts,
+            max_prompt_tokens=args.max_prompt_tokens,
+            batch_wait_ms=args.batch_wait_ms,
+            default_completion_tokens=min(ServeLimits().default_completion_tokens, args.max_tokens),
+        )
+        app = create_app(
+            args.model, engine=args.engine, limits=limits, api_key=api_key, name=args.name, device=args.device
+        )
     except ValueError as exc:
         sys.stderr.write(f"python -m verl.serving: {exc}\n")
         return 2

@@ -36,14 +36,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RequestError", "create_app", "create_model_app", "require_api_key"]
 
-_BODIES = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+_BODIES = {
+    "/generate": GenerateRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+}
 _OPEN_ROUTES = ("/health",)
 
 
 class RequestError(Exception):
     """A request the server refuses: HTTP ``status``, the field at fault (``param``) and why."""
 
-    def __init__(self, status: int, message: str, *, param: str | None, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None, kind: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
@@ -64,14 +70,18 @@ def _validation_message(err: dict[str, Any], path: str) -> tuple[str, str]:
     param = ".".join(loc) or "body"
     if kind == "extra_forbidden":
         body = _BODIES.get(path)
-        known = f"; accepted fields: {sorted(body.model_fields)}" if body is not None and len(loc) == 1 else ""
+        known = (
+            f"; accepted fields: {sorted(body.model_fields)}" if body is not None and len(loc) == 1 else ""
+        )
         return param, f"unknown field {param!r}: not a setting this server accepts{known}"
     if kind == "missing":
         return param, ("the request needs a JSON body" if param == "body" else f"{param} is required")
     return param, f"{param}: {err.get('msg', 'invalid value')}"
 
 
-def require_api_key(app: Any, api_key: str | None, *, open_paths: tuple[str, ...] = (), query_param: str | None = None) -> None:
+def require_api_key(
+    app: Any, api_key: str | None, *, open_paths: tuple[str, ...] = (), query_param: str | None = None
+) -> None:
     """With ``api_key`` set, answer 401 to every request outside ``open_paths`` that does not send
     ``Authorization: Bearer <api_key>`` (or, when ``query_param`` is given, ``?<query_param>=<api_key>``:
     how a browser opens the review page)."""
@@ -159,8 +169,9 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception) -> JSONResponse:
         logger.error("serving: %s %s failed: %r", request.method, request.url.path, exc)
-        return JSONResponse(_error_body(f"the server failed on this request: {exc!r}", None, "server_error"),
-                            status_code=500)
+        return JSONResponse(
+            _error_body(f"the server failed on this request: {exc!r}", None, "server_error"), status_code=500
+        )
 
     require_api_key(app, api_key, open_paths=_OPEN_ROUTES)
 
@@ -169,8 +180,11 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
             return JSONResponse(
-                _error_body(f"the request body is {size} bytes; this server takes at most {limits.max_body_bytes}",
-                            "body", "invalid_request_error"),
+                _error_body(
+                    f"the request body is {size} bytes; this server takes at most {limits.max_body_bytes}",
+                    "body",
+                    "invalid_request_error",
+                ),
                 status_code=413,
             )
         return await call_next(request)
@@ -180,15 +194,27 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
     def check_model(requested: str) -> None:
         if requested != model.name:
             raise RequestError(
-                404, f"model {requested!r} is not served here; this server serves {model.name!r}", param="model",
+                404,
+                f"model {requested!r} is not served here; this server serves {model.name!r}",
+                param="model",
                 kind="not_found_error",
             )
 
-    def spec_of(*, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int,
-                stop: list[str], max_param: str = "max_tokens") -> SamplingSpec:
+    def spec_of(
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_tokens: int,
+        stop: list[str],
+        max_param: str = "max_tokens",
+    ) -> SamplingSpec:
         if max_tokens > limits.max_tokens:
             raise RequestError(
-                400, f"{max_param}={max_tokens} is above this server's limit of {limits.max_tokens}", param=max_param
+                400,
+                f"{max_param}={max_tokens} is above this server's limit of {limits.max_tokens}",
+                param=max_param,
             )
         if n > limits.max_n:
             raise RequestError(400, f"n={n} is above this server's limit of {limits.max_n}", param="n")
@@ -203,7 +229,9 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
             raise RequestError(400, f"{param} is empty; send at least one", param=param)
         if count > limits.max_prompts:
             raise RequestError(
-                400, f"{count} {param} in one request; this server takes at most {limits.max_prompts}", param=param
+                400,
+                f"{count} {param} in one request; this server takes at most {limits.max_prompts}",
+                param=param,
             )
 
     def check_tokens(ids: list[int], param: str) -> list[int]:
@@ -235,13 +263,20 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     # -- routes ---------------------------------------------------------------------------
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model.name, "engine": model.engine_name, "stats": dict(model.batcher.stats)}
+        return {
+            "status": "ok",
+            "model": model.name,
+            "engine": model.engine_name,
+            "stats": dict(model.batcher.stats),
+        }
 
     @app.get("/model")
     async def model_info() -> dict[str, Any]:
@@ -249,13 +284,17 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "verl"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "verl"}],
+        }
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> dict[str, Any]:
         if (req.prompts is None) == (req.messages is None):
-            raise RequestError(400, "send exactly one of 'prompts' (texts) and 'messages' (conversations)",
-                               param="prompts")
+            raise RequestError(
+                400, "send exactly one of 'prompts' (texts) and 'messages' (conversations)", param="prompts"
+            )
         if req.prompts is not None:
             check_count(len(req.prompts), "prompts")
             prompt_ids = [check_tokens(model.encode(p), f"prompts.{i}") for i, p in enumerate(req.prompts)]
@@ -268,18 +307,36 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
             pairs = [chat_ids(conv, f"messages.{i}") for i, conv in enumerate(req.messages)]
             prompt_ids, texts = [p[0] for p in pairs], [p[1] for p in pairs]
         s = req.sampling
-        spec = spec_of(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                       max_tokens=s.max_tokens or limits.max_tokens, stop=s.stop, max_param="sampling.max_tokens")
+        spec = spec_of(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens or limits.max_tokens,
+            stop=s.stop,
+            max_param="sampling.max_tokens",
+        )
         samples = await model.batcher.submit(prompt_ids, spec, s.seed)
         outputs = []
         for i, (ids, text) in enumerate(zip(prompt_ids, texts)):
             responses = []
             for sample in samples[i * spec.n : (i + 1) * spec.n]:
                 out_text, finish = model.response_text(sample, s.stop)
-                responses.append({"text": out_text, "token_ids": sample.token_ids, "logprobs": sample.logprobs,
-                                  "finish_reason": finish})
+                responses.append(
+                    {
+                        "text": out_text,
+                        "token_ids": sample.token_ids,
+                        "logprobs": sample.logprobs,
+                        "finish_reason": finish,
+                    }
+                )
             outputs.append({"prompt": text, "prompt_tokens": len(ids), "responses": responses})
-        return {"model": model.name, "step": model.step, "outputs": outputs, "usage": usage(prompt_ids, samples)}
+        return {
+            "model": model.name,
+            "step": model.step,
+            "outputs": outputs,
+            "usage": usage(prompt_ids, samples),
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
@@ -287,24 +344,43 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
         prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         check_count(len(prompts), "prompt")
         prompt_ids = [check_tokens(model.encode(p), "prompt") for p in prompts]
-        spec = spec_of(n=req.n or 1, temperature=1.0 if req.temperature is None else req.temperature,
-                       top_p=req.top_p or 1.0, top_k=-1 if req.top_k is None else req.top_k,
-                       max_tokens=req.max_tokens or limits.default_completion_tokens, stop=req.stop_list())
+        spec = spec_of(
+            n=req.n or 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=req.top_p or 1.0,
+            top_k=-1 if req.top_k is None else req.top_k,
+            max_tokens=req.max_tokens or limits.default_completion_tokens,
+            stop=req.stop_list(),
+        )
         samples = await model.batcher.submit(prompt_ids, spec, req.seed)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         finals = [model.response_text(s, req.stop_list()) for s in samples]
         if not req.stream:
-            choices = [{"index": k, "text": text, "logprobs": None, "finish_reason": finish}
-                       for k, (text, finish) in enumerate(finals)]
-            return {"id": rid, "object": "text_completion", "created": created, "model": model.name,
-                    "choices": choices, "usage": usage(prompt_ids, samples)}
+            choices = [
+                {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
+                for k, (text, finish) in enumerate(finals)
+            ]
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model.name,
+                "choices": choices,
+                "usage": usage(prompt_ids, samples),
+            }
 
         def chunks() -> Iterator[dict[str, Any]]:
             head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
             for k, (sample, (text, finish)) in enumerate(zip(samples, finals)):
                 for piece in model.text_pieces(sample, text):
-                    yield {**head, "choices": [{"index": k, "text": piece, "logprobs": None, "finish_reason": None}]}
-                yield {**head, "choices": [{"index": k, "text": "", "logprobs": None, "finish_reason": finish}]}
+                    yield {
+                        **head,
+                        "choices": [{"index": k, "text": piece, "logprobs": None, "finish_reason": None}],
+                    }
+                yield {
+                    **head,
+                    "choices": [{"index": k, "text": "", "logprobs": None, "finish_reason": finish}],
+                }
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield {**head, "choices": [], "usage": usage(prompt_ids, samples)}
 
@@ -314,34 +390,63 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
     async def chat_completions(req: ChatRequest) -> Any:
         check_model(req.model)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
-            raise RequestError(400, "send max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+            raise RequestError(
+                400, "send max_tokens or max_completion_tokens, not both", param="max_completion_tokens"
+            )
         ids, _ = chat_ids(req.messages, "messages")
         wanted = req.max_completion_tokens or req.max_tokens
-        spec = spec_of(n=req.n or 1, temperature=1.0 if req.temperature is None else req.temperature,
-                       top_p=req.top_p or 1.0, top_k=-1 if req.top_k is None else req.top_k,
-                       max_tokens=wanted or limits.max_tokens, stop=req.stop_list(),
-                       max_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+        spec = spec_of(
+            n=req.n or 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=req.top_p or 1.0,
+            top_k=-1 if req.top_k is None else req.top_k,
+            max_tokens=wanted or limits.max_tokens,
+            stop=req.stop_list(),
+            max_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        )
         samples = await model.batcher.submit([ids], spec, req.seed)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         finals = [model.response_text(s, req.stop_list()) for s in samples]
         if not req.stream:
             choices = [
-                {"index": k, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+                {
+                    "index": k,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
                 for k, (text, finish) in enumerate(finals)
             ]
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model.name,
-                    "choices": choices, "usage": usage([ids], samples)}
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model.name,
+                "choices": choices,
+                "usage": usage([ids], samples),
+            }
 
         def chunks() -> Iterator[dict[str, Any]]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name}
             for k, (sample, (text, finish)) in enumerate(zip(samples, finals)):
-                first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
+                first = {
+                    "index": k,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield {**head, "choices": [first]}
                 for piece in model.text_pieces(sample, text):
-                    yield {**head, "choices": [{"index": k, "delta": {"content": piece}, "logprobs": None,
-                                                "finish_reason": None}]}
-                yield {**head, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish}]}
+                    yield {
+                        **head,
+                        "choices": [
+                            {"index": k, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+                        ],
+                    }
+                yield {
+                    **head,
+                    "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                }
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield {**head, "choices": [], "usage": usage([ids], samples)}
 

@@ -54,8 +54,15 @@ class ServeLimits:
     """Request bodies above this size (``Content-Length``) are refused with a 413 before they are read."""
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "default_completion_tokens", "max_prompts", "max_n", "max_prompt_tokens",
-                     "max_batch_sequences", "max_body_bytes"):
+        for name in (
+            "max_tokens",
+            "default_completion_tokens",
+            "max_prompts",
+            "max_n",
+            "max_prompt_tokens",
+            "max_batch_sequences",
+            "max_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeLimits.{name}={getattr(self, name)}; it must be >= 1")
         if self.batch_wait_ms < 0:
@@ -282,8 +289,18 @@ class ServedModel:
 
     def summary(self) -> dict[str, Any]:
         """``GET /model``: name, step, engine, the architecture's main sizes and the limits."""
-        keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "torch_dtype")
+        keys = (
+            "model_type",
+            "architectures",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "torch_dtype",
+        )
         from dataclasses import asdict
 
         return {
@@ -309,5 +326,7 @@ def _export_step(model_dir: str) -> int | None:
         with open(path, encoding="utf-8") as f:
             step = json.load(f).get("step")
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} cannot be read ({exc}); remove it or write it again with export_as_api") from None
+        raise ValueError(
+            f"{path} cannot be read ({exc}); remove it or write it again with export_as_api"
+        ) from None
     return None if step is None else int(step)

@@ -52,8 +52,19 @@ CREATE TABLE IF NOT EXISTS items (
 );
 CREATE INDEX IF NOT EXISTS items_status ON items (status);
 """
-_COLUMNS = ("id", "step", "sample_index", "prompt", "response", "model_score", "status", "decision",
-            "human_score", "created_at", "reviewed_at")
+_COLUMNS = (
+    "id",
+    "step",
+    "sample_index",
+    "prompt",
+    "response",
+    "model_score",
+    "status",
+    "decision",
+    "human_score",
+    "created_at",
+    "reviewed_at",
+)
 
 
 class ReviewConflict(ValueError):
@@ -69,7 +80,9 @@ class ReviewStore:
         self.path = os.path.abspath(os.fspath(path))
         parent = os.path.dirname(self.path)
         if not os.path.isdir(parent):
-            raise ValueError(f"the review database's directory {parent} does not exist; create it or choose another db_path")
+            raise ValueError(
+                f"the review database's directory {parent} does not exist; create it or choose another db_path"
+            )
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")  # a reader (the page) never blocks the writer
@@ -121,7 +134,9 @@ class ReviewStore:
         if not ids:
             return {}
         marks = ",".join("?" * len(ids))
-        rows = self._rows(f"SELECT {', '.join(_COLUMNS)} FROM items WHERE id IN ({marks})", tuple(int(i) for i in ids))
+        rows = self._rows(
+            f"SELECT {', '.join(_COLUMNS)} FROM items WHERE id IN ({marks})", tuple(int(i) for i in ids)
+        )
         return {row["id"]: row for row in rows}
 
     def review(self, item_id: int, decision: str, score: float | None = None) -> dict[str, Any]:
@@ -130,8 +145,11 @@ class ReviewStore:
         if decision not in DECISIONS:
             raise ValueError(f"decision {decision!r} is not one of {DECISIONS}")
         if (decision == "score") != (score is not None):
-            raise ValueError("a score goes with decision 'score' only" if score is not None else
-                             "decision 'score' needs a score")
+            raise ValueError(
+                "a score goes with decision 'score' only"
+                if score is not None
+                else "decision 'score' needs a score"
+            )
         if score is not None and not math.isfinite(score):
             raise ValueError(f"score {score} is not a finite number")
         with self._lock:
@@ -170,8 +188,13 @@ class _Review(BaseModel):
     score: float | None = None
 
 
-def create_review_app(store: ReviewStore, *, score_range: tuple[float, float] = (0.0, 1.0),
-                      api_key: str | None = None, title: str = "verl human review") -> Any:
+def create_review_app(
+    store: ReviewStore,
+    *,
+    score_range: tuple[float, float] = (0.0, 1.0),
+    api_key: str | None = None,
+    title: str = "verl human review",
+) -> Any:
     """The review page and its API on ``store`` (see the module docstring). With ``api_key``, the
     page is opened as ``/?key=<api_key>`` and sends it on as ``Authorization: Bearer``."""
     from fastapi import FastAPI, Request
@@ -199,8 +222,20 @@ def create_review_app(store: ReviewStore, *, score_range: tuple[float, float] = 
     require_api_key(app, api_key, open_paths=("/health",), query_param="key")
 
     def public(row: dict[str, Any]) -> dict[str, Any]:
-        return {k: row[k] for k in ("id", "step", "sample_index", "prompt", "response", "model_score", "status",
-                                    "decision", "human_score")}
+        return {
+            k: row[k]
+            for k in (
+                "id",
+                "step",
+                "sample_index",
+                "prompt",
+                "response",
+                "model_score",
+                "status",
+                "decision",
+                "human_score",
+            )
+        }
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -224,11 +259,15 @@ def create_review_app(store: ReviewStore, *, score_range: tuple[float, float] = 
     @app.post("/api/items/{item_id}/review")
     async def review(item_id: int, body: _Review) -> dict[str, Any]:
         if body.score is not None and not (lo <= body.score <= hi):
-            raise RequestError(400, f"score {body.score} is outside the allowed range [{lo}, {hi}]", param="score")
+            raise RequestError(
+                400, f"score {body.score} is outside the allowed range [{lo}, {hi}]", param="score"
+            )
         try:
             return public(store.review(item_id, body.decision, body.score))
         except KeyError:
-            raise RequestError(404, f"no review item {item_id}", param="item_id", kind="not_found_error") from None
+            raise RequestError(
+                404, f"no review item {item_id}", param="item_id", kind="not_found_error"
+            ) from None
         except ReviewConflict as exc:
             raise RequestError(409, str(exc), param="item_id", kind="conflict_error") from None
         except ValueError as exc:

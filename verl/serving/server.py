@@ -60,7 +60,9 @@ class BackgroundServer:
     Use as a context manager, or call :meth:`start` / :meth:`stop`.
     """
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0
+    ) -> None:
         import uvicorn
 
         check_bind(host, getattr(app.state, "api_key", None))
@@ -83,7 +85,9 @@ class BackgroundServer:
         deadline = time.monotonic() + self.start_timeout_s
         while not self._server.started:
             if not self._thread.is_alive():
-                raise RuntimeError(f"the server on {self.host} did not start (is the port taken? see the log above)")
+                raise RuntimeError(
+                    f"the server on {self.host} did not start (is the port taken? see the log above)"
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the server on {self.host} did not start within {self.start_timeout_s} s")
