@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The CUDA checks in one run, for a lent GPU machine (one H200; about ten minutes in all).
+#
+#   here, once:        bash tools/gpu_check.sh --wheels      # download what the GPU image lacks into .whl/
+#   on the machine:    bash tools/gpu_check.sh [OUT_DIR]     # default $OUT, else /tmp/verl-gpu-check
+#
+# The device tool's call (the repository root travels; .whl is git-ignored, so it is carried):
+#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# The GPU image has python3 (3.12) with a CUDA torch, nvcc, cmake, ninja, pytest and
+# transformers, and no network; megatron-core and the few pure-Python packages verl needs beside
+# them travel as wheels (--wheels, on a machine with the package registry). vLLM does not travel
+# (its CUDA wheel is too large), so the rollout here is the transformers engine.
+#
+# Steps, each with its own time limit, each logged to OUT_DIR/gpu_check.log and summed up in
+# OUT_DIR/summary.txt (one line per step: name, exit status, seconds):
+#   env          nvidia-smi, torch's CUDA build and device
+#   build        verl._C with the CUDA kernels (setup.py build_ext --inplace, nvcc)
+#   csrc         the kernels' tests on cpu and cuda (byte copy, shard copy, range copy)
+#   engine       Megatron engine on the GPU, one rank (NCCL): bf16 with fp32 master weights,
+#                clipping, the loss contract
+#   rl-step      tools/bench.py rl-step on the tiny default on the GPU (transformers rollout,
+#                trainer.device=cuda): phases, tokens/s, peak memory
+#   rollout      tools/bench.py rollout on the GPU: generation tokens/s and the rollout-vs-trainer
+#                (Megatron) logprob agreement
+set -uo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+if [ "${1:-}" = "--wheels" ]; then
+  # Python 3.12 manylinux wheels of what the GPU image lacks (no dependencies: the image has them).
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl \
+    "megatron-core==0.16.1" "math-verify" "latex2sympy2_extended" "antlr4-python3-runtime==4.13.2" \
+    "xxhash" "ml_dtypes" || exit 1
+  du -sh .whl
+  exit 0
+fi
+
+out="${1:-${OUT:-/tmp/verl-gpu-check}}"
+mkdir -p "$out"
+log="$out/gpu_check.log"
+summary="$out/summary.txt"
+: > "$log"
+: > "$summary"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+python="${PYTHON:-python3}"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/verl-site .whl/*.whl \
+    >> "$log" 2>&1 || { echo "installing .whl/ failed (see $log)" | tee -a "$summary"; exit 1; }
+  export PYTHONPATH="/tmp/verl-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name="$1" limit="$2"
+  shift 2
+  local start rc
+  start=$(date +%s)
+  echo "===== $name: $*" >> "$log"
+  timeout "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  printf '%-8s rc=%-3s %4ss\n' "$name" "$rc" "$(( $(date +%s) - start ))" | tee -a "$summary"
+}
+
+step env 30 bash -c "nvidia-smi; $python -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'"
+step build 240 "$python" setup.py -q build_ext --inplace
+step csrc 120 "$python" -m pytest -q -p no:cacheprovider tests/csrc/test_copy_shards.py tests/csrc/test_copy_ranges.py
+step engine 150 "$python" -m pytest -q -p no:cacheprovider tests/trainer/test_engine_bf16.py tests/trainer/test_engine_clipping.py \
+  tests/models/test_loss_contract.py
+step rl-step 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
+  actor_rollout_ref.rollout.name=hf trainer.device=cuda
+step rollout 90 "$python" tools/bench.py rollout --model /tmp/verl-bench-inputs/qwen2-h64-l2-a2 --engine hf
+echo "summary: $summary, log: $log"
+! grep -qv ' rc=0 ' "$summary"
