@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from verl.config import PPOConfig
+    from verl.monitor import VerlMonitor
 
 __all__ = ["ALGORITHMS", "RLTrainer"]
 
@@ -33,6 +35,8 @@ ALGORITHMS: dict[str, str] = {
 
 _NOT_YET = ("dpo", "hybrid_ppo")
 
+_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
 RUN_FILE = "verl_rl_trainer.json"
 """Written into ``output_dir`` by :meth:`RLTrainer.fit`: the arguments, for :meth:`RLTrainer.from_checkpoint`."""
 
@@ -43,6 +47,12 @@ _FIT_DEFAULTS: dict[str, Any] = {
     "eval_steps": -1,
     "save_hf": True,
 }
+
+
+def _files_setting(files: str | Sequence[str]) -> str:
+    if isinstance(files, (str, os.PathLike)):
+        return os.fspath(files)
+    return "[" + ",".join(os.fspath(f) for f in files) + "]"
 
 
 class RLTrainer:
@@ -138,13 +148,31 @@ class RLTrainer:
 
     @classmethod
     def from_checkpoint(cls, path: str) -> "RLTrainer":
-        """The trainer whose :meth:`fit` wrote checkpoint ``path`` (``output_dir/global_step_N``),
-        with its arguments (read from ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)``
-        then continues at step N+1 with the same data and ``max_steps`` unless given again."""
+        """The trainer whose :meth:`fit` wrote checkpoint ``path``, with its arguments (read from
+        ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)`` then continues
+        at step N+1 with the same data and ``max_steps`` unless given again.
+
+        ``path`` is ``output_dir/global_step_N`` (the trainer's checkpoint folder, as ``main_ppo``
+        writes it), ``output_dir/checkpoint-N`` (the same checkpoint under the Hugging Face
+        Trainer's name), or ``output_dir`` itself (its newest checkpoint)."""
+        from verl.trainer.checkpoint import CheckpointManager, step_dir_name
+
         path = os.path.abspath(os.fspath(path))
+        name = os.path.basename(path)
+        match = _HF_CHECKPOINT.match(name)
+        if match is not None and not os.path.isdir(path):
+            path = os.path.join(os.path.dirname(path), step_dir_name(int(match.group(1))))
+        elif os.path.isfile(os.path.join(path, RUN_FILE)):
+            found = CheckpointManager(path).latest()
+            if found is None:
+                raise ValueError(f"RLTrainer.from_checkpoint: {path} holds no checkpoint (global_step_N/) yet")
+            path = found.path
         run_file = os.path.join(os.path.dirname(path), RUN_FILE)
         if not os.path.isdir(path):
-            raise ValueError(f"RLTrainer.from_checkpoint: {path} is not a checkpoint directory")
+            raise ValueError(
+                f"RLTrainer.from_checkpoint: {path} is not a checkpoint directory (output_dir/global_step_N, "
+                "output_dir/checkpoint-N or output_dir)"
+            )
         try:
             with open(run_file, encoding="utf-8") as f:
                 saved = json.load(f)
@@ -169,6 +197,7 @@ class RLTrainer:
         eval_steps: int = -1,
         resume_from_checkpoint: bool = False,
         save_hf: bool = True,
+        monitor: "VerlMonitor | None" = None,
     ) -> "PPOConfig":
         """The ``PPOConfig`` :meth:`fit` trains with these arguments (see :meth:`fit`)."""
         from verl.operator.stream import build_config
@@ -189,8 +218,10 @@ class RLTrainer:
             f"trainer.save_hf={str(save_hf).lower()}",
             f"trainer.test_freq={eval_steps}",
             f"trainer.val_before_train={'true' if val_dataset_path and eval_steps > 0 else 'false'}",
-            f"data.val_files={os.fspath(val_dataset_path) if val_dataset_path else 'null'}",
+            f"data.val_files={_files_setting(val_dataset_path) if val_dataset_path else 'null'}",
         ]
+        if monitor is not None:
+            run += [f"{k}={v}" for k, v in monitor.config_overrides().items()]
         return build_config(
             model=self.actor_model,
             train_files=dataset_path,
@@ -201,40 +232,54 @@ class RLTrainer:
     def fit(
         self,
         *,
+        dataset: Any = None,
         dataset_path: str | Sequence[str] | None = None,
         max_steps: int | None = None,
         save_steps: int | None = None,
         output_dir: str | None = None,
-        val_dataset_path: str | None = None,
+        val_dataset_path: Any = None,
         eval_steps: int | None = None,
         resume_from_checkpoint: bool = False,
         save_hf: bool | None = None,
+        monitor: "VerlMonitor | None" = None,
     ) -> dict[str, Any]:
-        """Train ``max_steps`` steps on the prompts of ``dataset_path`` (parquet/jsonl/json with
+        """Train ``max_steps`` steps on the prompts of ``dataset`` (parquet/jsonl/json with
         ``prompt``, ``data_source`` and ``reward_model.ground_truth``, as ``main_ppo`` reads).
 
         An argument left None takes the value of the run :meth:`from_checkpoint` read, else its
         default: ``save_steps=-1``, ``output_dir="outputs/verl"``, ``eval_steps=-1``, ``save_hf=True``.
 
         Args:
-            dataset_path: training prompt file(s).
+            dataset: training prompts: file path(s), or what ``verl.utils.load_hf_dataset`` returned
+                (written to ``output_dir/data/train.parquet`` for the trainer, batch by batch).
+            dataset_path: the same as ``dataset`` for files (the earlier name).
             max_steps: trainer steps to run (each: ``rollout_batch_size`` prompts).
             save_steps: checkpoint every this many steps and at the end (-1: no checkpoints).
-            output_dir: checkpoints ``output_dir/global_step_N/``, logs ``output_dir/logs/``, the
-                final Hugging Face model ``output_dir/huggingface/`` (with ``save_hf``).
-            val_dataset_path / eval_steps: validation prompts and how often to validate (-1: never).
+            output_dir: checkpoints ``output_dir/global_step_N/`` (``from_checkpoint`` also takes
+                ``output_dir/checkpoint-N``), logs ``output_dir/logs/``, the final Hugging Face model
+                ``output_dir/huggingface/`` (with ``save_hf``).
+            val_dataset_path / eval_steps: validation prompts (files or ``load_hf_dataset``'s result)
+                and how often to validate (-1: never).
             resume_from_checkpoint: continue from the newest checkpoint in ``output_dir``.
             save_hf: export the trained actor as a Hugging Face checkpoint at the end.
+            monitor: a ``verl.monitor.VerlMonitor``: the run logs to its ``log_dir`` (instead of
+                ``output_dir/logs``), rewrites ``report.html`` every ``report_interval`` steps and
+                sends it every step's metrics.
 
         Returns the last step's metrics (the trainer's keys) plus ``reward_mean``
-        (``critic/score/mean``), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss`` with
-        a KL loss, else ``actor/ppo_kl``), ``global_step`` and ``checkpoint`` (the newest
-        checkpoint directory, or None).
+        (``critic/score/mean``), ``reward_delta`` (the last minus the first step's ``reward_mean`` in
+        the run's ``metrics.jsonl``), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss``
+        with a KL loss, else ``actor/ppo_kl``), ``rollout_tokens_per_second`` (the last step's
+        response tokens per second of generation, ``rollout/tokens_per_s``), ``global_step`` and
+        ``checkpoint`` (the newest checkpoint directory, or None).
         """
         from verl.operator.stream import build_trainer
+        from verl.trainer import report
 
+        if dataset is not None and dataset_path is not None:
+            raise ValueError("RLTrainer.fit: pass dataset= or dataset_path=, not both")
         given = dict(
-            dataset_path=dataset_path,
+            dataset_path=dataset if dataset is not None else dataset_path,
             max_steps=max_steps,
             save_steps=save_steps,
             output_dir=output_dir,
@@ -243,15 +288,15 @@ class RLTrainer:
             save_hf=save_hf,
         )
         args = {**_FIT_DEFAULTS, **self._fit_defaults, **{k: v for k, v in given.items() if v is not None}}
-        for name in ("dataset_path", "max_steps"):
-            if args.get(name) is None:
-                raise ValueError(f"RLTrainer.fit needs {name}=")
-        if isinstance(args["dataset_path"], (str, os.PathLike)):
-            args["dataset_path"] = os.path.abspath(os.fspath(args["dataset_path"]))
-        else:
-            args["dataset_path"] = [os.path.abspath(os.fspath(p)) for p in args["dataset_path"]]
+        if args.get("dataset_path") is None:
+            raise ValueError("RLTrainer.fit needs dataset= (prompt files, or verl.utils.load_hf_dataset(...))")
+        if args.get("max_steps") is None:
+            raise ValueError("RLTrainer.fit needs max_steps=")
         args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
-        cfg = self.build_config(**args, resume_from_checkpoint=resume_from_checkpoint)
+        args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
+        if args["val_dataset_path"] is not None:
+            args["val_dataset_path"] = self._data_files(args["val_dataset_path"], args["output_dir"], "val")
+        cfg = self.build_config(**args, resume_from_checkpoint=resume_from_checkpoint, monitor=monitor)
         self.last_config = cfg
         os.makedirs(args["output_dir"], exist_ok=True)
         with open(os.path.join(args["output_dir"], RUN_FILE), "w", encoding="utf-8") as f:
@@ -259,6 +304,8 @@ class RLTrainer:
         trainer, started = build_trainer(cfg)
         try:
             with trainer:
+                if monitor is not None:
+                    monitor.attach(trainer)
                 metrics: dict[str, Any] = dict(trainer.fit())
                 step = trainer.global_step
                 self.last_checkpoint = trainer.last_checkpoint
@@ -269,11 +316,38 @@ class RLTrainer:
                 destroy_distributed()
         if "critic/score/mean" in metrics:
             metrics["reward_mean"] = metrics["critic/score/mean"]
+        _, rewards = report.load_run(cfg.trainer.log_dir).series("critic/score/mean")
+        if rewards:
+            metrics["reward_delta"] = rewards[-1] - rewards[0]
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
         kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
         if kl_key in metrics:
             metrics["final_kl"] = metrics[kl_key]
+        if "rollout/tokens_per_s" in metrics:
+            metrics["rollout_tokens_per_second"] = metrics["rollout/tokens_per_s"]
         metrics["global_step"] = step
         metrics["checkpoint"] = self.last_checkpoint
         return metrics
+
+    def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
+        """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``
+        result checked against the algorithm and written to ``output_dir/data/<split>.parquet``."""
+        from verl.data.hf_dataset import RecordData
+        from verl.trainer.ppo_checks import preference_pairs_problem
+
+        if isinstance(data, RecordData):
+            problem = preference_pairs_problem(
+                f"the dataset {data.label}", data.columns, "data_source", f"algorithm={self.algorithm!r}"
+            )
+            if problem:
+                raise ValueError(problem)
+            return data.write_parquet(os.path.join(output_dir, "data", f"{split}.parquet"))
+        if isinstance(data, (str, os.PathLike)):
+            return os.path.abspath(os.fspath(data))
+        if isinstance(data, (list, tuple)) and data and all(isinstance(p, (str, os.PathLike)) for p in data):
+            return [os.path.abspath(os.fspath(p)) for p in data]
+        raise TypeError(
+            f"RLTrainer.fit: a dataset is a file path, a list of them, or verl.utils.load_hf_dataset(...)'s "
+            f"result, got {type(data).__name__}"
+        )
