@@ -18,6 +18,8 @@ _LAZY = {
     "RewardModelScorer": "verl.operator",
     "MultiRewardScorer": "verl.operator",
     "FilterOperator": "verl.operator",
+    "WeightedFilterOperator": "verl.operator",
+    "GroupFilterOperator": "verl.operator",
     "PPOUpdateOperator": "verl.operator",
     "RLTrainer": "verl.trainer.api",
 }

@@ -14,10 +14,12 @@ import pytest
 from verl.operator import (
     DataStream,
     FilterOperator,
+    GroupFilterOperator,
     MultiRewardScorer,
     PPOUpdateOperator,
     RewardOperator,
     RolloutOperator,
+    WeightedFilterOperator,
     build_config,
     build_trainer,
 )
@@ -166,6 +168,54 @@ def test_multi_reward_scorer_sums_weighted_scores(trainer):
     a, b = m["reward/verl/arithmetic/mean"], m["reward/length_score/mean"]
     assert m["reward/length_score/weight"] == 0.5
     assert m["reward_mean"] == pytest.approx(1.0 * a + 0.5 * b, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_weighted_filter_scales_each_samples_loss(trainer):
+    weighted = WeightedFilterOperator(fn=lambda s: 2.0 if s["reward"] > 0 else 0.25)
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    stream.add_operator(weighted).add_operator(PPOUpdateOperator())
+    m = stream.step()
+    batch = stream.last_batch
+    reward = batch["token_level_scores"].sum(-1)
+    assert len(batch) == 16  # weighted, not dropped
+    assert batch["sample_weight"].tolist() == [2.0 if r > 0 else 0.25 for r in reward.tolist()]
+    assert m["filter/weight_min"] == 0.25 and m["filter/weight_max"] == 2.0
+    assert m["actor/pg_loss"] != 0
+
+    # Weight 0 everywhere: no sample contributes, so the policy and KL losses are exactly 0.
+    zero = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    zero.add_operator(WeightedFilterOperator({"verl/arithmetic": 0.0}, field="data_source", default=None))
+    m = zero.add_operator(PPOUpdateOperator()).step()
+    assert m["actor/pg_loss"] == 0.0 and m["actor/kl_loss"] == 0.0
+    with pytest.raises(ValueError, match=r"value 'verl/arithmetic' has no weight.*set default="):
+        WeightedFilterOperator({"other": 1.0}, field="data_source", default=None).weight_of({"data_source": "verl/arithmetic"})
+    with pytest.raises(ValueError, match=r"no field 'extra_info.tier'"):
+        WeightedFilterOperator({"gold": 1.0}, field="extra_info.tier").weight_of({"extra_info": {"split": "train"}})
+
+
+@pytest.mark.slow
+def test_group_filter_drops_groups_whose_rewards_are_all_equal(trainer):
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    seen = []
+
+    class Record:
+        inputs, outputs = ("token_level_scores",), ()
+
+        def process(self, batch):
+            seen.append((list(batch.non_tensors["uid"]), batch["token_level_scores"].sum(-1).tolist()))
+            return batch
+
+    stream.add_operator(Record()).add_operator(GroupFilterOperator()).add_operator(PPOUpdateOperator())
+    m = stream.step()
+    uids, rewards = seen[0]
+    groups: dict[str, set[float]] = {}
+    for uid, r in zip(uids, rewards):
+        groups.setdefault(uid, set()).add(r)
+    spread = {uid for uid, values in groups.items() if len(values) > 1}
+    assert m["filter/kept_groups"] == len(spread) and m["filter/dropped_groups"] == len(groups) - len(spread)
+    assert set(stream.last_batch.non_tensors["uid"]) == spread
+    assert len(stream.last_batch) == 4 * len(spread)
 
 
 def test_missing_input_fails_at_build_naming_the_field():

@@ -7,23 +7,27 @@ runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit``
 from verl.operator.base import Operator
 from verl.operator.ops import (
     FilterOperator,
+    GroupFilterOperator,
     MultiRewardScorer,
     PPOUpdateOperator,
     RewardModelScorer,
     RewardOperator,
     RolloutOperator,
+    WeightedFilterOperator,
 )
 from verl.operator.stream import DataStream, build_config, build_trainer
 
 __all__ = [
     "DataStream",
     "FilterOperator",
+    "GroupFilterOperator",
     "MultiRewardScorer",
     "Operator",
     "PPOUpdateOperator",
     "RewardModelScorer",
     "RewardOperator",
     "RolloutOperator",
+    "WeightedFilterOperator",
     "build_config",
     "build_trainer",
 ]

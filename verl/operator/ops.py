@@ -6,6 +6,8 @@
 | :class:`RewardOperator` | the trainer's ``RewardModel`` role (``compute_reward``), or one on the given scorer | ``token_level_scores`` |
 | :class:`MultiRewardScorer` | several reward operators, weighted sum | ``token_level_scores`` |
 | :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
+| :class:`WeightedFilterOperator` | the actor loss's per-sample weight (``verl.roles.actor.SAMPLE_WEIGHT``) | ``sample_weight`` |
+| :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``RLTrainer.filter_metric`` | nothing: drops groups |
 | :class:`PPOUpdateOperator` | ``update_step``: old/ref log-probs, values, advantages, critic and actor updates | ``advantages``, ... |
 """
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FilterOperator",
+    "GroupFilterOperator",
+    "WeightedFilterOperator",
     "MultiRewardScorer",
     "PPOUpdateOperator",
     "RewardModelScorer",
@@ -273,6 +277,125 @@ class FilterOperator(Operator):
             )
         kept = batch if len(keep) == len(batch) else batch[keep]
         return kept, {"filter/kept": float(len(keep)), "filter/dropped": float(len(batch) - len(keep))}
+
+
+def _lookup(view: dict[str, Any], key: str) -> Any:
+    """``view[key]``, reaching into dict fields with dots (``"extra_info.tier"``); KeyError naming what exists."""
+    head, *rest = key.split(".")
+    if head not in view:
+        raise KeyError(f"no field {head!r} (the sample has {sorted(view)})")
+    value = view[head]
+    for part in rest:
+        if not isinstance(value, dict) or part not in value:
+            shown = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise KeyError(f"no field {key!r} ({head} holds {shown})")
+        value = value[part]
+    return value
+
+
+class WeightedFilterOperator(Operator):
+    """Weights samples instead of dropping them: each sample's actor losses (policy, KL, entropy)
+    are scaled by its weight (``sample_weight`` [B], applied in ``agg_loss`` over the unweighted
+    token and sequence counts; weight 0 removes a sample's contribution, 1 leaves it as is).
+
+    Give ``field`` and ``weights`` (a sample's value of ``field`` -> weight; ``field`` may reach
+    into dicts: ``"extra_info.tier"``; a value missing from ``weights`` takes ``default``, or
+    fails when ``default`` is None), or ``fn(sample) -> weight`` (``sample``: :func:`sample_view`,
+    with ``reward``). Weights must be finite and >= 0; an earlier weight is multiplied. The critic's
+    value loss is not weighted. Logs ``filter/weight_mean``, ``/min``, ``/max``.
+    """
+
+    inputs = ("token_level_scores",)
+    outputs = ("sample_weight",)
+
+    def __init__(
+        self,
+        weights: dict[Any, float] | None = None,
+        *,
+        field: str | None = None,
+        fn: Callable[[dict[str, Any]], float] | None = None,
+        default: float | None = 1.0,
+    ) -> None:
+        super().__init__()
+        if (fn is None) == (field is None):
+            raise ValueError("WeightedFilterOperator takes field= with weights=, or fn=, exactly one")
+        if field is not None and not weights:
+            raise ValueError(f"WeightedFilterOperator(field={field!r}) needs weights={{value: weight, ...}}")
+        if fn is not None and weights:
+            raise ValueError("WeightedFilterOperator: weights= goes with field=, not with fn=")
+        for value, weight in (weights or {}).items():
+            _check_weight_value(weight, f"weights[{value!r}]")
+        self.field, self.weights, self.fn, self.default = field, dict(weights or {}), fn, default
+
+    def weight_of(self, sample: dict[str, Any]) -> float:
+        """The weight of one sample (a :func:`sample_view`)."""
+        if self.fn is not None:
+            return _check_weight_value(self.fn(sample), "fn(sample)")
+        try:
+            value = _lookup(sample, self.field)
+        except KeyError as exc:
+            raise ValueError(f"WeightedFilterOperator(field={self.field!r}): {exc.args[0]}") from None
+        if value in self.weights:
+            return float(self.weights[value])
+        if self.default is None:
+            raise ValueError(
+                f"WeightedFilterOperator(field={self.field!r}): value {value!r} has no weight (weights for "
+                f"{sorted(map(repr, self.weights))}); add it or set default="
+            )
+        return _check_weight_value(self.default, "default")
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        from verl.roles.actor import SAMPLE_WEIGHT
+
+        reward = batch["token_level_scores"].sum(-1)  # [B]
+        weight = torch.tensor([self.weight_of(sample_view(batch, i, reward)) for i in range(len(batch))])  # [B]
+        if SAMPLE_WEIGHT in batch:
+            weight = weight * batch[SAMPLE_WEIGHT].to(weight.dtype)
+        batch[SAMPLE_WEIGHT] = weight
+        return batch, {
+            "filter/weight_mean": float(weight.mean()),
+            "filter/weight_min": float(weight.min()),
+            "filter/weight_max": float(weight.max()),
+        }
+
+
+def _check_weight_value(weight: Any, where: str) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (weight >= 0 and weight < float("inf")):
+        raise ValueError(f"WeightedFilterOperator: {where} = {weight!r}; a weight is a finite number >= 0")
+    return float(weight)
+
+
+class GroupFilterOperator(Operator):
+    """DAPO's group filter (dynamic sampling's drop, arXiv:2503.14476): removes every prompt group
+    (samples of one ``uid``) whose ``metric`` is the same for all its samples, since GRPO gives
+    them zero advantage. The trainer's own pieces: ``verl.algos.filter_groups`` on
+    ``RLTrainer.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
+    scorer returns, e.g. ``acc``). Unlike ``algorithm.filter_groups`` in the trainer's own step it
+    does not draw more prompts to refill the batch: the step trains on the groups left. Fails when
+    no group is left. Logs ``filter/kept_groups`` and ``filter/dropped_groups``.
+    """
+
+    inputs = ("token_level_scores", "uid")
+
+    def __init__(self, metric: str = "seq_reward") -> None:
+        super().__init__()
+        self.metric = metric
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        from verl.algos import filter_groups
+
+        result = filter_groups(index=batch.non_tensors["uid"], metric_values=self.trainer.filter_metric(batch, self.metric))
+        if result.num_kept_groups == 0:
+            raise ValueError(
+                f"GroupFilterOperator dropped all {result.num_groups} prompt groups: every group's samples have "
+                f"the same {self.metric!r}; sample more responses per prompt (RolloutOperator(n=...)), raise the "
+                "temperature, or use prompts of mixed difficulty"
+            )
+        kept = batch if len(result.kept_indices) == len(batch) else batch[result.kept_indices]
+        return kept, {
+            "filter/kept_groups": float(result.num_kept_groups),
+            "filter/dropped_groups": float(result.num_dropped_groups),
+        }
 
 
 class PPOUpdateOperator(Operator):

@@ -5,6 +5,9 @@ The loss of one mini-batch is, with every term a share of the mini-batch's globa
 
     policy_loss(loss_mode)  -  entropy_coeff * entropy  +  kl_loss_coef * KL(actor || reference)
 
+With a ``sample_weight`` [B] field in the batch (``verl.WeightedFilterOperator``) each term
+scales each sample's losses by its weight, over the unweighted token/sequence denominators.
+
 ``policy_loss`` is the registered function ``policy_loss.loss_mode`` (vanilla PPO clip with DAPO's
 clip-higher and dual clip, GSPO, CISPO, GPG, ...), aggregated with ``loss_agg_mode``; the KL term
 is there only with ``use_kl_loss`` (estimator ``kl_loss_type``). Log-probabilities are those of
@@ -13,11 +16,12 @@ the sampling temperature (the rollout's), as the engine drew them.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
 
-from verl.algos import GlobalBatchInfo, agg_loss, compute_kl_loss, compute_policy_loss
+from verl.algos import GlobalBatchInfo, agg_loss, compute_kl_loss, compute_policy_loss, get_policy_loss
 from verl.engine import LossShare
 from verl.protocol import Batch
 from verl.roles.engine_role import RoleEngine, step_metrics
@@ -27,7 +31,11 @@ if TYPE_CHECKING:
 
     from verl.config.schema import ActorConfig, ModelConfig
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "SAMPLE_WEIGHT"]
+
+SAMPLE_WEIGHT = "sample_weight"
+"""Optional batch field [B]: each sample's weight in every actor loss term (``agg_loss``'s
+``sample_weight``); ``verl.WeightedFilterOperator`` sets it."""
 
 # loss_fn metric key -> the reference verl's logged key
 _METRICS = {
@@ -107,6 +115,7 @@ class Actor:
             def loss_fn(outputs, micro) -> LossShare:
                 log_prob = outputs["logprobs"][:, -response_length:]  # [b, R]
                 mask = micro["response_mask"].to(log_prob.dtype)
+                weight = micro.get(SAMPLE_WEIGHT)  # [b] or None
                 pg_loss, pg_metrics = compute_policy_loss(
                     cfg.policy_loss.loss_mode,
                     old_log_prob=micro["old_log_probs"],
@@ -119,6 +128,7 @@ class Actor:
                     clip_ratio_high=cfg.clip_ratio_high,
                     clip_ratio_c=cfg.clip_ratio_c,
                     global_batch_info=info,
+                    sample_weight=weight,
                 )
                 loss = pg_loss
                 metrics = {**pg_metrics, "pg_loss": pg_loss.detach() * num_micro}
@@ -128,6 +138,7 @@ class Actor:
                         mask,
                         cfg.loss_agg_mode,
                         global_batch_info=info,
+                        sample_weight=weight,
                     )
                     loss = loss - cfg.entropy_coeff * entropy
                     metrics["entropy"] = entropy.detach() * num_micro
@@ -139,6 +150,7 @@ class Actor:
                         kl_loss_type=cfg.kl_loss_type,
                         loss_agg_mode=cfg.loss_agg_mode,
                         global_batch_info=info,
+                        sample_weight=weight,
                     )
                     loss = loss + cfg.kl_loss_coef * kl
                     metrics["kl_loss"] = kl.detach() * num_micro
@@ -157,6 +169,14 @@ class Actor:
         keys = ["response_mask", "old_log_probs", "advantages"] + (
             ["ref_log_prob"] if cfg.use_kl_loss else []
         )
+        if SAMPLE_WEIGHT in batch:
+            if SAMPLE_WEIGHT not in inspect.signature(get_policy_loss(cfg.policy_loss.loss_mode)).parameters:
+                raise ValueError(
+                    f"the batch has per-sample weights ({SAMPLE_WEIGHT}, e.g. from a WeightedFilterOperator) but "
+                    f"actor.policy_loss.loss_mode={cfg.policy_loss.loss_mode!r} takes no sample_weight; give the "
+                    "registered loss a sample_weight argument (passed to agg_loss) or drop the weights"
+                )
+            keys.append(SAMPLE_WEIGHT)
         results = self.role.train(
             batch,
             keys=keys,

@@ -495,7 +495,8 @@ class RLTrainer:
 
     # -- a whole step ---------------------------------------------------------------------
 
-    def _filter_metric(self, batch: Batch, name: str) -> Any:
+    def filter_metric(self, batch: Batch, name: str) -> Any:
+        """The per-sample values [B] that DAPO's group filter compares (``algorithm.filter_groups.metric``)."""
         if name == "seq_reward":
             return batch["token_level_scores"].sum(-1)
         if name == "seq_final_reward":
@@ -536,7 +537,7 @@ class RLTrainer:
             if not fg.enable:
                 return batch, metrics
             result = filter_groups(
-                index=batch.non_tensors["uid"], metric_values=self._filter_metric(batch, fg.metric)
+                index=batch.non_tensors["uid"], metric_values=self.filter_metric(batch, fg.metric)
             )
             kept.append(batch[result.kept_indices])
             kept_groups += result.num_kept_groups
