@@ -3,7 +3,10 @@
 It only builds a ``PPOConfig`` (from a YAML file under configs/, then its arguments, then
 ``overrides``) and calls the trainer's ``fit`` — the loop ``python -m verl.trainer.main_ppo``
 runs. Checkpoints are the trainer's: ``output_dir/global_step_N/`` (actor, critic, and
-``trainer_state.json``), logs under ``output_dir/logs`` (``metrics.jsonl``).
+``trainer_state.json``; :meth:`RLTrainer.from_checkpoint` also takes ``output_dir/checkpoint-N``,
+the Hugging Face Trainer's name), logs under ``output_dir/logs`` (``metrics.jsonl``) or a
+``verl.monitor.VerlMonitor``'s ``log_dir``. ``fit(dataset=...)`` takes prompt files or
+``verl.utils.load_hf_dataset``'s result (written to ``output_dir/data/train.parquet``).
 """
 
 from __future__ import annotations
