@@ -21,6 +21,8 @@ _LAZY = {
     "WeightedFilterOperator": "verl.operator",
     "GroupFilterOperator": "verl.operator",
     "PPOUpdateOperator": "verl.operator",
+    "PreferenceOperator": "verl.operator",
+    "DPOUpdateOperator": "verl.operator",
     "RLTrainer": "verl.trainer.api",
 }
 

@@ -6,10 +6,12 @@ runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit``
 
 from verl.operator.base import Operator
 from verl.operator.ops import (
+    DPOUpdateOperator,
     FilterOperator,
     GroupFilterOperator,
     MultiRewardScorer,
     PPOUpdateOperator,
+    PreferenceOperator,
     RewardModelScorer,
     RewardOperator,
     RolloutOperator,
@@ -18,12 +20,14 @@ from verl.operator.ops import (
 from verl.operator.stream import DataStream, build_config, build_trainer
 
 __all__ = [
+    "DPOUpdateOperator",
     "DataStream",
     "FilterOperator",
     "GroupFilterOperator",
     "MultiRewardScorer",
     "Operator",
     "PPOUpdateOperator",
+    "PreferenceOperator",
     "RewardModelScorer",
     "RewardOperator",
     "RolloutOperator",

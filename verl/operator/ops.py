@@ -8,6 +8,8 @@
 | :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
 | :class:`WeightedFilterOperator` | the actor loss's per-sample weight (``verl.roles.actor.SAMPLE_WEIGHT``) | ``sample_weight`` |
 | :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``RLTrainer.filter_metric`` | nothing: drops groups |
+| :class:`PreferenceOperator` | ``preference_batch`` (``data.pairs``) | ``responses``, ``response_mask``, ``pair_side``, ... |
+| :class:`DPOUpdateOperator` | ``update_preference``: reference log-probs, ``Actor.update_preference`` | ``ref_log_prob`` |
 | :class:`PPOUpdateOperator` | ``update_step``: old/ref log-probs, values, advantages, critic and actor updates | ``advantages``, ... |
 """
 
@@ -25,7 +27,9 @@ if TYPE_CHECKING:
     from verl.trainer.rl_trainer import RLTrainer
 
 __all__ = [
+    "DPOUpdateOperator",
     "FilterOperator",
+    "PreferenceOperator",
     "GroupFilterOperator",
     "WeightedFilterOperator",
     "MultiRewardScorer",
@@ -443,4 +447,81 @@ class PPOUpdateOperator(Operator):
 
     def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
         metrics = self.trainer.update_step(batch)
+        return batch, metrics
+
+
+PAIR_FIELDS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "uid", "pair_side")
+
+
+class PreferenceOperator(Operator):
+    """The step's preference pairs from the trainer's loader (``RLTrainer.preference_batch``: the
+    trainer built with ``data.pairs=true`` on prompt/chosen/rejected files). Makes the step's batch:
+    pair i's chosen response at row 2i, its rejected one at 2i + 1; None when the data is used up."""
+
+    outputs = PAIR_FIELDS
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {"data.pairs": True}
+
+    def process(self, batch: "Batch | None") -> "Batch | None":
+        if batch is not None:
+            raise ValueError("PreferenceOperator makes the step's batch: it must be the stream's first operator")
+        return self.trainer.preference_batch()
+
+
+class DPOUpdateOperator(Operator):
+    """DPO's update (arXiv:2305.18290) on the step's pairs: the reference role's log-probs, then one
+    optimizer step of the actor on the preference loss (``RLTrainer.update_preference``;
+    advances the global step). The loss is ``verl.algos.preference``'s: ``sigmoid`` (DPO,
+    -log sigmoid(beta * margin)) or ``ipo``, on per-response log-prob sums at temperature 1.
+
+    Args:
+        actor / reference: the trainer's roles (the default); given, they must be that trainer's
+            ``Actor`` and ``Reference`` (the stream runs one trainer's roles).
+        beta: the KL strength (DPO's beta).
+        loss_type: a registered preference loss (``verl.algos.list_preference_losses()``).
+        label_smoothing: conservative DPO's epsilon (``sigmoid`` only).
+        lr: the actor's learning rate (``actor.optim.lr``; None: the config's).
+    """
+
+    inputs = ("responses", "response_mask", "pair_side")
+    outputs = ("ref_log_prob",)
+
+    def __init__(
+        self,
+        *,
+        actor: Any = None,
+        reference: Any = None,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        lr: float | None = None,
+    ) -> None:
+        super().__init__()
+        from verl.algos import list_preference_losses
+
+        if loss_type not in list_preference_losses():
+            raise ValueError(f"DPOUpdateOperator(loss_type={loss_type!r}): choose one of {list_preference_losses()}")
+        if not (isinstance(beta, (int, float)) and beta > 0):
+            raise ValueError(f"DPOUpdateOperator(beta={beta!r}): beta must be a positive number")
+        self.actor, self.reference = actor, reference
+        self.beta, self.loss_type, self.label_smoothing = float(beta), loss_type, float(label_smoothing)
+        self.lr = lr
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {"data.pairs": True, **({"actor_rollout_ref.actor.optim.lr": self.lr} if self.lr is not None else {})}
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        for name, given, own in (("actor", self.actor, trainer.actor), ("reference", self.reference, trainer.reference)):
+            if given is not None and given is not own:
+                raise ValueError(
+                    f"DPOUpdateOperator({name}=...) is not the stream's trainer's {name}; the stream runs one "
+                    f"trainer's roles: leave {name}= unset or pass trainer.{name}"
+                )
+        super().bind(trainer)
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        metrics = self.trainer.update_preference(
+            batch, beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing
+        )
         return batch, metrics

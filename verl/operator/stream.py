@@ -208,7 +208,8 @@ class DataStream:
         """One step through every operator; its metrics, or None when the data is used up.
 
         Besides the operators' own metrics: ``reward_mean`` (mean sequence score of the step's
-        samples as the reward operator scored them, before any filter), ``loss`` (``actor/pg_loss``),
+        samples as the reward operator scored them, before any filter), ``loss`` (``actor/pg_loss``, or
+        ``dpo/loss`` for DPO),
         ``kl`` (``actor/kl_loss``, the KL to the reference, when the actor uses a KL loss, else
         ``actor/ppo_kl``, old vs updated policy), ``timing_s/op/<name>`` per operator, ``step``.
         """
@@ -233,6 +234,8 @@ class DataStream:
         metrics["timing_s/stream_step"] = time.perf_counter() - start
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
+        elif "dpo/loss" in metrics:
+            metrics["loss"] = metrics["dpo/loss"]
         kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
         if kl_key in metrics:
             metrics["kl"] = metrics[kl_key]

@@ -5,6 +5,8 @@ The loss of one mini-batch is, with every term a share of the mini-batch's globa
 
     policy_loss(loss_mode)  -  entropy_coeff * entropy  +  kl_loss_coef * KL(actor || reference)
 
+:meth:`Actor.update_preference` is DPO's update on preference pairs (``verl.algos.preference``).
+
 With a ``sample_weight`` [B] field in the batch (``verl.WeightedFilterOperator``) each term
 scales each sample's losses by its weight, over the unweighted token/sequence denominators.
 
@@ -21,7 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verl.algos import GlobalBatchInfo, agg_loss, compute_kl_loss, compute_policy_loss, get_policy_loss
+from verl.algos import (
+    GlobalBatchInfo,
+    agg_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+    compute_preference_loss,
+    get_policy_loss,
+    sequence_log_prob,
+)
 from verl.engine import LossShare
 from verl.protocol import Batch
 from verl.roles.engine_role import RoleEngine, step_metrics
@@ -190,3 +200,72 @@ class Actor:
             with_entropy=cfg.entropy_coeff != 0,
         )
         return step_metrics("actor", results, _METRICS)
+
+    def update_preference(
+        self, batch: Batch, *, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0
+    ) -> dict[str, float]:
+        """One optimizer step of a preference loss (``verl.algos.preference``: ``sigmoid`` is DPO) on
+        ``batch``: pairs as rows 2i (chosen) and 2i + 1 (rejected), with ``response_mask`` and the
+        reference's ``ref_log_prob`` [2B, R]; log-probabilities at temperature 1, summed per response.
+
+        The loss goes through the engine's forward-backward as a ``LossShare``: a first forward at the
+        current weights gives each response's sequence log-prob and the loss's derivative c_i with
+        respect to it; the training pass then back-propagates sum_i c_i * logp_i(theta), whose
+        gradient is exactly the loss's at these weights. So micro-batches and data-parallel ranks
+        need not keep a pair together, and the step is one optimizer update on the whole batch
+        (several would use stale c_i). Returns ``dpo/loss`` (at the weights before the step),
+        ``dpo/rewards/{chosen,rejected,accuracy,margin}`` and ``actor/grad_norm``, ``actor/lr``.
+        """
+        side = batch["pair_side"]  # [2B]: 0 chosen, 1 rejected
+        if len(batch) % 2 or not (bool((side[0::2] == 0).all()) and bool((side[1::2] == 1).all())):
+            raise ValueError(
+                "update_preference needs pairs as rows 2i (chosen) and 2i + 1 (rejected) "
+                "(RLTrainer.preference_batch lays them out so); the batch was reordered or filtered"
+            )
+        response_length = batch["responses"].shape[1]
+        mask = batch["response_mask"]
+        out = self.role.forward(
+            batch,
+            output="logprobs",
+            micro_batch_size=self.log_prob_micro_batch_size,
+            response_length=response_length,
+            temperature=1.0,
+        )
+        policy = sequence_log_prob(out["logprobs"], mask).double().requires_grad_(True)  # [2B]
+        reference = sequence_log_prob(batch["ref_log_prob"], mask).double()  # [2B]
+        loss, pref_metrics = compute_preference_loss(
+            loss_type,
+            policy_chosen_logps=policy[0::2],
+            policy_rejected_logps=policy[1::2],
+            reference_chosen_logps=reference[0::2],
+            reference_rejected_logps=reference[1::2],
+            beta=beta,
+            label_smoothing=label_smoothing,
+        )
+        (coef,) = torch.autograd.grad(loss, policy)  # [2B]: d loss / d logp_i
+        batch["preference_coef"] = coef.float()
+
+        def make_loss(info: GlobalBatchInfo, num_micro: int):
+            def loss_fn(outputs, micro) -> LossShare:
+                log_prob = outputs["logprobs"][:, -response_length:]  # [b, R]
+                seq = (log_prob * micro["response_mask"].to(log_prob.dtype)).sum(-1)  # [b]
+                # c_i already carries the whole batch's 1/num_pairs; x dp_size undoes DDP's average.
+                return LossShare((micro["preference_coef"].to(seq.dtype) * seq).sum() * info.dp_size, {})
+
+            return loss_fn
+
+        results = self.role.train(
+            batch,
+            keys=["response_mask", "preference_coef"],
+            mini_batch_rows=len(batch),
+            micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
+            epochs=1,
+            make_loss=make_loss,
+            shuffle_seed=None,
+            output="logprobs",
+            temperature=1.0,
+        )
+        metrics = step_metrics("actor", results, {})
+        metrics["dpo/loss"] = float(loss)
+        metrics.update({f"dpo/{k}": float(v) for k, v in pref_metrics.items()})
+        return metrics

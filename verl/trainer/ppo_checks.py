@@ -78,6 +78,18 @@ def preference_pairs_problem(where: str, columns: list[str], reward_fn_key: str,
 def _preference_problems(cfg: PPOConfig) -> list[str]:
     from verl.data.io import TableStore
 
+    if cfg.data.pairs:
+        problems = []
+        if cfg.data.val_files:
+            problems.append(
+                f"data.pairs=true: validation of preference pairs is not supported; set data.val_files=null "
+                f"(got {cfg.data.val_files})"
+            )
+        if cfg.use_critic:
+            problems.append("data.pairs=true trains with DPO, which has no critic; set critic.enable=false")
+        if cfg.data.custom_cls.path:
+            problems.append("data.pairs=true reads its pairs with the built-in dataset; unset data.custom_cls.path")
+        return problems
     if cfg.data.custom_cls.path:
         return []
     problems = []
@@ -279,7 +291,8 @@ def check_ppo_inputs(cfg: PPOConfig) -> None:
         problems += _preference_problems(cfg)
     if not problems:
         problems += _split_problems(cfg)
-        problems += _scorer_problems(cfg)
+        if not cfg.data.pairs:  # pairs have no data sources to score
+            problems += _scorer_problems(cfg)
         problems += _reward_model_problems(cfg)
     if problems:
         _raise(problems)
