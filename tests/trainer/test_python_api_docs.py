@@ -76,6 +76,11 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     written = pq.read_table(tmp_path / "qa" / "data" / "train.parquet").to_pylist()
     assert len(written) == 48 and written[5]["data_source"] == "verl/arithmetic"
     assert ns["qa"].last_config.data.train_files == [str(tmp_path / "qa" / "data" / "train.parquet")]
+    # DPO through the facade: the first step runs at the reference's weights (margin 0, loss log 2).
+    dpo = ns["dpo_metrics"]
+    assert dpo["global_step"] == 1 and ns["dpo"].last_config.data.pairs
+    assert dpo["loss"] == pytest.approx(math.log(2), abs=1e-6) and dpo["dpo/rewards/margin"] == pytest.approx(0, abs=1e-6)
+    assert dpo["actor/grad_norm"] > 0
     cfg = ns["trainer"].last_config
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.data.train_batch_size == 4 and cfg.actor_rollout_ref.actor.use_kl_loss
@@ -92,7 +97,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     page = open(tmp_path / "stream" / "logs" / "report.html", encoding="utf-8").read()
     assert '<figure id="plot-operators"><figcaption>Time share per operator (verl.DataStream)</figcaption><svg' in page
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 5  # the blocks' prints: three fit summaries, two stream steps
+    assert len(printed) == 6  # the blocks' prints: four fit summaries, two stream steps
 
 
 def test_preference_files_fail_the_trainer_checks_pointing_to_dpo(tiny_model_dir, tmp_path):
@@ -127,8 +132,10 @@ def test_unknown_algorithm_names_the_choices():
 
     with pytest.raises(ValueError, match=r"unknown algorithm='sac'; choose one of \[.*'grpo'.*'ppo'.*'rloo'"):
         verl.RLTrainer("model", algorithm="sac")
-    with pytest.raises(ValueError, match="'dpo' is not available in verl.RLTrainer yet"):
-        verl.RLTrainer("model", algorithm="dpo")
+    with pytest.raises(ValueError, match="'hybrid_ppo' is not available in verl.RLTrainer yet"):
+        verl.RLTrainer("model", algorithm="hybrid_ppo")
+    with pytest.raises(ValueError, match="DPO's beta must be a positive number"):
+        verl.RLTrainer("model", algorithm="dpo", beta=0)
 
 
 def test_import_verl_is_light():

@@ -36,7 +36,10 @@ ALGORITHMS: dict[str, str] = {
 }
 """``algorithm=`` name -> ``algorithm.adv_estimator`` (``ppo`` is GAE with a critic)."""
 
-_NOT_YET = ("dpo", "hybrid_ppo")
+PREFERENCE_ALGORITHMS = ("dpo",)
+"""``algorithm=`` names that train on preference pairs (``prompt``, ``chosen``, ``rejected``), not rewards."""
+
+_NOT_YET = ("hybrid_ppo",)
 
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -74,6 +77,7 @@ class RLTrainer:
         learning_rate: float = 1e-6,
         kl_coef: float = 0.001,
         clip_range: float = 0.2,
+        beta: float = 0.1,
         max_prompt_length: int = 512,
         max_response_length: int = 256,
         temperature: float = 1.0,
@@ -86,7 +90,8 @@ class RLTrainer:
         Args:
             actor_model: the policy's Hugging Face checkpoint directory (Llama, Qwen2, Mistral
                 families), trained through Megatron-core.
-            algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free).
+            algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),
+                or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop).
             use_vllm: rollout with vLLM (``True``) or the transformers ``generate`` engine.
             rollout_batch_size: prompts per step (``data.train_batch_size``).
             n_samples: responses per prompt (``actor_rollout_ref.rollout.n``).
@@ -96,6 +101,7 @@ class RLTrainer:
             learning_rate: the actor's (and critic's) learning rate.
             kl_coef: KL-to-reference loss coefficient (0: no reference model, no KL loss).
             clip_range: PPO's policy-ratio clip.
+            beta: DPO's beta (``algorithm="dpo"``: the strength of the implicit KL to the reference).
             max_prompt_length: prompt tokens kept (``data.max_prompt_length``).
             max_response_length: new tokens per response (``data.max_response_length``).
             temperature: rollout sampling temperature.
@@ -106,19 +112,24 @@ class RLTrainer:
         """
         self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._init_args.update(actor_model=os.fspath(actor_model), overrides=list(overrides))
-        if algorithm not in ALGORITHMS:
+        choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS])
+        if algorithm not in choices:
             if algorithm in _NOT_YET:
-                raise ValueError(
-                    f"algorithm={algorithm!r} is not available in verl.RLTrainer yet; choose one of "
-                    f"{sorted(ALGORITHMS)}"
-                )
-            raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+                raise ValueError(f"algorithm={algorithm!r} is not available in verl.RLTrainer yet; choose one of {choices}")
+            raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
+        if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
+            raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
         self.actor_model = os.fspath(actor_model)
         self.algorithm = algorithm
+        self.beta = float(beta)
         mini = rollout_batch_size if train_batch_size is None else train_batch_size
         a = "actor_rollout_ref"
         self._settings = [
-            f"algorithm.adv_estimator={ALGORITHMS[algorithm]}",
+            *(
+                ["data.pairs=true", "data.val_files=null"]
+                if algorithm in PREFERENCE_ALGORITHMS
+                else [f"algorithm.adv_estimator={ALGORITHMS[algorithm]}"]
+            ),
             f"{a}.rollout.name={'vllm' if use_vllm else 'hf'}",
             f"data.train_batch_size={rollout_batch_size}",
             f"{a}.rollout.n={n_samples}",
@@ -309,7 +320,7 @@ class RLTrainer:
             with trainer:
                 if monitor is not None:
                     monitor.attach(trainer)
-                metrics: dict[str, Any] = dict(trainer.fit())
+                metrics: dict[str, Any] = dict(trainer.fit(step_fn=self._step_fn(trainer)))
                 step = trainer.global_step
                 self.last_checkpoint = trainer.last_checkpoint
         finally:
@@ -324,6 +335,8 @@ class RLTrainer:
             metrics["reward_delta"] = rewards[-1] - rewards[0]
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
+        elif "dpo/loss" in metrics:
+            metrics["loss"] = metrics["dpo/loss"]
         kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
         if kl_key in metrics:
             metrics["final_kl"] = metrics[kl_key]
@@ -333,6 +346,15 @@ class RLTrainer:
         metrics["checkpoint"] = self.last_checkpoint
         return metrics
 
+    def _step_fn(self, trainer: Any) -> Any:
+        """The loop's step: the trainer's own (None), or for DPO a stream of the pairs and the update."""
+        if self.algorithm not in PREFERENCE_ALGORITHMS:
+            return None
+        from verl.operator import DataStream, DPOUpdateOperator, PreferenceOperator
+
+        stream = DataStream(trainer=trainer).add_operator(PreferenceOperator())
+        return stream.add_operator(DPOUpdateOperator(beta=self.beta)).run_operators
+
     def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
         """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``
         result checked against the algorithm and written to ``output_dir/data/<split>.parquet``."""
@@ -340,6 +362,14 @@ class RLTrainer:
         from verl.trainer.ppo_checks import preference_pairs_problem
 
         if isinstance(data, RecordData):
+            if self.algorithm in PREFERENCE_ALGORITHMS:
+                if data.kind != "preferences":
+                    raise ValueError(
+                        f"algorithm={self.algorithm!r} trains on preference pairs (prompt, chosen, rejected), but "
+                        f"the dataset {data.label} holds prompts ({data.columns}); give pairs, or choose a "
+                        "reward-based algorithm (grpo, ppo, ...)"
+                    )
+                return data.write_parquet(os.path.join(output_dir, "data", f"{split}.parquet"))
             problem = preference_pairs_problem(
                 f"the dataset {data.label}", data.columns, "data_source", f"algorithm={self.algorithm!r}"
             )

@@ -106,7 +106,7 @@ def _preference_problems(cfg: PPOConfig) -> list[str]:
 def _algorithm_problems(cfg: PPOConfig) -> list[str]:
     problems = []
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
-    if needs_values(algo.adv_estimator) and not cfg.use_critic:
+    if needs_values(algo.adv_estimator) and not cfg.use_critic and not cfg.data.pairs:  # DPO uses no estimator
         problems.append(
             f"algorithm.adv_estimator={algo.adv_estimator} reads critic values, but critic.enable=false; "
             "enable the critic (critic.enable=true, or leave it null) or choose an estimator without one "

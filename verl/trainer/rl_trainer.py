@@ -313,7 +313,7 @@ class RLTrainer:
             logging.INFO,
             "RL trainer: %s on %s; training %s (%d prompts, %d steps per epoch of %d x n=%d, %d steps); "
             "%s; %s",
-            cfg.algorithm.adv_estimator,
+            "dpo (preference pairs, data.pairs)" if cfg.data.pairs else cfg.algorithm.adv_estimator,
             os.path.abspath(model_path),
             show_files(cfg.data.train_files),
             len(self.train_dataset),
