@@ -23,6 +23,7 @@ _LAZY = {
     "PPOUpdateOperator": "verl.operator",
     "PreferenceOperator": "verl.operator",
     "DPOUpdateOperator": "verl.operator",
+    "ConditionalUpdateOperator": "verl.operator",
     "RLTrainer": "verl.trainer.api",
 }
 

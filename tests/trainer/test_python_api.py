@@ -12,7 +12,9 @@ import os
 import pytest
 
 from verl.operator import (
+    ConditionalUpdateOperator,
     DataStream,
+    DPOUpdateOperator,
     FilterOperator,
     GroupFilterOperator,
     MultiRewardScorer,
@@ -216,6 +218,69 @@ def test_group_filter_drops_groups_whose_rewards_are_all_equal(trainer):
     assert m["filter/kept_groups"] == len(spread) and m["filter/dropped_groups"] == len(groups) - len(spread)
     assert set(stream.last_batch.non_tensors["uid"]) == spread
     assert len(stream.last_batch) == 4 * len(spread)
+
+
+@pytest.mark.slow
+def test_conditional_update_routes_each_sample_and_both_branches_train(trainer, monkeypatch):
+    import torch
+
+    def params():
+        return torch.cat([p.detach().flatten().clone() for p in trainer.actor.engine.chunks[0].parameters()])
+
+    calls = []
+
+    def recorded(name, fn):
+        def call(batch, *args, **kwargs):
+            before = params()
+            out = fn(batch, *args, **kwargs)
+            calls.append((name, list(batch.non_tensors["uid"]), batch["responses"].clone(), before, params()))
+            return out
+
+        return call
+
+    monkeypatch.setattr(trainer, "update_step", recorded("ppo", trainer.update_step))
+    monkeypatch.setattr(trainer, "update_preference", recorded("dpo", trainer.update_preference))
+    even_prompt = lambda s: int(s["uid"].split("/")[-1]) % 2 == 0  # noqa: E731 (uid: step/draw/prompt)
+    cond = ConditionalUpdateOperator(
+        condition=even_prompt, true_branch=PPOUpdateOperator(), false_branch=DPOUpdateOperator(beta=0.1)
+    )
+    seen = []
+
+    class Record:
+        inputs, outputs = ("token_level_scores",), ()
+
+        def process(self, batch):
+            seen.append(batch)
+            return batch
+
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    stream.add_operator(Record()).add_operator(cond)
+    start = trainer.global_step
+    m = stream.step()
+    assert trainer.global_step == start + 1  # one step, two updates
+    batch = seen[0]
+    uids = list(batch.non_tensors["uid"])
+    reward = batch["token_level_scores"].sum(-1).tolist()
+    true_rows = [i for i, u in enumerate(uids) if int(u.split("/")[-1]) % 2 == 0]
+    false_rows = [i for i in range(len(uids)) if i not in true_rows]
+    assert cond.last_routes["true"] == true_rows and cond.last_routes["false"] == false_rows
+    expected_pairs = []
+    for uid in dict.fromkeys(uids[i] for i in false_rows):
+        rows = [i for i in false_rows if uids[i] == uid]
+        best = max(rows, key=lambda i: (reward[i], -i))
+        worst = min(rows, key=lambda i: (reward[i], i))
+        if reward[best] > reward[worst]:
+            expected_pairs.append((best, worst))
+    assert cond.last_routes["pairs"] == expected_pairs and expected_pairs, "the seed's odd groups should give pairs"
+    (ppo_name, ppo_uids, ppo_resp, b0, a0), (dpo_name, dpo_uids, dpo_resp, b1, a1) = calls
+    assert ppo_name == "ppo" and ppo_uids == [uids[i] for i in true_rows]
+    assert torch.equal(ppo_resp, batch["responses"][true_rows])
+    rows = [i for pair in expected_pairs for i in pair]
+    assert dpo_name == "dpo" and torch.equal(dpo_resp, batch["responses"][rows])
+    assert (a0 != b0).any() and (a1 != b1).any()  # both branches changed the actor's weights
+    assert torch.equal(b1, a0)  # the DPO update starts from the PPO update's weights
+    assert m["conditional/dpo_pairs"] == len(expected_pairs) and math.isfinite(m["dpo/loss"])
+    assert m["dpo/actor/grad_norm"] > 0 and m["actor/grad_norm"] > 0
 
 
 def test_missing_input_fails_at_build_naming_the_field():

@@ -6,6 +6,7 @@ runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit``
 
 from verl.operator.base import Operator
 from verl.operator.ops import (
+    ConditionalUpdateOperator,
     DPOUpdateOperator,
     FilterOperator,
     GroupFilterOperator,
@@ -20,6 +21,7 @@ from verl.operator.ops import (
 from verl.operator.stream import DataStream, build_config, build_trainer
 
 __all__ = [
+    "ConditionalUpdateOperator",
     "DPOUpdateOperator",
     "DataStream",
     "FilterOperator",

@@ -10,6 +10,7 @@
 | :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``RLTrainer.filter_metric`` | nothing: drops groups |
 | :class:`PreferenceOperator` | ``preference_batch`` (``data.pairs``) | ``responses``, ``response_mask``, ``pair_side``, ... |
 | :class:`DPOUpdateOperator` | ``update_preference``: reference log-probs, ``Actor.update_preference`` | ``ref_log_prob`` |
+| :class:`ConditionalUpdateOperator` | ``update_step`` on the samples a predicate picks, ``update_preference`` on best-vs-worst pairs of the others | ``advantages``, ... |
 | :class:`PPOUpdateOperator` | ``update_step``: old/ref log-probs, values, advantages, critic and actor updates | ``advantages``, ... |
 """
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from verl.trainer.rl_trainer import RLTrainer
 
 __all__ = [
+    "ConditionalUpdateOperator",
     "DPOUpdateOperator",
     "FilterOperator",
     "PreferenceOperator",
@@ -525,3 +527,113 @@ class DPOUpdateOperator(Operator):
             batch, beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing
         )
         return batch, metrics
+
+
+class ConditionalUpdateOperator(Operator):
+    """Routes each sample by ``condition(sample)`` (``sample``: :func:`sample_view`, with ``reward``):
+    the samples it holds true for go to ``true_branch``, the others to ``false_branch``, one of
+    them a :class:`PPOUpdateOperator` and the other a :class:`DPOUpdateOperator` (the hybrid PPO/DPO
+    step). Both update the actor in the same step (the PPO update first; the step is counted once).
+
+    The DPO branch gets pairs from its samples: within each prompt group (``uid``), the sample of
+    highest reward is chosen and the one of lowest rejected (ties: the earlier sample); a group with
+    fewer than two such samples or all rewards equal gives no pair. The PPO branch trains on its
+    samples as :class:`FilterOperator` leaves them (a GRPO group keeps the members routed to it).
+    DPO needs the reference policy: give the PPO branch a KL loss (``kl_coef > 0``).
+
+    Logs the PPO branch's metrics as they are, the DPO branch's under ``dpo/`` (``dpo/loss``,
+    ``dpo/actor/grad_norm``, ``timing_s/dpo_*``), and ``conditional/true_samples``,
+    ``conditional/false_samples``, ``conditional/dpo_pairs``. :attr:`last_routes` holds the last
+    step's row indices: ``true``, ``false`` and ``pairs`` ((chosen, rejected) tuples).
+    """
+
+    inputs = ("responses", "response_mask", "uid", "token_level_scores")
+    outputs = PPOUpdateOperator.outputs
+
+    def __init__(self, *, condition: Callable[[dict[str, Any]], bool], true_branch: Operator, false_branch: Operator) -> None:
+        super().__init__()
+        if not callable(condition):
+            raise TypeError(f"ConditionalUpdateOperator(condition=...) takes a function of a sample, got {type(condition).__name__}")
+        branches = (true_branch, false_branch)
+        kinds = sorted(type(b).__name__ for b in branches)
+        if kinds != ["DPOUpdateOperator", "PPOUpdateOperator"]:
+            raise ValueError(
+                "ConditionalUpdateOperator takes one PPOUpdateOperator and one DPOUpdateOperator as its "
+                f"branches, got {[type(b).__name__ for b in branches]}"
+            )
+        self.condition, self.true_branch, self.false_branch = condition, true_branch, false_branch
+        self.last_routes: dict[str, list[Any]] = {}
+
+    def config_overrides(self) -> dict[str, Any]:
+        # The stream's data are prompts to sample (not pairs); the PPO branch's settings apply.
+        out: dict[str, Any] = {}
+        for branch in (self.true_branch, self.false_branch):
+            out.update({k: v for k, v in branch.config_overrides().items() if k != "data.pairs"})
+        return out
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        super().bind(trainer)
+        self.true_branch.bind(trainer)
+        self.false_branch.bind(trainer)
+
+    @staticmethod
+    def best_vs_worst(uids: Sequence[Any], reward: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, int]]:
+        """(chosen, rejected) row pairs: per ``uid`` among ``rows``, the highest vs the lowest reward."""
+        groups: dict[Any, list[int]] = {}
+        for i in rows:
+            groups.setdefault(uids[i], []).append(i)
+        pairs = []
+        for members in groups.values():
+            best = max(members, key=lambda i: (float(reward[i]), -i))
+            worst = min(members, key=lambda i: (float(reward[i]), i))
+            if float(reward[best]) > float(reward[worst]):
+                pairs.append((best, worst))
+        return pairs
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        reward = batch["token_level_scores"].sum(-1)  # [B]
+        picked = [bool(self.condition(sample_view(batch, i, reward))) for i in range(len(batch))]
+        ppo, dpo = (self.true_branch, self.false_branch)
+        true_rows = [i for i, p in enumerate(picked) if p]
+        false_rows = [i for i, p in enumerate(picked) if not p]
+        ppo_rows, dpo_rows = (true_rows, false_rows) if isinstance(ppo, PPOUpdateOperator) else (false_rows, true_rows)
+        if not isinstance(ppo, PPOUpdateOperator):
+            ppo, dpo = dpo, ppo
+        pairs = self.best_vs_worst(list(batch.non_tensors["uid"]), reward, dpo_rows)
+        self.last_routes = {"true": true_rows, "false": false_rows, "pairs": pairs}
+        if not ppo_rows and not pairs:
+            raise ValueError(
+                f"ConditionalUpdateOperator: no sample went to the PPO branch and the DPO branch's "
+                f"{len(dpo_rows)} samples make no pair (each needs a group with a reward spread); loosen the condition"
+            )
+        metrics: dict[str, float] = {
+            "conditional/true_samples": float(len(true_rows)),
+            "conditional/false_samples": float(len(false_rows)),
+            "conditional/dpo_pairs": float(len(pairs)),
+        }
+        out = batch
+        if ppo_rows:
+            out = batch if len(ppo_rows) == len(batch) else batch[ppo_rows]
+            out, more = ppo.process(out)
+            metrics.update(more)
+        if pairs:
+            rows = [i for pair in pairs for i in pair]
+            pair_batch = batch[rows].select(["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "uid"])
+            pair_batch["pair_side"] = torch.arange(2).repeat(len(pairs))
+            more = self.trainer.update_preference(
+                pair_batch,
+                beta=dpo.beta,
+                loss_type=dpo.loss_type,
+                label_smoothing=dpo.label_smoothing,
+                advance_step=not ppo_rows,
+            )
+            for key, value in more.items():
+                if key.startswith("dpo/"):
+                    metrics[key] = value
+                elif key.startswith("timing_s/"):
+                    metrics[f"timing_s/dpo_{key.removeprefix('timing_s/')}"] = value
+                elif key.startswith("actor/"):
+                    metrics[f"dpo/{key}"] = value
+                elif not ppo_rows:
+                    metrics[key] = value
+        return out, metrics

@@ -425,13 +425,26 @@ class RLTrainer:
         return batch
 
     def update_preference(
-        self, batch: Batch, *, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0
+        self,
+        batch: Batch,
+        *,
+        beta: float,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        advance_step: bool = True,
     ) -> dict[str, float]:
         """DPO's step on :meth:`preference_batch`'s pairs: the reference's log-probs, then
-        ``Actor.update_preference``; advances :attr:`global_step` and returns the step's metrics."""
+        ``Actor.update_preference``; advances :attr:`global_step` (unless ``advance_step=False``: a
+        second update within a step that already advanced it) and returns the step's metrics."""
+        if self.reference is None:
+            raise ValueError(
+                "DPO needs the frozen reference policy, which this trainer does not build: train on "
+                "data.pairs=true, or turn on actor_rollout_ref.actor.use_kl_loss (e.g. PPOUpdateOperator(kl_coef=0.001))"
+            )
         timer = _Timer(self._enter)
         start = time.perf_counter()
-        self.global_step += 1
+        if advance_step:
+            self.global_step += 1
         with timer("ref"):
             batch["ref_log_prob"] = self.reference.compute_log_prob(batch, temperature=1.0)
         with timer("update_actor"):
