@@ -118,6 +118,29 @@ def test_preference_files_fail_the_trainer_checks_pointing_to_dpo(tiny_model_dir
         check_ppo_inputs(cfg)
 
 
+@pytest.mark.slow
+def test_hybrid_ppo_runs_both_halves_in_the_trainer_loop(tiny_model_dir, arithmetic_files, tmp_path, restore_env):
+    import verl
+
+    reward = tmp_path / "length_reward.py"  # a spread of rewards on any response, so DPO gets pairs
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3) / 2.0\n"
+    )
+    trainer = verl.RLTrainer(
+        tiny_model_dir, algorithm="hybrid_ppo", hybrid_condition=lambda s: int(s["uid"].split("/")[-1]) % 2 == 0,
+        use_vllm=False, rollout_batch_size=4, n_samples=4, micro_batch_size=16, learning_rate=1e-4,
+        max_prompt_length=24, max_response_length=8, device="cpu",
+        overrides=[f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score"],
+    )
+    m = trainer.fit(dataset=arithmetic_files["train"], max_steps=1, output_dir=str(tmp_path / "out"), save_hf=False)
+    assert m["global_step"] == 1 and trainer.last_config.algorithm.adv_estimator == "grpo"
+    # Prompts 0 and 2 (4 samples each) trained with GRPO, prompts 1 and 3 gave DPO pairs.
+    assert m["conditional/true_samples"] == 8 and m["conditional/false_samples"] == 8
+    assert 1 <= m["conditional/dpo_pairs"] <= 2
+    assert m["actor/grad_norm"] > 0 and m["dpo/actor/grad_norm"] > 0 and math.isfinite(m["dpo/loss"])
+
+
 def test_ppo_maps_to_gae_with_a_critic(tiny_model_dir, arithmetic_files, tmp_path):
     import verl
 
@@ -132,8 +155,10 @@ def test_unknown_algorithm_names_the_choices():
 
     with pytest.raises(ValueError, match=r"unknown algorithm='sac'; choose one of \[.*'grpo'.*'ppo'.*'rloo'"):
         verl.RLTrainer("model", algorithm="sac")
-    with pytest.raises(ValueError, match="'hybrid_ppo' is not available in verl.RLTrainer yet"):
+    with pytest.raises(ValueError, match=r"'hybrid_ppo' routes each sample by hybrid_condition\(sample\).*pass hybrid_condition="):
         verl.RLTrainer("model", algorithm="hybrid_ppo")
+    with pytest.raises(ValueError, match="its DPO half needs the reference policy; give kl_coef > 0"):
+        verl.RLTrainer("model", algorithm="hybrid_ppo", hybrid_condition=bool, kl_coef=0)
     with pytest.raises(ValueError, match="DPO's beta must be a positive number"):
         verl.RLTrainer("model", algorithm="dpo", beta=0)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ ALGORITHMS: dict[str, str] = {
 PREFERENCE_ALGORITHMS = ("dpo",)
 """``algorithm=`` names that train on preference pairs (``prompt``, ``chosen``, ``rejected``), not rewards."""
 
-_NOT_YET = ("hybrid_ppo",)
+HYBRID_ALGORITHMS = ("hybrid_ppo",)
+"""``algorithm=`` names whose step routes each sample to PPO (GRPO) or DPO (``ConditionalUpdateOperator``)."""
 
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -78,6 +79,7 @@ class RLTrainer:
         kl_coef: float = 0.001,
         clip_range: float = 0.2,
         beta: float = 0.1,
+        hybrid_condition: Callable[[dict[str, Any]], bool] | None = None,
         max_prompt_length: int = 512,
         max_response_length: int = 256,
         temperature: float = 1.0,
@@ -91,7 +93,8 @@ class RLTrainer:
             actor_model: the policy's Hugging Face checkpoint directory (Llama, Qwen2, Mistral
                 families), trained through Megatron-core.
             algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),
-                or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop).
+                or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop),
+                or ``"hybrid_ppo"``: GRPO and DPO in one step, by ``hybrid_condition``.
             use_vllm: rollout with vLLM (``True``) or the transformers ``generate`` engine.
             rollout_batch_size: prompts per step (``data.train_batch_size``).
             n_samples: responses per prompt (``actor_rollout_ref.rollout.n``).
@@ -101,7 +104,11 @@ class RLTrainer:
             learning_rate: the actor's (and critic's) learning rate.
             kl_coef: KL-to-reference loss coefficient (0: no reference model, no KL loss).
             clip_range: PPO's policy-ratio clip.
-            beta: DPO's beta (``algorithm="dpo"``: the strength of the implicit KL to the reference).
+            beta: DPO's beta (``algorithm="dpo"`` and the DPO half of ``"hybrid_ppo"``).
+            hybrid_condition: ``algorithm="hybrid_ppo"``: ``f(sample) -> bool`` (a sample as
+                ``FilterOperator``'s predicate sees it, with ``reward``); true: the sample trains with
+                GRPO, false: its group's best and worst such samples make a DPO pair
+                (``verl.ConditionalUpdateOperator``). Not saved for :meth:`from_checkpoint`: pass it again.
             max_prompt_length: prompt tokens kept (``data.max_prompt_length``).
             max_response_length: new tokens per response (``data.max_response_length``).
             temperature: rollout sampling temperature.
@@ -110,25 +117,35 @@ class RLTrainer:
             config: the YAML config started from (a name under configs/ or a path).
             overrides: ``key=value`` settings applied last (any ``python -m verl.config --help`` key).
         """
-        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "hybrid_condition")}
         self._init_args.update(actor_model=os.fspath(actor_model), overrides=list(overrides))
-        choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS])
+        choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS])
         if algorithm not in choices:
-            if algorithm in _NOT_YET:
-                raise ValueError(f"algorithm={algorithm!r} is not available in verl.RLTrainer yet; choose one of {choices}")
             raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
+        if algorithm in HYBRID_ALGORITHMS:
+            if not callable(hybrid_condition):
+                raise ValueError(
+                    f"algorithm={algorithm!r} routes each sample by hybrid_condition(sample) (true: the PPO/GRPO "
+                    "update, false: DPO on the best-vs-worst pair of its group); pass hybrid_condition=, e.g. "
+                    "lambda s: s['reward'] > 0"
+                )
+            if not kl_coef > 0:
+                raise ValueError(f"algorithm={algorithm!r}: its DPO half needs the reference policy; give kl_coef > 0")
+        elif hybrid_condition is not None:
+            raise ValueError(f"hybrid_condition= is for algorithm='hybrid_ppo', not {algorithm!r}")
         if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
             raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
         self.actor_model = os.fspath(actor_model)
         self.algorithm = algorithm
         self.beta = float(beta)
+        self.hybrid_condition = hybrid_condition
         mini = rollout_batch_size if train_batch_size is None else train_batch_size
         a = "actor_rollout_ref"
         self._settings = [
             *(
                 ["data.pairs=true", "data.val_files=null"]
                 if algorithm in PREFERENCE_ALGORITHMS
-                else [f"algorithm.adv_estimator={ALGORITHMS[algorithm]}"]
+                else [f"algorithm.adv_estimator={ALGORITHMS.get(algorithm, 'grpo')}"]
             ),
             f"{a}.rollout.name={'vllm' if use_vllm else 'hf'}",
             f"data.train_batch_size={rollout_batch_size}",
@@ -161,7 +178,7 @@ class RLTrainer:
         self._fit_defaults: dict[str, Any] = {}
 
     @classmethod
-    def from_checkpoint(cls, path: str) -> "RLTrainer":
+    def from_checkpoint(cls, path: str, *, hybrid_condition: Callable[[dict[str, Any]], bool] | None = None) -> "RLTrainer":
         """The trainer whose :meth:`fit` wrote checkpoint ``path``, with its arguments (read from
         ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)`` then continues
         at step N+1 with the same data and ``max_steps`` unless given again.
@@ -195,7 +212,7 @@ class RLTrainer:
                 f"RLTrainer.from_checkpoint: cannot read {run_file} ({exc}); it is written by verl.RLTrainer.fit "
                 "beside its checkpoints. For a main_ppo run, resume with trainer.resume_mode=resume_path"
             ) from None
-        trainer = cls(**saved["init"])
+        trainer = cls(**saved["init"], hybrid_condition=hybrid_condition)
         trainer._resume_path = path
         trainer._fit_defaults = dict(saved["fit"])
         return trainer
@@ -328,7 +345,7 @@ class RLTrainer:
                 from verl.parallel.bootstrap import destroy_distributed
 
                 destroy_distributed()
-        if "critic/score/mean" in metrics:
+        if "critic/score/mean" in metrics and "reward_mean" not in metrics:  # a stream's is of all its samples
             metrics["reward_mean"] = metrics["critic/score/mean"]
         _, rewards = report.load_run(cfg.trainer.log_dir).series("critic/score/mean")
         if rewards:
@@ -348,12 +365,28 @@ class RLTrainer:
 
     def _step_fn(self, trainer: Any) -> Any:
         """The loop's step: the trainer's own (None), or for DPO a stream of the pairs and the update."""
-        if self.algorithm not in PREFERENCE_ALGORITHMS:
-            return None
-        from verl.operator import DataStream, DPOUpdateOperator, PreferenceOperator
+        from verl.operator import (
+            ConditionalUpdateOperator,
+            DataStream,
+            DPOUpdateOperator,
+            PPOUpdateOperator,
+            PreferenceOperator,
+            RewardOperator,
+            RolloutOperator,
+        )
 
-        stream = DataStream(trainer=trainer).add_operator(PreferenceOperator())
-        return stream.add_operator(DPOUpdateOperator(beta=self.beta)).run_operators
+        if self.algorithm in PREFERENCE_ALGORITHMS:
+            stream = DataStream(trainer=trainer).add_operator(PreferenceOperator())
+            return stream.add_operator(DPOUpdateOperator(beta=self.beta)).run_operators
+        if self.algorithm in HYBRID_ALGORITHMS:
+            hybrid = ConditionalUpdateOperator(
+                condition=self.hybrid_condition,
+                true_branch=PPOUpdateOperator(),
+                false_branch=DPOUpdateOperator(beta=self.beta),
+            )
+            stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
+            return stream.add_operator(hybrid).run_operators
+        return None
 
     def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
         """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``
