@@ -74,7 +74,13 @@ EXTRAS = {
     # tools/bench.py compare-trl: TRL's GRPOTrainer beside ours (1.16.0 adds only trl and accelerate
     # to the cpu extra's environment; other versions are unmeasured).
     "bench": ["trl==1.16.0", "accelerate==1.15.0"],
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
+    # verl.serving: the OpenAI-compatible app and the human-review page (pydantic comes with fastapi).
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+    # tests/serving: the serve extra, httpx (FastAPI's test client) and the openai client against the server.
+    "test": [
+        "pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright",
+        "fastapi>=0.110", "uvicorn>=0.29", "httpx", "openai",
+    ],
     # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
     # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the
     # tracking part of the full `mlflow` package without its UI and model-serving dependencies

@@ -900,6 +900,19 @@ def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
+_VERL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# Our training dtype under --verl-dtype auto: bf16 (fp32 master weights) from this hidden size up.
+# Measured on the 2-core development CPU (avx512_bf16): bf16 steps were slower than fp32 at hidden
+# 64 (per-op overhead) and about 3x faster at hidden 512 (ENVIRONMENT.md, docs/benchmarks.md).
+_BF16_FROM_HIDDEN = 512
+
+
+def _verl_train_dtype(choice: str, hidden_size: int) -> str:
+    if choice != "auto":
+        return choice
+    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN else "fp32"
+
+
 def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
     import tempfile
@@ -921,6 +934,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         sequences = args.prompts * args.n
         with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
             hf = json.load(f)
+        train_dtype = _verl_train_dtype(args.verl_dtype, hf["hidden_size"])
         # A KV cache that holds the whole step's batch at once (float32 keys and values, twice over for
         # the engine's blocks and padding), so our engine is not throttled by the small config default.
         kv_bytes = (sequences * (64 + args.response_length)  # 64: grpo_tiny_cpu's data.max_prompt_length
@@ -939,6 +953,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
             f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
             "actor_rollout_ref.actor.optim.lr_decay_style=constant",
             f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
+            f"actor_rollout_ref.actor.megatron.dtype={_VERL_DTYPES[train_dtype]}",
             *args.overrides,
         ]
         cfg = _rl_config("grpo_tiny_cpu", overrides, root, 1)
@@ -984,7 +999,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         "model_parameters": sum(p.numel() for p in trl_trainer.model.parameters()),
         "prompts_per_step": args.prompts, "n": args.n, "response_length": args.response_length, "lr": args.lr,
         "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-        "ours": {"engine": args.engine, "train_dtype": "float32", "rollout_dtype": "float32", **mine},
+        "ours": {"engine": args.engine, "train_dtype": _VERL_DTYPES[train_dtype], "rollout_dtype": "float32", **mine},
         "trl": {"version": trl.__version__, "transformers": transformers.__version__,
                 "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
                 "use_vllm": bool(trl_config.use_vllm), "loss_type": trl_config.loss_type, "beta": trl_config.beta,
@@ -1023,6 +1038,9 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--steps", type=positive_int, default=5, help="measured rounds (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="rounds run first, not measured (default %(default)s)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads, both sides (default %(default)s)")
+    p.add_argument("--verl-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
+                        f"{_BF16_FROM_HIDDEN} up, where it is faster on CPU, else fp32 (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
     p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",

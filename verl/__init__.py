@@ -24,6 +24,7 @@ _LAZY = {
     "PreferenceOperator": "verl.operator",
     "DPOUpdateOperator": "verl.operator",
     "ConditionalUpdateOperator": "verl.operator",
+    "HumanReviewOperator": "verl.operator",
     "RLTrainer": "verl.trainer.api",
     "VerlMonitor": "verl.monitor",
 }

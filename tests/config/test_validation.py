@@ -86,11 +86,28 @@ def test_launched_world_size_is_checked_against_the_layout_and_the_trainer_shape
         (["reward_model.enable=true"], r"reward_model\.enable=true needs reward_model\.model\.path"),
         (["algorithm.filter_groups.enable=true"], r"filter_groups\.enable=true needs algorithm\.filter_groups\.metric"),
         (["trainer.resume_mode=resume_path"], r"resume_mode=resume_path needs trainer\.resume_from_path"),
+        (["actor_rollout_ref.actor.old_log_prob=current"],
+         r"old_log_prob=current needs each batch to be one optimizer step \(ppo_epochs=1, ppo_mini_batch_size=256 "
+         r"of data\.train_batch_size=1024\)"),
+        (["actor_rollout_ref.actor.old_log_prob=current", "actor_rollout_ref.actor.ppo_mini_batch_size=1024",
+          "algorithm.use_kl_in_reward=true"],
+         r"old_log_prob=current leaves no old log-probabilities before the update, and algorithm\.use_kl_in_reward"),
+        (["actor_rollout_ref.actor.old_log_prob=rollout", "actor_rollout_ref.rollout.top_p=0.9"],
+         r"old_log_prob=rollout takes the engine's log-probabilities, which with top_p=0\.9"),
     ],
 )
 def test_batch_and_layout_rules(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _load(*overrides)
+
+
+def test_auto_old_log_prob_skips_the_pass_only_where_it_gives_the_same_numbers():
+    one_step = ["actor_rollout_ref.actor.ppo_mini_batch_size=1024"]
+    assert _load(*one_step).old_log_prob_source == "current"
+    assert _load().old_log_prob_source == "recompute"  # 4 mini-batches per batch
+    assert _load(*one_step, "actor_rollout_ref.actor.ppo_epochs=2").old_log_prob_source == "recompute"
+    assert _load(*one_step, "algorithm.use_kl_in_reward=true").old_log_prob_source == "recompute"
+    assert _load("actor_rollout_ref.actor.old_log_prob=rollout").old_log_prob_source == "rollout"
 
 
 def test_role_checks_only_for_roles_in_use():

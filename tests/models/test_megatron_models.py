@@ -245,3 +245,73 @@ def test_interleaved_pipeline_matches_transformers(tmp_path):
     expected, _ = reference_logprobs_entropy(hf_outputs(model_dir, batch), batch["input_ids"], batch["attention_mask"])
     for _, logprobs in results:
         torch.testing.assert_close(logprobs, expected, rtol=0, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# no compute on padding: micro-batches run at their longest real row
+
+
+def _wide_batch(seed: int = 3) -> dict[str, torch.Tensor]:
+    """4 rows in a width of 40 with real lengths 7..13 (rollout-style left and right padding):
+    micro-batches of 2 trim to 16 columns (lengths rounded up to 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 1001, (4, 40), generator=gen)
+    mask = torch.zeros(4, 40, dtype=torch.long)
+    for row, (left, length) in enumerate([(20, 13), (25, 7), (10, 12), (27, 9)]):
+        mask[row, left : left + length] = 1
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def _trim_body(model_dir, tp, sp, batch):
+    import torch.distributed
+
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.checkpoint import load_hf_weights
+    from verl.models.forward import LossShare, _micro_batches, forward_backward
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(sequence_parallel=sp), pg)
+    load_hf_weights(chunks, model_dir, pg=pg)
+    out = {"widths": [mb.input_ids.shape[1] for mb in _micro_batches(batch, 2, 40, 8)[0]]}
+    for trim in (True, False):
+        fwd = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs", trim_padding=trim)
+        for p in chunks[0].parameters():
+            p.grad = None
+        mask = batch["attention_mask"].float()
+
+        def loss_fn(outputs, micro):
+            m = micro["attention_mask"].float()
+            return LossShare(-(outputs["logprobs"] * m).sum() / mask.sum())
+
+        forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs", loss_fn=loss_fn, trim_padding=trim)
+        grads = {}
+        for n, p in chunks[0].named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.detach().clone()
+            if getattr(p, "sequence_parallel", False) and tp > 1:
+                # each rank holds its sequence shard's part (finalize_model_grads sums them over TP);
+                # trimmed and full widths cut the sequence differently, their sums agree
+                torch.distributed.all_reduce(g, group=pg.tp)
+            grads[n] = g
+        out[trim] = {"logprobs": fwd.outputs["logprobs"], "entropy": fwd.outputs["entropy"], "grads": grads}
+    return out
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
+def test_trimmed_micro_batches_equal_the_full_width(models, tp, sp):
+    batch = _wide_batch()
+    model_dir = models["qwen2_untied"]
+    results = run_distributed(_trim_body, tp, model_dir, tp, sp, batch)
+    expected_lp, expected_ent = reference_logprobs_entropy(hf_outputs(model_dir, batch), batch["input_ids"], batch["attention_mask"])
+    for r in results:
+        assert r["widths"] == [16, 16], r["widths"]  # trimmed from 40
+        trimmed, full = r[True], r[False]
+        torch.testing.assert_close(trimmed["logprobs"], expected_lp, rtol=0, atol=ATOL)
+        torch.testing.assert_close(trimmed["entropy"], expected_ent, rtol=0, atol=ATOL)
+        torch.testing.assert_close(trimmed["logprobs"], full["logprobs"], rtol=0, atol=1e-6)
+        assert trimmed["grads"].keys() == full["grads"].keys() and trimmed["grads"]
+        for name, g in full["grads"].items():
+            torch.testing.assert_close(trimmed["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

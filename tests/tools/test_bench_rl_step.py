@@ -42,8 +42,9 @@ def test_rl_step_phases_add_up(tmp_path):
     result = json.loads(lines[0])
     assert result["bench"] == "rl-step" and result["world_size"] == 1 and result["rollout"] == "hf"
     assert len(result["steps"]) == 2
-    # The phases the GRPO step without a KL loss runs, and no others.
-    assert set(result["phases"]) == {"gen", "update_weights", "reward", "old_log_prob", "adv", "update_actor"}
+    # The phases the GRPO step without a KL loss runs, and no others: one optimizer step per
+    # batch, so no old-log-prob pass either (actor.old_log_prob=auto)
+    assert set(result["phases"]) == {"gen", "update_weights", "reward", "adv", "update_actor"}
     for step in result["steps"]:
         accounted = sum(p["seconds"] for p in step["phases"].values())
         assert all(p["seconds"] >= 0 for p in step["phases"].values()), step
@@ -55,7 +56,7 @@ def test_rl_step_phases_add_up(tmp_path):
     assert abs(result["unaccounted_share"]) <= 0.05
     shares = sum(p["share"] for p in result["phases"].values()) + result["unaccounted_share"]
     assert shares == pytest.approx(1.0)
-    for name in ("gen", "old_log_prob", "update_actor"):
+    for name in ("gen", "update_actor"):
         phase = result["phases"][name]
         assert phase["tokens_per_s"] > 0, name
         assert phase["peak_memory_bytes"] > 50 * 2**20, name  # the process holds torch and two models

@@ -77,7 +77,6 @@ COMMON_KEYS = [
     "actor/lr",
     "timing_s/gen",
     "timing_s/reward",
-    "timing_s/old_log_prob",
     "timing_s/ref",
     "timing_s/adv",
     "timing_s/update_actor",
@@ -102,6 +101,9 @@ CRITIC_KEYS = [
     "critic/grad_norm",
     "timing_s/values",
     "timing_s/update_critic",
+    # PPO's in-reward KL reads the old log-probabilities before the update: a separate pass (GRPO
+    # here is one optimizer step per batch, so its update's own forward gives them)
+    "timing_s/old_log_prob",
 ]
 
 # The transformers engine and the Megatron actor compute the same float32 log-probabilities with
@@ -183,6 +185,57 @@ def test_grpo_and_ppo_at_every_layout(tiny_model_dir, arithmetic_files, tmp_path
                 assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (algo, name, key)
     # PPO's second step: the actor has moved away from the reference.
     assert results["ppo-dp2"][1]["actor/reward_kl_penalty"] != 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# where the old log-probabilities come from (actor.old_log_prob)
+
+
+def _old_log_prob_body(model_dir: str, files: dict[str, str], root: str) -> dict[str, list[dict[str, float]]]:
+    from verl.trainer.rl_trainer import RLTrainer
+
+    out = {}
+    for source in ("recompute", "current", "rollout"):
+        cfg = _config(
+            "grpo_tiny_cpu",
+            model_dir,
+            files,
+            f"actor_rollout_ref.actor.old_log_prob={source}",
+            "trainer.logger=[]",
+            f"trainer.default_local_dir={root}/{source}",
+        )
+        with RLTrainer(cfg) as trainer:
+            out[source] = [trainer.train_step() for _ in range(2)]
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_old_log_prob_sources_take_the_same_steps(tiny_model_dir, arithmetic_files, tmp_path):
+    """With one optimizer step per batch, skipping the old-log-prob pass (``current``) changes no
+    number: the same first and second steps as the pass (``recompute``), float32 rounding of the
+    two forwards' different micro-batch arrangements apart; ``rollout`` (the engine's log-probs)
+    differs by the engine-vs-trainer rounding only. Each measures the rollout agreement."""
+    [results, _] = run_distributed(_old_log_prob_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=360)
+    recompute, current, rollout = results["recompute"], results["current"], results["rollout"]
+    assert "timing_s/old_log_prob" in recompute[0]
+    assert "timing_s/old_log_prob" not in current[0] and "timing_s/old_log_prob" not in rollout[0]
+    compared = (
+        "actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
+        "training/token_mult_prob_error", "training/rollout_probs_diff_mean",
+    )
+    for step in range(2):
+        assert current[step]["critic/score/mean"] == recompute[step]["critic/score/mean"], step
+        for key in compared:
+            assert current[step][key] == pytest.approx(recompute[step][key], rel=1e-5, abs=1e-7), (step, key)
+        for key in ("training/rollout_logprob_diff_max", "training/rollout_probs_diff_max"):
+            assert current[step][key] == pytest.approx(recompute[step][key], rel=1e-3, abs=1e-6), (step, key)
+    # current: the ratio is exactly 1 in its one update, as the pass gives
+    assert current[0]["actor/ppo_kl"] == 0.0 and recompute[0]["actor/ppo_kl"] == 0.0
+    # rollout: the ratio is off 1 by the engine's rounding (under the rollout tests' bound), so the
+    # first step's gradient is the pass's within that
+    assert abs(rollout[0]["actor/ppo_kl"]) < LOGPROB_ATOL
+    assert 1.0 <= rollout[0]["training/token_mult_prob_error"] < 1.0 + LOGPROB_ATOL
+    assert rollout[0]["actor/grad_norm"] == pytest.approx(recompute[0]["actor/grad_norm"], rel=1e-3)
 
 
 # ----------------------------------------------------------------------------------------------

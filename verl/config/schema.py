@@ -180,6 +180,14 @@ class ActorConfig(ConfigBase):
     ppo_mini_batch_size: int = option(256, "Prompts per optimizer step (times rollout.n sequences), split over data-parallel ranks.", ge=1)
     ppo_micro_batch_size_per_gpu: int = option(4, "Sequences per forward/backward on one rank (gradient accumulation inside a mini-batch). (Reference: no default.)", ge=1)
     ppo_epochs: int = option(1, "Passes over each rollout batch.", ge=1)
+    old_log_prob: Literal["auto", "recompute", "current", "rollout"] = option(
+        "auto",
+        "Where the PPO ratio's old log-probabilities come from: recompute (a forward pass over the batch "
+        "before the update), current (the update's own forward, detached: the same numbers when the batch "
+        "is one optimizer step, i.e. ppo_epochs=1 and one mini-batch, and no in-reward KL), rollout (the "
+        "engine's log-probabilities of its samples; top_p/top_k off), auto (current where it gives the "
+        "same numbers, else recompute).",
+    )
     shuffle: bool = option(False, "Shuffle the rollout batch before splitting it into mini-batches.")
     clip_ratio: float = option(0.2, "PPO clip range epsilon.", gt=0.0)
     clip_ratio_low: float | None = option(None, "Lower clip range (ratio >= 1 - clip_ratio_low); None: clip_ratio.", ge=0.0)
@@ -511,6 +519,22 @@ class PPOConfig(ConfigBase):
     def use_reference(self) -> bool:
         """Whether a reference policy is needed (a KL loss, an in-reward KL penalty, or DPO's pairs)."""
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.data.pairs
+
+    @property
+    def one_actor_update(self) -> bool:
+        """Whether each step's batch is one actor optimizer step (one epoch, one mini-batch)."""
+        actor = self.actor_rollout_ref.actor
+        return actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= self.data.train_batch_size
+
+    @property
+    def old_log_prob_source(self) -> str:
+        """``actor.old_log_prob`` resolved: ``recompute``, ``current`` or ``rollout`` (``auto`` is
+        ``current`` when the batch is one optimizer step and no in-reward KL reads the old
+        log-probabilities, else ``recompute``)."""
+        source = self.actor_rollout_ref.actor.old_log_prob
+        if source == "auto":
+            return "current" if self.one_actor_update and not self.algorithm.use_kl_in_reward else "recompute"
+        return source
 
     def validate(self, world_size: int | None = None) -> None:
         """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node).

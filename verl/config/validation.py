@@ -285,12 +285,38 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
             f"the actor's lower clip range {low} (clip_ratio_low, else clip_ratio) must be < 1: "
             f"the ratio is clipped at 1 - clip_ratio_low"
         )
+    _old_log_prob(cfg, problems)
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:
         problems.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
     _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)
+
+
+def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    key = "actor_rollout_ref.actor.old_log_prob"
+    if actor.old_log_prob == "current":
+        if not cfg.one_actor_update:
+            problems.append(
+                f"{key}=current needs each batch to be one optimizer step (ppo_epochs={actor.ppo_epochs}, "
+                f"ppo_mini_batch_size={actor.ppo_mini_batch_size} of data.train_batch_size="
+                f"{cfg.data.train_batch_size}): after the first update the current policy is no longer the "
+                f"one that sampled; use ppo_epochs=1 and ppo_mini_batch_size=data.train_batch_size, or "
+                f"{key}=recompute (or rollout)"
+            )
+        if cfg.algorithm.use_kl_in_reward:
+            problems.append(
+                f"{key}=current leaves no old log-probabilities before the update, and "
+                f"algorithm.use_kl_in_reward=true needs them for the reward; use {key}=recompute"
+            )
+    if actor.old_log_prob == "rollout" and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        problems.append(
+            f"{key}=rollout takes the engine's log-probabilities, which with top_p={rollout.top_p} / "
+            f"top_k={rollout.top_k} are of the truncated distribution, not the policy's; turn top_p/top_k "
+            f"off or use {key}=recompute"
+        )
 
 
 def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str]) -> None:

@@ -63,7 +63,8 @@ def reduce_step_metrics(
 
     The loss is the sum of the loss shares over micro-batches and DP ranks divided by the DP size
     (each share carries a DP-size factor); every other metric is averaged over micro-batches
-    and DP ranks. Raises ValueError when a metric is missing from some micro-batches.
+    and DP ranks, except those named ``max:...``, which are their maximum. Raises ValueError when
+    a metric is missing from some micro-batches.
     """
     pp_size = pg.pp.size()
     last_stage = pg.pp.rank() == pp_size - 1
@@ -73,19 +74,31 @@ def reduce_step_metrics(
         holder = [keys]
         dist.broadcast_object_list(holder, src=src, group=pg.pp, device=device if device.type == "cuda" else None)
         keys = holder[0]
-    values = torch.zeros(1 + len(keys), dtype=torch.float64, device=device)
+    mean_keys = [k for k in keys if not k.startswith("max:")]
+    max_keys = [k for k in keys if k.startswith("max:")]
+    values = torch.zeros(1 + len(mean_keys), dtype=torch.float64, device=device)
+    maxima = torch.full((max(len(max_keys), 1),), -math.inf, dtype=torch.float64, device=device)
     if last_stage:
         values[0] = sum(float(loss) for loss in losses)
-        for i, k in enumerate(keys):
+        for k in keys:
             missing = [j for j, m in enumerate(per_micro) if k not in m]
             if missing:
                 raise ValueError(f"loss_fn returned metric {k!r} for some micro-batches but not for {missing}")
+        for i, k in enumerate(mean_keys):
             values[1 + i] = sum(float(m[k]) for m in per_micro) / len(per_micro)
+        for i, k in enumerate(max_keys):
+            maxima[i] = max(float(m[k]) for m in per_micro)
     dp = pg.dp.size()
     if dp > 1:
         dist.all_reduce(values, group=pg.dp)
         values /= dp  # the loss shares carry a dp_size factor; the metric means are averaged
+        if max_keys:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=pg.dp)
     if pp_size > 1:
         dist.broadcast(values, src=src, group=pg.pp)
+        if max_keys:
+            dist.broadcast(maxima, src=src, group=pg.pp)
     out = values.tolist()
-    return out[0], dict(zip(keys, out[1:], strict=True))
+    metrics = dict(zip(mean_keys, out[1:], strict=True))
+    metrics.update(zip(max_keys, maxima.tolist()[: len(max_keys)], strict=True))
+    return out[0], metrics

@@ -9,6 +9,13 @@ k-th real token sits at position k, which is exactly ``cumsum(mask) - 1``, and p
 attention never lets a real token see a pad. Outputs are scattered back to the original
 layout; values at pad positions are 0.
 
+No compute on padding: with one pipeline stage (and no context parallelism), each micro-batch
+runs at the length of its longest real row, rounded up to a multiple of 8 (and of the TP size
+under sequence parallelism), not at the batch's padded width ``T``: after packing, the cut
+columns hold only pads, which causal attention never lets a real token see, so the real tokens'
+outputs are those of the full width (float rounding of the shorter matmuls apart). With
+pipeline stages every micro-batch keeps the width ``T`` (the stages exchange fixed shapes).
+
 Outputs (all [B, T], float32, aligned with ``input_ids``):
 
 - ``logprobs[:, t]`` = log p(input_ids[:, t] | real tokens before t), computed from
@@ -38,6 +45,7 @@ instance a bare micro-batch mean) is refused at the first micro-batch.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
@@ -77,7 +85,9 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, seq_len: in
     """Move each row's real tokens to the front, keeping their order.
 
     Returns (packed_ids [B, seq_len] with trailing pads, order [B, T]) where
-    ``packed[:, j] = input_ids[:, order[:, j]]`` for j < T. ``seq_len >= T`` adds trailing pads.
+    ``packed[:, j] = input_ids[:, order[:, j]]`` for j < min(T, seq_len). ``seq_len > T`` adds
+    trailing pads; ``seq_len < T`` cuts trailing columns (the caller keeps every real token:
+    ``seq_len`` >= each row's real length).
     """
     b, t = input_ids.shape
     # Stable sort on "is pad" keeps real tokens (0) before pads (1), each in original order.
@@ -85,6 +95,8 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, seq_len: in
     packed = input_ids.gather(1, order)
     if seq_len > t:
         packed = F.pad(packed, (0, seq_len - t), value=0)
+    elif seq_len < t:
+        packed = packed[:, :seq_len]
     return packed, order
 
 
@@ -92,6 +104,8 @@ def unpack(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_left` for per-token outputs: [B, S, ...] -> [B, T, ...]."""
     b, t = order.shape
     packed = packed[:, :t]
+    if packed.shape[1] < t:  # a trimmed micro-batch: the cut columns were pads
+        packed = F.pad(packed, (0, 0) * (packed.dim() - 2) + (0, t - packed.shape[1]))
     index = order.reshape(b, t, *([1] * (packed.dim() - 2))).expand_as(packed)
     out = torch.empty_like(packed)
     out.scatter_(1, index, packed)
@@ -167,8 +181,15 @@ def _head_outputs(
     return out
 
 
+def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) -> int:
+    """A micro-batch's width without padding: its longest real row rounded up to ``multiple``,
+    at most ``seq_len`` (the full width)."""
+    longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
+    return min(seq_len, max(multiple, -(-longest // multiple) * multiple))
+
+
 def _micro_batches(
-    batch: Mapping[str, torch.Tensor], micro_batch_size: int, seq_len: int
+    batch: Mapping[str, torch.Tensor], micro_batch_size: int, seq_len: int, trim_multiple: int | None = None
 ) -> tuple[list[_MicroBatch], int]:
     b = batch["input_ids"].shape[0]
     n = -(-b // micro_batch_size)
@@ -181,8 +202,9 @@ def _micro_batches(
     for i in range(n):
         sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
         mb = {k: v[sl] for k, v in tensors.items()}
-        packed, order = pack_left(mb["input_ids"], mb["attention_mask"], seq_len)
-        positions = torch.arange(seq_len, device=packed.device).expand_as(packed)
+        width = seq_len if trim_multiple is None else trimmed_length(mb["attention_mask"], seq_len, trim_multiple)
+        packed, order = pack_left(mb["input_ids"], mb["attention_mask"], width)
+        positions = torch.arange(width, device=packed.device).expand_as(packed)
         out.append(
             _MicroBatch(
                 tensors=mb,
@@ -206,6 +228,7 @@ def forward_backward(
     temperature: float = 1.0,
     with_entropy: bool = True,
     broadcast: bool = True,
+    trim_padding: bool = True,
 ) -> ForwardResult:
     """Run the batch through the model in micro-batches with Megatron's pipeline schedule.
 
@@ -220,6 +243,8 @@ def forward_backward(
         temperature: logits are divided by it before logprobs/entropy.
         with_entropy: also compute entropy (``output='logprobs'``).
         broadcast: send ``outputs`` from the last pipeline stage to every stage.
+        trim_padding: run each micro-batch at its longest real row (one pipeline stage and no
+            context parallelism only; the module docstring); False: every one at the full width.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -241,7 +266,10 @@ def forward_backward(
     config = inner.config
     t = batch["input_ids"].shape[1]
     seq_len = -(-t // tp_size) * tp_size if config.sequence_parallel else t
-    micro_batches, real_rows = _micro_batches(batch, micro_batch_size, seq_len)
+    trim_multiple = None
+    if trim_padding and pp_size == 1 and pg.cp.size() == 1:
+        trim_multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
+    micro_batches, real_rows = _micro_batches(batch, micro_batch_size, seq_len, trim_multiple)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
     head = functools.partial(

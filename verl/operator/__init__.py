@@ -18,6 +18,7 @@ from verl.operator.ops import (
     RolloutOperator,
     WeightedFilterOperator,
 )
+from verl.operator.review import HumanReviewOperator
 from verl.operator.stream import DataStream, build_config, build_trainer
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "DataStream",
     "FilterOperator",
     "GroupFilterOperator",
+    "HumanReviewOperator",
     "MultiRewardScorer",
     "Operator",
     "PPOUpdateOperator",

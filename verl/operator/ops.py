@@ -417,7 +417,8 @@ class PPOUpdateOperator(Operator):
     """
 
     inputs = ("responses", "response_mask", "uid", "token_level_scores")
-    outputs = ("old_log_probs", "token_level_rewards", "advantages", "returns")
+    # old_log_probs too, unless the update took them from its own forward (actor.old_log_prob)
+    outputs = ("token_level_rewards", "advantages", "returns")
 
     def __init__(
         self,

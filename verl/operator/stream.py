@@ -265,8 +265,19 @@ class DataStream:
         """The trainer's checkpoint at the current step (``global_step_N/`` under ``default_local_dir``)."""
         return self.trainer.save_checkpoint()
 
+    def export_as_api(self, out_dir: str | None = None, **app_kwargs: Any) -> Any:
+        """The actor's current weights as a Hugging Face checkpoint, served: a FastAPI app with the
+        OpenAI-compatible routes (``verl.serving.export_as_api``; docs/serving.md)."""
+        from verl.serving.export import export_as_api
+
+        return export_as_api(self, out_dir, **app_kwargs)
+
     def close(self) -> None:
-        """Close the trainer (and the world of one) if the stream built them."""
+        """Close the operators that hold resources (``close()``: the review page), then the trainer
+        (and the world of one) if the stream built them."""
+        for op in self.operators:
+            if callable(getattr(op, "close", None)):
+                op.close()
         if self._owns_trainer and self._trainer is not None:
             self._trainer.close()
             self._trainer = None

@@ -25,14 +25,19 @@ them, and does nothing when CUDA is available (the GPU path is never altered):
    at import to every fused helper: each decoration imports dynamo and inductor (seconds),
    while verl's CPU runs call none of them (its models turn the fusions off). The shim makes
    ``jit_fuser`` compile on the first call instead, which ``torch.compile`` does anyway.
+8. The float16/bfloat16 optimizers (``Float16OptimizerWithFloat16Params``, the distributed
+   optimizer) sort parameters into fp32 master copies by ``param.type()`` strings, which name
+   only CUDA types (``torch.cuda.BFloat16Tensor``), and refuse any other. ``Tensor.type()`` with
+   no argument answers a CPU tensor's CUDA name when called from a ``megatron.*`` frame (as
+   ``Tensor.cuda`` below), so bf16 training with fp32 master weights runs on CPU as on GPU.
 
 Scope. vLLM runs in the same process later, so fixes 1, 3 (factories), 4 and 6 are visible
 to Megatron's modules only: every ``megatron.*`` module's global ``torch`` (and any global
 bound to ``torch.cuda``) is replaced by a proxy module whose ``cuda`` namespace and tensor
 factories carry the fixes; everything else is the real torch object. Modules imported after
 the shim is applied get the same treatment through an import hook. ``Tensor.cuda`` is a
-method, so it is patched on ``torch.Tensor`` but redirects only when called from a
-``megatron.*`` frame; everyone else gets the original (which raises without CUDA anyway).
+method, so it is patched on ``torch.Tensor`` (as is ``Tensor.type``, fix 8) but redirects only
+when called from a ``megatron.*`` frame; everyone else gets the original (which raises without CUDA anyway).
 The RNG fix swaps names inside ``megatron.core.tensor_parallel.random`` only.
 """
 
@@ -57,6 +62,7 @@ _lock = threading.Lock()
 _applied = False
 _CPU = torch.device("cpu")
 _REAL_TENSOR_CUDA = torch.Tensor.cuda
+_REAL_TENSOR_TYPE = torch.Tensor.type
 
 # Tensor factories that take an explicit ``device=`` Megatron hard-codes to "cuda" (fix 3).
 _FACTORIES = (
@@ -354,6 +360,17 @@ def _tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = Fa
     return _REAL_TENSOR_CUDA(self, device, non_blocking, **kwargs)
 
 
+def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any):
+    # Fix 8: the fp16/bf16 optimizers accept parameters by their CUDA type names.
+    if dtype is None and not kwargs:
+        name = _REAL_TENSOR_TYPE(self)
+        if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+            if _is_megatron_module(sys._getframe(1).f_globals.get("__name__", "")):
+                return "torch.cuda." + name[len("torch."):]
+        return name
+    return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
 def shim_needed() -> bool:
     """True when Megatron-core must run on CPU (no usable CUDA device)."""
     return not torch.cuda.is_available()
@@ -378,5 +395,6 @@ def apply_cpu_shim() -> None:
             if module is not None and _is_megatron_module(name):
                 _redirect_module(module)
         torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign]
+        torch.Tensor.type = _tensor_type  # type: ignore[method-assign]
         _applied = True
     logger.debug("Megatron-core CPU shim applied")

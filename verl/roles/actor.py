@@ -72,6 +72,11 @@ class Actor:
             (``rollout.log_prob_micro_batch_size_per_gpu``).
         temperature: the sampling temperature the log-probabilities are taken at.
         balance: ``trainer.balance_batch``.
+        old_log_prob: where the ratio's old log-probabilities come from (``PPOConfig.old_log_prob_source``):
+            ``recompute``/``rollout``: the batch's ``old_log_probs``; ``current``: the update's own
+            forward, detached (the batch must be one optimizer step). Without a separate pass,
+            the update also measures ``actor/entropy`` and, against ``rollout_log_probs``, the
+            rollout agreement (``training/*``) on its first mini-batch, before any weight changes.
     """
 
     def __init__(
@@ -85,8 +90,12 @@ class Actor:
         log_prob_micro_batch_size: int,
         temperature: float,
         balance: bool = False,
+        old_log_prob: str = "recompute",
     ) -> None:
+        if old_log_prob not in ("recompute", "current", "rollout"):
+            raise ValueError(f"old_log_prob={old_log_prob!r}; expected recompute, current or rollout")
         self.cfg = cfg
+        self.old_log_prob = old_log_prob
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
         self.role = RoleEngine(
@@ -118,17 +127,24 @@ class Actor:
         )
         return out["logprobs"], out["entropy"]
 
+    @property
+    def measures_in_update(self) -> bool:
+        """Whether :meth:`update` measures entropy and rollout agreement (no separate pass did)."""
+        return self.old_log_prob != "recompute"
+
     def _loss_builder(self, response_length: int):
         cfg = self.cfg
+        measure = self.measures_in_update
 
         def make_loss(info: GlobalBatchInfo, num_micro: int):
             def loss_fn(outputs, micro) -> LossShare:
                 log_prob = outputs["logprobs"][:, -response_length:]  # [b, R]
                 mask = micro["response_mask"].to(log_prob.dtype)
                 weight = micro.get(SAMPLE_WEIGHT)  # [b] or None
+                old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro else log_prob.detach()
                 pg_loss, pg_metrics = compute_policy_loss(
                     cfg.policy_loss.loss_mode,
-                    old_log_prob=micro["old_log_probs"],
+                    old_log_prob=old_log_prob,
                     log_prob=log_prob,
                     advantages=micro["advantages"],
                     response_mask=mask,
@@ -165,6 +181,8 @@ class Actor:
                     loss = loss + cfg.kl_loss_coef * kl
                     metrics["kl_loss"] = kl.detach() * num_micro
                     metrics["kl_coef"] = cfg.kl_loss_coef
+                if measure:
+                    metrics.update(_measures(outputs["entropy"][:, -response_length:], log_prob, micro, mask))
                 return LossShare(loss, metrics)
 
             return loss_fn
@@ -176,9 +194,13 @@ class Actor:
         ``use_kl_loss``, ``ref_log_prob`` [B, R]) in mini-batches of ``ppo_mini_batch_size`` prompts
         (x ``rollout_n`` responses); returns the reference verl's ``actor/*`` metrics."""
         cfg = self.cfg
-        keys = ["response_mask", "old_log_probs", "advantages"] + (
-            ["ref_log_prob"] if cfg.use_kl_loss else []
-        )
+        keys = ["response_mask", "advantages"]
+        if self.old_log_prob != "current":
+            keys.append("old_log_probs")
+        if cfg.use_kl_loss:
+            keys.append("ref_log_prob")
+        if self.measures_in_update and "rollout_log_probs" in batch:
+            keys.append("rollout_log_probs")
         if SAMPLE_WEIGHT in batch:
             if SAMPLE_WEIGHT not in inspect.signature(get_policy_loss(cfg.policy_loss.loss_mode)).parameters:
                 raise ValueError(
@@ -197,9 +219,12 @@ class Actor:
             shuffle_seed=shuffle_seed if cfg.shuffle else None,
             output="logprobs",
             temperature=self.temperature,
-            with_entropy=cfg.entropy_coeff != 0,
+            with_entropy=cfg.entropy_coeff != 0 or self.measures_in_update,
         )
-        return step_metrics("actor", results, _METRICS)
+        metrics = step_metrics("actor", results, _METRICS)
+        if self.measures_in_update and results:
+            metrics.update(_measured(results[0].metrics))
+        return metrics
 
     def update_preference(
         self, batch: Batch, *, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0
@@ -269,3 +294,53 @@ class Actor:
         metrics["dpo/loss"] = float(loss)
         metrics.update({f"dpo/{k}": float(v) for k, v in pref_metrics.items()})
         return metrics
+
+
+# What the update measures per micro-batch when no separate pass gave old log-probabilities: sums
+# (the engine averages every metric over micro-batches and DP ranks, so a ratio of two averaged
+# sums is the ratio over the whole mini-batch) and maxima ("max:" keys, reduced by max).
+def _measures(entropy: torch.Tensor, log_prob: torch.Tensor, micro, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    keep = mask.bool()
+    out = {
+        "measure/tokens": mask.sum().double(),
+        "measure/entropy_sum": (entropy.detach().double() * mask).sum(),
+    }
+    if "rollout_log_probs" in micro:
+        rollout, trainer = micro["rollout_log_probs"].double()[keep], log_prob.detach().double()[keep]
+        diff = (rollout - trainer).abs()
+        probs = (rollout.exp() - trainer.exp()).abs()
+        zero = torch.zeros((), dtype=torch.float64, device=diff.device)
+        out.update(
+            {
+                "measure/logprob_abs_sum": diff.sum(),
+                "measure/logprob_exp_sum": diff.exp().sum(),
+                "measure/probs_sum": probs.sum(),
+                "measure/probs_sq_sum": (probs * probs).sum(),
+                "max:measure/logprob_abs": diff.max() if diff.numel() else zero,
+                "max:measure/probs": probs.max() if probs.numel() else zero,
+            }
+        )
+    return out
+
+
+def _measured(m: dict[str, float]) -> dict[str, float]:
+    """``actor/entropy`` and the rollout agreement (``ppo_metrics.rollout_agreement_metrics``'s keys)
+    from one optimizer step's ``_measures``."""
+    tokens = m.get("measure/tokens", 0.0)
+    if tokens <= 0:
+        return {}
+    out = {"actor/entropy": m["measure/entropy_sum"] / tokens}
+    if "measure/logprob_abs_sum" in m:
+        mean = m["measure/probs_sum"] / tokens
+        # the population std (the pass's is torch's sample std: a factor sqrt(n / (n - 1)) apart)
+        var = max(m["measure/probs_sq_sum"] / tokens - mean * mean, 0.0)
+        out.update(
+            {
+                "training/rollout_probs_diff_max": m["max:measure/probs"],
+                "training/rollout_probs_diff_mean": mean,
+                "training/rollout_probs_diff_std": var**0.5,
+                "training/rollout_logprob_diff_max": m["max:measure/logprob_abs"],
+                "training/token_mult_prob_error": m["measure/logprob_exp_sum"] / tokens,
+            }
+        )
+    return out

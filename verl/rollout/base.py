@@ -264,6 +264,20 @@ class RolloutEngine(abc.ABC):
             prompts, samples, n=spec.n, response_length=spec.max_tokens, pad_token_id=self.pad_token_id
         )
 
+    def sample(self, prompts: list[list[int]], spec: SamplingSpec, *, seed: int | None = None) -> list[Sample]:
+        """``len(prompts) * spec.n`` samples (prompt-major) of unpadded prompt token lists with the
+        caller's own sampling parameters (the serving app: one request's settings, not the config's).
+
+        Randomness as in :meth:`generate`; the response limit is ``spec.max_tokens``.
+        """
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("RolloutEngine.sample: every prompt needs at least one token")
+        start = time.perf_counter()
+        with self._rng_stream(seed):
+            samples = self._sample(prompts, spec)
+        self._last_metrics = rollout_metrics(samples, time.perf_counter() - start)
+        return samples
+
     @property
     def samples_on_cuda(self) -> bool:
         """Whether sampling draws from the CUDA RNG (engines on GPU override this)."""

@@ -17,7 +17,11 @@ calls :meth:`fit`):
    filter metric, at most ``max_num_gen_batches`` draws;
 2. :meth:`compute_reward` — rule-based and/or reward-model scores (``token_level_scores``);
 3. :meth:`compute_old_log_prob` — the actor's log-probabilities (``old_log_probs``) and their
-   agreement with the engine's (``training/rollout_probs_diff_*``, ``token_mult_prob_error``);
+   agreement with the engine's (``training/rollout_probs_diff_*``, ``token_mult_prob_error``).
+   This pass is made only with ``actor.old_log_prob`` resolving to ``recompute``: when the batch
+   is one optimizer step (``auto``/``current``) the update's own forward gives the same numbers
+   (detached, as TRL does with one iteration), and with ``rollout`` the engine's are used; the
+   update then measures the agreement itself, before it changes the weights;
 4. :meth:`compute_ref_log_prob` (``ref_log_prob``), :meth:`compute_values` (``values``);
 5. :meth:`compute_advantage` — the in-reward KL penalty (fixed or adaptive controller), then
    the estimator ``algorithm.adv_estimator`` (``advantages``, ``returns``);
@@ -256,6 +260,7 @@ class RLTrainer:
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                 temperature=temperature,
                 balance=balance,
+                old_log_prob=cfg.old_log_prob_source,
             )
             self.reference = (
                 Reference(
@@ -661,9 +666,19 @@ class RLTrainer:
         start = start if start is not None else time.perf_counter()
         metrics = dict(metrics or {})
         self.global_step += 1
-        with timer("old_log_prob"):
-            batch, more = self.compute_old_log_prob(batch)
-            metrics.update(more)
+        source = self.actor.old_log_prob
+        if source == "recompute":
+            with timer("old_log_prob"):
+                batch, more = self.compute_old_log_prob(batch)
+                metrics.update(more)
+        elif source == "rollout":
+            if "rollout_log_probs" not in batch:
+                raise ValueError(
+                    "actor_rollout_ref.actor.old_log_prob=rollout, but the batch has no rollout_log_probs "
+                    "(the rollout engine did not return them); use old_log_prob=recompute"
+                )
+            batch["old_log_probs"] = batch["rollout_log_probs"].float()
+        # source == "current": the actor's update takes them from its own forward
         if self.reference is not None:
             with timer("ref"):
                 batch = self.compute_ref_log_prob(batch)

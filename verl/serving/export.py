@@ -1,0 +1,49 @@
+"""``DataStream.export_as_api``: the stream's actor as a Hugging Face checkpoint, served.
+
+The actor's weights are written by the trainer's own export (``MegatronEngine.export_hf``,
+collective), with ``verl_export.json`` (the trainer step) beside them; the app is
+:func:`verl.serving.create_app` on that directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from verl.serving.engine import EXPORT_INFO_FILE
+
+if TYPE_CHECKING:
+    from verl.operator.stream import DataStream
+
+__all__ = ["export_as_api", "export_policy"]
+
+
+def export_policy(stream: "DataStream", out_dir: str | None = None) -> str:
+    """Write the stream's current actor as a Hugging Face checkpoint; returns the directory
+    (default ``<trainer.default_local_dir>/serving/global_step_<N>``). Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    trainer = stream.trainer
+    step = int(trainer.global_step)
+    if out_dir is None:
+        out_dir = os.path.join(trainer.cfg.trainer.default_local_dir, "serving", f"global_step_{step}")
+    out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
+    with trainer.actor.role.active():
+        trainer.actor.engine.export_hf(out_dir)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(out_dir, EXPORT_INFO_FILE), "w", encoding="utf-8") as f:
+            json.dump({"step": step, "source": "verl.DataStream.export_as_api"}, f, indent=2)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def export_as_api(stream: "DataStream", out_dir: str | None = None, **app_kwargs: Any) -> Any:
+    """:func:`export_policy`, then :func:`verl.serving.create_app` on the export (``app_kwargs``:
+    ``engine``, ``limits``, ``api_key``, ``name``, ``device``, ``seed``). Returns the FastAPI app;
+    serve it with ``verl.serving.run(app)`` or ``BackgroundServer(app)``."""
+    from verl.serving.app import create_app
+
+    path = export_policy(stream, out_dir)
+    return create_app(path, **app_kwargs)
