@@ -3,8 +3,6 @@ aggregation and in the actor's loss function, against hand-worked values."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -55,7 +53,10 @@ def test_actor_loss_weights_the_policy_and_kl_terms():
     from verl.roles.actor import Actor
 
     cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1")
-    make_loss = Actor._loss_builder(types.SimpleNamespace(cfg=cfg), 2)
+    # The loss function reads only the actor's config and old-log-prob source: no engine needed.
+    actor = Actor.__new__(Actor)
+    actor.cfg, actor.old_log_prob = cfg, "recompute"
+    make_loss = actor._loss_builder(2)
     logp = torch.full((2, 2), -1.0)
     micro = {
         "response_mask": torch.ones(2, 2),
