@@ -2,7 +2,7 @@
 
 The Python API (docs/python_api.md) is imported on first use, so ``import verl`` stays light:
 ``verl.DataStream`` and the operators (``verl.RolloutOperator`` ...) from :mod:`verl.operator`,
-``verl.RLTrainer`` from :mod:`verl.trainer.api`.
+``verl.RLTrainer`` from :mod:`verl.trainer.api`, ``verl.VerlMonitor`` from :mod:`verl.monitor`.
 """
 
 import importlib
@@ -18,9 +18,15 @@ _LAZY = {
     "RewardModelScorer": "verl.operator",
     "MultiRewardScorer": "verl.operator",
     "FilterOperator": "verl.operator",
+    "WeightedFilterOperator": "verl.operator",
+    "GroupFilterOperator": "verl.operator",
     "PPOUpdateOperator": "verl.operator",
+    "PreferenceOperator": "verl.operator",
+    "DPOUpdateOperator": "verl.operator",
+    "ConditionalUpdateOperator": "verl.operator",
     "HumanReviewOperator": "verl.operator",
     "RLTrainer": "verl.trainer.api",
+    "VerlMonitor": "verl.monitor",
 }
 
 

@@ -49,6 +49,7 @@ def test_data_section_has_exactly_the_agreed_fields():
         "train_files", "val_files", "prompt_key", "reward_fn_key", "max_prompt_length", "max_response_length",
         "train_batch_size", "val_batch_size", "return_raw_chat", "shuffle", "seed", "truncation",
         "filter_overlong_prompts", "tokenizer", "custom_cls", "dataloader_num_workers", "apply_chat_template",
+        "pairs",  # DPO's preference pairs (verl.DPOUpdateOperator)
     }
     actual = {f.name for f in dataclasses.fields(PPOConfig().data)}
     assert actual == expected

@@ -12,12 +12,16 @@ import os
 import pytest
 
 from verl.operator import (
+    ConditionalUpdateOperator,
     DataStream,
+    DPOUpdateOperator,
     FilterOperator,
+    GroupFilterOperator,
     MultiRewardScorer,
     PPOUpdateOperator,
     RewardOperator,
     RolloutOperator,
+    WeightedFilterOperator,
     build_config,
     build_trainer,
 )
@@ -166,6 +170,117 @@ def test_multi_reward_scorer_sums_weighted_scores(trainer):
     a, b = m["reward/verl/arithmetic/mean"], m["reward/length_score/mean"]
     assert m["reward/length_score/weight"] == 0.5
     assert m["reward_mean"] == pytest.approx(1.0 * a + 0.5 * b, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_weighted_filter_scales_each_samples_loss(trainer):
+    weighted = WeightedFilterOperator(fn=lambda s: 2.0 if s["reward"] > 0 else 0.25)
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    stream.add_operator(weighted).add_operator(PPOUpdateOperator())
+    m = stream.step()
+    batch = stream.last_batch
+    reward = batch["token_level_scores"].sum(-1)
+    assert len(batch) == 16  # weighted, not dropped
+    assert batch["sample_weight"].tolist() == [2.0 if r > 0 else 0.25 for r in reward.tolist()]
+    assert m["filter/weight_min"] == 0.25 and m["filter/weight_max"] == 2.0
+    assert m["actor/pg_loss"] != 0
+
+    # Weight 0 everywhere: no sample contributes, so the policy and KL losses are exactly 0.
+    zero = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    zero.add_operator(WeightedFilterOperator({"verl/arithmetic": 0.0}, field="data_source", default=None))
+    m = zero.add_operator(PPOUpdateOperator()).step()
+    assert m["actor/pg_loss"] == 0.0 and m["actor/kl_loss"] == 0.0
+    with pytest.raises(ValueError, match=r"value 'verl/arithmetic' has no weight.*set default="):
+        WeightedFilterOperator({"other": 1.0}, field="data_source", default=None).weight_of({"data_source": "verl/arithmetic"})
+    with pytest.raises(ValueError, match=r"no field 'extra_info.tier'"):
+        WeightedFilterOperator({"gold": 1.0}, field="extra_info.tier").weight_of({"extra_info": {"split": "train"}})
+
+
+@pytest.mark.slow
+def test_group_filter_drops_groups_whose_rewards_are_all_equal(trainer):
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    seen = []
+
+    class Record:
+        inputs, outputs = ("token_level_scores",), ()
+
+        def process(self, batch):
+            seen.append((list(batch.non_tensors["uid"]), batch["token_level_scores"].sum(-1).tolist()))
+            return batch
+
+    stream.add_operator(Record()).add_operator(GroupFilterOperator()).add_operator(PPOUpdateOperator())
+    m = stream.step()
+    uids, rewards = seen[0]
+    groups: dict[str, set[float]] = {}
+    for uid, r in zip(uids, rewards):
+        groups.setdefault(uid, set()).add(r)
+    spread = {uid for uid, values in groups.items() if len(values) > 1}
+    assert m["filter/kept_groups"] == len(spread) and m["filter/dropped_groups"] == len(groups) - len(spread)
+    assert set(stream.last_batch.non_tensors["uid"]) == spread
+    assert len(stream.last_batch) == 4 * len(spread)
+
+
+@pytest.mark.slow
+def test_conditional_update_routes_each_sample_and_both_branches_train(trainer, monkeypatch):
+    import torch
+
+    def params():
+        return torch.cat([p.detach().flatten().clone() for p in trainer.actor.engine.chunks[0].parameters()])
+
+    calls = []
+
+    def recorded(name, fn):
+        def call(batch, *args, **kwargs):
+            before = params()
+            out = fn(batch, *args, **kwargs)
+            calls.append((name, list(batch.non_tensors["uid"]), batch["responses"].clone(), before, params()))
+            return out
+
+        return call
+
+    monkeypatch.setattr(trainer, "update_step", recorded("ppo", trainer.update_step))
+    monkeypatch.setattr(trainer, "update_preference", recorded("dpo", trainer.update_preference))
+    even_prompt = lambda s: int(s["uid"].split("/")[-1]) % 2 == 0  # noqa: E731 (uid: step/draw/prompt)
+    cond = ConditionalUpdateOperator(
+        condition=even_prompt, true_branch=PPOUpdateOperator(), false_branch=DPOUpdateOperator(beta=0.1)
+    )
+    seen = []
+
+    class Record:
+        inputs, outputs = ("token_level_scores",), ()
+
+        def process(self, batch):
+            seen.append(batch)
+            return batch
+
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    stream.add_operator(Record()).add_operator(cond)
+    start = trainer.global_step
+    m = stream.step()
+    assert trainer.global_step == start + 1  # one step, two updates
+    batch = seen[0]
+    uids = list(batch.non_tensors["uid"])
+    reward = batch["token_level_scores"].sum(-1).tolist()
+    true_rows = [i for i, u in enumerate(uids) if int(u.split("/")[-1]) % 2 == 0]
+    false_rows = [i for i in range(len(uids)) if i not in true_rows]
+    assert cond.last_routes["true"] == true_rows and cond.last_routes["false"] == false_rows
+    expected_pairs = []
+    for uid in dict.fromkeys(uids[i] for i in false_rows):
+        rows = [i for i in false_rows if uids[i] == uid]
+        best = max(rows, key=lambda i: (reward[i], -i))
+        worst = min(rows, key=lambda i: (reward[i], i))
+        if reward[best] > reward[worst]:
+            expected_pairs.append((best, worst))
+    assert cond.last_routes["pairs"] == expected_pairs and expected_pairs, "the seed's odd groups should give pairs"
+    (ppo_name, ppo_uids, ppo_resp, b0, a0), (dpo_name, dpo_uids, dpo_resp, b1, a1) = calls
+    assert ppo_name == "ppo" and ppo_uids == [uids[i] for i in true_rows]
+    assert torch.equal(ppo_resp, batch["responses"][true_rows])
+    rows = [i for pair in expected_pairs for i in pair]
+    assert dpo_name == "dpo" and torch.equal(dpo_resp, batch["responses"][rows])
+    assert (a0 != b0).any() and (a1 != b1).any()  # both branches changed the actor's weights
+    assert torch.equal(b1, a0)  # the DPO update starts from the PPO update's weights
+    assert m["conditional/dpo_pairs"] == len(expected_pairs) and math.isfinite(m["dpo/loss"])
+    assert m["dpo/actor/grad_norm"] > 0 and m["actor/grad_norm"] > 0
 
 
 def test_missing_input_fails_at_build_naming_the_field():

@@ -32,7 +32,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     import torch.distributed as dist
 
     blocks = _doc_blocks()
-    assert len(blocks) == 4
+    assert len(blocks) == 6
     ns = {"MODEL": tiny_model_dir, "TRAIN_FILE": arithmetic_files["train"], "OUT": str(tmp_path)}
     for block in blocks:
         exec(compile(block, DOC, "exec"), ns)
@@ -49,7 +49,17 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
             assert json.load(f)["global_step"] == step
         assert (out / f"global_step_{step}" / "actor").is_dir()
     with open(out / "logs" / "metrics.jsonl", encoding="utf-8") as f:
-        assert [json.loads(line)["step"] for line in f if line.strip()] == [1, 2]
+        logged = [json.loads(line) for line in f if line.strip()]
+    assert [r["step"] for r in logged] == [1, 2]
+    assert metrics["reward_delta"] == logged[1]["critic/score/mean"] - logged[0]["critic/score/mean"]
+    # The monitor: one summary per step (report_interval=1) of what metrics.jsonl holds, and the report.
+    monitor = ns["monitor"]
+    assert [s["step"] for s in monitor.summaries] == [1.0, 2.0]
+    assert monitor.summaries[1]["reward_mean"] == logged[1]["critic/score/mean"]
+    assert monitor.summaries[1]["kl"] == logged[1]["actor/kl_loss"]
+    assert ns["report_html"] == str(out / "logs" / "report.html")
+    page = open(ns["report_html"], encoding="utf-8").read()
+    assert '<figure id="plot-reward"><figcaption>Reward per step (mean, distribution)</figcaption><svg' in page
     # Resumed from global_step_1, step 2 repeats the uninterrupted run's step 2. The same
     # samples (seeded per step) score the same exactly; the loss runs on the restored weights and
     # optimizer (same arithmetic, so equal within float32 rounding).
@@ -58,6 +68,19 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     assert again["critic/score/mean"] == metrics["critic/score/mean"]
     assert again["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-5)
     assert again["actor/kl_loss"] == pytest.approx(metrics["actor/kl_loss"], abs=1e-6)
+    # load_hf_dataset's remapped, streamed rows went to the trainer as one parquet file.
+    import pyarrow.parquet as pq
+
+    qa = ns["qa_metrics"]
+    assert qa["global_step"] == 1 and qa["rollout_tokens_per_second"] > 0
+    written = pq.read_table(tmp_path / "qa" / "data" / "train.parquet").to_pylist()
+    assert len(written) == 48 and written[5]["data_source"] == "verl/arithmetic"
+    assert ns["qa"].last_config.data.train_files == [str(tmp_path / "qa" / "data" / "train.parquet")]
+    # DPO through the facade: the first step runs at the reference's weights (margin 0, loss log 2).
+    dpo = ns["dpo_metrics"]
+    assert dpo["global_step"] == 1 and ns["dpo"].last_config.data.pairs
+    assert dpo["loss"] == pytest.approx(math.log(2), abs=1e-6) and dpo["dpo/rewards/margin"] == pytest.approx(0, abs=1e-6)
+    assert dpo["actor/grad_norm"] > 0
     cfg = ns["trainer"].last_config
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.data.train_batch_size == 4 and cfg.actor_rollout_ref.actor.use_kl_loss
@@ -70,8 +93,52 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     assert step["kl"] == step["actor/kl_loss"]
     with open(tmp_path / "stream" / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         assert [json.loads(line)["step"] for line in f if line.strip()] == [1, 2]
+    # The stream's monitor (report_interval=2): one summary, and report.html with the operators' shares.
+    page = open(tmp_path / "stream" / "logs" / "report.html", encoding="utf-8").read()
+    assert '<figure id="plot-operators"><figcaption>Time share per operator (verl.DataStream)</figcaption><svg' in page
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 4  # the blocks' prints: two fit summaries, two stream steps
+    assert len(printed) == 6  # the blocks' prints: four fit summaries, two stream steps
+
+
+def test_preference_files_fail_the_trainer_checks_pointing_to_dpo(tiny_model_dir, tmp_path):
+    from verl.operator import build_config
+    from verl.trainer.ppo_checks import check_ppo_inputs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    cfg = build_config(
+        model=tiny_model_dir, train_files=str(pairs),
+        overrides=["algorithm.adv_estimator=grpo", "trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.val_files=null",
+                   f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"],
+    )
+    with pytest.raises(ValueError, match=(
+        r"data.train_files: .*pairs.jsonl holds preference pairs \(columns 'chosen' and 'rejected'\) and no "
+        r"'data_source' column.*algorithm.adv_estimator='grpo' learns from a reward.*algorithm=\"dpo\""
+    )):
+        check_ppo_inputs(cfg)
+
+
+@pytest.mark.slow
+def test_hybrid_ppo_runs_both_halves_in_the_trainer_loop(tiny_model_dir, arithmetic_files, tmp_path, restore_env):
+    import verl
+
+    reward = tmp_path / "length_reward.py"  # a spread of rewards on any response, so DPO gets pairs
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3) / 2.0\n"
+    )
+    trainer = verl.RLTrainer(
+        tiny_model_dir, algorithm="hybrid_ppo", hybrid_condition=lambda s: int(s["uid"].split("/")[-1]) % 2 == 0,
+        use_vllm=False, rollout_batch_size=4, n_samples=4, micro_batch_size=16, learning_rate=1e-4,
+        max_prompt_length=24, max_response_length=8, device="cpu",
+        overrides=[f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score"],
+    )
+    m = trainer.fit(dataset=arithmetic_files["train"], max_steps=1, output_dir=str(tmp_path / "out"), save_hf=False)
+    assert m["global_step"] == 1 and trainer.last_config.algorithm.adv_estimator == "grpo"
+    # Prompts 0 and 2 (4 samples each) trained with GRPO, prompts 1 and 3 gave DPO pairs.
+    assert m["conditional/true_samples"] == 8 and m["conditional/false_samples"] == 8
+    assert 1 <= m["conditional/dpo_pairs"] <= 2
+    assert m["actor/grad_norm"] > 0 and m["dpo/actor/grad_norm"] > 0 and math.isfinite(m["dpo/loss"])
 
 
 def test_ppo_maps_to_gae_with_a_critic(tiny_model_dir, arithmetic_files, tmp_path):
@@ -88,8 +155,12 @@ def test_unknown_algorithm_names_the_choices():
 
     with pytest.raises(ValueError, match=r"unknown algorithm='sac'; choose one of \[.*'grpo'.*'ppo'.*'rloo'"):
         verl.RLTrainer("model", algorithm="sac")
-    with pytest.raises(ValueError, match="'dpo' is not available in verl.RLTrainer yet"):
-        verl.RLTrainer("model", algorithm="dpo")
+    with pytest.raises(ValueError, match=r"'hybrid_ppo' routes each sample by hybrid_condition\(sample\).*pass hybrid_condition="):
+        verl.RLTrainer("model", algorithm="hybrid_ppo")
+    with pytest.raises(ValueError, match="its DPO half needs the reference policy; give kl_coef > 0"):
+        verl.RLTrainer("model", algorithm="hybrid_ppo", hybrid_condition=bool, kl_coef=0)
+    with pytest.raises(ValueError, match="DPO's beta must be a positive number"):
+        verl.RLTrainer("model", algorithm="dpo", beta=0)
 
 
 def test_import_verl_is_light():

@@ -22,8 +22,8 @@ from verl.trainer.report import SAMPLES_FILE, SCORES_FILE, StepRecords, build_re
 from verl.trainer.tracking import Tracking
 
 STEPS = 8
-PLOTS = ["reward", "kl", "entropy", "response-length", "loss", "grad-norm", "timing", "memory", "throughput",
-         "validation"]
+PLOTS = ["reward", "kl", "entropy", "response-length", "loss", "grad-norm", "timing", "operators", "memory",
+         "throughput", "validation"]
 
 
 def _write_run(log_dir: str) -> None:
@@ -36,7 +36,8 @@ def _write_run(log_dir: str) -> None:
                 "actor/pg_loss": -0.01 * step, "actor/grad_norm": 1.0 / step,
                 "response_length/mean": 20 + step, "response_length/max": 32, "response_length/min": 4,
                 "timing_s/gen": 1.0, "timing_s/update_actor": 0.5, "timing_s/update_weights": 0.05,
-                "timing_s/step": 1.6, "memory/rollout/peak_bytes": 1e9, "memory/train/peak_bytes": 2e9,
+                "timing_s/step": 1.6, "timing_s/op/RolloutOperator": 1.0, "timing_s/op/PPOUpdateOperator": 0.6,
+                "memory/rollout/peak_bytes": 1e9, "memory/train/peak_bytes": 2e9,
                 "perf/throughput": 1000.0 + step, "nan/metric": float("nan"),
             }, step)
             if step % 4 == 0:

@@ -92,6 +92,17 @@ class GlobalBatchInfo:
         return cls(batch_num_tokens=tokens, global_batch_size=seqs, dp_size=dp_size)
 
 
+def _check_weight(weight: torch.Tensor, loss_mat: torch.Tensor) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (loss_mat.shape[0],):
+        raise ValueError(
+            f"sample_weight must be a [B] tensor with B={loss_mat.shape[0]}, got {tuple(getattr(weight, 'shape', ()))}"
+        )
+    weight = weight.detach().to(loss_mat.dtype)
+    if not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+        raise ValueError(f"sample_weight must be finite and >= 0, got {weight.tolist()}")
+    return weight
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     response_mask: torch.Tensor,
@@ -102,8 +113,13 @@ def agg_loss(
     batch_num_tokens: float | None = None,
     global_batch_size: float | None = None,
     loss_scale_factor: float | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregate ``loss_mat`` [B, T] under ``response_mask`` [B, T] into a scalar (see module doc).
+
+    ``sample_weight`` [B] (optional, >= 0, detached) scales each sequence's losses before they are
+    aggregated; the denominators (tokens, sequences) stay the unweighted counts, so a weight of 0
+    removes a sequence's contribution as dropping it would, except that it still counts in them.
 
     Either pass ``global_batch_info`` or the reference verl's separate keywords (``dp_size``,
     ``batch_num_tokens``, ``global_batch_size``), not both. ``loss_scale_factor`` is the constant
@@ -124,6 +140,8 @@ def agg_loss(
     if not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
 
+    if sample_weight is not None:
+        loss_mat = loss_mat * _check_weight(sample_weight, loss_mat).unsqueeze(-1)
     token_counts = mask.sum(dim=-1)  # [B]
     seq_valid = token_counts > 0  # [B]
 

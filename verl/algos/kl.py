@@ -136,8 +136,10 @@ def compute_kl_loss(
     loss_agg_mode: str = "token-mean",
     global_batch_info: GlobalBatchInfo | None = None,
     loss_scale_factor: float | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The KL loss term (``actor.use_kl_loss``): agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type)).
+    ``sample_weight`` [B] scales each sequence's term (``agg_loss``).
 
     log_prob, ref_log_prob, response_mask: [B, T] (``full``: [B, T, V] distributions with a
     [B, T] mask). The actor adds ``actor.kl_loss_coef`` times this scalar to its loss.
@@ -160,7 +162,8 @@ def compute_kl_loss(
         ref_log_prob = torch.where(valid, ref_log_prob.to(log_prob.dtype), zero)
     kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type)  # [B, T]
     return agg_loss(
-        kld, response_mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
+        kld, response_mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
     )
 
 

@@ -2,7 +2,8 @@
 
 A policy loss takes keyword arguments ``old_log_prob``, ``log_prob``, ``advantages``,
 ``response_mask`` (all [B, T]) plus hyperparameters named after the actor config keys, and
-returns ``(loss, metrics)``: a scalar to back-propagate (aggregated by ``agg_loss``, so pass
+``sample_weight`` [B] (optional: a ``verl.WeightedFilterOperator``'s per-sample weights, scaling
+each sequence's losses inside ``agg_loss``), returns ``(loss, metrics)``: a scalar to back-propagate (aggregated by ``agg_loss``, so pass
 ``global_batch_info`` under micro-batching) and a dict of detached 0-dim tensors
 ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower`` (the reference logs them as
 ``actor/pg_clipfrac`` etc.; the metrics are local masked means over this micro-batch).
@@ -117,6 +118,7 @@ def vanilla(
     global_batch_info: GlobalBatchInfo | None = None,
     loss_scale_factor: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (arXiv:1707.06347) with clip-higher (DAPO) and dual-clip (arXiv:1912.09729).
 
@@ -148,7 +150,8 @@ def vanilla(
 
     pg_losses = _weighted(torch.where(negative, dual, clipped), rollout_is_weights, mask)
     loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
     )
     return loss, _metrics(clipfrac, ppo_kl, clipfrac_lower)
 
@@ -166,6 +169,7 @@ def gspo(
     clip_ratio_high: float | None = None,
     global_batch_info: GlobalBatchInfo | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Sequence Policy Optimization (arXiv:2507.18071): a sequence-level importance ratio.
 
@@ -190,7 +194,9 @@ def gspo(
     loss1 = -advantages * seq_ratio
     loss2 = -advantages * torch.clamp(seq_ratio, 1.0 - low, 1.0 + high)
     pg_losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights, mask)
-    loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", global_batch_info=global_batch_info)
+    loss = agg_loss(
+        pg_losses, mask, "seq-mean-token-mean", global_batch_info=global_batch_info, sample_weight=sample_weight
+    )
 
     clipfrac = masked_mean((loss2 > loss1).to(log_prob.dtype), mask)
     ppo_kl = masked_mean(-neg_kl, mask)
@@ -211,6 +217,7 @@ def cispo(
     global_batch_info: GlobalBatchInfo | None = None,
     loss_scale_factor: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585).
 
@@ -230,7 +237,8 @@ def cispo(
 
     pg_losses = _weighted(-weight.detach() * advantages * log_prob, rollout_is_weights, mask)
     loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
     )
     return loss, _metrics(clipfrac, ppo_kl, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device))
 
@@ -246,6 +254,7 @@ def gpg(
     global_batch_info: GlobalBatchInfo | None = None,
     loss_scale_factor: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Policy Gradient (arXiv:2504.02546): plain policy gradient, loss_t = -A * log_prob.
 
@@ -255,7 +264,8 @@ def gpg(
     old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
     pg_losses = _weighted(-advantages * log_prob, rollout_is_weights, mask)
     loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
     )
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     ppo_kl = masked_mean((old_log_prob - log_prob).detach(), mask)

@@ -92,6 +92,11 @@ class DataConfig(ConfigBase):
     custom_cls: CustomClassConfig = section(CustomClassConfig, "Custom dataset class (path, name).")
     dataloader_num_workers: int = option(0, "DataLoader worker processes (0: load in the trainer process).", ge=0)
     apply_chat_template: bool = option(True, "Render chat-message prompts with the tokenizer's chat template.")
+    pairs: bool = option(
+        False,
+        "Training files hold preference pairs (prompt, chosen, rejected) for DPO (verl.DPOUpdateOperator): the "
+        "loader yields pairs instead of prompts to sample, a frozen reference is built, no critic.",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,12 +513,12 @@ class PPOConfig(ConfigBase):
         """Whether a critic is trained: ``critic.enable``, or (when None) the estimator is GAE."""
         if self.critic.enable is not None:
             return self.critic.enable
-        return self.algorithm.adv_estimator == "gae"
+        return self.algorithm.adv_estimator == "gae" and not self.data.pairs
 
     @property
     def use_reference(self) -> bool:
-        """Whether a reference policy is needed (a KL loss or an in-reward KL penalty)."""
-        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        """Whether a reference policy is needed (a KL loss, an in-reward KL penalty, or DPO's pairs)."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.data.pairs
 
     @property
     def one_actor_update(self) -> bool:

@@ -94,3 +94,73 @@ class PreferenceDataset(Dataset):
             )
             item.update({f"{side}_{k}": v for k, v in packed.items()})
         return item
+
+
+PAIR_SIDES = ("chosen", "rejected")
+
+
+class PreferencePairDataset(Dataset):
+    """Preference pairs in the rollout layout, for DPO on the RL trainer's roles (``data.pairs``).
+
+    Each item holds, for ``side`` in chosen/rejected: ``{side}_input_ids``,
+    ``{side}_attention_mask``, ``{side}_position_ids`` [max_prompt_length + max_response_length]
+    (the prompt left-padded to ``max_prompt_length``, the response right-padded to
+    ``max_response_length``, as a rollout lays out a sample) and ``{side}_response_mask``
+    [max_response_length]; plus ``uid`` (the row). A prompt or response longer than its budget
+    is an error naming the row (raise ``data.max_prompt_length``/``max_response_length``).
+    """
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer: Any,
+        *,
+        max_prompt_length: int,
+        max_response_length: int,
+        prompt_key: str = "prompt",
+        apply_chat_template: bool = True,
+    ):
+        self.tokenizer = ensure_pad_token(tokenizer)
+        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
+        self.keys = {"prompt": prompt_key, "chosen": "chosen", "rejected": "rejected"}
+        self.apply_chat_template = apply_chat_template
+        self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in self.keys.values()}))
+        self.store.require_columns(list(self.keys.values()))
+        if len(self.store) == 0:
+            raise ValueError(f"preference data files {[s.path for s in self.store.sources]} hold no rows")
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range [0, {len(self)})")
+        source, j = self.store.locate(i)
+        row = source.row(j)
+        fields = {name: get_field(row, key, path=source.path, row_index=j) for name, key in self.keys.items()}
+        item: dict[str, Any] = {"uid": str(self.store.origin(i))}
+        p, r, pad = self.max_prompt_length, self.max_response_length, self.tokenizer.pad_token_id
+        for side in PAIR_SIDES:
+            where = f"{source.path}: row {j} ({self.keys[side]})"
+            prompt_ids, response_ids = encode_prompt_response(
+                self.tokenizer,
+                fields["prompt"],
+                response_text(fields[side], where=where),
+                apply_chat_template=self.apply_chat_template,
+                where=where,
+            )
+            if len(prompt_ids) > p or len(response_ids) > r:
+                raise ValueError(
+                    f"{where}: {len(prompt_ids)} prompt and {len(response_ids)} response tokens do not fit "
+                    f"data.max_prompt_length={p} / data.max_response_length={r}; raise them"
+                )
+            ids = torch.full((p + r,), pad, dtype=torch.long)
+            mask = torch.zeros(p + r, dtype=torch.long)
+            ids[p - len(prompt_ids) : p] = torch.as_tensor(prompt_ids, dtype=torch.long)
+            ids[p : p + len(response_ids)] = torch.as_tensor(response_ids, dtype=torch.long)
+            mask[p - len(prompt_ids) : p + len(response_ids)] = 1
+            item[f"{side}_input_ids"] = ids
+            item[f"{side}_attention_mask"] = mask
+            item[f"{side}_position_ids"] = (mask.cumsum(0) - 1).clamp(min=0)
+            item[f"{side}_response_mask"] = mask[p:].clone()
+        return item

@@ -6,26 +6,36 @@ runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit``
 
 from verl.operator.base import Operator
 from verl.operator.ops import (
+    ConditionalUpdateOperator,
+    DPOUpdateOperator,
     FilterOperator,
+    GroupFilterOperator,
     MultiRewardScorer,
     PPOUpdateOperator,
+    PreferenceOperator,
     RewardModelScorer,
     RewardOperator,
     RolloutOperator,
+    WeightedFilterOperator,
 )
 from verl.operator.review import HumanReviewOperator
 from verl.operator.stream import DataStream, build_config, build_trainer
 
 __all__ = [
+    "ConditionalUpdateOperator",
+    "DPOUpdateOperator",
     "DataStream",
     "FilterOperator",
+    "GroupFilterOperator",
     "HumanReviewOperator",
     "MultiRewardScorer",
     "Operator",
     "PPOUpdateOperator",
+    "PreferenceOperator",
     "RewardModelScorer",
     "RewardOperator",
     "RolloutOperator",
+    "WeightedFilterOperator",
     "build_config",
     "build_trainer",
 ]

@@ -6,6 +6,11 @@
 | :class:`RewardOperator` | the trainer's ``RewardModel`` role (``compute_reward``), or one on the given scorer | ``token_level_scores`` |
 | :class:`MultiRewardScorer` | several reward operators, weighted sum | ``token_level_scores`` |
 | :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
+| :class:`WeightedFilterOperator` | the actor loss's per-sample weight (``verl.roles.actor.SAMPLE_WEIGHT``) | ``sample_weight`` |
+| :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``RLTrainer.filter_metric`` | nothing: drops groups |
+| :class:`PreferenceOperator` | ``preference_batch`` (``data.pairs``) | ``responses``, ``response_mask``, ``pair_side``, ... |
+| :class:`DPOUpdateOperator` | ``update_preference``: reference log-probs, ``Actor.update_preference`` | ``ref_log_prob`` |
+| :class:`ConditionalUpdateOperator` | ``update_step`` on the samples a predicate picks, ``update_preference`` on best-vs-worst pairs of the others | ``advantages``, ... |
 | :class:`PPOUpdateOperator` | ``update_step``: old/ref log-probs, values, advantages, critic and actor updates | ``advantages``, ... |
 """
 
@@ -23,7 +28,12 @@ if TYPE_CHECKING:
     from verl.trainer.rl_trainer import RLTrainer
 
 __all__ = [
+    "ConditionalUpdateOperator",
+    "DPOUpdateOperator",
     "FilterOperator",
+    "PreferenceOperator",
+    "GroupFilterOperator",
+    "WeightedFilterOperator",
     "MultiRewardScorer",
     "PPOUpdateOperator",
     "RewardModelScorer",
@@ -275,6 +285,125 @@ class FilterOperator(Operator):
         return kept, {"filter/kept": float(len(keep)), "filter/dropped": float(len(batch) - len(keep))}
 
 
+def _lookup(view: dict[str, Any], key: str) -> Any:
+    """``view[key]``, reaching into dict fields with dots (``"extra_info.tier"``); KeyError naming what exists."""
+    head, *rest = key.split(".")
+    if head not in view:
+        raise KeyError(f"no field {head!r} (the sample has {sorted(view)})")
+    value = view[head]
+    for part in rest:
+        if not isinstance(value, dict) or part not in value:
+            shown = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise KeyError(f"no field {key!r} ({head} holds {shown})")
+        value = value[part]
+    return value
+
+
+class WeightedFilterOperator(Operator):
+    """Weights samples instead of dropping them: each sample's actor losses (policy, KL, entropy)
+    are scaled by its weight (``sample_weight`` [B], applied in ``agg_loss`` over the unweighted
+    token and sequence counts; weight 0 removes a sample's contribution, 1 leaves it as is).
+
+    Give ``field`` and ``weights`` (a sample's value of ``field`` -> weight; ``field`` may reach
+    into dicts: ``"extra_info.tier"``; a value missing from ``weights`` takes ``default``, or
+    fails when ``default`` is None), or ``fn(sample) -> weight`` (``sample``: :func:`sample_view`,
+    with ``reward``). Weights must be finite and >= 0; an earlier weight is multiplied. The critic's
+    value loss is not weighted. Logs ``filter/weight_mean``, ``/min``, ``/max``.
+    """
+
+    inputs = ("token_level_scores",)
+    outputs = ("sample_weight",)
+
+    def __init__(
+        self,
+        weights: dict[Any, float] | None = None,
+        *,
+        field: str | None = None,
+        fn: Callable[[dict[str, Any]], float] | None = None,
+        default: float | None = 1.0,
+    ) -> None:
+        super().__init__()
+        if (fn is None) == (field is None):
+            raise ValueError("WeightedFilterOperator takes field= with weights=, or fn=, exactly one")
+        if field is not None and not weights:
+            raise ValueError(f"WeightedFilterOperator(field={field!r}) needs weights={{value: weight, ...}}")
+        if fn is not None and weights:
+            raise ValueError("WeightedFilterOperator: weights= goes with field=, not with fn=")
+        for value, weight in (weights or {}).items():
+            _check_weight_value(weight, f"weights[{value!r}]")
+        self.field, self.weights, self.fn, self.default = field, dict(weights or {}), fn, default
+
+    def weight_of(self, sample: dict[str, Any]) -> float:
+        """The weight of one sample (a :func:`sample_view`)."""
+        if self.fn is not None:
+            return _check_weight_value(self.fn(sample), "fn(sample)")
+        try:
+            value = _lookup(sample, self.field)
+        except KeyError as exc:
+            raise ValueError(f"WeightedFilterOperator(field={self.field!r}): {exc.args[0]}") from None
+        if value in self.weights:
+            return float(self.weights[value])
+        if self.default is None:
+            raise ValueError(
+                f"WeightedFilterOperator(field={self.field!r}): value {value!r} has no weight (weights for "
+                f"{sorted(map(repr, self.weights))}); add it or set default="
+            )
+        return _check_weight_value(self.default, "default")
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        from verl.roles.actor import SAMPLE_WEIGHT
+
+        reward = batch["token_level_scores"].sum(-1)  # [B]
+        weight = torch.tensor([self.weight_of(sample_view(batch, i, reward)) for i in range(len(batch))])  # [B]
+        if SAMPLE_WEIGHT in batch:
+            weight = weight * batch[SAMPLE_WEIGHT].to(weight.dtype)
+        batch[SAMPLE_WEIGHT] = weight
+        return batch, {
+            "filter/weight_mean": float(weight.mean()),
+            "filter/weight_min": float(weight.min()),
+            "filter/weight_max": float(weight.max()),
+        }
+
+
+def _check_weight_value(weight: Any, where: str) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (weight >= 0 and weight < float("inf")):
+        raise ValueError(f"WeightedFilterOperator: {where} = {weight!r}; a weight is a finite number >= 0")
+    return float(weight)
+
+
+class GroupFilterOperator(Operator):
+    """DAPO's group filter (dynamic sampling's drop, arXiv:2503.14476): removes every prompt group
+    (samples of one ``uid``) whose ``metric`` is the same for all its samples, since GRPO gives
+    them zero advantage. The trainer's own pieces: ``verl.algos.filter_groups`` on
+    ``RLTrainer.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
+    scorer returns, e.g. ``acc``). Unlike ``algorithm.filter_groups`` in the trainer's own step it
+    does not draw more prompts to refill the batch: the step trains on the groups left. Fails when
+    no group is left. Logs ``filter/kept_groups`` and ``filter/dropped_groups``.
+    """
+
+    inputs = ("token_level_scores", "uid")
+
+    def __init__(self, metric: str = "seq_reward") -> None:
+        super().__init__()
+        self.metric = metric
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        from verl.algos import filter_groups
+
+        result = filter_groups(index=batch.non_tensors["uid"], metric_values=self.trainer.filter_metric(batch, self.metric))
+        if result.num_kept_groups == 0:
+            raise ValueError(
+                f"GroupFilterOperator dropped all {result.num_groups} prompt groups: every group's samples have "
+                f"the same {self.metric!r}; sample more responses per prompt (RolloutOperator(n=...)), raise the "
+                "temperature, or use prompts of mixed difficulty"
+            )
+        kept = batch if len(result.kept_indices) == len(batch) else batch[result.kept_indices]
+        return kept, {
+            "filter/kept_groups": float(result.num_kept_groups),
+            "filter/dropped_groups": float(result.num_dropped_groups),
+        }
+
+
 class PPOUpdateOperator(Operator):
     """The rest of the step: old and reference log-probs, values, advantages, the critic and
     actor updates and the step's metrics (``RLTrainer.update_step``; advances the global step).
@@ -322,3 +451,190 @@ class PPOUpdateOperator(Operator):
     def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
         metrics = self.trainer.update_step(batch)
         return batch, metrics
+
+
+PAIR_FIELDS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "uid", "pair_side")
+
+
+class PreferenceOperator(Operator):
+    """The step's preference pairs from the trainer's loader (``RLTrainer.preference_batch``: the
+    trainer built with ``data.pairs=true`` on prompt/chosen/rejected files). Makes the step's batch:
+    pair i's chosen response at row 2i, its rejected one at 2i + 1; None when the data is used up."""
+
+    outputs = PAIR_FIELDS
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {"data.pairs": True}
+
+    def process(self, batch: "Batch | None") -> "Batch | None":
+        if batch is not None:
+            raise ValueError("PreferenceOperator makes the step's batch: it must be the stream's first operator")
+        return self.trainer.preference_batch()
+
+
+class DPOUpdateOperator(Operator):
+    """DPO's update (arXiv:2305.18290) on the step's pairs: the reference role's log-probs, then one
+    optimizer step of the actor on the preference loss (``RLTrainer.update_preference``;
+    advances the global step). The loss is ``verl.algos.preference``'s: ``sigmoid`` (DPO,
+    -log sigmoid(beta * margin)) or ``ipo``, on per-response log-prob sums at temperature 1.
+
+    Args:
+        actor / reference: the trainer's roles (the default); given, they must be that trainer's
+            ``Actor`` and ``Reference`` (the stream runs one trainer's roles).
+        beta: the KL strength (DPO's beta).
+        loss_type: a registered preference loss (``verl.algos.list_preference_losses()``).
+        label_smoothing: conservative DPO's epsilon (``sigmoid`` only).
+        lr: the actor's learning rate (``actor.optim.lr``; None: the config's).
+    """
+
+    inputs = ("responses", "response_mask", "pair_side")
+    outputs = ("ref_log_prob",)
+
+    def __init__(
+        self,
+        *,
+        actor: Any = None,
+        reference: Any = None,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        lr: float | None = None,
+    ) -> None:
+        super().__init__()
+        from verl.algos import list_preference_losses
+
+        if loss_type not in list_preference_losses():
+            raise ValueError(f"DPOUpdateOperator(loss_type={loss_type!r}): choose one of {list_preference_losses()}")
+        if not (isinstance(beta, (int, float)) and beta > 0):
+            raise ValueError(f"DPOUpdateOperator(beta={beta!r}): beta must be a positive number")
+        self.actor, self.reference = actor, reference
+        self.beta, self.loss_type, self.label_smoothing = float(beta), loss_type, float(label_smoothing)
+        self.lr = lr
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {"data.pairs": True, **({"actor_rollout_ref.actor.optim.lr": self.lr} if self.lr is not None else {})}
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        for name, given, own in (("actor", self.actor, trainer.actor), ("reference", self.reference, trainer.reference)):
+            if given is not None and given is not own:
+                raise ValueError(
+                    f"DPOUpdateOperator({name}=...) is not the stream's trainer's {name}; the stream runs one "
+                    f"trainer's roles: leave {name}= unset or pass trainer.{name}"
+                )
+        super().bind(trainer)
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        metrics = self.trainer.update_preference(
+            batch, beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing
+        )
+        return batch, metrics
+
+
+class ConditionalUpdateOperator(Operator):
+    """Routes each sample by ``condition(sample)`` (``sample``: :func:`sample_view`, with ``reward``):
+    the samples it holds true for go to ``true_branch``, the others to ``false_branch``, one of
+    them a :class:`PPOUpdateOperator` and the other a :class:`DPOUpdateOperator` (the hybrid PPO/DPO
+    step). Both update the actor in the same step (the PPO update first; the step is counted once).
+
+    The DPO branch gets pairs from its samples: within each prompt group (``uid``), the sample of
+    highest reward is chosen and the one of lowest rejected (ties: the earlier sample); a group with
+    fewer than two such samples or all rewards equal gives no pair. The PPO branch trains on its
+    samples as :class:`FilterOperator` leaves them (a GRPO group keeps the members routed to it).
+    DPO needs the reference policy: give the PPO branch a KL loss (``kl_coef > 0``).
+
+    Logs the PPO branch's metrics as they are, the DPO branch's under ``dpo/`` (``dpo/loss``,
+    ``dpo/actor/grad_norm``, ``timing_s/dpo_*``), and ``conditional/true_samples``,
+    ``conditional/false_samples``, ``conditional/dpo_pairs``. :attr:`last_routes` holds the last
+    step's row indices: ``true``, ``false`` and ``pairs`` ((chosen, rejected) tuples).
+    """
+
+    inputs = ("responses", "response_mask", "uid", "token_level_scores")
+    outputs = PPOUpdateOperator.outputs
+
+    def __init__(self, *, condition: Callable[[dict[str, Any]], bool], true_branch: Operator, false_branch: Operator) -> None:
+        super().__init__()
+        if not callable(condition):
+            raise TypeError(f"ConditionalUpdateOperator(condition=...) takes a function of a sample, got {type(condition).__name__}")
+        branches = (true_branch, false_branch)
+        kinds = sorted(type(b).__name__ for b in branches)
+        if kinds != ["DPOUpdateOperator", "PPOUpdateOperator"]:
+            raise ValueError(
+                "ConditionalUpdateOperator takes one PPOUpdateOperator and one DPOUpdateOperator as its "
+                f"branches, got {[type(b).__name__ for b in branches]}"
+            )
+        self.condition, self.true_branch, self.false_branch = condition, true_branch, false_branch
+        self.last_routes: dict[str, list[Any]] = {}
+
+    def config_overrides(self) -> dict[str, Any]:
+        # The stream's data are prompts to sample (not pairs); the PPO branch's settings apply.
+        out: dict[str, Any] = {}
+        for branch in (self.true_branch, self.false_branch):
+            out.update({k: v for k, v in branch.config_overrides().items() if k != "data.pairs"})
+        return out
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        super().bind(trainer)
+        self.true_branch.bind(trainer)
+        self.false_branch.bind(trainer)
+
+    @staticmethod
+    def best_vs_worst(uids: Sequence[Any], reward: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, int]]:
+        """(chosen, rejected) row pairs: per ``uid`` among ``rows``, the highest vs the lowest reward."""
+        groups: dict[Any, list[int]] = {}
+        for i in rows:
+            groups.setdefault(uids[i], []).append(i)
+        pairs = []
+        for members in groups.values():
+            best = max(members, key=lambda i: (float(reward[i]), -i))
+            worst = min(members, key=lambda i: (float(reward[i]), i))
+            if float(reward[best]) > float(reward[worst]):
+                pairs.append((best, worst))
+        return pairs
+
+    def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
+        reward = batch["token_level_scores"].sum(-1)  # [B]
+        picked = [bool(self.condition(sample_view(batch, i, reward))) for i in range(len(batch))]
+        ppo, dpo = (self.true_branch, self.false_branch)
+        true_rows = [i for i, p in enumerate(picked) if p]
+        false_rows = [i for i, p in enumerate(picked) if not p]
+        ppo_rows, dpo_rows = (true_rows, false_rows) if isinstance(ppo, PPOUpdateOperator) else (false_rows, true_rows)
+        if not isinstance(ppo, PPOUpdateOperator):
+            ppo, dpo = dpo, ppo
+        pairs = self.best_vs_worst(list(batch.non_tensors["uid"]), reward, dpo_rows)
+        self.last_routes = {"true": true_rows, "false": false_rows, "pairs": pairs}
+        if not ppo_rows and not pairs:
+            raise ValueError(
+                f"ConditionalUpdateOperator: no sample went to the PPO branch and the DPO branch's "
+                f"{len(dpo_rows)} samples make no pair (each needs a group with a reward spread); loosen the condition"
+            )
+        metrics: dict[str, float] = {
+            "conditional/true_samples": float(len(true_rows)),
+            "conditional/false_samples": float(len(false_rows)),
+            "conditional/dpo_pairs": float(len(pairs)),
+        }
+        out = batch
+        if ppo_rows:
+            out = batch if len(ppo_rows) == len(batch) else batch[ppo_rows]
+            out, more = ppo.process(out)
+            metrics.update(more)
+        if pairs:
+            rows = [i for pair in pairs for i in pair]
+            pair_batch = batch[rows].select(["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "uid"])
+            pair_batch["pair_side"] = torch.arange(2).repeat(len(pairs))
+            more = self.trainer.update_preference(
+                pair_batch,
+                beta=dpo.beta,
+                loss_type=dpo.loss_type,
+                label_smoothing=dpo.label_smoothing,
+                advance_step=not ppo_rows,
+            )
+            for key, value in more.items():
+                if key.startswith("dpo/"):
+                    metrics[key] = value
+                elif key.startswith("timing_s/"):
+                    metrics[f"timing_s/dpo_{key.removeprefix('timing_s/')}"] = value
+                elif key.startswith("actor/"):
+                    metrics[f"dpo/{key}"] = value
+                elif not ppo_rows:
+                    metrics[key] = value
+        return out, metrics

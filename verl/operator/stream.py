@@ -28,6 +28,7 @@ from verl.operator.base import Operator, declared, operator_name
 
 if TYPE_CHECKING:
     from verl.config import PPOConfig
+    from verl.monitor import VerlMonitor
     from verl.protocol import Batch
     from verl.trainer.rl_trainer import RLTrainer
 
@@ -120,6 +121,7 @@ class DataStream:
         self.operators: list[Any] = []
         self._names: list[str] = []
         self._fields: set[str] = set()
+        self.monitor: "VerlMonitor | None" = None
 
     # -- building -------------------------------------------------------------------------
 
@@ -151,6 +153,21 @@ class DataStream:
             op.bind(self._trainer)
         return self
 
+    def with_monitor(self, monitor: "VerlMonitor") -> "DataStream":
+        """Watch the run with ``monitor`` (``verl.monitor.VerlMonitor``): the trainer logs to its
+        ``log_dir`` and rewrites ``report.html`` every ``report_interval`` steps. A stream that builds
+        its trainer configures it so; a given trainer must already agree. Returns the stream."""
+        from verl.monitor import VerlMonitor
+
+        if not isinstance(monitor, VerlMonitor):
+            raise TypeError(f"with_monitor takes a verl.monitor.VerlMonitor, got {type(monitor).__name__}")
+        if self.monitor is not None and self.monitor is not monitor:
+            raise ValueError("this DataStream already has a monitor; one stream logs to one folder")
+        if self._trainer is not None:
+            monitor.attach(self._trainer)
+        self.monitor = monitor
+        return self
+
     def _check_settings(self, name: str, op: Operator, cfg: "PPOConfig") -> None:
         for key, wanted in op.config_overrides().items():
             have = _config_value(cfg, key)
@@ -169,6 +186,8 @@ class DataStream:
             for op in self.operators:
                 if isinstance(op, Operator):
                     overrides += [f"{k}={v}" for k, v in op.config_overrides().items()]
+            if self.monitor is not None:
+                overrides += [f"{k}={v}" for k, v in self.monitor.config_overrides().items()]
             cfg = build_config(
                 model=self._build_args["model"],
                 train_files=self._build_args["train_files"],
@@ -179,6 +198,8 @@ class DataStream:
             for op in self.operators:
                 if isinstance(op, Operator):
                     op.bind(self._trainer)
+            if self.monitor is not None:
+                self.monitor.attach(self._trainer)
         return self._trainer
 
     # -- running --------------------------------------------------------------------------
@@ -187,7 +208,8 @@ class DataStream:
         """One step through every operator; its metrics, or None when the data is used up.
 
         Besides the operators' own metrics: ``reward_mean`` (mean sequence score of the step's
-        samples as the reward operator scored them, before any filter), ``loss`` (``actor/pg_loss``),
+        samples as the reward operator scored them, before any filter), ``loss`` (``actor/pg_loss``, or
+        ``dpo/loss`` for DPO),
         ``kl`` (``actor/kl_loss``, the KL to the reference, when the actor uses a KL loss, else
         ``actor/ppo_kl``, old vs updated policy), ``timing_s/op/<name>`` per operator, ``step``.
         """
@@ -212,6 +234,8 @@ class DataStream:
         metrics["timing_s/stream_step"] = time.perf_counter() - start
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
+        elif "dpo/loss" in metrics:
+            metrics["loss"] = metrics["dpo/loss"]
         kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
         if kl_key in metrics:
             metrics["kl"] = metrics[kl_key]
@@ -220,10 +244,15 @@ class DataStream:
         return metrics
 
     def step(self) -> dict[str, float] | None:
-        """:meth:`run_operators` and log its metrics to the trainer's loggers (``metrics.jsonl`` ...)."""
+        """:meth:`run_operators` and log its metrics to the trainer's loggers (``metrics.jsonl`` ...);
+        ``report.html`` is rewritten every ``trainer.report_freq`` steps, as in :meth:`fit`."""
         metrics = self.run_operators()
         if metrics is not None:
-            self.trainer.tracking.log(metrics, self.trainer.global_step)
+            trainer = self.trainer
+            trainer.tracking.log(metrics, trainer.global_step)
+            freq = trainer.cfg.trainer.report_freq
+            if freq > 0 and trainer.global_step % freq == 0:
+                trainer.write_report()
         return metrics
 
     def fit(self, *, stop_after: int | None = None) -> dict[str, float]:

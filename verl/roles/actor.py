@@ -5,6 +5,11 @@ The loss of one mini-batch is, with every term a share of the mini-batch's globa
 
     policy_loss(loss_mode)  -  entropy_coeff * entropy  +  kl_loss_coef * KL(actor || reference)
 
+:meth:`Actor.update_preference` is DPO's update on preference pairs (``verl.algos.preference``).
+
+With a ``sample_weight`` [B] field in the batch (``verl.WeightedFilterOperator``) each term
+scales each sample's losses by its weight, over the unweighted token/sequence denominators.
+
 ``policy_loss`` is the registered function ``policy_loss.loss_mode`` (vanilla PPO clip with DAPO's
 clip-higher and dual clip, GSPO, CISPO, GPG, ...), aggregated with ``loss_agg_mode``; the KL term
 is there only with ``use_kl_loss`` (estimator ``kl_loss_type``). Log-probabilities are those of
@@ -13,11 +18,20 @@ the sampling temperature (the rollout's), as the engine drew them.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
 
-from verl.algos import GlobalBatchInfo, agg_loss, compute_kl_loss, compute_policy_loss
+from verl.algos import (
+    GlobalBatchInfo,
+    agg_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+    compute_preference_loss,
+    get_policy_loss,
+    sequence_log_prob,
+)
 from verl.engine import LossShare
 from verl.protocol import Batch
 from verl.roles.engine_role import RoleEngine, step_metrics
@@ -27,7 +41,11 @@ if TYPE_CHECKING:
 
     from verl.config.schema import ActorConfig, ModelConfig
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "SAMPLE_WEIGHT"]
+
+SAMPLE_WEIGHT = "sample_weight"
+"""Optional batch field [B]: each sample's weight in every actor loss term (``agg_loss``'s
+``sample_weight``); ``verl.WeightedFilterOperator`` sets it."""
 
 # loss_fn metric key -> the reference verl's logged key
 _METRICS = {
@@ -122,6 +140,7 @@ class Actor:
             def loss_fn(outputs, micro) -> LossShare:
                 log_prob = outputs["logprobs"][:, -response_length:]  # [b, R]
                 mask = micro["response_mask"].to(log_prob.dtype)
+                weight = micro.get(SAMPLE_WEIGHT)  # [b] or None
                 old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro else log_prob.detach()
                 pg_loss, pg_metrics = compute_policy_loss(
                     cfg.policy_loss.loss_mode,
@@ -135,6 +154,7 @@ class Actor:
                     clip_ratio_high=cfg.clip_ratio_high,
                     clip_ratio_c=cfg.clip_ratio_c,
                     global_batch_info=info,
+                    sample_weight=weight,
                 )
                 loss = pg_loss
                 metrics = {**pg_metrics, "pg_loss": pg_loss.detach() * num_micro}
@@ -144,6 +164,7 @@ class Actor:
                         mask,
                         cfg.loss_agg_mode,
                         global_batch_info=info,
+                        sample_weight=weight,
                     )
                     loss = loss - cfg.entropy_coeff * entropy
                     metrics["entropy"] = entropy.detach() * num_micro
@@ -155,6 +176,7 @@ class Actor:
                         kl_loss_type=cfg.kl_loss_type,
                         loss_agg_mode=cfg.loss_agg_mode,
                         global_batch_info=info,
+                        sample_weight=weight,
                     )
                     loss = loss + cfg.kl_loss_coef * kl
                     metrics["kl_loss"] = kl.detach() * num_micro
@@ -179,6 +201,14 @@ class Actor:
             keys.append("ref_log_prob")
         if self.measures_in_update and "rollout_log_probs" in batch:
             keys.append("rollout_log_probs")
+        if SAMPLE_WEIGHT in batch:
+            if SAMPLE_WEIGHT not in inspect.signature(get_policy_loss(cfg.policy_loss.loss_mode)).parameters:
+                raise ValueError(
+                    f"the batch has per-sample weights ({SAMPLE_WEIGHT}, e.g. from a WeightedFilterOperator) but "
+                    f"actor.policy_loss.loss_mode={cfg.policy_loss.loss_mode!r} takes no sample_weight; give the "
+                    "registered loss a sample_weight argument (passed to agg_loss) or drop the weights"
+                )
+            keys.append(SAMPLE_WEIGHT)
         results = self.role.train(
             batch,
             keys=keys,
@@ -194,6 +224,75 @@ class Actor:
         metrics = step_metrics("actor", results, _METRICS)
         if self.measures_in_update and results:
             metrics.update(_measured(results[0].metrics))
+        return metrics
+
+    def update_preference(
+        self, batch: Batch, *, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0
+    ) -> dict[str, float]:
+        """One optimizer step of a preference loss (``verl.algos.preference``: ``sigmoid`` is DPO) on
+        ``batch``: pairs as rows 2i (chosen) and 2i + 1 (rejected), with ``response_mask`` and the
+        reference's ``ref_log_prob`` [2B, R]; log-probabilities at temperature 1, summed per response.
+
+        The loss goes through the engine's forward-backward as a ``LossShare``: a first forward at the
+        current weights gives each response's sequence log-prob and the loss's derivative c_i with
+        respect to it; the training pass then back-propagates sum_i c_i * logp_i(theta), whose
+        gradient is exactly the loss's at these weights. So micro-batches and data-parallel ranks
+        need not keep a pair together, and the step is one optimizer update on the whole batch
+        (several would use stale c_i). Returns ``dpo/loss`` (at the weights before the step),
+        ``dpo/rewards/{chosen,rejected,accuracy,margin}`` and ``actor/grad_norm``, ``actor/lr``.
+        """
+        side = batch["pair_side"]  # [2B]: 0 chosen, 1 rejected
+        if len(batch) % 2 or not (bool((side[0::2] == 0).all()) and bool((side[1::2] == 1).all())):
+            raise ValueError(
+                "update_preference needs pairs as rows 2i (chosen) and 2i + 1 (rejected) "
+                "(RLTrainer.preference_batch lays them out so); the batch was reordered or filtered"
+            )
+        response_length = batch["responses"].shape[1]
+        mask = batch["response_mask"]
+        out = self.role.forward(
+            batch,
+            output="logprobs",
+            micro_batch_size=self.log_prob_micro_batch_size,
+            response_length=response_length,
+            temperature=1.0,
+        )
+        policy = sequence_log_prob(out["logprobs"], mask).double().requires_grad_(True)  # [2B]
+        reference = sequence_log_prob(batch["ref_log_prob"], mask).double()  # [2B]
+        loss, pref_metrics = compute_preference_loss(
+            loss_type,
+            policy_chosen_logps=policy[0::2],
+            policy_rejected_logps=policy[1::2],
+            reference_chosen_logps=reference[0::2],
+            reference_rejected_logps=reference[1::2],
+            beta=beta,
+            label_smoothing=label_smoothing,
+        )
+        (coef,) = torch.autograd.grad(loss, policy)  # [2B]: d loss / d logp_i
+        batch["preference_coef"] = coef.float()
+
+        def make_loss(info: GlobalBatchInfo, num_micro: int):
+            def loss_fn(outputs, micro) -> LossShare:
+                log_prob = outputs["logprobs"][:, -response_length:]  # [b, R]
+                seq = (log_prob * micro["response_mask"].to(log_prob.dtype)).sum(-1)  # [b]
+                # c_i already carries the whole batch's 1/num_pairs; x dp_size undoes DDP's average.
+                return LossShare((micro["preference_coef"].to(seq.dtype) * seq).sum() * info.dp_size, {})
+
+            return loss_fn
+
+        results = self.role.train(
+            batch,
+            keys=["response_mask", "preference_coef"],
+            mini_batch_rows=len(batch),
+            micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
+            epochs=1,
+            make_loss=make_loss,
+            shuffle_seed=None,
+            output="logprobs",
+            temperature=1.0,
+        )
+        metrics = step_metrics("actor", results, {})
+        metrics["dpo/loss"] = float(loss)
+        metrics.update({f"dpo/{k}": float(v) for k, v in pref_metrics.items()})
         return metrics
 
 

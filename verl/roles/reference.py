@@ -57,13 +57,14 @@ class Reference:
             name="reference",
         )
 
-    def compute_log_prob(self, batch: Batch) -> torch.Tensor:
-        """Log-probabilities of every response token under the reference policy, [B, R]."""
+    def compute_log_prob(self, batch: Batch, *, temperature: float | None = None) -> torch.Tensor:
+        """Log-probabilities of every response token under the reference policy, [B, R], at the
+        sampling temperature (or ``temperature``: DPO's pairs use 1)."""
         out = self.role.forward(
             batch,
             output="logprobs",
             micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
             response_length=batch["responses"].shape[1],
-            temperature=self.temperature,
+            temperature=self.temperature if temperature is None else temperature,
         )
         return out["logprobs"]

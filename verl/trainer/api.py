@@ -3,18 +3,23 @@
 It only builds a ``PPOConfig`` (from a YAML file under configs/, then its arguments, then
 ``overrides``) and calls the trainer's ``fit`` — the loop ``python -m verl.trainer.main_ppo``
 runs. Checkpoints are the trainer's: ``output_dir/global_step_N/`` (actor, critic, and
-``trainer_state.json``), logs under ``output_dir/logs`` (``metrics.jsonl``).
+``trainer_state.json``; :meth:`RLTrainer.from_checkpoint` also takes ``output_dir/checkpoint-N``,
+the Hugging Face Trainer's name), logs under ``output_dir/logs`` (``metrics.jsonl``) or a
+``verl.monitor.VerlMonitor``'s ``log_dir``. ``fit(dataset=...)`` takes prompt files or
+``verl.utils.load_hf_dataset``'s result (written to ``output_dir/data/train.parquet``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from verl.config import PPOConfig
+    from verl.monitor import VerlMonitor
 
 __all__ = ["ALGORITHMS", "RLTrainer"]
 
@@ -31,7 +36,13 @@ ALGORITHMS: dict[str, str] = {
 }
 """``algorithm=`` name -> ``algorithm.adv_estimator`` (``ppo`` is GAE with a critic)."""
 
-_NOT_YET = ("dpo", "hybrid_ppo")
+PREFERENCE_ALGORITHMS = ("dpo",)
+"""``algorithm=`` names that train on preference pairs (``prompt``, ``chosen``, ``rejected``), not rewards."""
+
+HYBRID_ALGORITHMS = ("hybrid_ppo",)
+"""``algorithm=`` names whose step routes each sample to PPO (GRPO) or DPO (``ConditionalUpdateOperator``)."""
+
+_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 RUN_FILE = "verl_rl_trainer.json"
 """Written into ``output_dir`` by :meth:`RLTrainer.fit`: the arguments, for :meth:`RLTrainer.from_checkpoint`."""
@@ -43,6 +54,12 @@ _FIT_DEFAULTS: dict[str, Any] = {
     "eval_steps": -1,
     "save_hf": True,
 }
+
+
+def _files_setting(files: str | Sequence[str]) -> str:
+    if isinstance(files, (str, os.PathLike)):
+        return os.fspath(files)
+    return "[" + ",".join(os.fspath(f) for f in files) + "]"
 
 
 class RLTrainer:
@@ -61,6 +78,8 @@ class RLTrainer:
         learning_rate: float = 1e-6,
         kl_coef: float = 0.001,
         clip_range: float = 0.2,
+        beta: float = 0.1,
+        hybrid_condition: Callable[[dict[str, Any]], bool] | None = None,
         max_prompt_length: int = 512,
         max_response_length: int = 256,
         temperature: float = 1.0,
@@ -73,7 +92,9 @@ class RLTrainer:
         Args:
             actor_model: the policy's Hugging Face checkpoint directory (Llama, Qwen2, Mistral
                 families), trained through Megatron-core.
-            algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free).
+            algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),
+                or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop),
+                or ``"hybrid_ppo"``: GRPO and DPO in one step, by ``hybrid_condition``.
             use_vllm: rollout with vLLM (``True``) or the transformers ``generate`` engine.
             rollout_batch_size: prompts per step (``data.train_batch_size``).
             n_samples: responses per prompt (``actor_rollout_ref.rollout.n``).
@@ -83,6 +104,11 @@ class RLTrainer:
             learning_rate: the actor's (and critic's) learning rate.
             kl_coef: KL-to-reference loss coefficient (0: no reference model, no KL loss).
             clip_range: PPO's policy-ratio clip.
+            beta: DPO's beta (``algorithm="dpo"`` and the DPO half of ``"hybrid_ppo"``).
+            hybrid_condition: ``algorithm="hybrid_ppo"``: ``f(sample) -> bool`` (a sample as
+                ``FilterOperator``'s predicate sees it, with ``reward``); true: the sample trains with
+                GRPO, false: its group's best and worst such samples make a DPO pair
+                (``verl.ConditionalUpdateOperator``). Not saved for :meth:`from_checkpoint`: pass it again.
             max_prompt_length: prompt tokens kept (``data.max_prompt_length``).
             max_response_length: new tokens per response (``data.max_response_length``).
             temperature: rollout sampling temperature.
@@ -91,21 +117,36 @@ class RLTrainer:
             config: the YAML config started from (a name under configs/ or a path).
             overrides: ``key=value`` settings applied last (any ``python -m verl.config --help`` key).
         """
-        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "hybrid_condition")}
         self._init_args.update(actor_model=os.fspath(actor_model), overrides=list(overrides))
-        if algorithm not in ALGORITHMS:
-            if algorithm in _NOT_YET:
+        choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS])
+        if algorithm not in choices:
+            raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
+        if algorithm in HYBRID_ALGORITHMS:
+            if not callable(hybrid_condition):
                 raise ValueError(
-                    f"algorithm={algorithm!r} is not available in verl.RLTrainer yet; choose one of "
-                    f"{sorted(ALGORITHMS)}"
+                    f"algorithm={algorithm!r} routes each sample by hybrid_condition(sample) (true: the PPO/GRPO "
+                    "update, false: DPO on the best-vs-worst pair of its group); pass hybrid_condition=, e.g. "
+                    "lambda s: s['reward'] > 0"
                 )
-            raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+            if not kl_coef > 0:
+                raise ValueError(f"algorithm={algorithm!r}: its DPO half needs the reference policy; give kl_coef > 0")
+        elif hybrid_condition is not None:
+            raise ValueError(f"hybrid_condition= is for algorithm='hybrid_ppo', not {algorithm!r}")
+        if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
+            raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
         self.actor_model = os.fspath(actor_model)
         self.algorithm = algorithm
+        self.beta = float(beta)
+        self.hybrid_condition = hybrid_condition
         mini = rollout_batch_size if train_batch_size is None else train_batch_size
         a = "actor_rollout_ref"
         self._settings = [
-            f"algorithm.adv_estimator={ALGORITHMS[algorithm]}",
+            *(
+                ["data.pairs=true", "data.val_files=null"]
+                if algorithm in PREFERENCE_ALGORITHMS
+                else [f"algorithm.adv_estimator={ALGORITHMS.get(algorithm, 'grpo')}"]
+            ),
             f"{a}.rollout.name={'vllm' if use_vllm else 'hf'}",
             f"data.train_batch_size={rollout_batch_size}",
             f"{a}.rollout.n={n_samples}",
@@ -137,14 +178,32 @@ class RLTrainer:
         self._fit_defaults: dict[str, Any] = {}
 
     @classmethod
-    def from_checkpoint(cls, path: str) -> "RLTrainer":
-        """The trainer whose :meth:`fit` wrote checkpoint ``path`` (``output_dir/global_step_N``),
-        with its arguments (read from ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)``
-        then continues at step N+1 with the same data and ``max_steps`` unless given again."""
+    def from_checkpoint(cls, path: str, *, hybrid_condition: Callable[[dict[str, Any]], bool] | None = None) -> "RLTrainer":
+        """The trainer whose :meth:`fit` wrote checkpoint ``path``, with its arguments (read from
+        ``output_dir/``verl_rl_trainer.json````); ``.fit(resume_from_checkpoint=True)`` then continues
+        at step N+1 with the same data and ``max_steps`` unless given again.
+
+        ``path`` is ``output_dir/global_step_N`` (the trainer's checkpoint folder, as ``main_ppo``
+        writes it), ``output_dir/checkpoint-N`` (the same checkpoint under the Hugging Face
+        Trainer's name), or ``output_dir`` itself (its newest checkpoint)."""
+        from verl.trainer.checkpoint import CheckpointManager, step_dir_name
+
         path = os.path.abspath(os.fspath(path))
+        name = os.path.basename(path)
+        match = _HF_CHECKPOINT.match(name)
+        if match is not None and not os.path.isdir(path):
+            path = os.path.join(os.path.dirname(path), step_dir_name(int(match.group(1))))
+        elif os.path.isfile(os.path.join(path, RUN_FILE)):
+            found = CheckpointManager(path).latest()
+            if found is None:
+                raise ValueError(f"RLTrainer.from_checkpoint: {path} holds no checkpoint (global_step_N/) yet")
+            path = found.path
         run_file = os.path.join(os.path.dirname(path), RUN_FILE)
         if not os.path.isdir(path):
-            raise ValueError(f"RLTrainer.from_checkpoint: {path} is not a checkpoint directory")
+            raise ValueError(
+                f"RLTrainer.from_checkpoint: {path} is not a checkpoint directory (output_dir/global_step_N, "
+                "output_dir/checkpoint-N or output_dir)"
+            )
         try:
             with open(run_file, encoding="utf-8") as f:
                 saved = json.load(f)
@@ -153,7 +212,7 @@ class RLTrainer:
                 f"RLTrainer.from_checkpoint: cannot read {run_file} ({exc}); it is written by verl.RLTrainer.fit "
                 "beside its checkpoints. For a main_ppo run, resume with trainer.resume_mode=resume_path"
             ) from None
-        trainer = cls(**saved["init"])
+        trainer = cls(**saved["init"], hybrid_condition=hybrid_condition)
         trainer._resume_path = path
         trainer._fit_defaults = dict(saved["fit"])
         return trainer
@@ -169,6 +228,7 @@ class RLTrainer:
         eval_steps: int = -1,
         resume_from_checkpoint: bool = False,
         save_hf: bool = True,
+        monitor: "VerlMonitor | None" = None,
     ) -> "PPOConfig":
         """The ``PPOConfig`` :meth:`fit` trains with these arguments (see :meth:`fit`)."""
         from verl.operator.stream import build_config
@@ -189,8 +249,10 @@ class RLTrainer:
             f"trainer.save_hf={str(save_hf).lower()}",
             f"trainer.test_freq={eval_steps}",
             f"trainer.val_before_train={'true' if val_dataset_path and eval_steps > 0 else 'false'}",
-            f"data.val_files={os.fspath(val_dataset_path) if val_dataset_path else 'null'}",
+            f"data.val_files={_files_setting(val_dataset_path) if val_dataset_path else 'null'}",
         ]
+        if monitor is not None:
+            run += [f"{k}={v}" for k, v in monitor.config_overrides().items()]
         return build_config(
             model=self.actor_model,
             train_files=dataset_path,
@@ -201,40 +263,54 @@ class RLTrainer:
     def fit(
         self,
         *,
+        dataset: Any = None,
         dataset_path: str | Sequence[str] | None = None,
         max_steps: int | None = None,
         save_steps: int | None = None,
         output_dir: str | None = None,
-        val_dataset_path: str | None = None,
+        val_dataset_path: Any = None,
         eval_steps: int | None = None,
         resume_from_checkpoint: bool = False,
         save_hf: bool | None = None,
+        monitor: "VerlMonitor | None" = None,
     ) -> dict[str, Any]:
-        """Train ``max_steps`` steps on the prompts of ``dataset_path`` (parquet/jsonl/json with
+        """Train ``max_steps`` steps on the prompts of ``dataset`` (parquet/jsonl/json with
         ``prompt``, ``data_source`` and ``reward_model.ground_truth``, as ``main_ppo`` reads).
 
         An argument left None takes the value of the run :meth:`from_checkpoint` read, else its
         default: ``save_steps=-1``, ``output_dir="outputs/verl"``, ``eval_steps=-1``, ``save_hf=True``.
 
         Args:
-            dataset_path: training prompt file(s).
+            dataset: training prompts: file path(s), or what ``verl.utils.load_hf_dataset`` returned
+                (written to ``output_dir/data/train.parquet`` for the trainer, batch by batch).
+            dataset_path: the same as ``dataset`` for files (the earlier name).
             max_steps: trainer steps to run (each: ``rollout_batch_size`` prompts).
             save_steps: checkpoint every this many steps and at the end (-1: no checkpoints).
-            output_dir: checkpoints ``output_dir/global_step_N/``, logs ``output_dir/logs/``, the
-                final Hugging Face model ``output_dir/huggingface/`` (with ``save_hf``).
-            val_dataset_path / eval_steps: validation prompts and how often to validate (-1: never).
+            output_dir: checkpoints ``output_dir/global_step_N/`` (``from_checkpoint`` also takes
+                ``output_dir/checkpoint-N``), logs ``output_dir/logs/``, the final Hugging Face model
+                ``output_dir/huggingface/`` (with ``save_hf``).
+            val_dataset_path / eval_steps: validation prompts (files or ``load_hf_dataset``'s result)
+                and how often to validate (-1: never).
             resume_from_checkpoint: continue from the newest checkpoint in ``output_dir``.
             save_hf: export the trained actor as a Hugging Face checkpoint at the end.
+            monitor: a ``verl.monitor.VerlMonitor``: the run logs to its ``log_dir`` (instead of
+                ``output_dir/logs``), rewrites ``report.html`` every ``report_interval`` steps and
+                sends it every step's metrics.
 
         Returns the last step's metrics (the trainer's keys) plus ``reward_mean``
-        (``critic/score/mean``), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss`` with
-        a KL loss, else ``actor/ppo_kl``), ``global_step`` and ``checkpoint`` (the newest
-        checkpoint directory, or None).
+        (``critic/score/mean``), ``reward_delta`` (the last minus the first step's ``reward_mean`` in
+        the run's ``metrics.jsonl``), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss``
+        with a KL loss, else ``actor/ppo_kl``), ``rollout_tokens_per_second`` (the last step's
+        response tokens per second of generation, ``rollout/tokens_per_s``), ``global_step`` and
+        ``checkpoint`` (the newest checkpoint directory, or None).
         """
         from verl.operator.stream import build_trainer
+        from verl.trainer import report
 
+        if dataset is not None and dataset_path is not None:
+            raise ValueError("RLTrainer.fit: pass dataset= or dataset_path=, not both")
         given = dict(
-            dataset_path=dataset_path,
+            dataset_path=dataset if dataset is not None else dataset_path,
             max_steps=max_steps,
             save_steps=save_steps,
             output_dir=output_dir,
@@ -243,15 +319,15 @@ class RLTrainer:
             save_hf=save_hf,
         )
         args = {**_FIT_DEFAULTS, **self._fit_defaults, **{k: v for k, v in given.items() if v is not None}}
-        for name in ("dataset_path", "max_steps"):
-            if args.get(name) is None:
-                raise ValueError(f"RLTrainer.fit needs {name}=")
-        if isinstance(args["dataset_path"], (str, os.PathLike)):
-            args["dataset_path"] = os.path.abspath(os.fspath(args["dataset_path"]))
-        else:
-            args["dataset_path"] = [os.path.abspath(os.fspath(p)) for p in args["dataset_path"]]
+        if args.get("dataset_path") is None:
+            raise ValueError("RLTrainer.fit needs dataset= (prompt files, or verl.utils.load_hf_dataset(...))")
+        if args.get("max_steps") is None:
+            raise ValueError("RLTrainer.fit needs max_steps=")
         args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
-        cfg = self.build_config(**args, resume_from_checkpoint=resume_from_checkpoint)
+        args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
+        if args["val_dataset_path"] is not None:
+            args["val_dataset_path"] = self._data_files(args["val_dataset_path"], args["output_dir"], "val")
+        cfg = self.build_config(**args, resume_from_checkpoint=resume_from_checkpoint, monitor=monitor)
         self.last_config = cfg
         os.makedirs(args["output_dir"], exist_ok=True)
         with open(os.path.join(args["output_dir"], RUN_FILE), "w", encoding="utf-8") as f:
@@ -259,7 +335,9 @@ class RLTrainer:
         trainer, started = build_trainer(cfg)
         try:
             with trainer:
-                metrics: dict[str, Any] = dict(trainer.fit())
+                if monitor is not None:
+                    monitor.attach(trainer)
+                metrics: dict[str, Any] = dict(trainer.fit(step_fn=self._step_fn(trainer)))
                 step = trainer.global_step
                 self.last_checkpoint = trainer.last_checkpoint
         finally:
@@ -267,13 +345,75 @@ class RLTrainer:
                 from verl.parallel.bootstrap import destroy_distributed
 
                 destroy_distributed()
-        if "critic/score/mean" in metrics:
+        if "critic/score/mean" in metrics and "reward_mean" not in metrics:  # a stream's is of all its samples
             metrics["reward_mean"] = metrics["critic/score/mean"]
+        _, rewards = report.load_run(cfg.trainer.log_dir).series("critic/score/mean")
+        if rewards:
+            metrics["reward_delta"] = rewards[-1] - rewards[0]
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
+        elif "dpo/loss" in metrics:
+            metrics["loss"] = metrics["dpo/loss"]
         kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
         if kl_key in metrics:
             metrics["final_kl"] = metrics[kl_key]
+        if "rollout/tokens_per_s" in metrics:
+            metrics["rollout_tokens_per_second"] = metrics["rollout/tokens_per_s"]
         metrics["global_step"] = step
         metrics["checkpoint"] = self.last_checkpoint
         return metrics
+
+    def _step_fn(self, trainer: Any) -> Any:
+        """The loop's step: the trainer's own (None), or for DPO a stream of the pairs and the update."""
+        from verl.operator import (
+            ConditionalUpdateOperator,
+            DataStream,
+            DPOUpdateOperator,
+            PPOUpdateOperator,
+            PreferenceOperator,
+            RewardOperator,
+            RolloutOperator,
+        )
+
+        if self.algorithm in PREFERENCE_ALGORITHMS:
+            stream = DataStream(trainer=trainer).add_operator(PreferenceOperator())
+            return stream.add_operator(DPOUpdateOperator(beta=self.beta)).run_operators
+        if self.algorithm in HYBRID_ALGORITHMS:
+            hybrid = ConditionalUpdateOperator(
+                condition=self.hybrid_condition,
+                true_branch=PPOUpdateOperator(),
+                false_branch=DPOUpdateOperator(beta=self.beta),
+            )
+            stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
+            return stream.add_operator(hybrid).run_operators
+        return None
+
+    def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
+        """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``
+        result checked against the algorithm and written to ``output_dir/data/<split>.parquet``."""
+        from verl.data.hf_dataset import RecordData
+        from verl.trainer.ppo_checks import preference_pairs_problem
+
+        if isinstance(data, RecordData):
+            if self.algorithm in PREFERENCE_ALGORITHMS:
+                if data.kind != "preferences":
+                    raise ValueError(
+                        f"algorithm={self.algorithm!r} trains on preference pairs (prompt, chosen, rejected), but "
+                        f"the dataset {data.label} holds prompts ({data.columns}); give pairs, or choose a "
+                        "reward-based algorithm (grpo, ppo, ...)"
+                    )
+                return data.write_parquet(os.path.join(output_dir, "data", f"{split}.parquet"))
+            problem = preference_pairs_problem(
+                f"the dataset {data.label}", data.columns, "data_source", f"algorithm={self.algorithm!r}"
+            )
+            if problem:
+                raise ValueError(problem)
+            return data.write_parquet(os.path.join(output_dir, "data", f"{split}.parquet"))
+        if isinstance(data, (str, os.PathLike)):
+            return os.path.abspath(os.fspath(data))
+        if isinstance(data, (list, tuple)) and data and all(isinstance(p, (str, os.PathLike)) for p in data):
+            return [os.path.abspath(os.fspath(p)) for p in data]
+        raise TypeError(
+            f"RLTrainer.fit: a dataset is a file path, a list of them, or verl.utils.load_hf_dataset(...)'s "
+            f"result, got {type(data).__name__}"
+        )

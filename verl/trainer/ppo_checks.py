@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_dataset_scorers", "check_ppo_inputs", "data_sources", "needs_values"]
+__all__ = ["check_dataset_scorers", "check_ppo_inputs", "data_sources", "needs_values", "preference_pairs_problem"]
 
 # Data sources listed in a message at most.
 _SHOWN = 5
@@ -61,10 +61,52 @@ def data_sources(files: str | list[str] | None, key: str) -> set[str]:
     return {str(v) for _, _, values in store.iter_column(key) for v in values}
 
 
+def preference_pairs_problem(where: str, columns: list[str], reward_fn_key: str, algorithm: str) -> str | None:
+    """The problem of training reward-based ``algorithm`` on ``where``, whose ``columns`` are
+    preference pairs (``chosen``, ``rejected``) with no reward-function column; None otherwise."""
+    if not ("chosen" in columns and "rejected" in columns) or reward_fn_key.split(".")[0] in columns:
+        return None
+    return (
+        f"{where} holds preference pairs (columns 'chosen' and 'rejected') and no {reward_fn_key!r} column "
+        f"naming a reward function: {algorithm} learns from a reward given to each sampled response, and "
+        "preference pairs give none. Train on pairs with DPO (verl.RLTrainer(algorithm=\"dpo\")), or give "
+        "prompts with data_source and reward_model.ground_truth (verl.utils.load_hf_dataset remaps them), "
+        "or score responses with a reward model (reward_model.enable=true)"
+    )
+
+
+def _preference_problems(cfg: PPOConfig) -> list[str]:
+    from verl.data.io import TableStore
+
+    if cfg.data.pairs:
+        problems = []
+        if cfg.data.val_files:
+            problems.append(
+                f"data.pairs=true: validation of preference pairs is not supported; set data.val_files=null "
+                f"(got {cfg.data.val_files})"
+            )
+        if cfg.use_critic:
+            problems.append("data.pairs=true trains with DPO, which has no critic; set critic.enable=false")
+        if cfg.data.custom_cls.path:
+            problems.append("data.pairs=true reads its pairs with the built-in dataset; unset data.custom_cls.path")
+        return problems
+    if cfg.data.custom_cls.path:
+        return []
+    problems = []
+    algorithm = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}"
+    for setting in ("train_files", "val_files"):
+        for path in as_file_list(getattr(cfg.data, setting)):
+            columns = TableStore([path], columns=[]).sources[0].column_names
+            problem = preference_pairs_problem(f"data.{setting}: {path}", columns, cfg.data.reward_fn_key, algorithm)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
 def _algorithm_problems(cfg: PPOConfig) -> list[str]:
     problems = []
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
-    if needs_values(algo.adv_estimator) and not cfg.use_critic:
+    if needs_values(algo.adv_estimator) and not cfg.use_critic and not cfg.data.pairs:  # DPO uses no estimator
         problems.append(
             f"algorithm.adv_estimator={algo.adv_estimator} reads critic values, but critic.enable=false; "
             "enable the critic (critic.enable=true, or leave it null) or choose an estimator without one "
@@ -246,8 +288,11 @@ def check_ppo_inputs(cfg: PPOConfig) -> None:
         except ValueError as exc:
             problems.append(str(exc))
     if not problems:  # the files below exist
+        problems += _preference_problems(cfg)
+    if not problems:
         problems += _split_problems(cfg)
-        problems += _scorer_problems(cfg)
+        if not cfg.data.pairs:  # pairs have no data sources to score
+            problems += _scorer_problems(cfg)
         problems += _reward_model_problems(cfg)
     if problems:
         _raise(problems)

@@ -14,7 +14,8 @@ Built from what a run writes into its log directory (``trainer.log_dir``):
 
 Plots (matplotlib, rendered to SVG): reward mean with its distribution per step (violins when
 scores were recorded, else the min-max band), KL, entropy, response length, losses, gradient
-norm, time per phase stacked per step, memory peak per phase, throughput, and validation score
+norm, time per phase stacked per step, each ``verl.DataStream`` operator's share of the step
+(``timing_s/op/<name>``), memory peak per phase, throughput, and validation score
 per data source; then a table of the last validations' generations and the config. A plot
 whose metrics the run did not log says so instead of drawing nothing.
 """
@@ -56,6 +57,8 @@ SCORES_FILE = "scores.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 CONFIG_FILE = "config.json"
 REPORT_FILE = "report.html"
+OPERATOR_TIMING = "timing_s/op/"
+"""Prefix of a ``verl.DataStream`` operator's seconds in a step (``timing_s/op/<operator>``)."""
 _SAMPLES_SHOWN = 24  # generations shown per validation
 _VALIDATIONS_SHOWN = 3
 
@@ -213,7 +216,12 @@ def _reward_plot(run: RunData) -> str | None:
 
 
 def _timing_plot(run: RunData) -> str | None:
-    phases = [k for k in run.keys() if k.startswith("timing_s/") and k != "timing_s/step"]
+    # A DataStream step's operator times (timing_s/op/...) overlap the trainer's phases: their own plot.
+    phases = [
+        k for k in run.keys()
+        if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/stream_step")
+        and not k.startswith(OPERATOR_TIMING)
+    ]
     if not phases:
         return None
     fig, ax = _figure()
@@ -226,6 +234,29 @@ def _timing_plot(run: RunData) -> str | None:
     ax.set_ylabel("seconds")
     ax.legend(fontsize=6, ncol=3)
     return _svg(fig)
+
+
+def _operator_plot(run: RunData) -> str | None:
+    """Each ``verl.DataStream`` operator's share (%) of the step's operator time, stacked per step."""
+    ops = [k for k in run.keys() if k.startswith(OPERATOR_TIMING)]
+    if not ops:
+        return None
+    fig, ax = _figure()
+    totals = [sum(_finite(run.metrics[s].get(k, 0.0)) for k in ops) for s in run.steps]
+    bottom = [0.0] * len(run.steps)
+    for key in ops:
+        shares = [
+            100.0 * _finite(run.metrics[s].get(key, 0.0)) / t if t > 0 else 0.0 for s, t in zip(run.steps, totals)
+        ]
+        ax.bar(run.steps, shares, bottom=bottom, label=key.removeprefix(OPERATOR_TIMING), width=0.8)
+        bottom = [b + v for b, v in zip(bottom, shares)]
+    ax.set_ylabel("% of the step's operator time")
+    ax.legend(fontsize=6, ncol=3)
+    return _svg(fig)
+
+
+def _finite(value: float) -> float:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
 def _memory_plot(run: RunData) -> str | None:
@@ -250,6 +281,7 @@ _PLOTS = (  # (id, title, builder)
     ("grad-norm", "Gradient norm", lambda r: _lines(
         r, ["actor/grad_norm", "critic/grad_norm", "train/grad_norm"], "L2 norm", log=True)),
     ("timing", "Time per phase", _timing_plot),
+    ("operators", "Time share per operator (verl.DataStream)", _operator_plot),
     ("memory", "Memory peak per phase", _memory_plot),
     ("throughput", "Throughput", lambda r: _lines(
         r, ["perf/throughput", "perf/tokens_per_s", "rollout/tokens_per_s"], "tokens / s")),

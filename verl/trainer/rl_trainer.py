@@ -66,6 +66,7 @@ import torch.distributed as dist
 from verl.algos import apply_kl_penalty, compute_advantage, filter_groups, make_kl_controller, masked_mean
 from verl.config import PPOConfig, to_dict
 from verl.config.schema import ModelConfig, OptimConfig
+from verl.data.preference_dataset import PAIR_SIDES, PreferencePairDataset
 from verl.data.rl_dataset import build_dataloader, create_rl_dataset
 from verl.data.tokenizer import load_tokenizer
 from verl.engine import lr_schedule_steps
@@ -195,7 +196,17 @@ class RLTrainer:
             os.path.expanduser(cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path),
             trust_remote_code=arr.model.trust_remote_code,
         )
-        self.train_dataset = create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.train_files))
+        if cfg.data.pairs:  # DPO's preference pairs (check_ppo_inputs refused validation files)
+            self.train_dataset = PreferencePairDataset(
+                as_file_list(cfg.data.train_files),
+                self.tokenizer,
+                max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=cfg.data.max_response_length,
+                prompt_key=cfg.data.prompt_key,
+                apply_chat_template=cfg.data.apply_chat_template,
+            )
+        else:
+            self.train_dataset = create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.train_files))
         self.val_dataset = (
             create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.val_files))
             if cfg.data.val_files
@@ -307,7 +318,7 @@ class RLTrainer:
             logging.INFO,
             "RL trainer: %s on %s; training %s (%d prompts, %d steps per epoch of %d x n=%d, %d steps); "
             "%s; %s",
-            cfg.algorithm.adv_estimator,
+            "dpo (preference pairs, data.pairs)" if cfg.data.pairs else cfg.algorithm.adv_estimator,
             os.path.abspath(model_path),
             show_files(cfg.data.train_files),
             len(self.train_dataset),
@@ -387,12 +398,72 @@ class RLTrainer:
     def prompt_batch(self, draw: int = 0) -> Batch | None:
         """The next training batch of prompts with a ``uid`` per prompt (``step/draw/i``); None when
         ``trainer.total_epochs`` epochs are used up."""
+        if self.cfg.data.pairs:
+            raise ValueError("data.pairs=true: the loader yields preference pairs; take them with preference_batch()")
         data = self._next_prompts()
         if data is None:
             return None
         prompts = _to_batch(data)
         prompts["uid"] = [f"{self.global_step}/{draw}/{i}" for i in range(len(prompts))]
         return prompts
+
+    def preference_batch(self) -> Batch | None:
+        """The next B preference pairs (``data.pairs``) as 2B rollout-layout rows: pair i's chosen
+        response at row 2i, its rejected one at 2i + 1 (``pair_side`` [2B]: 0, 1), each with
+        ``input_ids``, ``attention_mask``, ``position_ids`` [2B, P+R], ``responses`` and
+        ``response_mask`` [2B, R], and the pair's ``uid``; None when the epochs are used up."""
+        if not self.cfg.data.pairs:
+            raise ValueError("preference_batch needs preference pairs: set data.pairs=true (prompt, chosen, rejected files)")
+        data = self._next_prompts()
+        if data is None:
+            return None
+        b = len(data["uid"])
+        # [B, 2, ...] -> [2B, ...]: chosen and rejected of one pair side by side.
+        rows = {
+            name: torch.stack([data[f"{side}_{name}"] for side in PAIR_SIDES], dim=1).flatten(0, 1)
+            for name in ("input_ids", "attention_mask", "position_ids", "response_mask")
+        }
+        rows["response_mask"] = rows["response_mask"].to(torch.float32)
+        rows["responses"] = rows["input_ids"][:, -self.cfg.data.max_response_length :]
+        rows["pair_side"] = torch.arange(2).repeat(b)
+        batch = Batch.from_dict(rows, {"uid": [f"{self.global_step}/{u}" for u in data["uid"] for _ in PAIR_SIDES]})
+        return batch
+
+    def update_preference(
+        self,
+        batch: Batch,
+        *,
+        beta: float,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        advance_step: bool = True,
+    ) -> dict[str, float]:
+        """DPO's step on :meth:`preference_batch`'s pairs: the reference's log-probs, then
+        ``Actor.update_preference``; advances :attr:`global_step` (unless ``advance_step=False``: a
+        second update within a step that already advanced it) and returns the step's metrics."""
+        if self.reference is None:
+            raise ValueError(
+                "DPO needs the frozen reference policy, which this trainer does not build: train on "
+                "data.pairs=true, or turn on actor_rollout_ref.actor.use_kl_loss (e.g. PPOUpdateOperator(kl_coef=0.001))"
+            )
+        timer = _Timer(self._enter)
+        start = time.perf_counter()
+        if advance_step:
+            self.global_step += 1
+        with timer("ref"):
+            batch["ref_log_prob"] = self.reference.compute_log_prob(batch, temperature=1.0)
+        with timer("update_actor"):
+            metrics = self.actor.update_preference(batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
+        metrics.update(
+            self.skipped.record(
+                self.global_step, metrics.get("actor/num_skipped_updates", 0) > 0, last_checkpoint=self._last_checkpoint
+            )
+        )
+        timer.seconds["step"] = time.perf_counter() - start
+        metrics.update(timer.metrics())
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
 
     def _seed(self, draw: int) -> int:
         return self.cfg.actor_rollout_ref.rollout.seed + self.global_step * _STEP_STRIDE + draw
@@ -500,7 +571,8 @@ class RLTrainer:
 
     # -- a whole step ---------------------------------------------------------------------
 
-    def _filter_metric(self, batch: Batch, name: str) -> Any:
+    def filter_metric(self, batch: Batch, name: str) -> Any:
+        """The per-sample values [B] that DAPO's group filter compares (``algorithm.filter_groups.metric``)."""
         if name == "seq_reward":
             return batch["token_level_scores"].sum(-1)
         if name == "seq_final_reward":
@@ -541,7 +613,7 @@ class RLTrainer:
             if not fg.enable:
                 return batch, metrics
             result = filter_groups(
-                index=batch.non_tensors["uid"], metric_values=self._filter_metric(batch, fg.metric)
+                index=batch.non_tensors["uid"], metric_values=self.filter_metric(batch, fg.metric)
             )
             kept.append(batch[result.kept_indices])
             kept_groups += result.num_kept_groups
@@ -566,6 +638,11 @@ class RLTrainer:
 
     def train_step(self) -> dict[str, float] | None:
         """One PPO/GRPO step in DESIGN.md's order; its metrics, or None when the data is used up."""
+        if self.cfg.data.pairs:
+            raise ValueError(
+                "data.pairs=true trains with DPO, whose step runs from the Python API: verl.RLTrainer(algorithm="
+                "'dpo') or a DataStream of PreferenceOperator and DPOUpdateOperator (docs/python_api.md)"
+            )
         timer = _Timer(self._enter)
         start = time.perf_counter()
         batch, metrics = self.collect_batch(timer)
@@ -814,7 +891,8 @@ class RLTrainer:
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
                 self.tracking.log(metrics, self.global_step)
                 last = metrics
-                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")  # before update: the log line carries it
+                if "critic/score/mean" in metrics:  # DPO's steps have no reward
+                    bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")  # before update: the log line carries it
                 bar.update(1)
                 if t.report_freq > 0 and self.global_step % t.report_freq == 0:
                     self.write_report()

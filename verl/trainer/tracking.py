@@ -166,7 +166,10 @@ class _JsonlSink:
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}}
+        # The call's step is the record's: a metric named "step" (a DataStream step logs one, as a
+        # float) must not replace it, or the run report's reader skips the record.
+        values = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items() if k != "step"}
+        record = {"step": step, **values}
         self._f.write(json.dumps(record, sort_keys=True) + "\n")
         self._f.flush()
 
@@ -426,6 +429,15 @@ class Tracking:
         values = _scalars(metrics)
         for sink in self.sinks.values():
             sink.log(values, step)
+
+    def add_sink(self, name: str, sink: MetricSink) -> None:
+        """Send every later :meth:`log` to ``sink`` too (``verl.monitor.VerlMonitor`` watches a run
+        this way); a no-op on ranks other than 0, which log nothing. A taken name is a ValueError."""
+        if self.rank != 0:
+            return
+        if name in self.sinks:
+            raise ValueError(f"the run already has a metric sink named {name!r} ({sorted(self.sinks)})")
+        self.sinks[name] = sink
 
     def rewind(self, step: int) -> None:
         """Drop what the file sinks hold after ``step``: a run resumed at ``step`` (0: from scratch)
