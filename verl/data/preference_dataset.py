@@ -33,6 +33,15 @@ def response_text(value: Any, *, where: str) -> str:
     raise ValueError(f"{where}: expected a string or a message list, got {type(value).__name__}")
 
 
+
+def _open_store(files, keys: dict[str, str]) -> TableStore:
+    """The rows of ``files`` with the columns ``keys`` names (each checked), refused when empty."""
+    store = TableStore(files, columns=sorted({split_key(k)[0] for k in keys.values()}))
+    store.require_columns(list(keys.values()))
+    if len(store) == 0:
+        raise ValueError(f"preference data files {[s.path for s in store.sources]} hold no rows")
+    return store
+
 class PreferenceDataset(Dataset):
     """Pairs of responses to one prompt; both sides share the prompt tokens.
 
@@ -60,10 +69,7 @@ class PreferenceDataset(Dataset):
         self.keys = {"prompt": prompt_key, "chosen": chosen_key, "rejected": rejected_key}
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
-        self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in self.keys.values()}))
-        self.store.require_columns(list(self.keys.values()))
-        if len(self.store) == 0:
-            raise ValueError(f"preference data files {[s.path for s in self.store.sources]} hold no rows")
+        self.store = _open_store(files, self.keys)
 
     def __len__(self) -> int:
         return len(self.store)
@@ -124,10 +130,7 @@ class PreferencePairDataset(Dataset):
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.keys = {"prompt": prompt_key, "chosen": "chosen", "rejected": "rejected"}
         self.apply_chat_template = apply_chat_template
-        self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in self.keys.values()}))
-        self.store.require_columns(list(self.keys.values()))
-        if len(self.store) == 0:
-            raise ValueError(f"preference data files {[s.path for s in self.store.sources]} hold no rows")
+        self.store = _open_store(files, self.keys)
 
     def __len__(self) -> int:
         return len(self.store)

@@ -222,20 +222,7 @@ def create_review_app(
     require_api_key(app, api_key, open_paths=("/health",), query_param="key")
 
     def public(row: dict[str, Any]) -> dict[str, Any]:
-        return {
-            k: row[k]
-            for k in (
-                "id",
-                "step",
-                "sample_index",
-                "prompt",
-                "response",
-                "model_score",
-                "status",
-                "decision",
-                "human_score",
-            )
-        }
+        return {k: row[k] for k in _COLUMNS if k not in ("created_at", "reviewed_at")}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
