@@ -901,16 +901,29 @@ def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
 
 
 _VERL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# Our training dtype under --verl-dtype auto: bf16 (fp32 master weights) from this hidden size up.
-# Measured on the 2-core development CPU (avx512_bf16): bf16 steps were slower than fp32 at hidden
-# 64 (per-op overhead) and about 3x faster at hidden 512 (ENVIRONMENT.md, docs/benchmarks.md).
+# Our training dtype under --verl-dtype auto: bf16 (fp32 master weights) from this hidden size up, on
+# a CPU with bf16 matrix instructions. Measured on 2-core development CPUs: with avx512_bf16, bf16
+# steps were slower than fp32 at hidden 64 (per-op overhead) and about 3x faster at hidden 512
+# (ENVIRONMENT.md); on an AVX2-only CPU a bf16 matmul ran at 0.8-19 GFLOP/s against fp32's 60-75
+# (docs/benchmarks.md), so there bf16 is never faster.
 _BF16_FROM_HIDDEN = 512
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix instructions (``/proc/cpuinfo`` flags; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in _BF16_CPU_FLAGS)
 
 
 def _verl_train_dtype(choice: str, hidden_size: int) -> str:
     if choice != "auto":
         return choice
-    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN else "fp32"
+    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN and cpu_has_bf16_matmul() else "fp32"
 
 
 def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -1040,7 +1053,8 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads, both sides (default %(default)s)")
     p.add_argument("--verl-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
-                        f"{_BF16_FROM_HIDDEN} up, where it is faster on CPU, else fp32 (default %(default)s)")
+                        f"{_BF16_FROM_HIDDEN} up on a CPU with bf16 matrix instructions (avx512_bf16/amx_bf16), "
+                        f"where it is faster, else fp32 (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
     p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",
