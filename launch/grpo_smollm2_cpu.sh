@@ -14,7 +14,13 @@
 #   bash launch/grpo_smollm2_cpu.sh trainer.total_training_steps=40
 #
 # Measured on the 2-core development machine (shared with other jobs), configs/grpo_smollm2_cpu.yaml:
-#   MEASURED: (filled in below from the run this recipe was checked with)
+#   held-out accuracy (100 problems, greedy) 0.110 before GRPO -> 0.650 after 12 steps;
+#   training reward (16 prompts x 4 samples at temperature 0.7) 0.047 at step 1 -> 0.734 at step 12,
+#   mean response 26.6 -> 12.7 tokens (it stops rambling after its sum, "56 + 58 = 114.");
+#   162 s per step (130-195 s; 2 ranks, one thread each, load average 10-17 from other jobs),
+#   37 min for the 12 steps and both validations; the import (tools/gguf2hf.py) took 72 s more.
+#   Engine vs trainer logprobs of the sampled tokens: max |diff| 6.1e-5, token_mult_prob_error
+#   at most 1 + 4e-6. Memory: ~5.5 GiB per rank (two such runs at once were OOM-killed on 24 GiB).
 #
 # Outputs land in $OUT (default: outputs/grpo_smollm2_cpu in the repository root): the imported
 # model, data, metrics.jsonl and the trained model exported as a Hugging Face checkpoint. A rerun
