@@ -59,19 +59,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from verl.trainer.launcher import launcher_entry  # noqa: E402 - after the path (a light module)
+from verl.trainer.launcher import cpu_recipe_environment, launcher_entry  # noqa: E402 - after the path (a light module)
 
 
 def main() -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_tiny_cpu")))
-    # One thread per rank: at this model size more threads on a busy 2-core machine are much slower.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    # vLLM's caches and sockets stay inside $OUT; its per-request INFO lines are left out.
-    for key, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "vllm-rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-        os.environ.setdefault(key, os.path.join(out, "cache", sub))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    cpu_recipe_environment(out)  # one thread per rank, no hub, vLLM's caches inside $OUT
 
     from verl.trainer.launcher import launched_world_overrides, run_recipe
 

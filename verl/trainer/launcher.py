@@ -14,12 +14,24 @@ import os
 import subprocess
 from collections.abc import Callable, Sequence
 
-__all__ = ["launched_world_overrides", "launcher_entry", "run_recipe"]
+__all__ = ["cpu_recipe_environment", "launched_world_overrides", "launcher_entry", "run_recipe"]
 
 _TORCHRUN_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 })
+
+
+def cpu_recipe_environment(out: str) -> None:
+    """The environment of the CPU recipes (launch/grpo_tiny_cpu.sh, launch/grpo_smollm2_cpu.sh), each
+    variable kept when already set: one thread per rank (two ranks on a 2-core machine use both
+    cores; more threads per rank on a busy machine are much slower at these sizes), no hub access,
+    and vLLM's caches and sockets inside ``out`` with its per-request INFO lines left out."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    for key, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "vllm-rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        os.environ.setdefault(key, os.path.join(out, "cache", sub))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def launched_world_overrides() -> list[str]:
