@@ -59,7 +59,6 @@ if [ ! -f "$out/data/train.parquet" ]; then
 fi
 exit 0
 ":"""
-import json
 import os
 import sys
 
@@ -72,7 +71,7 @@ def main() -> int:
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_smollm2_cpu")))
     cpu_recipe_environment(out)  # one thread per rank, no hub, vLLM's caches inside $OUT
 
-    from verl.trainer.launcher import launched_world_overrides, run_recipe
+    from verl.trainer.launcher import launched_world_overrides, print_validation_change, run_recipe
 
     overrides = [
         f"actor_rollout_ref.model.path={out}/model",
@@ -86,18 +85,12 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     status = run_recipe("grpo_smollm2_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
     if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
-        metrics = os.path.join(out, "logs", "metrics.jsonl")
-        with open(metrics, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f]
-        val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
-        if val:
-            (s0, key, before), (s1, _, after) = val[0], val[-1]
-            print(f"== held-out accuracy ({key}, greedy): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})")
+        records = print_validation_change(os.path.join(out, "logs"), "held-out accuracy", ", greedy")
         times = [r["timing_s/step"] for r in records if "timing_s/step" in r]
         if times:
             print(f"== time per step: {sum(times) / len(times):.1f} s mean over {len(times)} steps "
                   f"(min {min(times):.1f}, max {max(times):.1f})")
-        print(f"== metrics:      {metrics}")
+        print(f"== metrics:      {os.path.join(out, 'logs', 'metrics.jsonl')}")
         print(f"== HF export:    {os.path.join(out, 'grpo_model')}")
     return status
 

@@ -54,7 +54,6 @@ if [ "$sft_steps" != 0 ] && [ ! -f "$out/sft_model/config.json" ]; then
 fi
 exit 0
 ":"""
-import json
 import os
 import sys
 
@@ -67,7 +66,7 @@ def main() -> int:
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_tiny_cpu")))
     cpu_recipe_environment(out)  # one thread per rank, no hub, vLLM's caches inside $OUT
 
-    from verl.trainer.launcher import launched_world_overrides, run_recipe
+    from verl.trainer.launcher import launched_world_overrides, print_validation_change, run_recipe
 
     model = os.path.join(out, "sft_model" if os.environ.get("SFT_STEPS", "600") != "0" else "model")
     overrides = [
@@ -84,14 +83,8 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     status = run_recipe("grpo_tiny_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
     if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
-        metrics = os.path.join(out, "logs", "metrics.jsonl")
-        with open(metrics, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f]
-        val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
-        if val:
-            (s0, key, before), (s1, _, after) = val[0], val[-1]
-            print(f"== validation reward ({key}): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})")
-        print(f"== metrics:      {metrics}")
+        print_validation_change(os.path.join(out, "logs"), "validation reward")
+        print(f"== metrics:      {os.path.join(out, 'logs', 'metrics.jsonl')}")
         print(f"== checkpoints:  {os.path.join(out, 'checkpoints')}")
         print(f"== HF export:    {os.path.join(out, 'grpo_model')}")
     return status
