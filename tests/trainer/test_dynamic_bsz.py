@@ -1,0 +1,174 @@
+"""Token-budget micro-batches (``use_dynamic_bsz``) give the fixed-size split's numbers.
+
+``RoleEngine.forward`` and ``RoleEngine.train`` on 12 rows whose lengths (4 to 24 tokens) make
+the token split differ from any row split: the first six rows are long and the last six short,
+so at DP=2 rank 0 needs more micro-batches than rank 1 and the ranks must agree on the count.
+Each layout's forward log-probabilities and entropy, and one SGD step's loss, gradient norm and
+updated weights, are compared with one rank running all 12 rows as one micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from verl.testing.distributed import run_distributed
+
+ROWS, PROMPT, RESPONSE = 12, 12, 12
+# Long rows first, short rows last (see the module docstring).
+PROMPT_LENGTHS = [12, 11, 12, 10, 12, 9, 3, 2, 4, 2, 3, 2]
+RESPONSE_LENGTHS = [12, 10, 11, 12, 9, 12, 2, 3, 1, 2, 4, 2]
+BUDGET = 48  # two of the longest rows
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab, (ROWS, PROMPT + RESPONSE), generator=gen)
+    columns = torch.arange(PROMPT + RESPONSE)
+    prompt = torch.tensor(PROMPT_LENGTHS).unsqueeze(1)
+    response = torch.tensor(RESPONSE_LENGTHS).unsqueeze(1)
+    attention = ((columns >= PROMPT - prompt) & (columns < PROMPT + response)).long()  # [B, P+R]
+    response_mask = (torch.arange(RESPONSE) < response).long()  # [B, R]
+    advantages = torch.randn(ROWS, RESPONSE, generator=gen) * response_mask
+    return {
+        "input_ids": ids * attention,
+        "attention_mask": attention,
+        "response_mask": response_mask,
+        "advantages": advantages,
+    }
+
+
+def _make_loss(info, num_micro):
+    from verl.algos import agg_loss
+    from verl.engine import LossShare
+
+    def loss_fn(outputs, micro):
+        log_prob = outputs["logprobs"][:, -RESPONSE:]  # [b, R]
+        mask = micro["response_mask"].float()
+        # A token mean and a sequence mean: both global denominators (tokens, sequences) matter.
+        loss = agg_loss(-micro["advantages"] * log_prob, mask, "token-mean", global_batch_info=info)
+        loss = loss + 0.1 * agg_loss(log_prob * log_prob, mask, "seq-mean-token-mean", global_batch_info=info)
+        return LossShare(loss, {"loss_metric": loss.detach() * num_micro})
+
+    return loss_fn
+
+
+def _runs(model_dir: str, pp: int, modes: list[tuple[str, int]]) -> list[dict]:
+    from verl.config import MegatronConfig, ModelConfig, OptimConfig
+    from verl.parallel import megatron_state as ms
+    from verl.protocol import Batch
+    from verl.roles.engine_role import RoleEngine
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    pg = ms.initialize_model_parallel(pipeline_model_parallel_size=pp, seed=7)
+    out = []
+    for mode, size in modes:
+        role = RoleEngine(
+            model=ModelConfig(path=model_dir),
+            megatron=MegatronConfig(pipeline_model_parallel_size=pp),
+            pg=pg,
+            # SGD with an active clip (as test_engine_parallel): the update is the gradient itself.
+            optim=OptimConfig(optimizer="sgd", lr=1.0, clip_grad=1.0, weight_decay=0.0),
+            total_training_steps=4,
+            name="actor",
+        )
+        kwargs = {"micro_batch_size": size} if mode == "rows" else {"micro_batch_size": 1, "max_token_len": size}
+        batch = Batch.from_dict(_batch(vocab))
+        forward = role.forward(batch, output="logprobs", response_length=RESPONSE, with_entropy=True, **kwargs)
+        (step,) = role.train(
+            batch, keys=["response_mask", "advantages"], mini_batch_rows=ROWS, epochs=1, make_loss=_make_loss, **kwargs
+        )
+        weights = {}
+        for chunk in role.engine.chunks:
+            for name, p in chunk.named_parameters():
+                weights[name] = p.detach().clone()
+        out.append(
+            {
+                "logprobs": forward["logprobs"],
+                "entropy": forward["entropy"],
+                "loss": step.loss,
+                "grad_norm": step.grad_norm,
+                "loss_metric": step.metrics["loss_metric"],
+                "micro_batches": step.micro_batches,
+                "token_fill": step.token_fill,
+                "weights": weights,
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """One rank, all 12 rows in one micro-batch."""
+    return run_distributed(_runs, 1, tiny_model_dir, 1, [("rows", ROWS)])[0][0]
+
+
+def _same_as_reference(actual: dict, expected: dict) -> None:
+    # Forward: each micro-batch runs at its own trimmed width, so the matmuls' float32 sums differ
+    # in length and order (~1e-7 relative each); 2e-6 absolute on log-probabilities of ~-10.
+    torch.testing.assert_close(actual["logprobs"], expected["logprobs"], rtol=0, atol=2e-6)
+    torch.testing.assert_close(actual["entropy"], expected["entropy"], rtol=0, atol=2e-6)
+    # One step: the loss shares add up in another order (micro-batches, DP average): float32
+    # rounding only; a wrong denominator would be off by tens of percent.
+    assert actual["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7)
+    assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+    # The metric scaled by the micro-batch count reads as the step's loss.
+    assert actual["loss_metric"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7)
+    assert sorted(actual["weights"]) == sorted(expected["weights"])
+    for name, tensor in expected["weights"].items():
+        # A clipped unit-norm SGD step: weights differ by the gradients' rounding (~1e-7).
+        torch.testing.assert_close(actual["weights"][name], tensor, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _local_split(rank: int, world: int):
+    from verl.models.micro_batches import token_split
+
+    mask = _batch(100)["attention_mask"]
+    per = ROWS // world
+    return token_split(mask[rank * per : (rank + 1) * per], BUDGET)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_one_rank_token_budget_matches_one_micro_batch(reference, tiny_model_dir):
+    rows, tokens = run_distributed(_runs, 1, tiny_model_dir, 1, [("rows", 2), ("tokens", BUDGET)])[0]
+    split = _local_split(0, 1)
+    # The token split is not a row split: 4 micro-batches (162 tokens, 3 to 4 rows each) where
+    # rows of 2 make 6, with rows drawn from both ends of the batch.
+    assert split.count == tokens["micro_batches"] == 4 and rows["micro_batches"] == 6
+    assert all(p.max() - p.min() >= len(p) for p in split.parts)
+    assert tokens["token_fill"] == pytest.approx(split.fill) and 0.5 < split.fill <= 1.0
+    _same_as_reference(rows, reference)
+    _same_as_reference(tokens, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_two_ranks_agree_on_the_count_and_match_one_rank(reference, tiny_model_dir):
+    per_rank = run_distributed(_runs, 2, tiny_model_dir, 1, [("rows", 2), ("tokens", BUDGET)])
+    long_rank, short_rank = _local_split(0, 2), _local_split(1, 2)
+    assert long_rank.count > short_rank.count  # alone, the ranks would run different counts
+    for rows, tokens in per_rank:
+        assert tokens["micro_batches"] == long_rank.count  # both ranks run the larger count
+        _same_as_reference(rows, reference)
+        _same_as_reference(tokens, reference)
+    # The fill is over both ranks' tokens and the agreed count.
+    total = int(_batch(100)["attention_mask"].sum())
+    assert per_rank[0][1]["token_fill"] == pytest.approx(total / (2 * long_rank.count * BUDGET))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_two_pipeline_stages_pad_token_micro_batches_to_one_shape(reference, tiny_model_dir):
+    # With pipeline stages the micro-batches are padded to one row count (fixed p2p shapes).
+    per_rank = run_distributed(_runs, 2, tiny_model_dir, 2, [("tokens", BUDGET)])
+    assert per_rank[0][0]["micro_batches"] == per_rank[1][0]["micro_batches"] == _local_split(0, 1).count
+    for (tokens,) in per_rank:
+        # Each stage holds its own layers; compare the forward and the step's numbers.
+        torch.testing.assert_close(tokens["logprobs"], reference["logprobs"], rtol=0, atol=2e-6)
+        assert tokens["loss"] == pytest.approx(reference["loss"], rel=1e-6, abs=1e-7)
+        assert tokens["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-6)
