@@ -172,3 +172,43 @@ def test_two_pipeline_stages_pad_token_micro_batches_to_one_shape(reference, tin
         torch.testing.assert_close(tokens["logprobs"], reference["logprobs"], rtol=0, atol=2e-6)
         assert tokens["loss"] == pytest.approx(reference["loss"], rel=1e-6, abs=1e-7)
         assert tokens["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-6)
+
+
+class _OneRank:
+    """A process group of one rank (the token split skips its collectives)."""
+
+    def size(self) -> int:
+        return 1
+
+
+def test_out_of_memory_halves_the_budget_but_never_below_the_longest_row(caplog):
+    from types import SimpleNamespace
+
+    from verl.roles.engine_role import RoleEngine
+
+    # The OOM fallback needs no model: a RoleEngine shell whose engine is one chunk on one rank.
+    role = object.__new__(RoleEngine)
+    role.name, role.micro_batch_cap = "actor", {}
+    role.pg = SimpleNamespace(pp=_OneRank(), tp_dp_cp=_OneRank(), dp=_OneRank())
+    role.engine = SimpleNamespace(chunks=[None])
+    tried = []
+
+    def run(size, split, fits_at=30):
+        assert size is None
+        tried.append(split.budget)
+        if split.budget > fits_at:
+            raise torch.OutOfMemoryError("injected")
+        return split
+
+    def mask(lengths):
+        return (torch.arange(32) < torch.tensor(lengths).unsqueeze(1)).long()
+
+    split = role._fit("update", 4, 100, mask([24, 5, 7, 20]), run)
+    assert tried == [100, 50, 25] and split.budget == 25
+    assert "out of memory at token budget 100; now 50" in caplog.text
+    # Later calls start at the lowered budget, raised to their own longest row.
+    tried.clear()
+    assert role._fit("update", 4, 100, mask([28, 3]), run).budget == 28 and tried == [28]
+    # At the longest row there is nothing left to lower: the error propagates.
+    with pytest.raises(torch.OutOfMemoryError):
+        role._fit("update", 4, 100, mask([31, 3]), run)
