@@ -212,3 +212,35 @@ def test_out_of_memory_halves_the_budget_but_never_below_the_longest_row(caplog)
     # At the longest row there is nothing left to lower: the error propagates.
     with pytest.raises(torch.OutOfMemoryError):
         role._fit("update", 4, 100, mask([31, 3]), run)
+
+
+def _agreement(rank_lengths: list[list[int]], budget: int) -> tuple[int, list[list[int]]] | str:
+    import torch.distributed as dist
+
+    from verl.models.micro_batches import token_split
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel()
+    lengths = rank_lengths[dist.get_rank()]
+    mask = (torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)).long()
+    try:
+        split = token_split(mask, budget, pg=pg, what="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    except ValueError as exc:
+        return str(exc)
+    return split.count, [p.tolist() for p in split.parts]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ranks_agree_on_the_count_and_raise_together():
+    # Rank 0 alone would need 3 micro-batches, rank 1 one: both run 3.
+    per_rank = run_distributed(_agreement, 2, [[20, 20, 20, 1], [2, 2, 2, 2]], 24)
+    assert [count for count, _ in per_rank] == [3, 3]
+    assert all(sorted(sum(parts, [])) == [0, 1, 2, 3] for _, parts in per_rank)
+    # A row over the budget on rank 1 only: both ranks raise (none is left waiting in a collective).
+    per_rank = run_distributed(_agreement, 2, [[5, 5], [5, 30]], 24)
+    assert per_rank[0] == per_rank[1]
+    assert "a sequence of 30 tokens is longer than actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24" in per_rank[0]
+    # Rank 0 needs more micro-batches than rank 1 has rows: both raise.
+    per_rank = run_distributed(_agreement, 2, [[20, 20, 20], [1]], 24)
+    assert per_rank[0] == per_rank[1] and "every rank must run 3 micro-batches" in per_rank[0]

@@ -24,6 +24,10 @@ The token split, as built here:
   same count; the tensor-, pipeline- and context-parallel peers must run the same count anyway
   (they exchange activations every micro-batch), and agreeing over the whole role makes that
   hold by construction rather than by every peer computing the same thing;
+- with pipeline stages the micro-batches are padded with empty rows to the largest one's row
+  count and run at the batch's full width (the stages exchange fixed shapes; trimming is off
+  there, :mod:`verl.models.forward`), so the budget bounds the real tokens, not the padded
+  compute; with one stage each micro-batch runs at its own rows and longest row;
 - rows keep their batch order inside a micro-batch; :func:`verl.models.forward.forward_backward`
   scatters the outputs back, so results come in the caller's row order either way.
 
