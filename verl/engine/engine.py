@@ -36,7 +36,7 @@ from verl.engine.state import EngineState, load_engine_state, save_engine_state
 from verl.engine.step import optimizer_step, reduce_step_metrics
 from verl.models.builder import ModelBuildConfig
 from verl.models.forward import ForwardResult, LossShareFn, OutputKind, forward_backward
-from verl.models.micro_batches import MicroBatchSplit
+from verl.models.micro_batches import MicroBatchSplit, fixed_split
 from verl.models.weight_mapping import HeadKind
 from verl.utils.logging import log_rank0
 
@@ -277,15 +277,15 @@ class MegatronEngine:
             self.steps_taken += 1
         loss, metrics = reduce_step_metrics(result.losses, result.metrics, self.pg, self.device)
         if split is None:
-            count = max(1, -(-batch["input_ids"].shape[0] // micro_batch_size))
+            split = fixed_split(batch["input_ids"].shape[0], micro_batch_size)
         return EngineStepResult(
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,
             update_successful=ok,
             metrics=metrics,
-            micro_batches=count if split is None else split.count,
-            token_fill=None if split is None else split.fill,
+            micro_batches=split.count,
+            token_fill=split.fill,
         )
 
     # ------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) ->
 
 
 def _micro_batches(
-    batch: Mapping[str, torch.Tensor], split: "MicroBatchSplit", seq_len: int, trim_multiple: int | None = None
+    batch: Mapping[str, torch.Tensor], split: MicroBatchSplit, seq_len: int, trim_multiple: int | None = None
 ) -> list[_MicroBatch]:
     out = []
     for index in split.parts:
@@ -216,7 +216,7 @@ def _micro_batches(
     return out
 
 
-def _in_batch_order(pieces: list[torch.Tensor], split: "MicroBatchSplit") -> torch.Tensor:
+def _in_batch_order(pieces: list[torch.Tensor], split: MicroBatchSplit) -> torch.Tensor:
     """Each micro-batch's outputs ([b_i + padding, ...]) -> the batch's rows in its own order."""
     real = [piece[: len(index)] for piece, index in zip(pieces, split.parts)]
     stacked = torch.cat(real)
@@ -232,7 +232,7 @@ def forward_backward(
     *,
     pg: "ProcessGroupCollection",
     micro_batch_size: int | None = None,
-    split: "MicroBatchSplit | None" = None,
+    split: MicroBatchSplit | None = None,
     output: OutputKind = "logprobs",
     loss_fn: LossShareFn | None = None,
     temperature: float = 1.0,
