@@ -44,6 +44,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl.protocol.collectives import comm_device
+
 __all__ = ["MicroBatchSplit", "fixed_split", "pack_by_tokens", "token_split"]
 
 
@@ -148,7 +150,9 @@ def token_split(
         # longest row; two steps (TP x DP x CP, then PP) cover the whole role.
         agree = torch.tensor([k, -k, rows, -n, longest], dtype=torch.int64)
         for group in groups:
-            dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
+            on_device = agree.to(comm_device(group))
+            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+            agree = on_device.cpu()
         longest, fewest_rows, rows = int(agree[4]), -int(agree[3]), int(agree[2])
         if int(agree[0]) == -int(agree[1]) or int(agree[0]) > fewest_rows or longest > budget:
             k = int(agree[0])
@@ -172,6 +176,7 @@ def token_split(
     tokens = torch.tensor([total], dtype=torch.float64)
     dp = 1
     if pg is not None and pg.dp.size() > 1:
+        tokens = tokens.to(comm_device(pg.dp))
         dist.all_reduce(tokens, group=pg.dp)
         dp = pg.dp.size()
     fill = float(tokens[0]) / (dp * k * budget)
