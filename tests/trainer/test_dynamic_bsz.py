@@ -56,7 +56,23 @@ def _make_loss(info, num_micro):
     return loss_fn
 
 
-def _runs(model_dir: str, pp: int, modes: list[tuple[str, int]]) -> list[dict]:
+def _make_value_loss(info, num_micro):
+    from verl.algos import agg_loss
+    from verl.engine import LossShare
+    from verl.roles.engine_role import response_slice
+
+    def loss_fn(outputs, micro):
+        values = response_slice("values", outputs["values"], RESPONSE)  # [b, R], the critic's columns
+        mask = micro["response_mask"].float()
+        loss = agg_loss((values - micro["advantages"]) ** 2, mask, "token-mean", global_batch_info=info)
+        return LossShare(loss, {"loss_metric": loss.detach() * num_micro})
+
+    return loss_fn
+
+
+def _runs(model_dir: str, pp: int, modes: list[tuple[str, str, int]]) -> list[dict]:
+    """For each (head, mode, size): a fresh engine (seeded alike, so a value head starts the same),
+    a forward of the batch and one update, cut by ``size`` rows (``rows``) or tokens (``tokens``)."""
     from verl.config import MegatronConfig, ModelConfig, OptimConfig
     from verl.parallel import megatron_state as ms
     from verl.protocol import Batch
@@ -66,7 +82,8 @@ def _runs(model_dir: str, pp: int, modes: list[tuple[str, int]]) -> list[dict]:
         vocab = json.load(f)["vocab_size"]
     pg = ms.initialize_model_parallel(pipeline_model_parallel_size=pp, seed=7)
     out = []
-    for mode, size in modes:
+    for head, mode, size in modes:
+        ms.initialize_role(pg, seed=7)
         role = RoleEngine(
             model=ModelConfig(path=model_dir),
             megatron=MegatronConfig(pipeline_model_parallel_size=pp),
@@ -74,13 +91,20 @@ def _runs(model_dir: str, pp: int, modes: list[tuple[str, int]]) -> list[dict]:
             # SGD with an active clip (as test_engine_parallel): the update is the gradient itself.
             optim=OptimConfig(optimizer="sgd", lr=1.0, clip_grad=1.0, weight_decay=0.0),
             total_training_steps=4,
-            name="actor",
+            head=head,
+            name="actor" if head == "lm" else "critic",
         )
         kwargs = {"micro_batch_size": size} if mode == "rows" else {"micro_batch_size": 1, "max_token_len": size}
         batch = Batch.from_dict(_batch(vocab))
-        forward = role.forward(batch, output="logprobs", response_length=RESPONSE, with_entropy=True, **kwargs)
+        if head == "lm":
+            forward = role.forward(batch, output="logprobs", response_length=RESPONSE, with_entropy=True, **kwargs)
+            output, make_loss = "logprobs", _make_loss
+        else:
+            forward = role.forward(batch, output="values", response_length=RESPONSE, **kwargs)
+            output, make_loss = "values", _make_value_loss
         (step,) = role.train(
-            batch, keys=["response_mask", "advantages"], mini_batch_rows=ROWS, epochs=1, make_loss=_make_loss, **kwargs
+            batch, keys=["response_mask", "advantages"], mini_batch_rows=ROWS, epochs=1, make_loss=make_loss,
+            output=output, **kwargs,
         )
         weights = {}
         for chunk in role.engine.chunks:
@@ -88,8 +112,7 @@ def _runs(model_dir: str, pp: int, modes: list[tuple[str, int]]) -> list[dict]:
                 weights[name] = p.detach().clone()
         out.append(
             {
-                "logprobs": forward["logprobs"],
-                "entropy": forward["entropy"],
+                "forward": forward,
                 "loss": step.loss,
                 "grad_norm": step.grad_norm,
                 "loss_metric": step.metrics["loss_metric"],
@@ -103,24 +126,28 @@ def _runs(model_dir: str, pp: int, modes: list[tuple[str, int]]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    """One rank, all 12 rows in one micro-batch."""
-    return run_distributed(_runs, 1, tiny_model_dir, 1, [("rows", ROWS)])[0][0]
+    """One rank, all 12 rows in one micro-batch: the policy and a value head."""
+    policy, value = run_distributed(_runs, 1, tiny_model_dir, 1, [("lm", "rows", ROWS), ("value", "rows", ROWS)])[0]
+    return {"lm": policy, "value": value}
 
 
-def _same_as_reference(actual: dict, expected: dict) -> None:
-    # Forward: each micro-batch runs at its own trimmed width, so the matmuls' float32 sums differ
-    # in length and order (~1e-7 relative each); 2e-6 absolute on log-probabilities of ~-10.
-    torch.testing.assert_close(actual["logprobs"], expected["logprobs"], rtol=0, atol=2e-6)
-    torch.testing.assert_close(actual["entropy"], expected["entropy"], rtol=0, atol=2e-6)
+def _same_as_reference(actual: dict, expected: dict, *, weights: bool = True) -> None:
+    assert sorted(actual["forward"]) == sorted(expected["forward"])
+    for key, tensor in expected["forward"].items():
+        # Each micro-batch runs at its own trimmed width, so the matmuls' float32 sums differ in
+        # length and order (~1e-7 relative each; measured <= 5e-7 on log-probabilities of ~-10).
+        torch.testing.assert_close(actual["forward"][key], tensor, rtol=0, atol=2e-6, msg=lambda m, k=key: f"{k}: {m}")
     # One step: the loss shares add up in another order (micro-batches, DP average): float32
-    # rounding only; a wrong denominator would be off by tens of percent.
+    # rounding only (measured <= 6e-8 relative); a wrong denominator would be off by percents.
     assert actual["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7)
     assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
     # The metric scaled by the micro-batch count reads as the step's loss.
     assert actual["loss_metric"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7)
+    if not weights:
+        return
     assert sorted(actual["weights"]) == sorted(expected["weights"])
     for name, tensor in expected["weights"].items():
-        # A clipped unit-norm SGD step: weights differ by the gradients' rounding (~1e-7).
+        # A clipped unit-norm SGD step: weights differ by the gradients' rounding (measured <= 3e-8).
         torch.testing.assert_close(actual["weights"][name], tensor, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -132,30 +159,34 @@ def _local_split(rank: int, world: int):
     return token_split(mask[rank * per : (rank + 1) * per], BUDGET)
 
 
+ALL_MODES = [("lm", "rows", 2), ("lm", "tokens", BUDGET), ("value", "rows", 2), ("value", "tokens", BUDGET)]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_one_rank_token_budget_matches_one_micro_batch(reference, tiny_model_dir):
-    rows, tokens = run_distributed(_runs, 1, tiny_model_dir, 1, [("rows", 2), ("tokens", BUDGET)])[0]
+    runs = run_distributed(_runs, 1, tiny_model_dir, 1, ALL_MODES)[0]
     split = _local_split(0, 1)
     # The token split is not a row split: 4 micro-batches (162 tokens, 3 to 4 rows each) where
     # rows of 2 make 6, with rows drawn from both ends of the batch.
-    assert split.count == tokens["micro_batches"] == 4 and rows["micro_batches"] == 6
+    assert split.count == runs[1]["micro_batches"] == 4 and runs[0]["micro_batches"] == 6
     assert all(p.max() - p.min() >= len(p) for p in split.parts)
-    assert tokens["token_fill"] == pytest.approx(split.fill) and 0.5 < split.fill <= 1.0
-    _same_as_reference(rows, reference)
-    _same_as_reference(tokens, reference)
+    assert runs[1]["token_fill"] == pytest.approx(split.fill) and 0.5 < split.fill <= 1.0
+    assert runs[0]["token_fill"] is None
+    for (head, _, _), run in zip(ALL_MODES, runs):
+        _same_as_reference(run, reference[head])
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_two_ranks_agree_on_the_count_and_match_one_rank(reference, tiny_model_dir):
-    per_rank = run_distributed(_runs, 2, tiny_model_dir, 1, [("rows", 2), ("tokens", BUDGET)])
+    per_rank = run_distributed(_runs, 2, tiny_model_dir, 1, ALL_MODES)
     long_rank, short_rank = _local_split(0, 2), _local_split(1, 2)
     assert long_rank.count > short_rank.count  # alone, the ranks would run different counts
-    for rows, tokens in per_rank:
-        assert tokens["micro_batches"] == long_rank.count  # both ranks run the larger count
-        _same_as_reference(rows, reference)
-        _same_as_reference(tokens, reference)
+    for runs in per_rank:
+        assert runs[1]["micro_batches"] == runs[3]["micro_batches"] == long_rank.count  # both run the larger
+        for (head, _, _), run in zip(ALL_MODES, runs):
+            _same_as_reference(run, reference[head])
     # The fill is over both ranks' tokens and the agreed count.
     total = int(_batch(100)["attention_mask"].sum())
     assert per_rank[0][1]["token_fill"] == pytest.approx(total / (2 * long_rank.count * BUDGET))
@@ -165,13 +196,12 @@ def test_two_ranks_agree_on_the_count_and_match_one_rank(reference, tiny_model_d
 @pytest.mark.timeout(240)
 def test_two_pipeline_stages_pad_token_micro_batches_to_one_shape(reference, tiny_model_dir):
     # With pipeline stages the micro-batches are padded to one row count (fixed p2p shapes).
-    per_rank = run_distributed(_runs, 2, tiny_model_dir, 2, [("tokens", BUDGET)])
+    per_rank = run_distributed(_runs, 2, tiny_model_dir, 2, [("lm", "tokens", BUDGET)])
     assert per_rank[0][0]["micro_batches"] == per_rank[1][0]["micro_batches"] == _local_split(0, 1).count
-    for (tokens,) in per_rank:
-        # Each stage holds its own layers; compare the forward and the step's numbers.
-        torch.testing.assert_close(tokens["logprobs"], reference["logprobs"], rtol=0, atol=2e-6)
-        assert tokens["loss"] == pytest.approx(reference["loss"], rel=1e-6, abs=1e-7)
-        assert tokens["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-6)
+    for (run,) in per_rank:
+        # Each stage holds its own layers (weights are compared at DP above); the forward reaches
+        # every stage and the step's numbers are the role's.
+        _same_as_reference(run, reference["lm"], weights=False)
 
 
 class _OneRank:
