@@ -269,12 +269,14 @@ def _trim_body(model_dir, tp, sp, batch):
     from verl.models.checkpoint import load_hf_weights
     from verl.models.forward import LossShare, _micro_batches, forward_backward
     from verl.models.hf_config import parse_hf_config
+    from verl.models.micro_batches import fixed_split
     from verl.parallel.megatron_state import initialize_model_parallel
 
     pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
     chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(sequence_parallel=sp), pg)
     load_hf_weights(chunks, model_dir, pg=pg)
-    out = {"widths": [mb.input_ids.shape[1] for mb in _micro_batches(batch, 2, 40, 8)[0]]}
+    split = fixed_split(batch["input_ids"].shape[0], 2)
+    out = {"widths": [mb.input_ids.shape[1] for mb in _micro_batches(batch, split, 40, 8)]}
     for trim in (True, False):
         fwd = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs", trim_padding=trim)
         for p in chunks[0].parameters():

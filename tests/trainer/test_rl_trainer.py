@@ -239,6 +239,46 @@ def test_old_log_prob_sources_take_the_same_steps(tiny_model_dir, arithmetic_fil
 
 
 # ----------------------------------------------------------------------------------------------
+# token-budget micro-batches (use_dynamic_bsz)
+
+DYNAMIC_BUDGET = 96  # the longest sequence is 24 + 12 = 36 tokens; each rank holds 16 sequences
+
+
+def _dynamic_bsz_body(model_dir: str, files: dict[str, str], root: str) -> list[dict[str, float]]:
+    from verl.trainer.rl_trainer import RLTrainer
+
+    cfg = _config(
+        "grpo_tiny_cpu",
+        model_dir,
+        files,
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={DYNAMIC_BUDGET}",
+        "actor_rollout_ref.actor.old_log_prob=recompute",  # the old-log-prob pass cuts by tokens too
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={root}/dynbsz",
+    )
+    with RLTrainer(cfg) as trainer:
+        return [trainer.train_step()]
+
+
+@pytest.mark.timeout(300)
+def test_grpo_step_with_token_budget_micro_batches(tiny_model_dir, arithmetic_files, tmp_path):
+    """One GRPO step at DP=2 with every forward and the update cut by a token budget: the
+    micro-batch metrics, and the first update's invariants (the old-log-prob pass, the reference
+    and the update cut the same rows the same way, so the ratio is exactly 1 and the KL 0)."""
+    [(step,), _] = run_distributed(_dynamic_bsz_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=260)
+    count, fill = step["actor/micro_batches"], step["actor/mb_token_fill"]
+    # fill = the batch's tokens over (2 ranks x count x budget), so the two metrics explain each other
+    assert fill * 2 * count * DYNAMIC_BUDGET == pytest.approx(step["perf/total_num_tokens"], rel=1e-9)
+    assert 0.0 < fill <= 1.0 and count == int(count)
+    # the fewest micro-batches the budget allows: at least the tokens' bound, fewer than one per row
+    assert math.ceil(step["perf/total_num_tokens"] / 2 / DYNAMIC_BUDGET) <= count < 16
+    assert step["actor/ppo_kl"] == 0.0 and step["actor/pg_clipfrac"] == 0.0
+    assert step["actor/kl_loss"] == 0.0
+    assert math.isfinite(step["actor/grad_norm"]) and "timing_s/old_log_prob" in step
+
+
+# ----------------------------------------------------------------------------------------------
 # resume
 
 # Metrics that measure time or memory, not the computation.

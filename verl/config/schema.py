@@ -179,6 +179,8 @@ class ActorConfig(ConfigBase):
     strategy: Literal["megatron"] = option("megatron", "Training backend (only Megatron-core).")
     ppo_mini_batch_size: int = option(256, "Prompts per optimizer step (times rollout.n sequences), split over data-parallel ranks.", ge=1)
     ppo_micro_batch_size_per_gpu: int = option(4, "Sequences per forward/backward on one rank (gradient accumulation inside a mini-batch). (Reference: no default.)", ge=1)
+    use_dynamic_bsz: bool = option(False, "Cut update micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size_per_gpu rows; the loss and gradient are the same.")
+    ppo_max_token_len_per_gpu: int | None = option(None, "Real tokens (attention-mask sums) per update micro-batch on one rank with use_dynamic_bsz; at least data.max_prompt_length + data.max_response_length. (Reference: 16384.)", ge=1)
     ppo_epochs: int = option(1, "Passes over each rollout batch.", ge=1)
     old_log_prob: Literal["auto", "recompute", "current", "rollout"] = option(
         "auto",
@@ -217,6 +219,8 @@ class RefConfig(ConfigBase):
 
     strategy: Literal["megatron"] = option("megatron", "Inference backend (only Megatron-core).")
     log_prob_micro_batch_size_per_gpu: int = option(4, "Sequences per reference log-prob forward on one rank. (Reference: no default.)", ge=1)
+    log_prob_use_dynamic_bsz: bool = option(False, "Cut reference log-prob micro-batches by log_prob_max_token_len_per_gpu tokens instead of rows.")
+    log_prob_max_token_len_per_gpu: int | None = option(None, "Real tokens per reference log-prob micro-batch on one rank with log_prob_use_dynamic_bsz.", ge=1)
     megatron: MegatronConfig = section(MegatronConfig, "Reference Megatron layout; parallel degrees, sequence_parallel, seed and dtype follow the actor's unless set.")
 
 
@@ -253,6 +257,8 @@ class RolloutConfig(ConfigBase):
     update_weights_bucket_megabytes: int = option(512, "Bucket size of the weight transfer from the actor into the engine (MiB); the transfer's extra memory is at most two buckets.", ge=1)
     max_num_batched_tokens: int = option(8192, "Tokens the engine schedules per step; must be >= prompt_length + response_length.", ge=1)
     log_prob_micro_batch_size_per_gpu: int = option(4, "Sequences per old-log-prob forward on one rank. (Reference: no default.)", ge=1)
+    log_prob_use_dynamic_bsz: bool = option(False, "Cut old-log-prob micro-batches by log_prob_max_token_len_per_gpu tokens instead of rows.")
+    log_prob_max_token_len_per_gpu: int | None = option(None, "Real tokens per old-log-prob micro-batch on one rank with log_prob_use_dynamic_bsz.", ge=1)
     seed: int = option(0, "Engine sampling seed.")
     stop: list[str] = option([], "Extra stop strings.")
     stop_token_ids: list[int] = option([], "Extra stop token ids.")
@@ -285,6 +291,9 @@ class CriticConfig(ConfigBase):
     ppo_mini_batch_size: int = option(256, "Prompts per critic optimizer step (times rollout.n sequences).", ge=1)
     ppo_micro_batch_size_per_gpu: int = option(4, "Sequences per critic forward/backward on one rank. (Reference: no default.)", ge=1)
     forward_micro_batch_size_per_gpu: int = option(4, "Sequences per value forward (no grad) on one rank.", ge=1)
+    use_dynamic_bsz: bool = option(False, "Cut critic micro-batches by token budgets (ppo_max_token_len_per_gpu, forward_max_token_len_per_gpu) instead of rows.")
+    ppo_max_token_len_per_gpu: int | None = option(None, "Real tokens per critic update micro-batch on one rank with use_dynamic_bsz. (Reference: 32768.)", ge=1)
+    forward_max_token_len_per_gpu: int | None = option(None, "Real tokens per value forward micro-batch on one rank with use_dynamic_bsz.", ge=1)
     ppo_epochs: int = option(1, "Critic passes over each rollout batch.", ge=1)
     shuffle: bool = option(False, "Shuffle the batch before splitting it into critic mini-batches.")
     cliprange_value: float = option(0.5, "Value-function clip range.", gt=0.0)
@@ -492,6 +501,14 @@ class PPOConfig(ConfigBase):
         "critic.shuffle": "actor_rollout_ref.actor.shuffle",
         "critic.loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
         "critic.forward_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
+        # Token budgets (use_dynamic_bsz): the reference's ${...} chain; sources before targets.
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "critic.use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+        "critic.ppo_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "critic.forward_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
     }
 
     # Command-line keys of tutorials written for other trainers -> the field they set here

@@ -198,9 +198,10 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
 
 
 def _mini_batches(
-    prefix: str, mini: int, micro: int, n: int, train_bs: int, dp: int, dp_text: str, problems: list[str]
+    prefix: str, mini: int, micro: int | None, n: int, train_bs: int, dp: int, dp_text: str, problems: list[str]
 ) -> None:
-    """PPO mini/micro-batch divisibility of one trained role (actor or critic)."""
+    """PPO mini/micro-batch divisibility of one trained role (actor or critic); ``micro`` None: a
+    token budget cuts the micro-batches (any row count works)."""
     if mini > train_bs:
         problems.append(
             f"{prefix}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={train_bs}; "
@@ -217,7 +218,7 @@ def _mini_batches(
             f"{prefix}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} = {seqs} sequences per "
             f"mini-batch do not split evenly over the data-parallel size {dp_text}"
         )
-    elif (seqs // dp) % micro:
+    elif micro is not None and (seqs // dp) % micro:
         problems.append(
             f"{prefix}.ppo_micro_batch_size_per_gpu={micro} does not divide the {seqs // dp} sequences of a "
             f"mini-batch on one rank ({prefix}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} / "
@@ -286,12 +287,53 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
             f"the ratio is clipped at 1 - clip_ratio_low"
         )
     _old_log_prob(cfg, problems)
+    _token_budgets(cfg, problems)
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:
         problems.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
     _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)
+
+
+def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:
+    """Each token budget that is switched on is set and holds the longest sequence."""
+    arr = cfg.actor_rollout_ref
+    actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
+    longest = cfg.data.max_prompt_length + rollout.response_length
+    longest_text = (
+        f"data.max_prompt_length={cfg.data.max_prompt_length} + actor_rollout_ref.rollout.response_length="
+        f"{rollout.response_length} = {longest} tokens"
+    )
+    a, r, f = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    budgets = [
+        (f"{a}.use_dynamic_bsz", actor.use_dynamic_bsz, f"{a}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        (f"{r}.log_prob_use_dynamic_bsz", rollout.log_prob_use_dynamic_bsz, f"{r}.log_prob_max_token_len_per_gpu",
+         rollout.log_prob_max_token_len_per_gpu),
+    ]
+    if cfg.use_reference:
+        budgets.append((f"{f}.log_prob_use_dynamic_bsz", ref.log_prob_use_dynamic_bsz,
+                        f"{f}.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu))
+    if cfg.use_critic:
+        budgets += [
+            ("critic.use_dynamic_bsz", critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu",
+             critic.ppo_max_token_len_per_gpu),
+            ("critic.use_dynamic_bsz", critic.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu",
+             critic.forward_max_token_len_per_gpu),
+        ]
+    for flag, on, key, budget in budgets:
+        if not on:
+            continue
+        if budget is None:
+            problems.append(
+                f"{flag}=true needs {key}: the real tokens one micro-batch may hold on one rank, at least the "
+                f"longest sequence ({longest_text}); set it, or {flag}=false"
+            )
+        elif budget < longest:
+            problems.append(
+                f"{key}={budget} is smaller than the longest sequence ({longest_text}); a micro-batch must "
+                f"hold one whole sequence: raise {key} to at least {longest}"
+            )
 
 
 def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
@@ -326,16 +368,18 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
     n, train_bs = rollout.n, cfg.data.train_batch_size
     layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, world, world_text, problems)
     if layout is not None:
-        _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                      n, train_bs, *layout, problems)
+        _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size,
+                      None if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu, n, train_bs, *layout,
+                      problems)
     if cfg.use_reference:
         _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, world, world_text, problems)
     if cfg.use_critic:
         critic = cfg.critic
         layout = _layout("critic", "critic.megatron", critic.megatron, world, world_text, problems)
         if layout is not None:
-            _mini_batches("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
-                          n, train_bs, *layout, problems)
+            _mini_batches("critic", critic.ppo_mini_batch_size,
+                          None if critic.use_dynamic_bsz else critic.ppo_micro_batch_size_per_gpu, n, train_bs,
+                          *layout, problems)
     if cfg.reward_model.enable:
         _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, world, world_text, problems)
     if world % rollout.tensor_model_parallel_size:

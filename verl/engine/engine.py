@@ -36,6 +36,7 @@ from verl.engine.state import EngineState, load_engine_state, save_engine_state
 from verl.engine.step import optimizer_step, reduce_step_metrics
 from verl.models.builder import ModelBuildConfig
 from verl.models.forward import ForwardResult, LossShareFn, OutputKind, forward_backward
+from verl.models.micro_batches import MicroBatchSplit, fixed_split
 from verl.models.weight_mapping import HeadKind
 from verl.utils.logging import log_rank0
 
@@ -61,6 +62,10 @@ class EngineStepResult:
     """False when the step was skipped (non-finite gradient norm)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Other ``loss_fn`` metrics, averaged over micro-batches and DP ranks."""
+    micro_batches: int = 0
+    """Micro-batches this rank ran (the same on every rank under a token budget)."""
+    token_fill: float | None = None
+    """Under a token budget: real tokens over micro-batches x budget, over DP ranks; else None."""
 
 
 class MegatronEngine:
@@ -203,12 +208,14 @@ class MegatronEngine:
         self,
         batch: Mapping[str, torch.Tensor],
         *,
-        micro_batch_size: int,
+        micro_batch_size: int | None = None,
+        split: MicroBatchSplit | None = None,
         output: OutputKind = "logprobs",
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> ForwardResult:
-        """Forward only: per-token outputs ([B, T]) of ``batch`` on every pipeline stage."""
+        """Forward only: per-token outputs ([B, T]) of ``batch`` on every pipeline stage, in micro-batches
+        of ``micro_batch_size`` rows or as ``split`` cuts them (one of the two)."""
         for chunk in self.chunks:
             chunk.eval()
         try:
@@ -217,6 +224,7 @@ class MegatronEngine:
                 self._to_device(batch),
                 pg=self.pg,
                 micro_batch_size=micro_batch_size,
+                split=split,
                 output=output,
                 temperature=temperature,
                 with_entropy=with_entropy,
@@ -230,7 +238,8 @@ class MegatronEngine:
         self,
         batch: Mapping[str, torch.Tensor],
         *,
-        micro_batch_size: int,
+        micro_batch_size: int | None = None,
+        split: MicroBatchSplit | None = None,
         loss_fn: LossShareFn,
         output: OutputKind = "logprobs",
         temperature: float = 1.0,
@@ -241,7 +250,8 @@ class MegatronEngine:
         ``batch`` holds ``input_ids`` and ``attention_mask`` [B, T] plus whatever ``loss_fn`` reads.
         ``loss_fn`` returns each micro-batch's ``LossShare`` of the global loss (the contract of
         ``verl.models.forward``); every metric it returns must be a scalar and present for every
-        micro-batch.
+        micro-batch. Micro-batches are ``micro_batch_size`` rows or as ``split`` cuts them (one of the two;
+        ``verl.models.micro_batches``).
         """
         self._require_trainable("train_step")
         for chunk in self.chunks:
@@ -253,6 +263,7 @@ class MegatronEngine:
             self._to_device(batch),
             pg=self.pg,
             micro_batch_size=micro_batch_size,
+            split=split,
             output=output,
             loss_fn=loss_fn,
             temperature=temperature,
@@ -265,7 +276,17 @@ class MegatronEngine:
             self.scheduler.step(1)
             self.steps_taken += 1
         loss, metrics = reduce_step_metrics(result.losses, result.metrics, self.pg, self.device)
-        return EngineStepResult(loss=loss, grad_norm=grad_norm, lr=lr, update_successful=ok, metrics=metrics)
+        if split is None:
+            split = fixed_split(batch["input_ids"].shape[0], micro_batch_size)
+        return EngineStepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            update_successful=ok,
+            metrics=metrics,
+            micro_batches=split.count,
+            token_fill=split.fill,
+        )
 
     # ------------------------------------------------------------------------------------------
     # checkpoints and export

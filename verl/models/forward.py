@@ -49,10 +49,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from verl.models.micro_batches import MicroBatchSplit, fixed_split
 from verl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 if TYPE_CHECKING:
@@ -189,19 +191,16 @@ def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) ->
 
 
 def _micro_batches(
-    batch: Mapping[str, torch.Tensor], micro_batch_size: int, seq_len: int, trim_multiple: int | None = None
-) -> tuple[list[_MicroBatch], int]:
-    b = batch["input_ids"].shape[0]
-    n = -(-b // micro_batch_size)
-    pad_rows = n * micro_batch_size - b
-    tensors = dict(batch)
-    if pad_rows:
-        # Rows with an all-zero mask keep the shapes fixed for the pipeline; dropped at the end.
-        tensors = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in tensors.items()}
+    batch: Mapping[str, torch.Tensor], split: MicroBatchSplit, seq_len: int, trim_multiple: int | None = None
+) -> list[_MicroBatch]:
     out = []
-    for i in range(n):
-        sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-        mb = {k: v[sl] for k, v in tensors.items()}
+    for index in split.parts:
+        idx = torch.as_tensor(index, dtype=torch.long, device=batch["input_ids"].device)
+        mb = {k: v.index_select(0, idx) for k, v in batch.items()}
+        pad_rows = split.rows - len(index) if split.pad else 0
+        if pad_rows > 0:
+            # Rows with an all-zero mask keep the shapes fixed for the pipeline; dropped at the end.
+            mb = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in mb.items()}
         width = seq_len if trim_multiple is None else trimmed_length(mb["attention_mask"], seq_len, trim_multiple)
         packed, order = pack_left(mb["input_ids"], mb["attention_mask"], width)
         positions = torch.arange(width, device=packed.device).expand_as(packed)
@@ -214,7 +213,17 @@ def _micro_batches(
                 mask=mb["attention_mask"].to(torch.float32),
             )
         )
-    return out, b
+    return out
+
+
+def _in_batch_order(pieces: list[torch.Tensor], split: MicroBatchSplit) -> torch.Tensor:
+    """Each micro-batch's outputs ([b_i + padding, ...]) -> the batch's rows in its own order."""
+    real = [piece[: len(index)] for piece, index in zip(pieces, split.parts)]
+    stacked = torch.cat(real)
+    index = torch.as_tensor(np.concatenate(split.parts), dtype=torch.long, device=stacked.device)
+    out = torch.empty_like(stacked)
+    out[index] = stacked
+    return out
 
 
 def forward_backward(
@@ -222,7 +231,8 @@ def forward_backward(
     batch: Mapping[str, torch.Tensor],
     *,
     pg: "ProcessGroupCollection",
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
+    split: MicroBatchSplit | None = None,
     output: OutputKind = "logprobs",
     loss_fn: LossShareFn | None = None,
     temperature: float = 1.0,
@@ -237,6 +247,8 @@ def forward_backward(
         batch: ``input_ids`` [B, T] and ``attention_mask`` [B, T], plus anything ``loss_fn`` reads.
         pg: the process groups the model was built with.
         micro_batch_size: rows per micro-batch (B is padded up to a multiple; extra rows dropped).
+        split: the micro-batches instead (``verl.models.micro_batches``: a token budget); give
+            exactly one of ``micro_batch_size`` and ``split``. Outputs come back in batch order.
         output: ``logprobs`` (+ ``entropy``), ``values`` or ``logits`` (see module docstring).
         loss_fn: with a loss (the module docstring's contract), gradients are accumulated into
             ``.grad``/``.main_grad`` (no optimizer step); without, forward only under ``torch.no_grad``.
@@ -256,11 +268,20 @@ def forward_backward(
     spec, build = inner.verl_spec, inner.verl_build
     if output == "logprobs" and build.head != "lm" or output == "values" and build.head == "lm":
         raise ValueError(f"output={output!r} does not fit a model built with head={build.head!r}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size}; it must be >= 1")
+    if (micro_batch_size is None) == (split is None):
+        raise ValueError(
+            f"forward_backward takes exactly one of micro_batch_size and split (got micro_batch_size="
+            f"{micro_batch_size}, split={'given' if split is not None else None})"
+        )
     for key in ("input_ids", "attention_mask"):
         if key not in batch:
             raise ValueError(f"batch has no '{key}' tensor (keys: {sorted(batch)})")
+    if split is None:
+        split = fixed_split(batch["input_ids"].shape[0], micro_batch_size)
+    elif sum(len(p) for p in split.parts) != batch["input_ids"].shape[0]:
+        raise ValueError(
+            f"split covers {sum(len(p) for p in split.parts)} rows but the batch has {batch['input_ids'].shape[0]}"
+        )
     tp_size = pg.tp.size()
     pp_size = pg.pp.size()
     config = inner.config
@@ -269,7 +290,7 @@ def forward_backward(
     trim_multiple = None
     if trim_padding and pp_size == 1 and pg.cp.size() == 1:
         trim_multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
-    micro_batches, real_rows = _micro_batches(batch, micro_batch_size, seq_len, trim_multiple)
+    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
     head = functools.partial(
@@ -314,7 +335,7 @@ def forward_backward(
         model=chunks,
         num_microbatches=num_micro,
         seq_length=seq_len,
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=split.rows,
         forward_only=forward_only,
         pg_collection=pg,
     )
@@ -327,7 +348,7 @@ def forward_backward(
     last_stage = pg.pp.rank() == pp_size - 1
     if last_stage:
         keys = records[0]["outputs"].keys()
-        result.outputs = {k: torch.cat([r["outputs"][k] for r in records])[:real_rows] for k in keys}
+        result.outputs = {k: _in_batch_order([r["outputs"][k] for r in records], split) for k in keys}
         if not forward_only:
             result.losses = [r["loss"] for r in records]
             result.metrics = [r["metrics"] for r in records]

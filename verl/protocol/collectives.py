@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from verl.protocol.batch import Batch, _merge_meta, _schema_mismatch
 
-__all__ = ["all_gather", "broadcast", "gather", "scatter"]
+__all__ = ["all_gather", "broadcast", "comm_device", "gather", "scatter"]
 
 # Tensor data of each column starts at a multiple of this many bytes inside a packed buffer, so
 # that a uint8 slice can be viewed as any dtype (torch requires offset % itemsize == 0).
@@ -67,7 +67,7 @@ def _rank_label(group: dist.ProcessGroup | None, group_rank: int) -> str:
     return f"group rank {group_rank} (global rank {dist.get_global_rank(group, group_rank)})"
 
 
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where tensor data must live for ``group``'s backend: CUDA for NCCL, else the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
@@ -166,7 +166,7 @@ def scatter(batch: Batch | None, group: dist.ProcessGroup | None = None, src: in
     """
     rank, size = _group_position(group, "scatter")
     _check_root(src, size, "src", "scatter")
-    device = _comm_device(group)
+    device = comm_device(group)
     chunks: list[Batch] | None = None
     objects: list[dict[str, Any]] | None = None
     if rank == src:
@@ -212,7 +212,7 @@ def gather(batch: Batch, group: dist.ProcessGroup | None = None, dst: int = 0) -
     """
     rank, size = _group_position(group, "gather")
     _check_root(dst, size, "dst", "gather")
-    device = _comm_device(group)
+    device = comm_device(group)
     headers: list[Any] = [None] * size
     dist.all_gather_object(
         headers, _header(batch, "gather", _rank_label(group, rank), with_non_tensors=False), group=group
@@ -237,7 +237,7 @@ def all_gather(batch: Batch, group: dist.ProcessGroup | None = None) -> Batch:
     Same agreement rules as ``gather``; ranks may hold different row counts.
     """
     rank, size = _group_position(group, "all_gather")
-    device = _comm_device(group)
+    device = comm_device(group)
     headers: list[Any] = [None] * size
     dist.all_gather_object(
         headers, _header(batch, "all_gather", _rank_label(group, rank), with_non_tensors=True), group=group
@@ -259,7 +259,7 @@ def broadcast(batch: Batch | None, group: dist.ProcessGroup | None = None, src: 
     """
     rank, size = _group_position(group, "broadcast")
     _check_root(src, size, "src", "broadcast")
-    device = _comm_device(group)
+    device = comm_device(group)
     box: list[Any] = [None]
     if rank == src:
         box[0] = _header(batch, "broadcast", _rank_label(group, src), with_non_tensors=True)

@@ -34,7 +34,7 @@ from verl.algos import (
 )
 from verl.engine import LossShare
 from verl.protocol import Batch
-from verl.roles.engine_role import RoleEngine, step_metrics
+from verl.roles.engine_role import RoleEngine, step_metrics, token_budget
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -70,6 +70,8 @@ class Actor:
         max_sequence_length: prompt + response length.
         log_prob_micro_batch_size: sequences per forward in :meth:`compute_log_prob`
             (``rollout.log_prob_micro_batch_size_per_gpu``).
+        log_prob_max_token_len: real tokens per forward micro-batch there instead (``rollout.
+            log_prob_max_token_len_per_gpu`` with ``log_prob_use_dynamic_bsz``); None: rows.
         temperature: the sampling temperature the log-probabilities are taken at.
         balance: ``trainer.balance_batch``.
         old_log_prob: where the ratio's old log-probabilities come from (``PPOConfig.old_log_prob_source``):
@@ -91,12 +93,20 @@ class Actor:
         temperature: float,
         balance: bool = False,
         old_log_prob: str = "recompute",
+        log_prob_max_token_len: int | None = None,
     ) -> None:
         if old_log_prob not in ("recompute", "current", "rollout"):
             raise ValueError(f"old_log_prob={old_log_prob!r}; expected recompute, current or rollout")
         self.cfg = cfg
         self.old_log_prob = old_log_prob
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        self.log_prob_max_token_len = log_prob_max_token_len
+        self.max_token_len = token_budget(
+            cfg.use_dynamic_bsz,
+            cfg.ppo_max_token_len_per_gpu,
+            flag="actor_rollout_ref.actor.use_dynamic_bsz",
+            key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        )
         self.temperature = temperature if temperature > 0 else 1.0
         self.role = RoleEngine(
             model=model,
@@ -121,6 +131,7 @@ class Actor:
             batch,
             output="logprobs",
             micro_batch_size=self.log_prob_micro_batch_size,
+            max_token_len=self.log_prob_max_token_len,
             response_length=batch["responses"].shape[1],
             temperature=self.temperature,
             with_entropy=True,
@@ -214,6 +225,7 @@ class Actor:
             keys=keys,
             mini_batch_rows=cfg.ppo_mini_batch_size * rollout_n,
             micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            max_token_len=self.max_token_len,
             epochs=cfg.ppo_epochs,
             make_loss=self._loss_builder(batch["responses"].shape[1]),
             shuffle_seed=shuffle_seed if cfg.shuffle else None,
@@ -253,6 +265,7 @@ class Actor:
             batch,
             output="logprobs",
             micro_batch_size=self.log_prob_micro_batch_size,
+            max_token_len=self.log_prob_max_token_len,
             response_length=response_length,
             temperature=1.0,
         )
@@ -284,6 +297,7 @@ class Actor:
             keys=["response_mask", "preference_coef"],
             mini_batch_rows=len(batch),
             micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
+            max_token_len=self.max_token_len,
             epochs=1,
             make_loss=make_loss,
             shuffle_seed=None,

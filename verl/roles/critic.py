@@ -14,7 +14,7 @@ import torch
 from verl.algos import GlobalBatchInfo, compute_value_loss
 from verl.engine import LossShare
 from verl.protocol import Batch
-from verl.roles.engine_role import RoleEngine, response_slice, step_metrics
+from verl.roles.engine_role import RoleEngine, response_slice, step_metrics, token_budget
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -51,6 +51,13 @@ class Critic:
         balance: bool = False,
     ) -> None:
         self.cfg = cfg
+        flag = "critic.use_dynamic_bsz"
+        self.max_token_len = token_budget(
+            cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, flag=flag, key="critic.ppo_max_token_len_per_gpu"
+        )
+        self.forward_max_token_len = token_budget(
+            cfg.use_dynamic_bsz, cfg.forward_max_token_len_per_gpu, flag=flag, key="critic.forward_max_token_len_per_gpu"
+        )
         self.role = RoleEngine(
             model=cfg.model,
             megatron=cfg.megatron,
@@ -74,6 +81,7 @@ class Critic:
             batch,
             output="values",
             micro_batch_size=self.cfg.forward_micro_batch_size_per_gpu,
+            max_token_len=self.forward_max_token_len,
             response_length=batch["responses"].shape[1],
         )
         return out["values"] * batch["response_mask"].to(torch.float32)
@@ -117,6 +125,7 @@ class Critic:
             keys=["response_mask", "values", "returns"],
             mini_batch_rows=cfg.ppo_mini_batch_size * rollout_n,
             micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            max_token_len=self.max_token_len,
             epochs=cfg.ppo_epochs,
             make_loss=self._loss_builder(batch["responses"].shape[1]),
             shuffle_seed=shuffle_seed if cfg.shuffle else None,

@@ -14,9 +14,14 @@ Every Megatron role (actor, critic, reference, reward model) composes one. It
 - runs the PPO mini-batch loop of :meth:`train`: the global batch split into global
   mini-batches (in order, or shuffled with a seed), each mini-batch sharded over DP and given
   to ``MegatronEngine.train_step`` with the loss function the role builds for it;
+- cuts each rank's rows into micro-batches of a fixed row count, or, given a token budget
+  (``max_token_len``: the reference verl's ``use_dynamic_bsz`` with ``*_max_token_len_per_gpu``),
+  into the fewest micro-batches of at most that many real tokens, the same count on every
+  rank of the role (:mod:`verl.models.micro_batches`); the loss contract makes both give the
+  same loss and gradient;
 - survives running out of memory: an out-of-memory error in a micro-batch halves that call's
-  micro-batch size (down to 1; it stays halved for the rest of the run), warns once with the
-  new value and redoes the call. A training mini-batch is redone from its start (the engine
+  micro-batch size (down to 1), or its token budget (down to the call's longest sequence); it
+  stays lowered for the rest of the run, warns once with the new value and redoes the call. A training mini-batch is redone from its start (the engine
   zeroes the gradients first), so it equals the same mini-batch run at the smaller size.
   Every rank of the role must meet the error in the same call (the usual case: the same
   shapes everywhere); a rank that alone fails leaves the others in a collective until
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
     from verl.models.forward import OutputKind
     from verl.models.weight_mapping import HeadKind
 
-__all__ = ["LossBuilder", "RoleEngine", "response_slice"]
+__all__ = ["LossBuilder", "RoleEngine", "response_slice", "token_budget"]
 
 T = TypeVar("T")
 
@@ -57,6 +62,19 @@ LossBuilder = Callable[[GlobalBatchInfo, int], LossShareFn]
 mini-batch's global token/sequence counts over DP, ``num_micro_batches`` the micro-batches
 each rank runs (metrics that are shares of the loss are multiplied by it before the engine
 averages them over micro-batches, so they read as the mini-batch's value)."""
+
+
+def token_budget(use_dynamic_bsz: bool, max_token_len: int | None, *, flag: str, key: str) -> int | None:
+    """The token budget a role's calls take (None: fixed micro-batch sizes); ``flag`` and ``key``
+    name the config fields in the error when the flag is on without a budget."""
+    if not use_dynamic_bsz:
+        return None
+    if max_token_len is None:
+        raise ValueError(
+            f"{flag}=true needs {key}: the real tokens one micro-batch may hold on one rank (at least "
+            f"the longest sequence, prompt length + response length); set it, or {flag}=false"
+        )
+    return max_token_len
 
 
 def response_slice(name: str, full: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -111,30 +129,58 @@ class RoleEngine:
         with megatron_state.activate_role(self.pg):
             yield
 
-    def _fitting(self, kind: str, micro_batch_size: int, run: Callable[[int], "T"]) -> "T":
+    def _fitting(
+        self, kind: str, micro_batch_size: int, run: Callable[[int], "T"], *, floor: int = 1, unit: str = "micro-batch size"
+    ) -> "T":
         """``run(size)`` at ``micro_batch_size`` (or the lower size an earlier out-of-memory error
-        left for ``kind``), halving the size on an out-of-memory error until it is 1."""
-        size = min(micro_batch_size, self.micro_batch_cap.get(kind, micro_batch_size))
+        left for ``kind``, but at least ``floor``), halving the size on an out-of-memory error
+        until it is ``floor``. ``unit`` names the size in the warning."""
+        size = max(floor, min(micro_batch_size, self.micro_batch_cap.get(kind, micro_batch_size)))
         while True:
             try:
                 return run(size)
             except torch.OutOfMemoryError:
-                if size <= 1:
+                if size <= floor:
                     raise
-                smaller = size // 2
+                smaller = max(floor, size // 2)
                 self.micro_batch_cap[kind] = smaller
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 logger.warning(
-                    "%s %s: out of memory at micro-batch size %d; now %d for the rest of the run (set "
-                    "the role's micro-batch size to %d to start there)",
+                    "%s %s: out of memory at %s %d; now %d for the rest of the run (set the role's %s "
+                    "to %d to start there)",
                     self.name,
                     kind,
+                    unit,
                     size,
                     smaller,
+                    unit,
                     smaller,
                 )
                 size = smaller
+
+    def _split(self, mask: torch.Tensor, max_token_len: int, what: str):
+        """This rank's rows (``attention_mask`` [b, T]) cut by a token budget, agreed over the role."""
+        from verl.models.micro_batches import token_split
+
+        # The interleaved pipeline schedule runs micro-batches in groups of the pipeline size.
+        multiple = self.pg.pp.size() if len(self.engine.chunks) > 1 else 1
+        return token_split(mask, max_token_len, pg=self.pg, multiple_of=multiple, what=what)
+
+    def _fit(self, kind: str, micro_batch_size: int, max_token_len: int | None, mask: torch.Tensor, run):
+        """``run(micro_batch_size=..., split=...)`` under :meth:`_fitting`: rows, or a token budget."""
+        if max_token_len is None:
+            return self._fitting(kind, micro_batch_size, lambda size: run(size, None))
+        what = f"the {self.name}'s token budget for {kind}"
+        # Out of memory, the budget halves, but never below this call's longest row (which must fit).
+        longest = int(mask.sum(-1).max()) if mask.numel() else 1
+        return self._fitting(
+            f"{kind} tokens",
+            max_token_len,
+            lambda budget: run(None, self._split(mask, budget, what)),
+            floor=max(1, min(longest, max_token_len)),
+            unit="token budget",
+        )
 
     def forward(
         self,
@@ -146,23 +192,27 @@ class RoleEngine:
         temperature: float = 1.0,
         with_entropy: bool = False,
         full: bool = False,
+        max_token_len: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs of the response columns for every row of ``batch``: ``logprobs``
         (and ``entropy``) or ``values``, each [B, R] float32, identical on every rank.
-        ``full=True`` returns every column ([B, P+R]) instead."""
+        ``full=True`` returns every column ([B, P+R]) instead. ``max_token_len`` (None: micro-batches
+        of ``micro_batch_size`` rows) cuts micro-batches by real tokens instead."""
         piece = shard(batch.select(["input_ids", "attention_mask"]), self.pg.dp, balance=self.balance)
 
-        def run(size: int):
+        def run(size: int | None, split):
             with self.active():
                 return self.engine.forward(
                     piece.rows.tensors,
                     micro_batch_size=size,
+                    split=split,
                     output=output,
                     temperature=temperature,
                     with_entropy=with_entropy,
                 )
 
-        result = self._fitting(f"forward ({output})", micro_batch_size, run)
+        kind = f"forward ({output})"
+        result = self._fit(kind, micro_batch_size, max_token_len, piece.rows["attention_mask"], run)
         local = Batch.from_dict(
             {
                 k: (v if full else response_slice(k, v, response_length)).float().cpu()
@@ -184,6 +234,7 @@ class RoleEngine:
         output: "OutputKind" = "logprobs",
         temperature: float = 1.0,
         with_entropy: bool = False,
+        max_token_len: int | None = None,
     ) -> list[EngineStepResult]:
         """PPO updates: ``epochs`` passes over ``batch`` in global mini-batches of ``mini_batch_rows``
         rows (the last one shorter when the rows do not divide), one optimizer step each; returns
@@ -192,6 +243,8 @@ class RoleEngine:
         ``keys`` are the tensors the loss reads besides ``input_ids``/``attention_mask``
         (``response_mask`` among them: it counts the loss's tokens). ``shuffle_seed`` (None: in
         order) permutes the rows before each pass with a generator seeded by it and the pass.
+        ``max_token_len`` (None: micro-batches of ``micro_batch_size`` rows) cuts each mini-batch's
+        micro-batches by real tokens instead.
         """
         needed = ["input_ids", "attention_mask", *dict.fromkeys(keys)]
         rows = batch.select(needed)
@@ -209,18 +262,20 @@ class RoleEngine:
                 mask = local["response_mask"]  # [b, R]
                 info = GlobalBatchInfo.from_masks([mask.float()], group=self.pg.dp)
 
-                def run(size: int, local=local, info=info, rows=mask.shape[0]):
+                def run(size: int | None, split, local=local, info=info, rows=mask.shape[0]):
+                    count = split.count if split is not None else -(-rows // size)
                     with self.active():
                         return self.engine.train_step(
                             local,
                             micro_batch_size=size,
-                            loss_fn=make_loss(info, -(-rows // size)),
+                            split=split,
+                            loss_fn=make_loss(info, count),
                             output=output,
                             temperature=temperature,
                             with_entropy=with_entropy,
                         )
 
-                results.append(self._fitting("update", micro_batch_size, run))
+                results.append(self._fit("update", micro_batch_size, max_token_len, local["attention_mask"], run))
         return results
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -241,7 +296,9 @@ def step_metrics(
 ) -> dict[str, float]:
     """The reference verl's update metrics from several optimizer steps: ``{prefix}/grad_norm``,
     ``{prefix}/lr`` (of the last step) and each ``loss_fn`` metric renamed by ``names`` (its
-    key -> the logged key), each averaged over the steps."""
+    key -> the logged key), each averaged over the steps; under a token budget also
+    ``{prefix}/micro_batches`` (per rank and step) and ``{prefix}/mb_token_fill`` (real tokens
+    over micro-batches x budget)."""
     if not results:
         return {}
     out = {
@@ -252,6 +309,10 @@ def step_metrics(
         values = [r.metrics[key] for r in results if key in r.metrics]
         if values:
             out[shown] = float(np.mean(values))
+    fills = [r.token_fill for r in results if r.token_fill is not None]
+    if fills:  # a token budget: how many micro-batches it made and how full they were
+        out[f"{prefix}/micro_batches"] = float(np.mean([r.micro_batches for r in results]))
+        out[f"{prefix}/mb_token_fill"] = float(np.mean(fills))
     skipped = sum(not r.update_successful for r in results)
     if skipped:
         out[f"{prefix}/num_skipped_updates"] = float(skipped)

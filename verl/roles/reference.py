@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from verl.protocol import Batch
-from verl.roles.engine_role import RoleEngine
+from verl.roles.engine_role import RoleEngine, token_budget
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -47,6 +47,12 @@ class Reference:
         balance: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.max_token_len = token_budget(
+            cfg.log_prob_use_dynamic_bsz,
+            cfg.log_prob_max_token_len_per_gpu,
+            flag="actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+            key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        )
         self.temperature = temperature if temperature > 0 else 1.0
         self.role = RoleEngine(
             model=model,
@@ -64,6 +70,7 @@ class Reference:
             batch,
             output="logprobs",
             micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
+            max_token_len=self.max_token_len,
             response_length=batch["responses"].shape[1],
             temperature=self.temperature if temperature is None else temperature,
         )

@@ -75,6 +75,7 @@ from verl.parallel.topology import RoleLayout, Topology
 from verl.protocol import Batch
 from verl.rewards import reward_manager_from_config
 from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
+from verl.roles.engine_role import token_budget
 from verl.roles.reward_model import DATA_SOURCE_COLUMN
 from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer import report
@@ -258,6 +259,12 @@ class RLTrainer:
                 total_training_steps=actor_total,
                 max_sequence_length=max_len,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                log_prob_max_token_len=token_budget(
+                    arr.rollout.log_prob_use_dynamic_bsz,
+                    arr.rollout.log_prob_max_token_len_per_gpu,
+                    flag="actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+                    key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                ),
                 temperature=temperature,
                 balance=balance,
                 old_log_prob=cfg.old_log_prob_source,
