@@ -26,6 +26,8 @@ from verl.operator import (
     RolloutOperator,
 )
 
+from . import words_reward
+
 pytestmark = pytest.mark.slow
 
 STEPS = 10
@@ -38,7 +40,7 @@ MARGIN = 0.15
 
 def words(data_source, solution_str, ground_truth, extra_info=None):
     """Words in the response: spaces over the 8-token response length, at most 1."""
-    return min(solution_str.count(" "), 8) / 8.0
+    return words_reward.compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
 def _cpu(out) -> list[str]:
