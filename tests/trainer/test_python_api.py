@@ -327,3 +327,13 @@ def test_stream_fit_runs_its_step_in_the_trainer_loop(trainer):
     assert counter.calls == 1 and trainer.global_step == start + 1
     assert m["training/global_step"] == start + 1 and "timing_s/op/CountCalls" in m
     assert m["reward/config/mean"] == m["critic/score/mean"]  # the config's verl/arithmetic scorer
+
+
+@pytest.mark.slow
+def test_device_map_must_agree_with_a_given_trainer(trainer):
+    stream = DataStream(trainer=trainer, device_map={"actor": [0], "rollout_sampler": "cpu", "reference": "cpu:0"})
+    assert (stream.placement.device, stream.placement.devices) == ("cpu", (0,))
+    with pytest.raises(ValueError, match=r"names cpu device\(s\) \[1\] that do not exist: the launched world has 1"):
+        DataStream(trainer=trainer, device_map={"actor": [0, 1]})
+    with pytest.raises(ValueError, match=r"names cuda devices .* but trainer.device=cpu"):
+        DataStream(trainer=trainer, device_map={"actor": "cuda:0"})
