@@ -55,6 +55,7 @@ def test_resume_at_3_of_6_equals_the_uninterrupted_run(tiny_model_dir, arithmeti
     import torch
 
     from verl import RLTrainer
+    from verl.monitor import VerlMonitor
 
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     data = arithmetic_files["train"]
@@ -62,8 +63,11 @@ def test_resume_at_3_of_6_equals_the_uninterrupted_run(tiny_model_dir, arithmeti
     first = _facade(tiny_model_dir).fit(dataset=data, max_steps=3, save_steps=3, output_dir=parts, save_hf=False)
     assert first["checkpoint"] == os.path.join(parts, "global_step_3")
     resumed = RLTrainer.from_checkpoint(os.path.join(parts, "checkpoint-3"))
-    last = resumed.fit(max_steps=6, resume_from_checkpoint=True, save_hf=True)
+    watch = VerlMonitor(log_dir=os.path.join(parts, "logs"), report_interval=1)  # the steps this fit runs
+    last = resumed.fit(max_steps=6, resume_from_checkpoint=True, save_hf=True, monitor=watch)
     assert last["global_step"] == 6
+    # It continued from the checkpoint: steps 4-6 only (a run from scratch would also end equal).
+    assert [s["step"] for s in watch.summaries] == [4.0, 5.0, 6.0]
 
     expected, actual = _logged(whole), _logged(parts)
     assert sorted(expected) == sorted(actual) == [1, 2, 3, 4, 5, 6]  # the resumed run appends 4-6 once
