@@ -18,7 +18,7 @@ from verl.rollout import (
     rollout_metrics,
     sampling_spec,
 )
-from verl.rollout.base import RolloutEngine
+from verl.rollout.base import RolloutEngine, merge_rollout_metrics
 from verl.rollout.checks import logprob_agreement
 
 PAD = 0
@@ -105,6 +105,16 @@ def test_rollout_metrics():
     assert m["rollout/tokens_per_s"] == 3.0
     assert m["rollout/response_length/mean"] == 3.0 and m["rollout/response_length/max"] == 4.0
     assert m["rollout/clip_ratio"] == 0.5
+
+
+def test_metrics_of_several_calls_merge_into_one_calls():
+    a = [Sample(token_ids=[1, 2, 3, 4], logprobs=[0.0] * 4, hit_length_limit=True)] * 2  # 8 tokens in 1 s
+    b = [Sample(token_ids=[1], logprobs=[0.0], hit_length_limit=False)] * 2  # 2 tokens in 3 s
+    expected = rollout_metrics(a + b, seconds=4.0)
+    actual = merge_rollout_metrics([rollout_metrics(a, seconds=1.0), rollout_metrics(b, seconds=3.0)])
+    assert actual == expected
+    assert actual["rollout/tokens_per_s"] == 2.5 and actual["rollout/clip_ratio"] == 0.5
+    assert merge_rollout_metrics([]) == {}
 
 
 def test_logprob_agreement():
@@ -213,6 +223,7 @@ class _EchoEngine(RolloutEngine):
 
 def test_prompts_exactly_prompt_length_wide_are_accepted_one_more_refused():
     engine = _EchoEngine(RolloutConfig(prompt_length=4, response_length=2, n=1), pad_token_id=PAD)
+    assert engine.kv_token_budget() is None  # an engine that reports no memory: no dynamic batch size
     out = engine.generate(_prompts())  # 4 wide: exactly the limit
     assert torch.equal(out["responses"], torch.tensor([[13, PAD], [24, PAD]]))
     ids, mask = torch.tensor([[PAD, 11, 12, 13, 14]]), torch.tensor([[0, 1, 1, 1, 1]])

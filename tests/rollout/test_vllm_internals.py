@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import json
 import logging
 import os
 import tempfile
@@ -500,6 +501,13 @@ def test_outside_the_versions_weights_memory_and_interrupts(public_engine, promp
     assert not engine.released
     # kv_cache_bytes from vLLM's public configs: the bytes of the cache tensors.
     assert engine.kv_cache_bytes() == internals.kv_cache_bytes(internals.in_process_worker(engine._llm)) > 0
+    # kv_token_budget (what RolloutOperator(dynamic_batch_size=True) sizes calls by): the cache's
+    # tokens; times the K and V bytes per token of every layer (float32 on CPU), the cache's bytes.
+    with open(os.path.join(tiny_models["llama"], "config.json"), encoding="utf-8") as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    assert engine.kv_token_budget() * per_token == engine.kv_cache_bytes()
 
     llm = engine._llm
     interrupt_generate(engine, prompts)  # raises KeyboardInterrupt after one engine step

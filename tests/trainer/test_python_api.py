@@ -327,3 +327,67 @@ def test_stream_fit_runs_its_step_in_the_trainer_loop(trainer):
     assert counter.calls == 1 and trainer.global_step == start + 1
     assert m["training/global_step"] == start + 1 and "timing_s/op/CountCalls" in m
     assert m["reward/config/mean"] == m["critic/score/mean"]  # the config's verl/arithmetic scorer
+
+
+@pytest.mark.slow
+def test_device_map_must_agree_with_a_given_trainer(trainer):
+    stream = DataStream(trainer=trainer, device_map={"actor": [0], "rollout_sampler": "cpu", "reference": "cpu:0"})
+    assert (stream.placement.device, stream.placement.devices) == ("cpu", (0,))
+    with pytest.raises(ValueError, match=r"names cpu device\(s\) \[1\] that do not exist: the launched world has 1"):
+        DataStream(trainer=trainer, device_map={"actor": [0, 1]})
+    with pytest.raises(ValueError, match=r"names cuda devices .* but trainer.device=cpu"):
+        DataStream(trainer=trainer, device_map={"actor": "cuda:0"})
+
+
+@pytest.mark.slow
+def test_dynamic_batch_size_splits_generation_and_keeps_greedy_samples(trainer, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    engine = trainer.rollout.engine
+    # The transformers engine's report: free host memory over K+V bytes per token (2 layers x
+    # 2 KV heads x 32 x float32 x K and V = 1024 bytes); none while released for training.
+    assert engine.kv_bytes_per_token() == 1024 and engine.kv_token_budget() == 0
+    with trainer.rollout.phase():
+        assert engine.kv_token_budget() > 0
+    prompts = trainer.prompt_batch(0)
+    seed = trainer.sampling_seed(0)
+    fields = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids")
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in fields) and list(a.non_tensors["uid"]) == list(b.non_tensors["uid"])
+
+    # Room for everything: one call of the 16 sequences, the samples of an unsplit call (sampled).
+    whole, _ = trainer.generate(prompts, seed=seed)
+    one, m = trainer.generate(prompts, seed=seed, call_sizes=(4, 32))
+    assert same(one, whole) and (m["rollout/num_calls"], m["rollout/batch_size"]) == (1.0, 16.0)
+
+    # Greedy, with the engine reporting room for 8 sequences of 24 + 8 tokens: 2 calls of 2 prompts,
+    # the same samples as one call; a budget below min_batch_size: calls of min_batch_size = 1 prompt.
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, do_sample=False))
+    greedy, _ = trainer.generate(prompts, seed=seed)
+    for budget, sizes, calls, size in ((8 * 32, (4, 32), 2.0, 8.0), (10, (4, 32), 4.0, 4.0), (10**9, (4, 8), 2.0, 8.0)):
+        monkeypatch.setattr(engine, "kv_token_budget", lambda b=budget: b)
+        split, m = trainer.generate(prompts, seed=seed, call_sizes=sizes)
+        assert same(split, greedy), budget
+        assert (m["rollout/num_calls"], m["rollout/batch_size"], m["rollout/kv_token_budget"]) == (calls, size, budget)
+        assert m["rollout/num_sequences"] == 16.0 and m["rollout/num_tokens"] == split["response_mask"].sum().item()
+    monkeypatch.setattr(engine, "kv_token_budget", lambda: None)
+    with pytest.raises(ValueError, match=r"the 'hf' rollout engine reports no memory"):
+        trainer.generate(prompts, seed=seed, call_sizes=(4, 32))
+    monkeypatch.undo()
+
+    # Through the operator, in a step; and its misuse.
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator(dynamic_batch_size=True, min_batch_size=4, max_batch_size=8))
+    stream.add_operator(RewardOperator(length_score)).add_operator(PPOUpdateOperator())
+    m = stream.step()
+    assert (m["rollout/num_calls"], m["rollout/batch_size"]) == (2.0, 8.0) and len(stream.last_batch) == 16
+    with pytest.raises(ValueError, match=r"max_batch_size=2\) is below actor_rollout_ref.rollout.n=4"):
+        DataStream(trainer=trainer).add_operator(RolloutOperator(dynamic_batch_size=True, max_batch_size=2)).run_operators()
+    with pytest.raises(ValueError, match=r"min_batch_size=8, max_batch_size=4\): min is above max"):
+        RolloutOperator(dynamic_batch_size=True, min_batch_size=8, max_batch_size=4)
+    with pytest.raises(ValueError, match=r"add dynamic_batch_size=True or drop them"):
+        RolloutOperator(min_batch_size=4)
+    with pytest.raises(ValueError, match=r"min_batch_size=0\): a number of sequences"):
+        RolloutOperator(dynamic_batch_size=True, min_batch_size=0)

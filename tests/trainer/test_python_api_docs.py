@@ -32,7 +32,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     import torch.distributed as dist
 
     blocks = _doc_blocks()
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     ns = {"MODEL": tiny_model_dir, "TRAIN_FILE": arithmetic_files["train"], "OUT": str(tmp_path)}
     for block in blocks:
         exec(compile(block, DOC, "exec"), ns)
@@ -96,8 +96,12 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     # The stream's monitor (report_interval=2): one summary, and report.html with the operators' shares.
     page = open(tmp_path / "stream" / "logs" / "report.html", encoding="utf-8").read()
     assert '<figure id="plot-operators"><figcaption>Time share per operator (verl.DataStream)</figcaption><svg' in page
+    # device_map: every role on the one CPU rank, in the config the stream would build its trainer from.
+    assert ns["placed"].placement.devices == (0,) and ns["placed"].placement.device == "cpu"
+    assert (ns["placed_cfg"].trainer.n_gpus_per_node, ns["placed_cfg"].trainer.nnodes) == (1, 1)
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 6  # the blocks' prints: four fit summaries, two stream steps
+    assert len(printed) == 8  # the blocks' prints: four fit summaries, two stream steps, the placement
+    assert printed[-2:] == ["every role colocated on cpu:0 (device_map named actor, rollout, reward_model)", "cpu 1"]
 
 
 def test_preference_files_fail_the_trainer_checks_pointing_to_dpo(tiny_model_dir, tmp_path):

@@ -63,6 +63,15 @@ class RolloutOperator(Operator):
         temperature: sampling temperature (``actor_rollout_ref.rollout.temperature``).
         top_p: nucleus sampling (``actor_rollout_ref.rollout.top_p``).
         max_new_tokens: response length limit (``data.max_response_length``).
+        dynamic_batch_size: split each step's generation into engine calls sized from the memory
+            the engine reports (``kv_token_budget``: vLLM's KV cache capacity; for the transformers
+            engine the free device memory over its KV bytes per token): as many sequences per call
+            as fit, within ``[min_batch_size, max_batch_size]``, whole prompts each
+            (``RLTrainer.generate(call_sizes=...)``); logs ``rollout/batch_size``,
+            ``rollout/num_calls`` and ``rollout/kv_token_budget``. Greedy samples are unchanged;
+            sampled ones differ from one call's (each call has its own seeded stream).
+        min_batch_size / max_batch_size: the sequences (prompt x sample rows) per call; only with
+            ``dynamic_batch_size``.
     """
 
     outputs = ROLLOUT_FIELDS
@@ -74,8 +83,26 @@ class RolloutOperator(Operator):
         temperature: float | None = None,
         top_p: float | None = None,
         max_new_tokens: int | None = None,
+        dynamic_batch_size: bool = False,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
     ) -> None:
         super().__init__()
+        if not dynamic_batch_size and (min_batch_size is not None or max_batch_size is not None):
+            raise ValueError(
+                "RolloutOperator(min_batch_size=/max_batch_size=) size the calls of dynamic_batch_size=True; "
+                "add dynamic_batch_size=True or drop them"
+            )
+        self.call_sizes: tuple[int, int] | None = None
+        if dynamic_batch_size:
+            low = 1 if min_batch_size is None else min_batch_size
+            high = 2**31 - 1 if max_batch_size is None else max_batch_size
+            for name, value in (("min_batch_size", low), ("max_batch_size", high)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"RolloutOperator({name}={value!r}): a number of sequences, an int >= 1")
+            if low > high:
+                raise ValueError(f"RolloutOperator(min_batch_size={low}, max_batch_size={high}): min is above max")
+            self.call_sizes = (low, high)
         self.settings = {
             "actor_rollout_ref.rollout.n": n,
             "actor_rollout_ref.rollout.temperature": temperature,
@@ -93,7 +120,7 @@ class RolloutOperator(Operator):
         prompts = trainer.prompt_batch(0)
         if prompts is None:
             return None, {}
-        return trainer.generate(prompts, seed=trainer.sampling_seed(0))
+        return trainer.generate(prompts, seed=trainer.sampling_seed(0), call_sizes=self.call_sizes)
 
 
 def _scorer_name(scorer: Any) -> str:

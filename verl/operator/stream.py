@@ -14,6 +14,12 @@ Where the trainer comes from:
   builds the config (the YAML file, then ``overrides``, then the operators' settings) and the
   trainer on its first :meth:`step`/:meth:`fit`, starting a world of one process when
   torch.distributed is not initialised; :meth:`close` frees both.
+
+``device_map={"actor": [0, 1], "rollout_sampler": [0, 1]}`` places the roles
+(``verl.parallel.device_map``): the trainer colocates every role on the devices ``0 .. N-1`` of
+one node, one rank each, so a map must give every role it names the same such devices, with a
+launched world of N processes. It is checked when the stream is made and sets ``trainer.device``,
+``trainer.n_gpus_per_node`` and ``trainer.nnodes`` (a given trainer must already agree).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from verl.operator.base import Operator, declared, operator_name
@@ -99,6 +105,8 @@ class DataStream:
         train_files: parquet/jsonl/json prompt files (``data.train_files``).
         config: the YAML config the trainer starts from (a name under configs/ or a path).
         overrides: ``key=value`` settings applied after ``config`` (``data.train_batch_size=8``).
+        device_map: role -> devices (``{"actor": [0, 1], "rollout_sampler": [0, 1]}``; roles left
+            out run on the same devices); see the module docstring and ``verl.parallel.device_map``.
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class DataStream:
         train_files: str | Sequence[str] | None = None,
         config: str = "ppo_trainer",
         overrides: Sequence[str] = (),
+        device_map: Mapping[str, Any] | None = None,
     ) -> None:
         if trainer is not None and (model is not None or train_files is not None or overrides):
             raise ValueError("DataStream: pass either trainer= or model=/train_files=/overrides=, not both")
@@ -122,6 +131,7 @@ class DataStream:
         self._names: list[str] = []
         self._fields: set[str] = set()
         self.monitor: "VerlMonitor | None" = None
+        self.placement = None if device_map is None else self._place(device_map, trainer, tuple(overrides))
 
     # -- building -------------------------------------------------------------------------
 
@@ -168,6 +178,40 @@ class DataStream:
         self.monitor = monitor
         return self
 
+    @staticmethod
+    def _place(device_map: Mapping[str, Any], trainer: "RLTrainer | None", overrides: Sequence[str]) -> Any:
+        """``device_map`` checked against the launched world, the devices here and the trainer's config
+        (a given trainer's, or the ``overrides`` of one the stream builds)."""
+        import torch
+        import torch.distributed as dist
+
+        from verl.parallel.device_map import override_value, placement_conflicts, resolve_device_map
+
+        cuda = torch.cuda.device_count()
+        if trainer is not None:
+            t = trainer.cfg.trainer
+            device = t.device if t.device != "auto" else ("cuda" if cuda > 0 else "cpu")
+            placement = resolve_device_map(device_map, world_size=trainer.world_size, cuda_devices=cuda, device=device)
+            if (t.nnodes, t.n_gpus_per_node) != (1, len(placement.devices)):
+                raise ValueError(
+                    f"device_map places the roles on {len(placement.devices)} device(s) of one node, but the trainer "
+                    f"was built with trainer.nnodes={t.nnodes} trainer.n_gpus_per_node={t.n_gpus_per_node}; build it "
+                    f"with trainer.nnodes=1 trainer.n_gpus_per_node={len(placement.devices)}, or leave device_map out"
+                )
+            return placement
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        placement = resolve_device_map(
+            device_map, world_size=world, cuda_devices=cuda, device=override_value(overrides, "trainer.device")
+        )
+        conflicts = placement_conflicts(placement, overrides)
+        if conflicts:
+            wanted = " ".join(f"{k}={v}" for k, v in placement.config_overrides().items())
+            raise ValueError(
+                f"device_map sets {wanted}, but overrides set {' '.join(conflicts)}; drop those overrides "
+                "(device_map sets them) or leave device_map out"
+            )
+        return placement
+
     def _check_settings(self, name: str, op: Operator, cfg: "PPOConfig") -> None:
         for key, wanted in op.config_overrides().items():
             have = _config_value(cfg, key)
@@ -178,22 +222,32 @@ class DataStream:
                     "so that its operators configure the trainer"
                 )
 
+    def config(self) -> "PPOConfig":
+        """The config a stream that builds its trainer builds it from: the YAML file, ``overrides``,
+        the ``device_map``'s settings, the operators' settings, the monitor's; checked against the
+        launched world size. A given trainer's config for ``DataStream(trainer=...)``."""
+        if self._trainer is not None:
+            return self._trainer.cfg
+        overrides = list(self._build_args["overrides"])
+        if self.placement is not None:
+            overrides += [f"{k}={v}" for k, v in self.placement.config_overrides().items()]
+        for op in self.operators:
+            if isinstance(op, Operator):
+                overrides += [f"{k}={v}" for k, v in op.config_overrides().items()]
+        if self.monitor is not None:
+            overrides += [f"{k}={v}" for k, v in self.monitor.config_overrides().items()]
+        return build_config(
+            model=self._build_args["model"],
+            train_files=self._build_args["train_files"],
+            config=self._build_args["config"],
+            overrides=overrides,
+        )
+
     @property
     def trainer(self) -> "RLTrainer":
         """The trainer, built now if the stream builds its own."""
         if self._trainer is None:
-            overrides = list(self._build_args["overrides"])
-            for op in self.operators:
-                if isinstance(op, Operator):
-                    overrides += [f"{k}={v}" for k, v in op.config_overrides().items()]
-            if self.monitor is not None:
-                overrides += [f"{k}={v}" for k, v in self.monitor.config_overrides().items()]
-            cfg = build_config(
-                model=self._build_args["model"],
-                train_files=self._build_args["train_files"],
-                config=self._build_args["config"],
-                overrides=overrides,
-            )
+            cfg = self.config()
             self._trainer, self._started_world = build_trainer(cfg)
             for op in self.operators:
                 if isinstance(op, Operator):

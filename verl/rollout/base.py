@@ -35,7 +35,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -215,6 +215,28 @@ def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:
     }
 
 
+def merge_rollout_metrics(calls: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The :func:`rollout_metrics` of several calls as one: sums, sequence-weighted means, extremes,
+    tokens per second over the calls' total time. Other keys: the last call's."""
+    if not calls:
+        return {}
+    merged = dict(calls[-1])
+    seqs = sum(c["rollout/num_sequences"] for c in calls)
+    tokens = sum(c["rollout/num_tokens"] for c in calls)
+    seconds = sum(c["rollout/time_s"] for c in calls)
+    merged.update({
+        "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "rollout/time_s": seconds,
+        "rollout/num_sequences": seqs,
+        "rollout/num_tokens": tokens,
+        "rollout/response_length/mean": tokens / max(seqs, 1),
+        "rollout/response_length/max": max(c["rollout/response_length/max"] for c in calls),
+        "rollout/response_length/min": min(c["rollout/response_length/min"] for c in calls),
+        "rollout/clip_ratio": sum(c["rollout/clip_ratio"] * c["rollout/num_sequences"] for c in calls) / max(seqs, 1),
+    })
+    return merged
+
+
 class RolloutEngine(abc.ABC):
     """A generation engine behind one interface: generate, update weights, release/resume memory.
 
@@ -354,6 +376,12 @@ class RolloutEngine(abc.ABC):
     def kv_cache_bytes(self) -> int:
         """Bytes of KV cache this engine holds now on its device (0 between :meth:`release` and
         :meth:`resume`); what the memory handoff (``verl.hybrid.memory``) accounts for."""
+
+    def kv_token_budget(self) -> int | None:
+        """Tokens of KV cache (prompt + response tokens of every sequence) one ``generate`` call can
+        hold now, from the memory this engine reports; None when it reports none. What
+        ``RolloutOperator(dynamic_batch_size=True)`` sizes its calls by."""
+        return None
 
     @abc.abstractmethod
     def shutdown(self) -> None:

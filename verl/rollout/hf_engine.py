@@ -248,6 +248,29 @@ class HFRollout(RolloutEngine):
         call it holds about 2 x layers x kv_heads x head_dim x dtype bytes per token of the batch."""
         return 0
 
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token of a batch: K and V of every layer, ``2 x layers x kv_heads x
+        head_dim x dtype bytes``, from the model's config."""
+        c = self.model.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+
+    def kv_token_budget(self) -> int:
+        """The free memory of the engine's device over :meth:`kv_bytes_per_token`: transformers
+        allocates a call's KV cache inside the call, so the room it has is what is free now (CUDA:
+        ``torch.cuda.mem_get_info``; CPU: the host's available memory). Activations and logits of
+        the call are not counted; ``max_batch_size`` bounds a call on a device with room to spare."""
+        if self._released:
+            return 0
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return int(free // self.kv_bytes_per_token())
+
     def shutdown(self) -> None:
         """Drop the model."""
         if getattr(self, "model", None) is None:

@@ -529,6 +529,14 @@ class VLLMRollout(RolloutEngine):
             return internals.kv_cache_bytes(self._worker)
         return _kv_cache_bytes_from_config(self._llm)
 
+    def kv_token_budget(self) -> int:
+        """The KV cache's capacity in tokens: vLLM's ``num_gpu_blocks x block_size`` (its public
+        cache config); 0 between :meth:`release` and :meth:`resume`."""
+        if self._released:
+            return 0
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+
     @property
     def released(self) -> bool:
         """Whether the engine is between :meth:`release` and :meth:`resume`."""

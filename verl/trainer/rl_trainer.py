@@ -73,6 +73,7 @@ from verl.engine import lr_schedule_steps
 from verl.parallel import megatron_state
 from verl.parallel.topology import RoleLayout, Topology
 from verl.protocol import Batch
+from verl.rollout.base import merge_rollout_metrics
 from verl.rewards import reward_manager_from_config
 from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
 from verl.roles.engine_role import token_budget
@@ -110,6 +111,9 @@ CRITIC_SUBDIR = "critic"
 _STEP_STRIDE = 1000
 _VAL_OFFSET = 10**9
 _REMAX_OFFSET = 500
+# Call i > 0 of a step's generation split into calls (RLTrainer.generate(call_sizes=...)) samples
+# with seed + i * _CALL_STRIDE: its own stream, apart from the step's draws and ReMax's baseline.
+_CALL_STRIDE = 100_003
 
 
 class _Timer:
@@ -486,17 +490,76 @@ class RLTrainer:
 
     # -- the step's pieces ----------------------------------------------------------------
 
-    def generate(self, prompts: Batch, *, seed: int) -> tuple[Batch, dict[str, float]]:
-        """Rollout (weights pushed first): ``n`` samples per prompt; ReMax adds ``reward_baselines`` [B*n]."""
+    def generate(
+        self, prompts: Batch, *, seed: int, call_sizes: tuple[int, int] | None = None
+    ) -> tuple[Batch, dict[str, float]]:
+        """Rollout (weights pushed first): ``n`` samples per prompt; ReMax adds ``reward_baselines`` [B*n].
+
+        ``call_sizes=(min, max)`` splits the generation into engine calls of whole prompts, each of
+        ``min .. max`` sequences (prompt x sample rows), as many as the memory the engine reports
+        holds (:meth:`_call_size`); call ``i > 0`` samples with ``seed + i * _CALL_STRIDE``, so with
+        one call the samples are those of an unsplit call, and greedy samples never change. Adds
+        ``rollout/batch_size`` (sequences per call), ``rollout/num_calls`` and ``rollout/kv_token_budget``.
+        """
         with self.rollout.phase() as push:
-            batch = self.rollout.generate(prompts, seed=seed)
-            metrics = {**push, **self.rollout.last_metrics}
+            if call_sizes is None:
+                batch = self.rollout.generate(prompts, seed=seed)
+                metrics = {**push, **self.rollout.last_metrics}
+            else:
+                batch, calls = self._generate_in_calls(prompts, seed=seed, call_sizes=call_sizes)
+                metrics = {**push, **calls}
             if self.cfg.algorithm.adv_estimator == "remax":
                 greedy = self.rollout.generate(prompts, seed=seed + _REMAX_OFFSET, greedy=True)
                 baseline = self.reward.score(greedy).scores  # [B]
                 batch["reward_baselines"] = baseline.repeat_interleave(self.n)
         batch["response_mask"] = batch["response_mask"].to(torch.float32)
         return batch, metrics
+
+    def _call_size(self, prompts: Batch, call_sizes: tuple[int, int]) -> tuple[int, int]:
+        """(prompts per engine call, at most all of them; the KV token budget it came from). The engine's budget (the least
+        over the world's ranks, so that every rank makes the same calls) over the tokens of one
+        sequence (prompt width + the engine's ``response_length``) is the sequences a rank can hold; times
+        the rollout's data-parallel size, clamped to ``call_sizes``, whole prompts (``n`` sequences each)."""
+        low, high = call_sizes
+        if high < self.n:
+            raise ValueError(
+                f"RolloutOperator(max_batch_size={high}) is below actor_rollout_ref.rollout.n={self.n}: an engine "
+                f"call holds every sample of its prompts; raise max_batch_size to at least {self.n}"
+            )
+        budget = self.rollout.engine.kv_token_budget()
+        if budget is None:
+            raise ValueError(
+                f"dynamic_batch_size: the {self.cfg.actor_rollout_ref.rollout.name!r} rollout engine reports no "
+                "memory to size its calls by (kv_token_budget); use the 'hf' or 'vllm' engine, or "
+                "dynamic_batch_size=False"
+            )
+        if dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+            least = torch.tensor([budget], dtype=torch.int64, device=device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            budget = int(least.item())
+        tokens = prompts["input_ids"].shape[1] + self.rollout.engine.cfg.response_length
+        dp = dist.get_world_size(self.rollout.dp_group) if self.rollout.dp_group is not None else 1
+        sequences = min(max(budget // tokens * dp, low), high)
+        return min(max(sequences // self.n, 1), len(prompts)), budget
+
+    def _generate_in_calls(
+        self, prompts: Batch, *, seed: int, call_sizes: tuple[int, int]
+    ) -> tuple[Batch, dict[str, float]]:
+        per_call, budget = self._call_size(prompts, call_sizes)
+        pieces, calls, seconds = [], [], 0.0
+        for i, start in enumerate(range(0, len(prompts), per_call)):
+            pieces.append(self.rollout.generate(prompts[start : start + per_call], seed=seed + i * _CALL_STRIDE))
+            calls.append(self.rollout.last_metrics)
+            seconds += self.rollout.last_metrics["timing_s/gen"]
+        metrics = merge_rollout_metrics(calls)
+        metrics.update({
+            "timing_s/gen": seconds,
+            "rollout/batch_size": float(per_call * self.n),
+            "rollout/num_calls": float(len(pieces)),
+            "rollout/kv_token_budget": float(budget),
+        })
+        return Batch.concat(pieces), metrics
 
     def compute_reward(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` [B, R] and the scorers' per-sample extras (``acc`` ...) as columns."""
