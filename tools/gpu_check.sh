@@ -69,8 +69,8 @@ step() {  # step NAME SECONDS COMMAND...
 
 step env 30 bash -c "nvidia-smi; $python -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'"
 step build 240 "$python" setup.py -q build_ext --inplace
-step csrc 120 "$python" -m pytest -q -p no:cacheprovider tests/csrc/test_copy_shards.py tests/csrc/test_copy_ranges.py
-step engine 150 "$python" -m pytest -q -p no:cacheprovider tests/trainer/test_engine_bf16.py tests/trainer/test_engine_clipping.py \
+step csrc 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/csrc/test_copy_shards.py tests/csrc/test_copy_ranges.py
+step engine 150 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/trainer/test_engine_bf16.py tests/trainer/test_engine_clipping.py \
   tests/models/test_loss_contract.py
 step rl-step 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
   actor_rollout_ref.rollout.name=hf trainer.device=cuda

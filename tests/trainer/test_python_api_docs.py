@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+import torch
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "python_api.md")
 
@@ -32,7 +33,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     import torch.distributed as dist
 
     blocks = _doc_blocks()
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     ns = {"MODEL": tiny_model_dir, "TRAIN_FILE": arithmetic_files["train"], "OUT": str(tmp_path)}
     for block in blocks:
         exec(compile(block, DOC, "exec"), ns)
@@ -76,6 +77,13 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     written = pq.read_table(tmp_path / "qa" / "data" / "train.parquet").to_pylist()
     assert len(written) == 48 and written[5]["data_source"] == "verl/arithmetic"
     assert ns["qa"].last_config.data.train_files == [str(tmp_path / "qa" / "data" / "train.parquet")]
+    # Model objects: the stream wrote the trained weights back into the actor object.
+    assert math.isfinite(ns["objects_step"]["reward_mean"]) and ns["objects_step"]["actor/grad_norm"] > 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "objects" / "model_objects" / "global_step_2" / "model.safetensors"))
+    actor_state = ns["actor"].state_dict()
+    assert all(torch.equal(actor_state[k], v) for k, v in exported.items())
     # DPO through the facade: the first step runs at the reference's weights (margin 0, loss log 2).
     dpo = ns["dpo_metrics"]
     assert dpo["global_step"] == 1 and ns["dpo"].last_config.data.pairs

@@ -85,7 +85,10 @@ class GlobalBatchInfo:
             seqs += float((mf.sum(dim=-1) > 0).sum())
         dp_size = 1
         if group is not None:
-            counts = torch.tensor([tokens, seqs], dtype=torch.float64)
+            from verl.protocol.collectives import comm_device
+
+            # On the group's device: NCCL reduces CUDA tensors only.
+            counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=comm_device(group))
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
             tokens, seqs = counts.tolist()
             dp_size = dist.get_world_size(group=group)

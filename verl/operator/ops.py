@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,12 @@ class RolloutOperator(Operator):
     data is used up.
 
     Args (None: the config's value):
+        model: the policy (``actor_rollout_ref.model.path``): a Hugging Face checkpoint directory
+            or a ``...ForCausalLM`` object of a supported family (``verl.trainer.model_objects``:
+            written as a checkpoint for the Megatron actor and the rollout engine); None: the
+            stream's ``model=``. A :class:`PPOUpdateOperator` given ``actor=`` must name the same model.
+        tokenizer: the tokenizer of a ``model`` object (an object or a directory); for a
+            directory, a tokenizer directory other than the model's (``actor_rollout_ref.model.tokenizer_path``).
         n: samples per prompt (``actor_rollout_ref.rollout.n``).
         temperature: sampling temperature (``actor_rollout_ref.rollout.temperature``).
         top_p: nucleus sampling (``actor_rollout_ref.rollout.top_p``).
@@ -79,6 +86,8 @@ class RolloutOperator(Operator):
     def __init__(
         self,
         *,
+        model: Any = None,
+        tokenizer: Any = None,
         n: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -103,7 +112,9 @@ class RolloutOperator(Operator):
             if low > high:
                 raise ValueError(f"RolloutOperator(min_batch_size={low}, max_batch_size={high}): min is above max")
             self.call_sizes = (low, high)
+        self.model = model
         self.settings = {
+            **_policy_settings(model, tokenizer, "RolloutOperator(model=...)"),
             "actor_rollout_ref.rollout.n": n,
             "actor_rollout_ref.rollout.temperature": temperature,
             "actor_rollout_ref.rollout.top_p": top_p,
@@ -121,6 +132,23 @@ class RolloutOperator(Operator):
         if prompts is None:
             return None, {}
         return trainer.generate(prompts, seed=trainer.sampling_seed(0), call_sizes=self.call_sizes)
+
+
+def _policy_settings(model: Any, tokenizer: Any, what: str) -> dict[str, Any]:
+    """The actor's model keys for an operator's ``model=``/``actor=`` (nothing for None)."""
+    if model is None:
+        if tokenizer is not None:
+            raise ValueError(f"{what}: tokenizer= goes with model=; the stream's model brings its own tokenizer")
+        return {}
+    from verl.trainer.model_objects import is_model_object, model_directory
+
+    path = model_directory(model, what=what, tokenizer=tokenizer, head="lm")
+    settings: dict[str, Any] = {"actor_rollout_ref.model.path": path}
+    if tokenizer is not None and not is_model_object(model):
+        if not isinstance(tokenizer, (str, os.PathLike)):
+            raise TypeError(f"{what}: with a model directory, tokenizer= is a tokenizer directory, got {type(tokenizer).__name__}")
+        settings["actor_rollout_ref.model.tokenizer_path"] = os.path.abspath(os.fspath(tokenizer))
+    return settings
 
 
 def _scorer_name(scorer: Any) -> str:
@@ -201,19 +229,81 @@ class RewardOperator(Operator):
 
 
 class RewardModelScorer(RewardOperator):
-    """:class:`RewardOperator` under the tutorials' name: ``rm_model`` is a rule-based scorer name or
-    a Python function. A trained reward model is configured on the trainer instead
-    (``reward_model.enable=true reward_model.model.path=DIR``) and scored by ``RewardOperator()``."""
+    """:class:`RewardOperator` under the tutorials' name, which also scores with a trained reward model.
 
-    def __init__(self, rm_model: str | Callable[..., Any] | None = None, *, name: str | None = None) -> None:
-        if rm_model is not None and not isinstance(rm_model, str) and not callable(rm_model):
-            raise TypeError(f"RewardModelScorer(rm_model=...) takes a scorer name or a function, got {type(rm_model).__name__}")
-        if isinstance(rm_model, torch.nn.Module):
+    Args:
+        rm_model: a rule-based scorer name or a Python function (as ``RewardOperator(scorer=)``);
+            or a reward model: a Hugging Face checkpoint directory or a
+            ``...ForSequenceClassification`` object with ``num_labels=1`` of a supported family
+            (``verl.trainer.model_objects``). A reward model is the trainer's reward-model role
+            (``reward_model.enable=true``, ``reward_model.model.path``): a frozen Megatron engine
+            that scores each sequence at its last real token; this operator's scores are the
+            model's alone (no rule-based scorer is added). It reads the policy's token ids, so it
+            must share the policy's tokenizer (the trainer checks this before it builds anything).
+        tokenizer: the tokenizer of an ``rm_model`` object (an object or a directory).
+        use_vllm: must be False: reward models run on the Megatron engine (vLLM generates only).
+        name: the name in metrics (``reward/<name>/mean``).
+    """
+
+    def __init__(
+        self,
+        rm_model: Any = None,
+        *,
+        tokenizer: Any = None,
+        use_vllm: bool = False,
+        name: str | None = None,
+    ) -> None:
+        from verl.trainer.model_objects import is_model_object, model_directory
+
+        if use_vllm:
             raise ValueError(
-                "RewardModelScorer(rm_model=<nn.Module>): model objects are not supported yet; set "
-                "reward_model.enable=true reward_model.model.path=DIR on the trainer and use RewardOperator()"
+                "RewardModelScorer(use_vllm=True): reward models are scored by the trainer's Megatron reward-model "
+                "role, not vLLM (which only generates); leave use_vllm=False"
+            )
+        self.model_path: str | None = None
+        is_dir = isinstance(rm_model, (str, os.PathLike)) and os.path.isdir(os.fspath(rm_model))
+        if is_model_object(rm_model) or is_dir:
+            self.model_path = model_directory(
+                rm_model, what="RewardModelScorer(rm_model=...)", tokenizer=tokenizer, head="reward"
+            )
+            Operator.__init__(self)
+            self.scorer = None
+            self.name = name or "reward_model"
+            self._role = None
+            return
+        if tokenizer is not None:
+            raise ValueError("RewardModelScorer(tokenizer=...) goes with a reward model (rm_model= a model or its directory)")
+        if rm_model is not None and not isinstance(rm_model, str) and not callable(rm_model):
+            raise TypeError(
+                "RewardModelScorer(rm_model=...) takes a scorer name, a function, or a reward model (object or "
+                f"directory), got {type(rm_model).__name__}"
             )
         super().__init__(rm_model, name=name)
+
+    def config_overrides(self) -> dict[str, Any]:
+        if self.model_path is None:
+            return {}
+        return {"reward_model.enable": True, "reward_model.model.path": self.model_path}
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        if self.model_path is None:
+            super().bind(trainer)
+            return
+        Operator.bind(self, trainer)
+        from verl.roles import RewardModel
+
+        model_role = trainer.reward.model_role
+        if model_role is None:
+            raise ValueError(
+                "RewardModelScorer(rm_model=<reward model>): the stream's trainer has no reward model; build it with "
+                f"reward_model.enable=true reward_model.model.path={self.model_path}"
+            )
+        self._role = RewardModel(
+            None,
+            custom_scorer=False,
+            model_role=model_role,
+            micro_batch_size=trainer.cfg.reward_model.micro_batch_size_per_gpu,
+        )
 
 
 class MultiRewardScorer(Operator):
@@ -243,6 +333,18 @@ class MultiRewardScorer(Operator):
                 op.name = f"{op.name}_{len(names)}"
             names.append(op.name)
             self.parts.append((op, float(weight)))
+
+    def config_overrides(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for op, _ in self.parts:
+            for key, value in op.config_overrides().items():
+                if key in out and out[key] != value:
+                    raise ValueError(
+                        f"MultiRewardScorer: two scorers set {key} differently ({out[key]!r}, {value!r}); the trainer "
+                        "has one reward model"
+                    )
+                out[key] = value
+        return out
 
     def bind(self, trainer: "RLTrainer") -> None:
         super().bind(trainer)
@@ -436,6 +538,14 @@ class PPOUpdateOperator(Operator):
     actor updates and the step's metrics (``RLTrainer.update_step``; advances the global step).
 
     Args (None: the config's value):
+        actor: the policy it trains, as :class:`RolloutOperator`'s ``model=`` takes it (the same
+            model as the rollout's: one actor generates and trains); None: the stream's.
+        critic: the value model's start for ``estimator="gae"`` (PPO with a critic): a Hugging Face
+            checkpoint directory or a ``...ForCausalLM`` object (its body gets a fresh value head;
+            ``critic.model.path``); None: no critic, unless the estimator needs one (then the
+            config's ``critic.model.path``, by default the actor's). A critic-free estimator
+            (``grpo``, ``rloo``, ...) with ``critic=`` is refused.
+        tokenizer: the tokenizer of an ``actor``/``critic`` object (as :class:`RolloutOperator`'s).
         estimator: the advantage estimator (``algorithm.adv_estimator``: ``grpo``, ``gae`` (PPO
             with a critic), ``rloo``, ``reinforce_plus_plus``, ``remax``, ...: ``verl.algos.list_adv_estimators()``).
         kl_coef: the KL-to-reference loss coefficient (``actor.kl_loss_coef``; sets ``use_kl_loss``).
@@ -450,6 +560,9 @@ class PPOUpdateOperator(Operator):
     def __init__(
         self,
         *,
+        actor: Any = None,
+        critic: Any = None,
+        tokenizer: Any = None,
         estimator: str | None = None,
         kl_coef: float | None = None,
         clip_range: float | None = None,
@@ -463,8 +576,26 @@ class PPOUpdateOperator(Operator):
                 raise ValueError(
                     f"PPOUpdateOperator(estimator={estimator!r}): unknown estimator; choose one of {list_adv_estimators()}"
                 )
+        critic_settings: dict[str, Any] = {}
+        if critic is not None:
+            if estimator not in (None, "gae"):
+                raise ValueError(
+                    f"PPOUpdateOperator(critic=..., estimator={estimator!r}): {estimator} is critic-free; give "
+                    "estimator='gae' to train a critic, or leave critic=None"
+                )
+            from verl.trainer.model_objects import model_directory
+
+            critic_settings = {
+                "critic.model.path": model_directory(
+                    critic, what="PPOUpdateOperator(critic=...)", tokenizer=tokenizer, head="lm"
+                ),
+            }
+            estimator = "gae"
+        self.actor = actor
         a = "actor_rollout_ref.actor"
         self.settings = {
+            **_policy_settings(actor, tokenizer if actor is not None else None, "PPOUpdateOperator(actor=...)"),
+            **critic_settings,
             "algorithm.adv_estimator": estimator,
             f"{a}.use_kl_loss": None if kl_coef is None else kl_coef > 0,
             f"{a}.kl_loss_coef": kl_coef,

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from verl.operator.base import Operator, declared, operator_name
+from verl.trainer.model_objects import is_model_object
 
 if TYPE_CHECKING:
     from verl.config import PPOConfig
@@ -101,7 +102,11 @@ class DataStream:
 
     Args:
         trainer: an ``RLTrainer`` to run on; or None to build one from the arguments below.
-        model: the actor's Hugging Face checkpoint directory (``actor_rollout_ref.model.path``).
+        model: the actor (``actor_rollout_ref.model.path``): a Hugging Face checkpoint directory or
+            a ``...ForCausalLM`` object (``verl.trainer.model_objects``); None when an operator names
+            it (``RolloutOperator(model=)``, ``PPOUpdateOperator(actor=)``). The trained weights
+            are loaded back into a model object by :meth:`close`.
+        tokenizer: the tokenizer of a ``model`` object (an object or its directory).
         train_files: parquet/jsonl/json prompt files (``data.train_files``).
         config: the YAML config the trainer starts from (a name under configs/ or a path).
         overrides: ``key=value`` settings applied after ``config`` (``data.train_batch_size=8``).
@@ -113,16 +118,24 @@ class DataStream:
         self,
         trainer: "RLTrainer | None" = None,
         *,
-        model: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
         train_files: str | Sequence[str] | None = None,
         config: str = "ppo_trainer",
         overrides: Sequence[str] = (),
         device_map: Mapping[str, Any] | None = None,
     ) -> None:
+        from verl.trainer.model_objects import is_model_object, model_directory
+
         if trainer is not None and (model is not None or train_files is not None or overrides):
             raise ValueError("DataStream: pass either trainer= or model=/train_files=/overrides=, not both")
-        if trainer is None and model is None:
-            raise ValueError("DataStream needs trainer= (an RLTrainer) or model= (a model directory)")
+        # Model objects whose trained weights close() loads back (the stream's, its operators').
+        self._model_objects: list[Any] = []
+        if is_model_object(model):
+            self._model_objects.append(model)
+            model = model_directory(model, what="DataStream(model=...)", tokenizer=tokenizer, head="lm")
+        elif tokenizer is not None:
+            raise ValueError("DataStream(tokenizer=...) goes with a model object (model=<...ForCausalLM>)")
         self._trainer = trainer
         self._owns_trainer = trainer is None
         self._started_world = False
@@ -156,6 +169,12 @@ class DataStream:
             )
         if self._trainer is not None and isinstance(op, Operator):
             self._check_settings(name, op, self._trainer.cfg)
+        if isinstance(op, Operator):
+            self._check_agreement(name, op)
+            for attr in ("model", "actor"):
+                given = getattr(op, attr, None)
+                if is_model_object(given) and not any(given is m for m in self._model_objects):
+                    self._model_objects.append(given)
         self.operators.append(op)
         self._names.append(name)
         self._fields.update(outputs)
@@ -212,6 +231,30 @@ class DataStream:
             )
         return placement
 
+    def _check_agreement(self, name: str, op: Operator) -> None:
+        """Two operators (or an operator and the stream's ``model=``) that set one key differently
+        cannot both hold: the stream has one trainer, one actor."""
+        mine = op.config_overrides()
+        model = self._build_args["model"]
+        if model is not None and "actor_rollout_ref.model.path" in mine:
+            if mine["actor_rollout_ref.model.path"] != model:
+                raise ValueError(
+                    f"operator {name} names the actor {mine['actor_rollout_ref.model.path']} but the stream's model= is "
+                    f"{model}; one stream trains one actor: give the same model (or only one of them)"
+                )
+        for other_name, other in zip(self._names, self.operators):
+            if not isinstance(other, Operator):
+                continue
+            theirs = other.config_overrides()
+            for key in mine.keys() & theirs.keys():
+                if mine[key] != theirs[key]:
+                    raise ValueError(
+                        f"operator {name} sets {key}={mine[key]!r} but operator {other_name} set {key}={theirs[key]!r}; "
+                        "the stream builds one trainer: make them agree"
+                        + (" (one actor generates and trains: give RolloutOperator(model=) and "
+                           "PPOUpdateOperator(actor=) the same model)" if key == "actor_rollout_ref.model.path" else "")
+                    )
+
     def _check_settings(self, name: str, op: Operator, cfg: "PPOConfig") -> None:
         for key, wanted in op.config_overrides().items():
             have = _config_value(cfg, key)
@@ -236,6 +279,11 @@ class DataStream:
                 overrides += [f"{k}={v}" for k, v in op.config_overrides().items()]
         if self.monitor is not None:
             overrides += [f"{k}={v}" for k, v in self.monitor.config_overrides().items()]
+        if self._build_args["model"] is None and not any(o.startswith("actor_rollout_ref.model.path=") for o in overrides):
+            raise ValueError(
+                "DataStream has no actor model: give DataStream(model=...), RolloutOperator(model=...) or "
+                "PPOUpdateOperator(actor=...) (a Hugging Face model directory or object)"
+            )
         return build_config(
             model=self._build_args["model"],
             train_files=self._build_args["train_files"],
@@ -326,12 +374,33 @@ class DataStream:
 
         return export_as_api(self, out_dir, **app_kwargs)
 
+    def write_back(self) -> None:
+        """Load the actor's current weights into the model objects the stream was given (its
+        ``model=``, ``RolloutOperator(model=)``, ``PPOUpdateOperator(actor=)``), through the
+        trainer's Hugging Face export to ``<trainer.default_local_dir>/model_objects/global_step_N``
+        (collective: every rank calls it; each rank loads its own objects). :meth:`close` does this."""
+        from verl.serving.export import export_policy
+        from verl.trainer.model_objects import write_back
+
+        if not self._model_objects:
+            return
+        trainer = self.trainer
+        out_dir = os.path.join(trainer.cfg.trainer.default_local_dir, "model_objects", f"global_step_{trainer.global_step}")
+        export_policy(self, out_dir)
+        if os.path.isdir(out_dir):  # not on a node without the exporting rank's disk
+            for model in self._model_objects:
+                write_back(model, out_dir)
+        else:
+            logger.warning("DataStream: the actor's weights are in %s on the first node; not loaded into the model here", out_dir)
+
     def close(self) -> None:
         """Close the operators that hold resources (``close()``: the review page), then the trainer
         (and the world of one) if the stream built them."""
         for op in self.operators:
             if callable(getattr(op, "close", None)):
                 op.close()
+        if self._model_objects and self._trainer is not None and not self._trainer.closed:
+            self.write_back()
         if self._owns_trainer and self._trainer is not None:
             self._trainer.close()
             self._trainer = None

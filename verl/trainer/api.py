@@ -67,8 +67,9 @@ class RLTrainer:
 
     def __init__(
         self,
-        actor_model: str,
+        actor_model: Any,
         *,
+        tokenizer: Any = None,
         algorithm: str = "grpo",
         use_vllm: bool = True,
         rollout_batch_size: int = 32,
@@ -90,8 +91,14 @@ class RLTrainer:
     ) -> None:
         """
         Args:
-            actor_model: the policy's Hugging Face checkpoint directory (Llama, Qwen2, Mistral
-                families), trained through Megatron-core.
+            actor_model: the policy: a Hugging Face checkpoint directory, or a ``transformers``
+                ``...ForCausalLM`` object (Llama, Qwen2, Mistral families), trained through
+                Megatron-core. An object is written to ``output_dir/model_init/`` when :meth:`fit`
+                starts and the trained weights are loaded back into it when it ends (the run also
+                exports them to ``output_dir/huggingface/``). Other ``nn.Module`` objects are refused:
+                every verl role is a Megatron engine.
+            tokenizer: the tokenizer of an ``actor_model`` object (an object or its directory); None:
+                read from the object's ``name_or_path`` directory. Unused for a directory.
             algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),
                 or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop),
                 or ``"hybrid_ppo"``: GRPO and DPO in one step, by ``hybrid_condition``.
@@ -117,8 +124,27 @@ class RLTrainer:
             config: the YAML config started from (a name under configs/ or a path).
             overrides: ``key=value`` settings applied last (any ``python -m verl.config --help`` key).
         """
-        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "hybrid_condition")}
-        self._init_args.update(actor_model=os.fspath(actor_model), overrides=list(overrides))
+        self._init_args = {
+            k: v for k, v in locals().items() if k not in ("self", "__class__", "hybrid_condition", "tokenizer")
+        }
+        from verl.trainer.model_objects import _check_object, is_model_object
+
+        self._init_args["overrides"] = list(overrides)
+        self._actor_object = None
+        self._tokenizer = tokenizer
+        if is_model_object(actor_model):
+            _check_object(actor_model, "RLTrainer(actor_model=...)", "lm")
+            self._actor_object = actor_model
+            self._init_args["actor_model"] = None  # the directory fit() writes it to
+            actor_path = None
+        elif isinstance(actor_model, (str, os.PathLike)):
+            actor_path = os.fspath(actor_model)
+            self._init_args["actor_model"] = actor_path
+        else:
+            raise TypeError(
+                "RLTrainer(actor_model=...) takes a Hugging Face checkpoint directory or a transformers model "
+                f"object, got {type(actor_model).__name__}"
+            )
         choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS])
         if algorithm not in choices:
             raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
@@ -135,7 +161,7 @@ class RLTrainer:
             raise ValueError(f"hybrid_condition= is for algorithm='hybrid_ppo', not {algorithm!r}")
         if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
             raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
-        self.actor_model = os.fspath(actor_model)
+        self.actor_model = actor_path
         self.algorithm = algorithm
         self.beta = float(beta)
         self.hybrid_condition = hybrid_condition
@@ -233,6 +259,11 @@ class RLTrainer:
         """The ``PPOConfig`` :meth:`fit` trains with these arguments (see :meth:`fit`)."""
         from verl.operator.stream import build_config
 
+        if self.actor_model is None:
+            raise ValueError(
+                "RLTrainer.build_config: actor_model is a model object, written to output_dir/model_init/ by fit(); "
+                "call fit(), or give actor_model= a checkpoint directory"
+            )
         out = os.fspath(output_dir)
         if resume_from_checkpoint and self._resume_path is not None:
             resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={self._resume_path}"]
@@ -306,6 +337,7 @@ class RLTrainer:
         """
         from verl.operator.stream import build_trainer
         from verl.trainer import report
+        from verl.trainer.run_checks import hf_export_dir
 
         if dataset is not None and dataset_path is not None:
             raise ValueError("RLTrainer.fit: pass dataset= or dataset_path=, not both")
@@ -324,6 +356,17 @@ class RLTrainer:
         if args.get("max_steps") is None:
             raise ValueError("RLTrainer.fit needs max_steps=")
         args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
+        if self._actor_object is not None:
+            from verl.trainer.model_objects import model_directory
+
+            self.actor_model = model_directory(
+                self._actor_object,
+                what="RLTrainer(actor_model=...)",
+                tokenizer=self._tokenizer,
+                out_dir=os.path.join(args["output_dir"], "model_init"),
+            )
+            self._init_args["actor_model"] = self.actor_model
+            args["save_hf"] = True  # the export is what goes back into the object
         args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
         if args["val_dataset_path"] is not None:
             args["val_dataset_path"] = self._data_files(args["val_dataset_path"], args["output_dir"], "val")
@@ -340,6 +383,8 @@ class RLTrainer:
                 metrics: dict[str, Any] = dict(trainer.fit(step_fn=self._step_fn(trainer)))
                 step = trainer.global_step
                 self.last_checkpoint = trainer.last_checkpoint
+                if self._actor_object is not None:
+                    self._write_back(hf_export_dir(cfg.trainer))
         finally:
             if started:
                 from verl.parallel.bootstrap import destroy_distributed
@@ -362,6 +407,20 @@ class RLTrainer:
         metrics["global_step"] = step
         metrics["checkpoint"] = self.last_checkpoint
         return metrics
+
+    def _write_back(self, export_dir: str) -> None:
+        """The trained weights (the run's Hugging Face export) into the ``actor_model`` object."""
+        import logging
+
+        from verl.trainer.model_objects import write_back
+
+        if not os.path.isdir(export_dir):  # another node's rank: the export is on the first node's disk
+            logging.getLogger(__name__).warning(
+                "RLTrainer: the trained weights are in %s on the first node; not loaded into actor_model here",
+                export_dir,
+            )
+            return
+        write_back(self._actor_object, export_dir)
 
     def _step_fn(self, trainer: Any) -> Any:
         """The loop's step: the trainer's own (None), or for DPO a stream of the pairs and the update."""
