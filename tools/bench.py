@@ -586,7 +586,10 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
 
 # The trainer's phases (``timing_s/<name>``) in step order. ``gen`` encloses ``update_weights`` (the
 # push happens as the rollout phase opens), so the table shows ``gen`` less the push.
-_PHASES = ("gen", "update_weights", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+_PHASES = (
+    "data", "gen", "update_weights", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+    "records",
+)
 
 
 def _bench_inputs(root: str, *, hidden: int, layers: int, heads: int, prompts: int, seed: int = 0) -> dict[str, str]:
@@ -682,7 +685,7 @@ def _step_phases(m: dict[str, float], sequences: int) -> dict[str, Any]:
             "seconds": v,
             "share": v / step,
             # The push moves weights, not tokens.
-            "tokens_per_s": None if k == "update_weights" or v <= 0 else (generated if k == "gen" else total) / v,
+            "tokens_per_s": None if k in ("update_weights", "records") or v <= 0 else (generated if k == "gen" else total) / v,
         }
         for k, v in seconds.items()
     }

@@ -90,3 +90,55 @@ def test_bad_inputs():
         compute_preference_loss("sigmoid", **PAIR, label_smoothing=0.5)
     with pytest.raises(ValueError, match="needs \\['reference_rejected_logps'\\]"):
         compute_preference_loss("sigmoid", **{k: v for k, v in PAIR.items() if k != "reference_rejected_logps"})
+
+
+def test_ipo_steps_on_mean_log_probs_and_its_surrogate_has_the_losss_gradient():
+    """``preference_step``: IPO on per-response mean token log-probs (DPO on sums), hand-worked;
+    and for both, the surrogate sum_i coef_i * sum_t logp_it(theta) the trainer back-propagates
+    has the loss's own gradient with respect to theta."""
+    from verl.algos import preference_step, uses_length_average
+
+    assert uses_length_average("ipo") and not uses_length_average("sigmoid") and not uses_length_average("dpo")
+    # One pair: chosen has 2 tokens, rejected 4 (of R=4 columns).
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    ref = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
+    pol = torch.tensor([[-0.5, -0.5, -9.0, -9.0], [-1.5, -1.5, -1.5, -1.5]])  # masked columns ignored
+    loss, metrics, coef = preference_step("ipo", log_prob=pol, ref_log_prob=ref, response_mask=mask, beta=0.5)
+    # means: policy chosen -0.5, rejected -1.5; reference -1, -1: h = 1 - 0 = 1; (1 - 1/(2*0.5))^2 = 0
+    assert float(loss) == pytest.approx(0.0, abs=1e-12)
+    assert float(metrics["rewards/margin"]) == pytest.approx(0.5 * 1.0)
+    # Summed log-probs would give h = (-1 + 6) - (-2 + 4) = 3 and a loss of 4: not what IPO is.
+    loss_sum, _ = compute_preference_loss(
+        "ipo", policy_chosen_logps=torch.tensor([-1.0]), policy_rejected_logps=torch.tensor([-6.0]),
+        reference_chosen_logps=torch.tensor([-2.0]), reference_rejected_logps=torch.tensor([-4.0]), beta=0.5,
+    )
+    assert float(loss_sum) == pytest.approx(4.0)
+
+    torch.manual_seed(0)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    mask[:, 0] = 1.0
+    ref = -torch.rand(6, 5)
+    feats = torch.randn(6, 5, 3, dtype=torch.float64)
+    base = -torch.rand(6, 5, dtype=torch.float64)
+    for loss_type in ("ipo", "sigmoid"):
+        theta = torch.tensor([0.2, -0.1, 0.3], dtype=torch.float64, requires_grad=True)
+
+        def token_logps(t):
+            return base + feats @ t  # [6, 5]
+
+        average = uses_length_average(loss_type)
+        seq = sequence_log_prob(token_logps(theta), mask.double(), average=average)
+        ref_seq = sequence_log_prob(ref.double(), mask.double(), average=average)
+        true_loss, _ = compute_preference_loss(
+            loss_type, policy_chosen_logps=seq[0::2], policy_rejected_logps=seq[1::2],
+            reference_chosen_logps=ref_seq[0::2], reference_rejected_logps=ref_seq[1::2], beta=0.3,
+        )
+        (expected,) = torch.autograd.grad(true_loss, theta)
+        loss, _, coef = preference_step(
+            loss_type, log_prob=token_logps(theta.detach()), ref_log_prob=ref.double(), response_mask=mask.double(),
+            beta=0.3,
+        )
+        assert float(loss) == pytest.approx(float(true_loss), rel=1e-12)
+        surrogate = (coef * (token_logps(theta) * mask.double()).sum(-1)).sum()
+        (actual,) = torch.autograd.grad(surrogate, theta)
+        assert actual.tolist() == pytest.approx(expected.tolist(), rel=1e-10), loss_type

@@ -44,7 +44,7 @@ def test_rl_step_phases_add_up(tmp_path):
     assert len(result["steps"]) == 2
     # The phases the GRPO step without a KL loss runs, and no others: one optimizer step per
     # batch, so no old-log-prob pass either (actor.old_log_prob=auto)
-    assert set(result["phases"]) == {"gen", "update_weights", "reward", "adv", "update_actor"}
+    assert set(result["phases"]) == {"data", "gen", "update_weights", "reward", "adv", "update_actor", "records"}
     for step in result["steps"]:
         accounted = sum(p["seconds"] for p in step["phases"].values())
         assert all(p["seconds"] >= 0 for p in step["phases"].values()), step

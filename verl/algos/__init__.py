@@ -47,8 +47,10 @@ from verl.algos.preference import (
     compute_preference_loss,
     get_preference_loss,
     list_preference_losses,
+    preference_step,
     register_preference_loss,
     sequence_log_prob,
+    uses_length_average,
 )
 
 
@@ -84,9 +86,11 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "overlong_penalty",
+    "preference_step",
     "register_adv_estimator",
     "register_kl_estimator",
     "register_policy_loss",
     "register_preference_loss",
     "sequence_log_prob",
+    "uses_length_average",
 ]

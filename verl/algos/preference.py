@@ -7,8 +7,9 @@ log-ratio margin; the implicit rewards are beta * (policy - reference) per respo
 
 - ``sigmoid`` (DPO, arXiv:2305.18290): -log sigmoid(beta * h), with optional conservative
   label smoothing eps: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h);
-- ``ipo`` (arXiv:2310.12036): (h - 1 / (2 beta))^2. As in TRL, IPO is meant for length-averaged
-  log-probs: build them with ``sequence_log_prob(..., average=True)``.
+- ``ipo`` (arXiv:2310.12036): (h - 1 / (2 beta))^2, on length-averaged log-probs (as TRL
+  computes it): a loss function with ``length_averaged = True`` gets each response's mean token
+  log-prob instead of the sum (:func:`preference_step`, which the trainer's DPO step uses).
 """
 
 from __future__ import annotations
@@ -41,6 +42,47 @@ def list_preference_losses() -> list[str]:
 def compute_preference_loss(name: str, **inputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run preference loss ``name`` with the subset of ``inputs`` it takes."""
     return call_with_accepted(get_preference_loss(name), f"preference loss {name!r}", inputs)
+
+
+def uses_length_average(name: str) -> bool:
+    """Whether preference loss ``name`` is defined on per-response mean (not summed) log-probs."""
+    return bool(getattr(get_preference_loss(name), "length_averaged", False))
+
+
+def preference_step(
+    loss_type: str,
+    *,
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The preference loss of pairs laid out as rows 2i (chosen) and 2i + 1 (rejected), from token
+    log-probs [2B, R] of the policy and the reference; returns (loss, metrics, coef [2B]).
+
+    ``coef_i`` is the loss's derivative with respect to response i's *summed* token log-prob at
+    these log-probs, so that ``sum_i coef_i * sum_t logp_it(theta)`` has the loss's gradient
+    (the surrogate the trainer back-propagates micro-batch by micro-batch). For a
+    length-averaged loss (:func:`uses_length_average`) the sequence log-prob is the mean over the
+    response's tokens and ``coef_i`` carries the 1 / length.
+    """
+    average = uses_length_average(loss_type)
+    policy = sequence_log_prob(log_prob, response_mask, average=average).double().requires_grad_(True)  # [2B]
+    reference = sequence_log_prob(ref_log_prob, response_mask, average=average).double()  # [2B]
+    loss, metrics = compute_preference_loss(
+        loss_type,
+        policy_chosen_logps=policy[0::2],
+        policy_rejected_logps=policy[1::2],
+        reference_chosen_logps=reference[0::2],
+        reference_rejected_logps=reference[1::2],
+        beta=beta,
+        label_smoothing=label_smoothing,
+    )
+    (coef,) = torch.autograd.grad(loss, policy)  # d loss / d (sequence log-prob)
+    if average:
+        coef = coef / response_mask.sum(-1).clamp(min=1).to(coef.dtype)
+    return loss.detach(), {k: v.detach() for k, v in metrics.items()}, coef
 
 
 def sequence_log_prob(log_prob: torch.Tensor, response_mask: torch.Tensor, *, average: bool = False) -> torch.Tensor:
@@ -130,3 +172,6 @@ def ipo(
     )
     losses = (h - 1.0 / (2.0 * beta)) ** 2
     return _reduce(losses, global_num_pairs, dp_size), _pref_metrics(chosen, rejected, beta)
+
+
+ipo.length_averaged = True

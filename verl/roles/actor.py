@@ -28,9 +28,8 @@ from verl.algos import (
     agg_loss,
     compute_kl_loss,
     compute_policy_loss,
-    compute_preference_loss,
     get_policy_loss,
-    sequence_log_prob,
+    preference_step,
 )
 from verl.engine import LossShare
 from verl.protocol import Batch
@@ -243,7 +242,8 @@ class Actor:
     ) -> dict[str, float]:
         """One optimizer step of a preference loss (``verl.algos.preference``: ``sigmoid`` is DPO) on
         ``batch``: pairs as rows 2i (chosen) and 2i + 1 (rejected), with ``response_mask`` and the
-        reference's ``ref_log_prob`` [2B, R]; log-probabilities at temperature 1, summed per response.
+        reference's ``ref_log_prob`` [2B, R]; log-probabilities at temperature 1, summed per response
+        (averaged for a length-averaged loss such as ``ipo``: ``verl.algos.preference_step``).
 
         The loss goes through the engine's forward-backward as a ``LossShare``: a first forward at the
         current weights gives each response's sequence log-prob and the loss's derivative c_i with
@@ -269,19 +269,15 @@ class Actor:
             response_length=response_length,
             temperature=1.0,
         )
-        policy = sequence_log_prob(out["logprobs"], mask).double().requires_grad_(True)  # [2B]
-        reference = sequence_log_prob(batch["ref_log_prob"], mask).double()  # [2B]
-        loss, pref_metrics = compute_preference_loss(
+        loss, pref_metrics, coef = preference_step(
             loss_type,
-            policy_chosen_logps=policy[0::2],
-            policy_rejected_logps=policy[1::2],
-            reference_chosen_logps=reference[0::2],
-            reference_rejected_logps=reference[1::2],
+            log_prob=out["logprobs"],
+            ref_log_prob=batch["ref_log_prob"],
+            response_mask=mask,
             beta=beta,
             label_smoothing=label_smoothing,
         )
-        (coef,) = torch.autograd.grad(loss, policy)  # [2B]: d loss / d logp_i
-        batch["preference_coef"] = coef.float()
+        batch["preference_coef"] = coef.float()  # [2B]: d loss / d (summed logp_i)
 
         def make_loss(info: GlobalBatchInfo, num_micro: int):
             def loss_fn(outputs, micro) -> LossShare:

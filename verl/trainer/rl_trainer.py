@@ -670,7 +670,8 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         draw = 0
         while True:
-            prompts = self.prompt_batch(draw)
+            with timer("data"):
+                prompts = self.prompt_batch(draw)
             if prompts is None:
                 return None, {}
             with timer("gen"):
@@ -770,12 +771,13 @@ class RLTrainer:
         if self.global_step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.update_actor(batch))
-        skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
-        metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
-        if self.reporting and self._is_rank0:
-            self.scores_file.append(
-                self.global_step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}]
-            )
+        with timer("records"):  # the skip count, the run report's per-sample scores
+            skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
+            metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
+            if self.reporting and self._is_rank0:
+                self.scores_file.append(
+                    self.global_step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}]
+                )
         seconds = time.perf_counter() - start
         timer.seconds["step"] = seconds
         metrics.update(data_metrics(batch, use_critic=self.critic is not None))
