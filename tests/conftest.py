@@ -33,6 +33,17 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold the most slow tests first, then the rest (ties in collection order): with
+    the files spread over xdist workers (``--dist loadfile``) the long files start early, instead
+    of one worker running the last of them alone while the other idles."""
+    slow: dict[object, int] = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))  # most slow tests first; a stable sort
+
+
 @pytest.fixture
 def run_dist():
     """``verl.testing.distributed.run_distributed``: run a module-level body on N ranks (persistent pools)."""

@@ -1,0 +1,53 @@
+"""A lost rank: rank 1 of a two-rank ``main_ppo`` under torchrun hangs or dies, with the fault
+injected by ``faults.py``; the settings and helpers are test_reliability.py's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.trainer.test_reliability import FAULTS, ROOT, _env, _micro, _run_args
+
+pytestmark = pytest.mark.slow
+
+
+def _torchrun(args: list[str], faults: list[dict], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTS, *args],
+        env=_env(faults),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["hang", "kill"])
+def test_a_lost_rank_never_hangs_the_job(tiny_model_dir, arithmetic_files, tmp_path, kind):
+    """Rank 1 hangs (or dies) as the actor update of step 2 starts: rank 0 leaves with a message
+    naming rank 1 and its phase within the collective timeout, and the launcher exits non-zero."""
+    timeout_s = 8
+    args = [
+        *_run_args(arithmetic_files, tiny_model_dir, tmp_path, kind, *_micro(2)),
+        "trainer.n_gpus_per_node=2",
+        f"trainer.collective_timeout_s={timeout_s}",
+        "trainer.save_freq=-1",
+        "trainer.total_training_steps=3",
+    ]
+    proc, seconds = _torchrun(args, [{"kind": kind, "phase": "update_actor", "after_step": 2, "rank": 1}], 300)
+    assert proc.returncode != 0
+    out = proc.stderr
+    assert re.search(
+        r"rank 0: a collective failed in phase '\w+' of step 2 after \d+ s \(trainer.collective_timeout_s=8\)", out
+    ), out[-4000:]
+    assert "Not answering: rank 1 (last seen in phase 'update_actor' of step 2" in out, out[-4000:]
+    # Start-up and two steps take well under a minute here; the hang must not add more than the
+    # timeout and the roll call (3 s).
+    assert seconds < 240, seconds
