@@ -71,7 +71,7 @@ def main() -> int:
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_smollm2_cpu")))
     cpu_recipe_environment(out)  # one thread per rank, no hub, vLLM's caches inside $OUT
 
-    from verl.trainer.launcher import launched_world_overrides, print_validation_change, run_recipe
+    from verl.trainer.launcher import launched_world_overrides, run_recipe, validation_change
 
     overrides = [
         f"actor_rollout_ref.model.path={out}/model",
@@ -85,7 +85,9 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     status = run_recipe("grpo_smollm2_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
     if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
-        records = print_validation_change(os.path.join(out, "logs"), "held-out accuracy", ", greedy")
+        line, records = validation_change(os.path.join(out, "logs"), "held-out accuracy", ", greedy")
+        if line:
+            print(line)
         times = [r["timing_s/step"] for r in records if "timing_s/step" in r]
         if times:
             print(f"== time per step: {sum(times) / len(times):.1f} s mean over {len(times)} steps "

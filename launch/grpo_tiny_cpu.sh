@@ -66,7 +66,7 @@ def main() -> int:
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_tiny_cpu")))
     cpu_recipe_environment(out)  # one thread per rank, no hub, vLLM's caches inside $OUT
 
-    from verl.trainer.launcher import launched_world_overrides, print_validation_change, run_recipe
+    from verl.trainer.launcher import launched_world_overrides, run_recipe, validation_change
 
     model = os.path.join(out, "sft_model" if os.environ.get("SFT_STEPS", "600") != "0" else "model")
     overrides = [
@@ -83,7 +83,9 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     status = run_recipe("grpo_tiny_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
     if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
-        print_validation_change(os.path.join(out, "logs"), "validation reward")
+        line, _ = validation_change(os.path.join(out, "logs"), "validation reward")
+        if line:
+            print(line)
         print(f"== metrics:      {os.path.join(out, 'logs', 'metrics.jsonl')}")
         print(f"== checkpoints:  {os.path.join(out, 'checkpoints')}")
         print(f"== HF export:    {os.path.join(out, 'grpo_model')}")

@@ -14,7 +14,7 @@ import os
 import subprocess
 from collections.abc import Callable, Sequence
 
-__all__ = ["cpu_recipe_environment", "launched_world_overrides", "launcher_entry", "print_validation_change", "run_recipe"]
+__all__ = ["cpu_recipe_environment", "launched_world_overrides", "launcher_entry", "validation_change", "run_recipe"]
 
 _TORCHRUN_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -34,19 +34,19 @@ def cpu_recipe_environment(out: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def print_validation_change(log_dir: str, label: str, key_note: str = "") -> list[dict]:
-    """Print the run's first and last ``val-core/`` metric from ``log_dir/metrics.jsonl``, e.g.
-    ``== validation reward (val-core/...): 0.654 before GRPO (step 0) -> 0.770 after (step 60)``;
-    returns the file's records."""
+def validation_change(log_dir: str, label: str, key_note: str = "") -> tuple[str | None, list[dict]]:
+    """The run's first and last ``val-core/`` metric from ``log_dir/metrics.jsonl`` as one line, e.g.
+    ``== validation reward (val-core/...): 0.654 before GRPO (step 0) -> 0.770 after (step 60)``
+    (None without validation), and the file's records. The recipes print the line."""
     import json
 
     with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
-    if val:
-        (s0, key, before), (s1, _, after) = val[0], val[-1]
-        print(f"== {label} ({key}{key_note}): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})")
-    return records
+    if not val:
+        return None, records
+    (s0, key, before), (s1, _, after) = val[0], val[-1]
+    return f"== {label} ({key}{key_note}): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})", records
 
 
 def launched_world_overrides() -> list[str]:

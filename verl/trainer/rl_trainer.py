@@ -534,8 +534,9 @@ class RLTrainer:
                 "dynamic_batch_size=False"
             )
         if dist.get_world_size() > 1:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-            least = torch.tensor([budget], dtype=torch.int64, device=device)
+            from verl.protocol.collectives import comm_device
+
+            least = torch.tensor([budget], dtype=torch.int64, device=comm_device(None))
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             budget = int(least.item())
         tokens = prompts["input_ids"].shape[1] + self.rollout.engine.cfg.response_length
