@@ -721,7 +721,8 @@ def _median_phases(steps: list[dict[str, Any]]) -> dict[str, Any]:
         tps = [s["phases"][name]["tokens_per_s"] for s in steps if s["phases"][name]["tokens_per_s"] is not None]
         phases[name] = {"seconds": sec, "share": sec / step, "tokens_per_s": _median(tps) if tps else None}
     unaccounted = _median([s["unaccounted_s"] for s in steps])
-    return {"step_s": step, "phases": phases, "unaccounted_s": unaccounted, "unaccounted_share": unaccounted / step}
+    return {"step_s": step, "phases": phases, "unaccounted_s": unaccounted,
+            "unaccounted_share": unaccounted / step}
 
 
 def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -795,7 +796,8 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
     result["tokens_per_s"] = _median([s["total_tokens"] / s["step_s"] for s in steps])
     result["peak_memory_bytes"] = max((max(r["peaks"].values(), default=0) for r in per_rank), default=0)
     result["rank_step_s"] = [_median(r["step_s"]) for r in per_rank]
-    result["phases_add_up"] = all(abs(s["unaccounted_share"]) <= 0.05 for s in steps)  # each step, not the medians
+    # Each step's own, not the medians' (which need not add up).
+    result["phases_add_up"] = all(abs(s["unaccounted_share"]) <= 0.05 for s in steps)
     result["table"] = _phase_table(result)
     return result
 

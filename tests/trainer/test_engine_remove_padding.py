@@ -33,14 +33,16 @@ def test_key_loads_from_yaml_and_override(tmp_path):
     cfg = load_config(PPOConfig, config_file=f, overrides=["critic.model.use_remove_padding=true"])
     assert cfg.actor_rollout_ref.model.use_remove_padding is True
     assert cfg.critic.model.use_remove_padding is True
-    cfg = load_config(PPOConfig, config_file=f, overrides=["actor_rollout_ref.model.use_remove_padding=false"])
+    off = ["actor_rollout_ref.model.use_remove_padding=false"]
+    cfg = load_config(PPOConfig, config_file=f, overrides=off)
     assert cfg.actor_rollout_ref.model.use_remove_padding is False
 
 
 def test_transformer_engine_spec_refuses_it():
     from verl.engine.build import check_remove_padding
 
-    with pytest.raises(ValueError, match=r"use_remove_padding=true.*Transformer Engine.*set use_remove_padding=false"):
+    refused = r"use_remove_padding=true.*Transformer Engine.*set use_remove_padding=false"
+    with pytest.raises(ValueError, match=refused):
         check_remove_padding(True, "transformer_engine")
     check_remove_padding(False, "transformer_engine")  # off: nothing to refuse
 
@@ -73,7 +75,9 @@ def _on_and_off(model_dir: str, data_file: str) -> dict:
 
     logging.getLogger("verl.engine.build").addHandler(Keep(level=logging.WARNING))
     pg = ms.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=7)
-    dataset = SFTDataset(data_file, load_tokenizer(model_dir), max_length=32, response_key="extra_info.answer")
+    dataset = SFTDataset(
+        data_file, load_tokenizer(model_dir), max_length=32, response_key="extra_info.answer"
+    )
     rows = [dataset[i] for i in range(ROWS)]
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 

@@ -131,7 +131,9 @@ class MegatronEngine:
         )
         self.transformer_config = self.chunks[0].config
         first_rank = pg.dp.rank() == 0 and pg.tp.rank() == 0 and pg.pp.rank() == 0
-        check_remove_padding(model.use_remove_padding, self.transformer_config.transformer_impl, log=first_rank)
+        check_remove_padding(
+            model.use_remove_padding, self.transformer_config.transformer_impl, log=first_rank
+        )
         self.optimizer = None
         self.scheduler = None
         self.steps_taken = 0

@@ -85,7 +85,9 @@ def reduce_step_metrics(
                 raise ValueError(f"loss_fn returned metric {k!r} for some micro-batches but not for {missing}")
 
         def stacked(items: list[torch.Tensor]) -> torch.Tensor:  # [micro-batches], float64, on device
-            return torch.stack([torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(()) for x in items])
+            return torch.stack(
+                [torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(()) for x in items]
+            )
 
         # Reduced on the device and read back once below (values.tolist()), not one host sync per
         # micro-batch and metric.

@@ -330,8 +330,9 @@ def forward_backward(
                 "verl.algos.agg_loss(..., global_batch_info=GlobalBatchInfo.from_masks(...))"
             )
         record["loss"] = share.loss.detach().float()
+        f32 = torch.float32  # python-float metrics go on the outputs' device, so the step reduces them there
         record["metrics"] = {
-            k: v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v), device=output_tensor.device)
+            k: v.detach().float() if torch.is_tensor(v) else output_tensor.new_tensor(float(v), dtype=f32)
             for k, v in share.metrics.items()
         }
         # Megatron's schedule divides every micro-batch loss by the number of micro-batches; the
