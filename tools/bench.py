@@ -708,16 +708,21 @@ def _phase_table(result: dict[str, Any]) -> str:
 
 
 def _median_phases(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per phase the median over steps (seconds, tokens/s); shares of the median step."""
+    """Per phase the median over steps (seconds, tokens/s); shares of the median step.
+
+    The unaccounted row is the median of each step's own unaccounted time, not the median step less
+    the phases' medians: over an odd number of steps medians do not add up (3 steps of 4.5, 3.3 and
+    4.7 s put 12% of the median step in no phase where every step had under 0.1%).
+    """
     step = _median([s["step_s"] for s in steps])
     phases = {}
     for name in steps[0]["phases"]:
         sec = _median([s["phases"][name]["seconds"] for s in steps])
         tps = [s["phases"][name]["tokens_per_s"] for s in steps if s["phases"][name]["tokens_per_s"] is not None]
         phases[name] = {"seconds": sec, "share": sec / step, "tokens_per_s": _median(tps) if tps else None}
-    accounted = sum(p["seconds"] for p in phases.values())
-    return {"step_s": step, "phases": phases, "unaccounted_s": step - accounted,
-            "unaccounted_share": (step - accounted) / step}
+    unaccounted = _median([s["unaccounted_s"] for s in steps])
+    return {"step_s": step, "phases": phases, "unaccounted_s": unaccounted,
+            "unaccounted_share": unaccounted / step}
 
 
 def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -791,7 +796,8 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
     result["tokens_per_s"] = _median([s["total_tokens"] / s["step_s"] for s in steps])
     result["peak_memory_bytes"] = max((max(r["peaks"].values(), default=0) for r in per_rank), default=0)
     result["rank_step_s"] = [_median(r["step_s"]) for r in per_rank]
-    result["phases_add_up"] = abs(result["unaccounted_share"]) <= 0.05
+    # Each step's own, not the medians' (which need not add up).
+    result["phases_add_up"] = all(abs(s["unaccounted_share"]) <= 0.05 for s in steps)
     result["table"] = _phase_table(result)
     return result
 

@@ -65,3 +65,28 @@ def test_rl_step_phases_add_up(tmp_path):
     for key in ("config", "overrides", "n", "response_length", "prompts_per_step", "threads", "table"):
         assert key in result, key
     assert "update_actor" in result["table"] and "(unaccounted)" in result["table"]
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("verl_tools_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_median_table_unaccounted_is_the_steps_own_over_an_odd_count():
+    """Three steps that each add up within 0.1%: the medians' table must not show 12% unaccounted."""
+    bench = _bench_module()
+    steps = []
+    for gen, update in ((2.0, 2.5), (1.0, 2.3), (1.5, 3.2)):  # step medians come from different steps
+        total = gen + update + 0.001
+        steps.append({"step_s": total, "unaccounted_s": 0.001, "unaccounted_share": 0.001 / total,
+                      "phases": {"gen": {"seconds": gen, "tokens_per_s": 1.0},
+                                 "update_actor": {"seconds": update, "tokens_per_s": 1.0}}})
+    result = bench._median_phases(steps)
+    assert result["step_s"] == pytest.approx(4.501)
+    assert result["phases"]["gen"]["seconds"] == 1.5 and result["phases"]["update_actor"]["seconds"] == 2.5
+    expected, actual = 0.001, result["unaccounted_s"]
+    assert actual == pytest.approx(expected)  # the median step less the phases' medians would be 0.501

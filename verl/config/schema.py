@@ -112,6 +112,7 @@ class ModelConfig(ConfigBase):
     trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the model.")
     override_config: dict[str, Any] = option({}, "Hugging Face config fields to override (add keys with +...override_config.KEY=VALUE).")
     enable_gradient_checkpointing: bool = option(False, "Recompute activations in backward (full recompute) to save memory.")
+    use_remove_padding: bool = option(False, "Packed THD sequences (the reference's key; default False there too). verl builds no THD path: without Transformer Engine (the local spec; every CPU run) True runs the padded micro-batches trimmed to their longest real row and logs that once; with Transformer Engine True is refused. See docs/benchmarks.md.")
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ from verl.engine.build import (
     build_optimizer,
     build_scheduler,
     build_trainable_chunks,
+    check_remove_padding,
     load_model_spec,
     resolve_dtype,
 )
@@ -129,6 +130,10 @@ class MegatronEngine:
             trainable=self.trainable,
         )
         self.transformer_config = self.chunks[0].config
+        first_rank = pg.dp.rank() == 0 and pg.tp.rank() == 0 and pg.pp.rank() == 0
+        check_remove_padding(
+            model.use_remove_padding, self.transformer_config.transformer_impl, log=first_rank
+        )
         self.optimizer = None
         self.scheduler = None
         self.steps_taken = 0

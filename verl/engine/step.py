@@ -79,15 +79,23 @@ def reduce_step_metrics(
     values = torch.zeros(1 + len(mean_keys), dtype=torch.float64, device=device)
     maxima = torch.full((max(len(max_keys), 1),), -math.inf, dtype=torch.float64, device=device)
     if last_stage:
-        values[0] = sum(float(loss) for loss in losses)
         for k in keys:
             missing = [j for j, m in enumerate(per_micro) if k not in m]
             if missing:
                 raise ValueError(f"loss_fn returned metric {k!r} for some micro-batches but not for {missing}")
+
+        def stacked(items: list[torch.Tensor]) -> torch.Tensor:  # [micro-batches], float64, on device
+            return torch.stack(
+                [torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(()) for x in items]
+            )
+
+        # Reduced on the device and read back once below (values.tolist()), not one host sync per
+        # micro-batch and metric.
+        values[0] = stacked(losses).sum()
         for i, k in enumerate(mean_keys):
-            values[1 + i] = sum(float(m[k]) for m in per_micro) / len(per_micro)
+            values[1 + i] = stacked([m[k] for m in per_micro]).mean()
         for i, k in enumerate(max_keys):
-            maxima[i] = max(float(m[k]) for m in per_micro)
+            maxima[i] = stacked([m[k] for m in per_micro]).max()
     dp = pg.dp.size()
     if dp > 1:
         dist.all_reduce(values, group=pg.dp)

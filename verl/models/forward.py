@@ -183,27 +183,41 @@ def _head_outputs(
     return out
 
 
+def _trimmed_width(longest: int, seq_len: int, multiple: int) -> int:
+    return min(seq_len, max(multiple, -(-longest // multiple) * multiple))
+
+
 def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) -> int:
     """A micro-batch's width without padding: its longest real row rounded up to ``multiple``,
     at most ``seq_len`` (the full width)."""
     longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
-    return min(seq_len, max(multiple, -(-longest // multiple) * multiple))
+    return _trimmed_width(longest, seq_len, multiple)
 
 
 def _micro_batches(
     batch: Mapping[str, torch.Tensor], split: MicroBatchSplit, seq_len: int, trim_multiple: int | None = None
 ) -> list[_MicroBatch]:
+    device = batch["input_ids"].device
+    # Every row's real length in one device-to-host copy for the whole batch, not one sync per
+    # micro-batch (on a GPU each ``int(tensor)`` waits for the stream).
+    lengths = batch["attention_mask"].sum(-1).tolist() if trim_multiple is not None else None
+    positions_by_width: dict[int, torch.Tensor] = {}  # [S] per width, shared read-only by micro-batches
     out = []
     for index in split.parts:
-        idx = torch.as_tensor(index, dtype=torch.long, device=batch["input_ids"].device)
+        idx = torch.as_tensor(index, dtype=torch.long, device=device)
         mb = {k: v.index_select(0, idx) for k, v in batch.items()}
         pad_rows = split.rows - len(index) if split.pad else 0
         if pad_rows > 0:
             # Rows with an all-zero mask keep the shapes fixed for the pipeline; dropped at the end.
             mb = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in mb.items()}
-        width = seq_len if trim_multiple is None else trimmed_length(mb["attention_mask"], seq_len, trim_multiple)
+        if lengths is None:
+            width = seq_len
+        else:
+            width = _trimmed_width(int(max((lengths[i] for i in index), default=0)), seq_len, trim_multiple)
         packed, order = pack_left(mb["input_ids"], mb["attention_mask"], width)
-        positions = torch.arange(width, device=packed.device).expand_as(packed)
+        if width not in positions_by_width:
+            positions_by_width[width] = torch.arange(width, device=device)
+        positions = positions_by_width[width].expand_as(packed)
         out.append(
             _MicroBatch(
                 tensors=mb,
@@ -316,8 +330,10 @@ def forward_backward(
                 "verl.algos.agg_loss(..., global_batch_info=GlobalBatchInfo.from_masks(...))"
             )
         record["loss"] = share.loss.detach().float()
+        f32 = torch.float32  # python-float metrics go on the outputs' device, so the step reduces them there
         record["metrics"] = {
-            k: v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in share.metrics.items()
+            k: v.detach().float() if torch.is_tensor(v) else output_tensor.new_tensor(float(v), dtype=f32)
+            for k, v in share.metrics.items()
         }
         # Megatron's schedule divides every micro-batch loss by the number of micro-batches; the
         # share is already a share of the global loss, so that division is undone here.
