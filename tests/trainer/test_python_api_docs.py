@@ -33,7 +33,7 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     import torch.distributed as dist
 
     blocks = _doc_blocks()
-    assert len(blocks) == 8
+    assert len(blocks) == 9
     ns = {"MODEL": tiny_model_dir, "TRAIN_FILE": arithmetic_files["train"], "OUT": str(tmp_path)}
     for block in blocks:
         exec(compile(block, DOC, "exec"), ns)
@@ -84,6 +84,11 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     exported = load_file(str(tmp_path / "objects" / "model_objects" / "global_step_2" / "model.safetensors"))
     actor_state = ns["actor"].state_dict()
     assert all(torch.equal(actor_state[k], v) for k, v in exported.items())
+    # A plain nn.Module: the plain PyTorch engine trained the object itself.
+    plain = ns["plain_step"]
+    assert math.isfinite(plain["reward_mean"]) and plain["actor/grad_norm"] > 0
+    assert type(ns["policy"]).__name__ == "TinyGRU"
+    assert (tmp_path / "plain" / "logs" / "metrics.jsonl").is_file()
     # DPO through the facade: the first step runs at the reference's weights (margin 0, loss log 2).
     dpo = ns["dpo_metrics"]
     assert dpo["global_step"] == 1 and ns["dpo"].last_config.data.pairs

@@ -62,7 +62,9 @@ class RolloutOperator(Operator):
     Args (None: the config's value):
         model: the policy (``actor_rollout_ref.model.path``): a Hugging Face checkpoint directory
             or a ``...ForCausalLM`` object of a supported family (``verl.trainer.model_objects``:
-            written as a checkpoint for the Megatron actor and the rollout engine); None: the
+            written as a checkpoint for the Megatron actor and the rollout engine), or any other
+            ``nn.Module`` with ``forward()`` and ``generate()`` (the plain PyTorch engine trains the
+            object itself and generates with its ``generate()``); None: the
             stream's ``model=``. A :class:`PPOUpdateOperator` given ``actor=`` must name the same model.
         tokenizer: the tokenizer of a ``model`` object (an object or a directory); for a
             directory, a tokenizer directory other than the model's (``actor_rollout_ref.model.tokenizer_path``).

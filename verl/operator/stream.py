@@ -103,7 +103,8 @@ class DataStream:
     Args:
         trainer: an ``RLTrainer`` to run on; or None to build one from the arguments below.
         model: the actor (``actor_rollout_ref.model.path``): a Hugging Face checkpoint directory or
-            a ``...ForCausalLM`` object (``verl.trainer.model_objects``); None when an operator names
+            a model object (``verl.trainer.model_objects``: a ``...ForCausalLM`` of a supported family
+            for Megatron, another ``nn.Module`` with ``generate()`` for the plain PyTorch engine); None when an operator names
             it (``RolloutOperator(model=)``, ``PPOUpdateOperator(actor=)``). The trained weights
             are loaded back into a model object by :meth:`close`.
         tokenizer: the tokenizer of a ``model`` object (an object or its directory).

@@ -1,6 +1,9 @@
 """``RoleEngine``: a role's ``MegatronEngine`` on the role's own process groups, fed whole batches.
 
-Every Megatron role (actor, critic, reference, reward model) composes one. It
+Every Megatron role (actor, critic, reference, reward model) composes one. A policy that is a
+plain ``nn.Module`` given to the Python API (its ``model.path`` stands for the module:
+``verl.engine.torch_engine.registered_module``) gets a ``TorchEngine`` instead, with the same
+calls. It
 
 - builds the engine inside ``megatron_state.activate_role(pg)`` and runs every call there, so
   colocated roles with different layouts (actor TP=2 beside a critic at TP=1) each see their
@@ -40,6 +43,7 @@ import torch
 
 from verl.algos import GlobalBatchInfo
 from verl.engine import EngineStepResult, LossShareFn, MegatronEngine
+from verl.engine.torch_engine import TorchEngine, registered_module
 from verl.parallel import megatron_state
 from verl.protocol import Batch
 from verl.roles.dispatch import collect, shard
@@ -112,16 +116,28 @@ class RoleEngine:
         self.name = name
         # Micro-batch sizes lowered after an out-of-memory error, per kind of call.
         self.micro_batch_cap: dict[str, int] = {}
+        module = registered_module(model.path)
         with self.active():
-            self.engine = MegatronEngine(
-                model=model,
-                megatron=megatron,
-                pg=pg,
-                optim=optim,
-                total_training_steps=total_training_steps,
-                head=head,
-                max_sequence_length=max_sequence_length,
-            )
+            if module is not None:  # a plain nn.Module from the Python API (verl.engine.torch_engine)
+                if head != "lm":
+                    raise ValueError(
+                        f"{name}: {type(module).__name__} is a plain nn.Module, which the plain PyTorch engine trains as a "
+                        f"policy only; a {head} head (critic, reward model) needs a Hugging Face model of a supported "
+                        "family: give that, or a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"
+                    )
+                self.engine = TorchEngine(
+                    module, pg=pg, optim=optim, total_training_steps=total_training_steps, hf_dir=model.path, name=name
+                )
+            else:
+                self.engine = MegatronEngine(
+                    model=model,
+                    megatron=megatron,
+                    pg=pg,
+                    optim=optim,
+                    total_training_steps=total_training_steps,
+                    head=head,
+                    max_sequence_length=max_sequence_length,
+                )
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -6,6 +6,10 @@ consecutive ranks. :meth:`generate` takes the whole prompt batch on every rank, 
 ``r`` its ``r``-th share (the ranks of one replica pass identical prompts, as vLLM's
 ``external_launcher`` requires), samples, and gathers the samples back whole on every rank.
 
+A plain ``nn.Module`` policy (the Python API's; ``verl.engine.torch_engine``) generates with its own
+``generate()`` instead (``verl.rollout.module_engine``): the same module trains, so there is
+nothing to push.
+
 Weights and memory go through the hybrid engine (``verl.hybrid.WeightSync``): inside
 :meth:`phase` the engine's KV cache is back and the actor's current weights are in it; on exit
 the KV cache is released for training (``rollout.free_cache_engine``). Several generations
@@ -26,16 +30,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from verl.engine.torch_engine import registered_module
 from verl.hybrid import WeightSync
 from verl.protocol import Batch
 from verl.roles.dispatch import collect, shard
 from verl.rollout import build_rollout_engine
+from verl.rollout.base import RolloutEngine
 
 if TYPE_CHECKING:
     from verl.config.schema import RolloutConfig
     from verl.engine import MegatronEngine
 
 __all__ = ["Rollout"]
+
+
+class _SharedModule:
+    """The hybrid engine's part when the rollout engine generates with the trained module itself
+    (a plain ``nn.Module``, ``verl.rollout.module_engine``): no weights to push, no memory to hand over."""
+
+    last_metrics: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def rollout_phase(self) -> Iterator[dict[str, float]]:
+        yield {}
 
 
 class Rollout:
@@ -60,17 +77,33 @@ class Rollout:
     ) -> None:
         self.cfg = cfg
         self.dp_group = dp_group
-        self.engine = build_rollout_engine(cfg, model_path, tokenizer, trust_remote_code=trust_remote_code)
-        self.sync: WeightSync | None = None
+        module = registered_module(model_path)
+        if module is not None:  # a plain nn.Module: it generates itself (verl.rollout.module_engine)
+            from verl.rollout.module_engine import ModuleRollout
+
+            if cfg.tensor_model_parallel_size != 1:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.tensor_model_parallel_size={cfg.tensor_model_parallel_size}: a plain "
+                    f"nn.Module ({type(module).__name__}) generates on its own rank; set it to 1"
+                )
+            self.engine: RolloutEngine = ModuleRollout(cfg, module, tokenizer=tokenizer)
+        else:
+            self.engine = build_rollout_engine(cfg, model_path, tokenizer, trust_remote_code=trust_remote_code)
+        self.sync: WeightSync | _SharedModule | None = None
         self._in_phase = False
         self.last_metrics: dict[str, float] = {}
 
     def attach(self, actor: "MegatronEngine") -> None:
         """Plan the weight transfer from ``actor`` (collective), then release the KV cache until
         the first :meth:`phase`."""
-        self.sync = WeightSync(
-            actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
-        )
+        from verl.rollout.module_engine import ModuleRollout
+
+        if isinstance(self.engine, ModuleRollout):
+            self.sync = _SharedModule()
+        else:
+            self.sync = WeightSync(
+                actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
+            )
         self.engine.release()
 
     @contextlib.contextmanager

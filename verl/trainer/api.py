@@ -95,8 +95,10 @@ class RLTrainer:
                 ``...ForCausalLM`` object (Llama, Qwen2, Mistral families), trained through
                 Megatron-core. An object is written to ``output_dir/model_init/`` when :meth:`fit`
                 starts and the trained weights are loaded back into it when it ends (the run also
-                exports them to ``output_dir/huggingface/``). Other ``nn.Module`` objects are refused:
-                every verl role is a Megatron engine.
+                exports them to ``output_dir/huggingface/``). Any other ``nn.Module`` with ``forward()``
+                and ``generate()`` trains on the plain PyTorch engine (``verl.engine.torch_engine``: the
+                object itself, on one process or DDP under torchrun; critic-free algorithms); one
+                log line says which engine was chosen and why.
             tokenizer: the tokenizer of an ``actor_model`` object (an object or its directory); None:
                 read from the object's ``name_or_path`` directory. Unused for a directory.
             algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),

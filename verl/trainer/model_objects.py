@@ -1,12 +1,22 @@
 """Model objects where the trainer reads a directory: the Python API's ``actor_model=``,
 ``RolloutOperator(model=)``, ``PPOUpdateOperator(actor=)`` and ``RewardModelScorer(rm_model=)``.
 
-verl trains through Megatron-core, which builds its modules from a Hugging Face checkpoint
-directory. A Hugging Face model *object* of a supported family (``transformers.PreTrainedModel``
-of type llama, qwen2 or mistral) is therefore written as such a directory first (its weights
-and config, with the tokenizer given beside it), and the trained weights are loaded back into
-the same object when training ends (:func:`write_back`). Any other ``nn.Module`` is refused with
-the reason: there is no plain-PyTorch engine, every role is a Megatron one.
+Which engine trains a policy object, logged in one line when the object is first given:
+
+- a Hugging Face model of a family Megatron-core builds (``transformers.PreTrainedModel`` of
+  type llama, qwen2 or mistral, a ``...ForCausalLM``): the Megatron engine (TP/PP/SP/DP, the
+  vLLM rollout through the hybrid engine). Megatron builds its modules from a checkpoint
+  directory, so the object is written as one first (its weights and config, with the tokenizer
+  beside it), and the trained weights are loaded back into the same object when training ends
+  (:func:`write_back`);
+- any other ``nn.Module`` with ``forward()`` and ``generate()`` (a user's own model, a
+  transformers model of another family): the plain PyTorch engine
+  (``verl.engine.torch_engine``: the module itself trains, on one process or under DDP with
+  torchrun, and generates with its own ``generate()``). Its directory holds only the tokenizer and
+  ``verl_module.json``; it stands for the module in the config, in this process.
+
+A reward model object must be a Hugging Face ``...ForSequenceClassification`` of a supported
+family (a frozen Megatron engine scores with it).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSource", "is_model_object", "model_directory", "write_back"]
+__all__ = ["ModelSource", "engine_choice", "is_model_object", "is_plain_module", "model_directory", "write_back"]
 
 ModelSource = Any
 """A Hugging Face checkpoint directory (``str``/``os.PathLike``) or a ``transformers.PreTrainedModel``."""
@@ -46,31 +56,69 @@ def is_model_object(model: Any) -> bool:
     return isinstance(model, torch.nn.Module)
 
 
+def engine_choice(model: torch.nn.Module) -> tuple[str, str]:
+    """(``"megatron"`` or ``"torch"``, why) for a policy object (the module docstring's rule)."""
+    from verl.models.hf_config import SUPPORTED_MODEL_TYPES
+
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    families = "/".join(SUPPORTED_MODEL_TYPES)
+    if config is not None and callable(getattr(model, "save_pretrained", None)) and model_type in SUPPORTED_MODEL_TYPES:
+        # (a supported family's other heads are refused as policies by _check_object)
+        return "megatron", f"a Hugging Face {model_type} {name}, a family Megatron-core builds (TP/PP/SP/DP, vLLM rollout)"
+    if config is None or not callable(getattr(model, "save_pretrained", None)):
+        why = f"not a Hugging Face model of a family Megatron-core builds ({families})"
+    else:
+        why = f"a Hugging Face model of type {model_type!r}, which Megatron-core does not build here ({families})"
+    return "torch", why + "; one process, or DDP under torchrun; it generates with its own generate()"
+
+
+def is_plain_module(model: Any) -> bool:
+    """Whether a policy object trains on the plain PyTorch engine (not Megatron)."""
+    return is_model_object(model) and engine_choice(model)[0] == "torch"
+
+
+def _check_plain(model: torch.nn.Module, what: str) -> None:
+    name = type(model).__name__
+    if not callable(getattr(model, "generate", None)):
+        raise ValueError(
+            f"{what}: {name} has no generate() method; a policy that is not a Hugging Face model of a supported family "
+            "trains on the plain PyTorch engine, which samples with the module's own generate(input_ids, "
+            "attention_mask=..., max_new_tokens=..., do_sample=..., temperature=..., ...) -> token ids"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{what}: {name} has no trainable parameters")
+
+
 def _check_object(model: torch.nn.Module, what: str, head: str) -> None:
     from verl.models.hf_config import SUPPORTED_MODEL_TYPES
 
+    name = type(model).__name__
+    if head == "lm" and engine_choice(model)[0] == "torch":
+        _check_plain(model, what)
+        return
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if config is None or not callable(getattr(model, "save_pretrained", None)):
         raise ValueError(
-            f"{what}: a {type(model).__name__} is not a Hugging Face model; verl trains every role through "
-            "Megatron-core, built from a Hugging Face checkpoint, and has no engine for other nn.Modules. Pass a "
-            f"transformers model of a supported family ({', '.join(SUPPORTED_MODEL_TYPES)}) or its directory"
+            f"{what}: a {type(model).__name__} is not a Hugging Face model; a reward model is trained on by "
+            "Megatron-core, built from a Hugging Face checkpoint. Pass a transformers model of a supported family "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}) or its directory"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{what}: {type(model).__name__} is model_type={model_type!r}; verl's Megatron models cover "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    name = type(model).__name__
+    if head == "lm" and not name.endswith("ForCausalLM"):
+        raise ValueError(f"{what}: a policy is a ...ForCausalLM (it generates); got {name}")
     if head == "reward":
         if not name.endswith("ForSequenceClassification") or int(getattr(config, "num_labels", 0)) != 1:
             raise ValueError(
                 f"{what}: a reward model is a ...ForSequenceClassification with num_labels=1 (one score per "
                 f"sequence); got {name} with num_labels={getattr(config, 'num_labels', None)}"
             )
-    elif not name.endswith("ForCausalLM"):
-        raise ValueError(f"{what}: a policy is a ...ForCausalLM (it generates); got {name}")
 
 
 def _tokenizer_of(model: torch.nn.Module, tokenizer: Any, what: str) -> Any:
@@ -92,22 +140,41 @@ def _tokenizer_of(model: torch.nn.Module, tokenizer: Any, what: str) -> Any:
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, out_dir: str) -> None:
-    """``model`` and ``tokenizer`` as a Hugging Face checkpoint in ``out_dir`` (staged, then renamed)."""
+    """``model`` and ``tokenizer`` as a Hugging Face checkpoint in ``out_dir`` (staged, then renamed);
+    for a plain module only the tokenizer and ``verl_module.json``."""
+    import json
+
+    from verl.engine.torch_engine import INITIAL_WEIGHTS, MODULE_FILE
+
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
     try:
-        model.save_pretrained(stage, safe_serialization=True)
+        if is_plain_module(model):
+            from safetensors.torch import save_model
+
+            cls = type(model)
+            with open(os.path.join(stage, MODULE_FILE), "w", encoding="utf-8") as f:
+                json.dump({"class": f"{cls.__module__}.{cls.__qualname__}", "engine": "torch"}, f, indent=2)
+            save_model(model, os.path.join(stage, INITIAL_WEIGHTS))  # the reference policy's weights
+        else:
+            model.save_pretrained(stage, safe_serialization=True)
         tokenizer.save_pretrained(stage)
         try:
             os.rename(stage, out_dir)
         except OSError:
-            if not os.path.isfile(os.path.join(out_dir, "config.json")):  # not another rank's finished copy
+            if not _is_written(out_dir):  # not another rank's finished copy
                 raise
             shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def _is_written(path: str) -> bool:
+    from verl.engine.torch_engine import MODULE_FILE
+
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", MODULE_FILE))
 
 
 def model_directory(
@@ -144,9 +211,20 @@ def model_directory(
         os.rmdir(target)  # _save renames the finished copy in
     else:
         target = os.path.abspath(out_dir)
-    if not os.path.isfile(os.path.join(target, "config.json")):
+    if not _is_written(target):
         _save(model, tok, target)
-        logger.info("%s: %s written as a Hugging Face checkpoint to %s for the Megatron engine", what, type(model).__name__, target)
+    if head == "lm":
+        from verl.engine.torch_engine import register_module
+
+        engine, why = engine_choice(model)
+        if engine == "torch":
+            register_module(target, model)
+            logger.info("%s: %s trains on the plain PyTorch engine: %s (tokenizer in %s)", what, type(model).__name__, why, target)
+        else:
+            logger.info(
+                "%s: %s trains on the Megatron-core engine: %s (written as a checkpoint to %s; the trained weights go "
+                "back into the object at the end)", what, type(model).__name__, why, target,
+            )
     _SAVED[model] = target
     return target
 
@@ -158,6 +236,8 @@ def write_back(model: torch.nn.Module, hf_dir: str) -> None:
     which shares the embedding, is the one key allowed to be absent)."""
     from safetensors.torch import load_file
 
+    if is_plain_module(model):
+        return  # the plain PyTorch engine trained the object itself
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise ValueError(f"write_back: {hf_dir} holds no *.safetensors files")

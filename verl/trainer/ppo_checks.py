@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from verl.config.schema import PPOConfig
+from verl.engine.torch_engine import registered_module
 from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
     from verl.models.builder import split_problems
 
     arr = cfg.actor_rollout_ref
+    if registered_module(arr.model.path) is not None:
+        return _plain_module_problems(cfg)
     spec = load_model_spec(arr.model)
     roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, spec)]
     if cfg.use_reference:
@@ -161,6 +164,38 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {p}"
         for p in check_rollout_degrees(spec, tp)
     ]
+    return problems
+
+
+def _plain_module_problems(cfg: PPOConfig) -> list[str]:
+    """A plain ``nn.Module`` policy (``verl.engine.torch_engine``): data parallelism only, no critic
+    built from it."""
+    arr = cfg.actor_rollout_ref
+    module = type(registered_module(arr.model.path)).__name__
+    roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron)]
+    if cfg.use_reference:
+        roles.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron))
+    problems = []
+    for prefix, m in roles:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(m, key) != 1:
+                problems.append(
+                    f"{prefix}.{key}={getattr(m, key)}: the policy {module} is a plain nn.Module, which the plain "
+                    "PyTorch engine trains with data parallelism only; set it to 1"
+                )
+        if m.virtual_pipeline_model_parallel_size is not None or m.sequence_parallel:
+            problems.append(f"{prefix}: no virtual pipeline or sequence parallelism for the plain nn.Module {module}")
+    if arr.rollout.tensor_model_parallel_size != 1:
+        problems.append(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size}: the "
+            f"plain nn.Module {module} generates on its own rank; set it to 1"
+        )
+    if cfg.use_critic and registered_module(cfg.critic.model.path) is not None:
+        problems.append(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic, and critic.model.path is the plain "
+            f"nn.Module {module}, which has no value head; give the critic a Hugging Face model of a supported family "
+            "(PPOUpdateOperator(critic=...)), or use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"
+        )
     return problems
 
 
@@ -271,8 +306,9 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
 def check_ppo_inputs(cfg: PPOConfig) -> None:
     """Fail (ValueError listing every problem, each naming its setting) before any model is built."""
     arr = cfg.actor_rollout_ref
-    models = {"actor_rollout_ref.model.path": arr.model.path}
-    if cfg.use_critic:
+    # A plain nn.Module's directory holds its tokenizer, not a config.json (verl.engine.torch_engine).
+    models = {} if registered_module(arr.model.path) is not None else {"actor_rollout_ref.model.path": arr.model.path}
+    if cfg.use_critic and registered_module(cfg.critic.model.path) is None:
         models["critic.model.path"] = cfg.critic.model.path
     if cfg.reward_model.enable:
         models["reward_model.model.path"] = cfg.reward_model.model.path
