@@ -18,6 +18,7 @@ from verl.testing.distributed import run_distributed
 
 from . import words_reward
 from .plain_policy import TinyGRULM
+from .test_python_api_resume import _logged
 
 
 def _tokenizer(model_dir: str):
@@ -343,15 +344,6 @@ def test_rltrainer_fit_and_resume_on_a_plain_module(tiny_model_dir, arithmetic_f
             overrides=[f"custom_reward_function.path={os.path.abspath(words_reward.__file__)}"],
         )
 
-    def logged(out):
-        steps: dict[int, dict] = {}
-        with open(os.path.join(out, "logs", "metrics.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    record = json.loads(line)
-                    steps.setdefault(record.pop("step"), {}).update(record)
-        return steps
-
     data = arithmetic_files["train"]
     whole, parted = TinyGRULM(len(tok)), TinyGRULM(len(tok))
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -360,7 +352,7 @@ def test_rltrainer_fit_and_resume_on_a_plain_module(tiny_model_dir, arithmetic_f
     assert os.path.isfile(os.path.join(b, "global_step_2", "actor", "torch_engine.pt"))
     last = RLTrainer.from_checkpoint(os.path.join(b, "checkpoint-2")).fit(max_steps=4, resume_from_checkpoint=True)
     assert last["global_step"] == 4
-    expected, actual = logged(a), logged(b)
+    expected, actual = _logged(a), _logged(b)
     assert sorted(expected) == sorted(actual) == [1, 2, 3, 4]
     for step in (3, 4):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
