@@ -315,6 +315,8 @@ def test_the_tutorial_stream_trains_a_plain_module(tiny_model_dir, arithmetic_fi
     try:
         for _ in range(STEPS):
             steps.append(stream.step())
+        with pytest.raises(ValueError, match="the serving app runs Hugging Face checkpoints"):
+            stream.export_as_api()
     finally:
         stream.close()
     rewards = [m["reward_mean"] for m in steps]

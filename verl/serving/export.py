@@ -43,7 +43,15 @@ def export_as_api(stream: "DataStream", out_dir: str | None = None, **app_kwargs
     """:func:`export_policy`, then :func:`verl.serving.create_app` on the export (``app_kwargs``:
     ``engine``, ``limits``, ``api_key``, ``name``, ``device``, ``seed``). Returns the FastAPI app;
     serve it with ``verl.serving.run(app)`` or ``BackgroundServer(app)``."""
+    from verl.engine.torch_engine import TorchEngine
     from verl.serving.app import create_app
 
+    engine = stream.trainer.actor.engine
+    if isinstance(engine, TorchEngine):
+        raise ValueError(
+            f"export_as_api: the actor is a plain nn.Module ({type(engine.module).__name__}) on the plain PyTorch "
+            "engine; the serving app runs Hugging Face checkpoints (vLLM or transformers), not arbitrary modules. "
+            "Its weights are exported with export_policy(stream) (model.safetensors, the module's state_dict)"
+        )
     path = export_policy(stream, out_dir)
     return create_app(path, **app_kwargs)

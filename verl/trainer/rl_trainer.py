@@ -528,6 +528,13 @@ class RLTrainer:
             )
         budget = self.rollout.engine.kv_token_budget()
         if budget is None:
+            from verl.rollout.module_engine import ModuleRollout
+
+            if isinstance(self.rollout.engine, ModuleRollout):
+                raise ValueError(
+                    "dynamic_batch_size: a plain nn.Module generates with its own generate(), whose memory verl "
+                    "cannot see (no kv_token_budget); use dynamic_batch_size=False"
+                )
             raise ValueError(
                 f"dynamic_batch_size: the {self.cfg.actor_rollout_ref.rollout.name!r} rollout engine reports no "
                 "memory to size its calls by (kv_token_budget); use the 'hf' or 'vllm' engine, or "
