@@ -201,8 +201,12 @@ class TorchEngine:
         if not self.trainable:
             return
         if pg.dp.size() > 1:
+            # Buffers are not trained: no broadcast of them before every forward.
             self.model = torch.nn.parallel.DistributedDataParallel(
-                self.module, process_group=pg.dp, device_ids=[self.device.index] if self.device.type == "cuda" else None
+                self.module,
+                process_group=pg.dp,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
             )
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
@@ -263,15 +267,21 @@ class TorchEngine:
     # -- compute --------------------------------------------------------------------------
 
     def _outputs(
-        self, mb: dict[str, torch.Tensor], *, output: OutputKind, temperature: float, with_entropy: bool
+        self,
+        model: torch.nn.Module,
+        mb: dict[str, torch.Tensor],
+        *,
+        output: OutputKind,
+        temperature: float,
+        with_entropy: bool,
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs [b, T] of one micro-batch (verl.models.forward's layout), from the
-        columns up to the last real one."""
+        columns up to the last real one; ``model`` is the module, or its DDP wrapper when training."""
         ids, mask = mb["input_ids"], mb["attention_mask"]
         b, t = ids.shape
         real_cols = mask.any(dim=0).nonzero()
         width = int(real_cols[-1]) + 1 if real_cols.numel() else 1
-        logits = module_logits(self.model, ids[:, :width], mask[:, :width])
+        logits = module_logits(model, ids[:, :width], mask[:, :width])
         if output == "logits":
             return {"logits": F.pad(logits, (0, 0, 0, t - width)) * mask.unsqueeze(-1).to(logits.dtype)}
         if output != "logprobs":
@@ -330,8 +340,8 @@ class TorchEngine:
             for index in split.parts:
                 if len(index) == 0:
                     continue
-                out = self._outputs(
-                    self._rows(batch, index, self.device), output=output, temperature=temperature,
+                out = self._outputs(  # the bare module: no DDP collectives in a forward-only pass
+                    self.module, self._rows(batch, index, self.device), output=output, temperature=temperature,
                     with_entropy=with_entropy,
                 )
                 for k, v in out.items():
@@ -376,7 +386,9 @@ class TorchEngine:
             last = i == len(parts) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                outputs = self._outputs(mb, output=output, temperature=temperature, with_entropy=with_entropy)
+                outputs = self._outputs(
+                    self.model, mb, output=output, temperature=temperature, with_entropy=with_entropy
+                )
                 share = loss_fn(outputs, mb)
                 if not isinstance(share, LossShare):
                     raise TypeError(
