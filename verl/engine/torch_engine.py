@@ -418,18 +418,15 @@ class TorchEngine:
     @torch.no_grad()
     def _optimizer_step(self) -> tuple[float, bool]:
         """verl's rule (``verl.engine.step.optimizer_step``): global L2 norm, skip when not finite, clip."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = float(total)
         if not math.isfinite(norm):
             warn_once(logger, "non-finite gradient norm (%s): optimizer step skipped", norm)
             self.optimizer.zero_grad(set_to_none=True)
             return norm, False
-        clip = self.optim_config.clip_grad
-        if clip > 0:
-            coeff = clip / (norm + 1e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    g.mul_(coeff)
+        if self.optim_config.clip_grad > 0:  # scales by clip / (norm + 1e-6) when that is below 1
+            torch.nn.utils.clip_grads_with_norm_(params, self.optim_config.clip_grad, total)
         self.optimizer.step()
         return norm, True
 

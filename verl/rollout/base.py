@@ -53,6 +53,7 @@ __all__ = [
     "Sample",
     "SamplingSpec",
     "assemble_rollout",
+    "left_pad",
     "prompt_token_lists",
     "rollout_metrics",
     "sampling_spec",
@@ -149,6 +150,17 @@ def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     ids = input_ids.cpu()
     width = ids.shape[1]
     return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]
+
+
+def left_pad(rows: list[list[int]], width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of token ids left-padded to ``width`` (at least the longest row): (input_ids,
+    attention_mask), each [len(rows), width] long."""
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, width - len(r) :] = 1
+    return input_ids, attention_mask
 
 
 def assemble_rollout(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
+from verl.rollout.base import RolloutEngine, Sample, SamplingSpec, left_pad
 
 if TYPE_CHECKING:
     from verl.config.schema import RolloutConfig
@@ -115,11 +115,7 @@ class HFRollout(RolloutEngine):
         from transformers import GenerationConfig
 
         width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, width - len(r) :] = 1
+        input_ids, attention_mask = left_pad(rows, width, self.pad_token_id)
         eos = [] if spec.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
         stop_ids = eos + list(spec.stop_token_ids)
         # Greedy: leave the sampling knobs unset (transformers warns about unused ones).

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
+from verl.rollout.base import RolloutEngine, Sample, SamplingSpec, left_pad
 from verl.utils.logging import warn_once
 
 if TYPE_CHECKING:
@@ -93,12 +93,7 @@ class ModuleRollout(RolloutEngine):
         rows = [p for p in prompts for _ in range(spec.n)]
         width = max(self.cfg.prompt_length, max(len(r) for r in rows))
         device = self._device()
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, width - len(r) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        input_ids, attention_mask = (t.to(device) for t in left_pad(rows, width, self.pad_token_id))
         eos = [] if spec.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
         stop_ids = set(eos) | set(spec.stop_token_ids)
         wanted: dict[str, Any] = {
