@@ -48,8 +48,6 @@ class _SharedModule:
     """The hybrid engine's part when the rollout engine generates with the trained module itself
     (a plain ``nn.Module``, ``verl.rollout.module_engine``): no weights to push, no memory to hand over."""
 
-    last_metrics: dict[str, float] = {}
-
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator[dict[str, float]]:
         yield {}

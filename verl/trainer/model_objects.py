@@ -12,8 +12,9 @@ Which engine trains a policy object, logged in one line when the object is first
 - any other ``nn.Module`` with ``forward()`` and ``generate()`` (a user's own model, a
   transformers model of another family): the plain PyTorch engine
   (``verl.engine.torch_engine``: the module itself trains, on one process or under DDP with
-  torchrun, and generates with its own ``generate()``). Its directory holds only the tokenizer and
-  ``verl_module.json``; it stands for the module in the config, in this process.
+  torchrun, and generates with its own ``generate()``). Its directory holds the tokenizer,
+  ``verl_module.json`` and the module's weights as given (``model.safetensors``: the frozen
+  reference policy starts from them); it stands for the module in the config, in this process.
 
 A reward model object must be a Hugging Face ``...ForSequenceClassification`` of a supported
 family (a frozen Megatron engine scores with it).
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ModelSource", "engine_choice", "is_model_object", "is_plain_module", "model_directory", "write_back"]
 
 ModelSource = Any
-"""A Hugging Face checkpoint directory (``str``/``os.PathLike``) or a ``transformers.PreTrainedModel``."""
+"""A Hugging Face checkpoint directory (``str``/``os.PathLike``) or a model object (``nn.Module``)."""
 
 _SAVED: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _TEMP_DIRS: list[str] = []
