@@ -180,7 +180,7 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     found = layout_problems(
         ranks=world,
-        ranks_text=f"the world size {world_text}",
+        ranks_text=world_text if "trainer.placement" in world_text else f"the world size {world_text}",
         tensor=tp,
         pipeline=pp,
         context=cp,
@@ -189,7 +189,8 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
         names=LayoutNames(prefix=f"{prefix}."),
     )
     for problem in found:
-        lead = f"the {role} layout does not fit the world: " if problem.kind == "divide" else ""
+        fits = "its ranks" if "trainer.placement" in world_text else "the world"
+        lead = f"the {role} layout does not fit {fits}: " if problem.kind == "divide" else ""
         problems.append(lead + problem.text)
     if any(problem.kind in ("degree", "divide") for problem in found):
         return None
@@ -362,31 +363,50 @@ def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
 
 
 def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str]) -> None:
-    """Every check of a PPO config that depends on the world size."""
+    """Every check of a PPO config that depends on the world size (and ``trainer.placement``)."""
+    from verl.parallel.placement import placement_problems
+
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
     n, train_bs = rollout.n, cfg.data.train_batch_size
-    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, world, world_text, problems)
+    roles = ["actor"] + [
+        role for role, on in (("ref", cfg.use_reference), ("critic", cfg.use_critic),
+                              ("reward_model", cfg.reward_model.enable)) if on
+    ]
+    ranks, placed = placement_problems(cfg.trainer.placement, world, roles)
+    if placed:
+        problems.extend(placed)
+        return
+
+    def size(role: str) -> tuple[int, str]:  # the ranks a role's layout must fit
+        if not cfg.trainer.placement:
+            return world, world_text
+        return len(ranks[role]), f"{len(ranks[role])} (the {role}'s ranks {list(ranks[role])}, trainer.placement)"
+
+    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, *size("actor"), problems)
     if layout is not None:
         _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size,
                       None if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu, n, train_bs, *layout,
                       problems)
     if cfg.use_reference:
-        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, world, world_text, problems)
+        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, *size("ref"), problems)
     if cfg.use_critic:
         critic = cfg.critic
-        layout = _layout("critic", "critic.megatron", critic.megatron, world, world_text, problems)
+        layout = _layout("critic", "critic.megatron", critic.megatron, *size("critic"), problems)
         if layout is not None:
             _mini_batches("critic", critic.ppo_mini_batch_size,
                           None if critic.use_dynamic_bsz else critic.ppo_micro_batch_size_per_gpu, n, train_bs,
                           *layout, problems)
     if cfg.reward_model.enable:
-        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, world, world_text, problems)
+        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, *size("reward_model"), problems)
     if world % rollout.tensor_model_parallel_size:
         problems.append(
             f"the rollout layout does not fit the world: actor_rollout_ref.rollout.tensor_model_parallel_size="
             f"{rollout.tensor_model_parallel_size} does not divide the world size {world_text}"
         )
+    elif cfg.trainer.placement and len(ranks["actor"]) != world and arr.actor.megatron.context_parallel_size != 1:
+        problems.append("trainer.placement: an actor on part of the world pushes its weights to every rank; "
+                        "context parallel actors are not resharded yet (set its context_parallel_size to 1)")
 
 
 def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:
