@@ -1,5 +1,6 @@
 """Roles on ranks of their own (``trainer.placement``): each role apart runs in a world of its own
-and hands its results to every rank; the steps equal the same run with every role on one rank.
+and hands its results to every rank; the steps equal the same run with every role on one rank,
+and a run resumed from the checkpoint the roles apart wrote takes the uninterrupted run's step.
 
 The reference for a split run is the one-rank run of the same config: there every role is
 colocated on rank 0 with data-parallel size 1, as each role apart is on its own rank, and the
@@ -84,15 +85,22 @@ def _runs_body(model_dir: str, files: dict[str, str], root: str, split: bool) ->
     for name, config, engine, extra, placement in RUNS:
         cfg = _config(
             config, engine, model_dir, files, f"{root}/{name}", world, *extra, *(placement if split else []),
-            "trainer.save_freq=1",
+            "trainer.save_freq=-1",
         )
         with RLTrainer(cfg) as trainer:
             out[name] = {
-                "steps": [trainer.train_step() for _ in range(STEPS)],
+                "steps": [trainer.train_step() for _ in range(STEPS if split else STEPS + 1)],
                 "roles": sorted(r for r in ("actor", "ref", "critic", "reward_model") if trainer.runs(r)),
                 "rollout": trainer.rollout is not None,
             }
-            out[name]["checkpoint"] = trainer.save_checkpoint()
+            if split:
+                out[name]["checkpoint"] = trainer.save_checkpoint()
+        if split:  # a new trainer resumes from the checkpoint the roles apart wrote, and takes step 3
+            cfg = _config(config, engine, model_dir, files, f"{root}/{name}", world, *extra, *placement,
+                          "trainer.resume_mode=auto")
+            with RLTrainer(cfg) as trainer:
+                out[name]["resumed_at"] = trainer.resume()
+                out[name]["steps"].append(trainer.train_step())
     return out
 
 
@@ -117,6 +125,7 @@ def test_roles_apart_take_the_steps_of_one_rank(tiny_model_dir, arithmetic_files
         for a, b in zip(actual[0][name]["steps"], actual[1][name]["steps"]):
             assert _comparable(a) == _comparable(b), name
         # ... and they are the one-rank run's, bit for bit (same weights, samples and kernels).
+        assert len(actual[0][name]["steps"]) == len(expected[name]["steps"]) == STEPS + 1
         for i, (got, want) in enumerate(zip(actual[0][name]["steps"], expected[name]["steps"])):
             got, want = _comparable(got), _comparable(want)
             assert got.keys() == want.keys(), (name, sorted(set(got) ^ set(want)))
@@ -125,6 +134,8 @@ def test_roles_apart_take_the_steps_of_one_rank(tiny_model_dir, arithmetic_files
         # The timings name the exchange where roles apart hand over their results.
         assert "timing_s/exchange" in actual[0][name]["steps"][0]
         assert "timing_s/exchange" not in expected[name]["steps"][0]
+    # Resumed from the split run's checkpoint at step 2, step 3 is the uninterrupted run's step 3.
+    assert [a[name]["resumed_at"] for a in actual for name, *_ in RUNS] == [STEPS] * 2 * len(RUNS)
     ppo = actual[0]["ppo-critic-apart"]["steps"]
     assert ppo[1]["critic/vf_loss"] > 0 and ppo[1]["actor/reward_kl_penalty"] != 0.0
     assert actual[0]["grpo-rm-and-ref-apart"]["steps"][0]["reward/model_score_mean"] != 0.0

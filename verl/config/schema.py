@@ -465,7 +465,7 @@ class TrainerConfig(RunConfig):
         {},
         "Roles on ranks of their own, role -> global ranks (e.g. trainer.placement.critic=[1]): actor, ref, "
         "critic, reward_model; a role left out runs on the actor's ranks, the actor on every rank no other role "
-        "names; the rollout engine runs on every rank. {}: every role on every rank (colocated).",
+        "names; the rollout engine runs with the actor. {}: every role on every rank (colocated).",
     )
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:

@@ -195,7 +195,8 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
     if any(problem.kind in ("degree", "divide") for problem in found):
         return None
     dp = world // (tp * pp * cp)
-    return dp, f"{dp} (world {world} / (tensor {tp} x pipeline {pp} x context {cp}))"
+    ranks = f"its {world} ranks" if "trainer.placement" in world_text else f"world {world}"
+    return dp, f"{dp} ({ranks} / (tensor {tp} x pipeline {pp} x context {cp}))"
 
 
 def _mini_batches(
@@ -399,14 +400,14 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
                           *layout, problems)
     if cfg.reward_model.enable:
         _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, *size("reward_model"), problems)
-    if world % rollout.tensor_model_parallel_size:
+    rollout_ranks, rollout_text = size("actor")  # the rollout engine runs on the actor's ranks
+    if rollout_ranks % rollout.tensor_model_parallel_size:
+        fits = "the actor's ranks" if cfg.trainer.placement else "the world"
         problems.append(
-            f"the rollout layout does not fit the world: actor_rollout_ref.rollout.tensor_model_parallel_size="
-            f"{rollout.tensor_model_parallel_size} does not divide the world size {world_text}"
+            f"the rollout layout does not fit {fits}: actor_rollout_ref.rollout.tensor_model_parallel_size="
+            f"{rollout.tensor_model_parallel_size} does not divide {'' if cfg.trainer.placement else 'the world size '}"
+            f"{rollout_text}"
         )
-    elif cfg.trainer.placement and len(ranks["actor"]) != world and arr.actor.megatron.context_parallel_size != 1:
-        problems.append("trainer.placement: an actor on part of the world pushes its weights to every rank; "
-                        "context parallel actors are not resharded yet (set its context_parallel_size to 1)")
 
 
 def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:

@@ -6,8 +6,7 @@ processes. Roles a map gives every device are colocated (time-sharing each devic
 engine); roles it gives some devices run there alone (``trainer.placement``,
 ``verl.parallel.placement``): ``{"actor": [0], "reward_model": [1]}`` puts the reward model on
 device 1 and the actor (and every role left out) on device 0. Roles share devices whole or not at
-all, and the rollout engine runs on every device (vLLM's in-process engine spans the torchrun
-world; the actor's weights are pushed there). A map becomes ``trainer.device``,
+all, and the rollout engine runs on the actor's devices (the hybrid engine). A map becomes ``trainer.device``,
 ``trainer.n_gpus_per_node=N``, ``trainer.nnodes=1`` and ``trainer.placement``; how a role is split
 over its devices (TP/PP/CP, data parallel derived) stays the config's.
 
@@ -71,7 +70,7 @@ class DevicePlacement:
         if not self.role_devices:
             return f"every role colocated on {where} (device_map named {', '.join(self.roles)})"
         apart = "; ".join(f"{role} on {self.device} {ids}" for role, ids in self.role_devices.items())
-        return f"{apart}; the roles left out with the actor; the rollout engine on every device ({where})"
+        return f"{apart}; the rollout engine and the roles left out with the actor (devices {where})"
 
 
 def _show(devices: Sequence[Any]) -> str:
@@ -179,8 +178,19 @@ def resolve_device_map(
             )
         placed[key] = tuple(sorted(ids))
 
-    union = set().union(*placed.values())
-    if "actor" not in roles and union != set(range(world_size)) and not union - set(range(world_size)):
+    by_role = {ROLE_NAMES[key]: ids for key, ids in placed.items()}
+    rollout = by_role.pop("rollout", None)
+    if rollout is not None:  # the rollout engine runs with the actor (the hybrid engine)
+        actor = by_role.setdefault("actor", rollout)
+        if actor != rollout:
+            raise ValueError(
+                f"device_map puts the rollout on {device} {list(rollout)} but the actor on {list(actor)}: the rollout "
+                "engine runs on the actor's devices (the hybrid engine: the actor's weights are resharded into it in "
+                f"place, and it hands its memory back for training); map both to {list(actor)}, and give the other "
+                "roles (reference, critic, reward model) devices of their own if you like"
+            )
+    union = set().union(*by_role.values())
+    if "actor" not in by_role and union != set(range(world_size)) and not union - set(range(world_size)):
         union |= set(range(world_size))  # the actor (left out) takes the devices no role names
     union = tuple(sorted(union))
     if union != tuple(range(len(union))):
@@ -195,29 +205,26 @@ def resolve_device_map(
             f"launched world has {world_size} process(es); launch {len(union)} with torchrun "
             f"--nproc_per_node={len(union)}, or map to {list(range(world_size))}"
         )
-    by_role = {ROLE_NAMES[key]: ids for key, ids in placed.items()}
-    rollout = by_role.pop("rollout", None)
     apart = {role: ids for role, ids in by_role.items() if ids != union}
     if apart and "actor" not in by_role:
         rest = tuple(i for i in union if i not in set().union(*apart.values()))
         if rest:
             apart["actor"] = rest
-    if rollout is not None and rollout != union and (apart or by_role):
-        raise ValueError(
-            f"device_map puts the rollout on {device} {list(rollout)}, but the rollout engine runs on every device "
-            f"of the job ({list(union)}): vLLM's in-process engine spans the torchrun world, and the actor's "
-            f"weights are pushed to every rank. Map the rollout to {list(union)} (or leave it out); the other roles "
-            "can have devices of their own"
-        )
-    if "actor" in by_role and "actor" not in apart and apart:
-        # Roles apart from an actor that would also hold their devices: the trainer's roles share
-        # ranks whole or not at all.
+    if apart and "actor" in by_role and "actor" not in apart:
+        # Roles apart from an actor that would also hold their devices: roles share ranks whole or not at all.
         raise ValueError(
             f"device_map puts the actor on every device ({list(union)}) and "
             f"{', '.join(f'{r} on {list(ids)}' for r, ids in apart.items())}: roles share devices whole or not "
             f"at all; give the actor the devices no other role has, e.g. "
             f"{sorted(set(union) - set().union(*apart.values()))}"
         )
+    for role, ids in apart.items():  # every other clash (two roles sharing part of their devices)
+        for other, more in apart.items():
+            if role < other and set(ids) & set(more) and ids != more:
+                raise ValueError(
+                    f"device_map puts {role} on {device} {list(ids)} and {other} on {list(more)}: they share "
+                    f"{sorted(set(ids) & set(more))} but not all; roles share devices whole or not at all"
+                )
     return DevicePlacement(
         device=device, devices=union, roles=tuple(roles), role_devices={r: list(ids) for r, ids in apart.items()}
     )

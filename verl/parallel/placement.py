@@ -9,11 +9,11 @@ training and generation). ``trainer.placement`` moves roles onto ranks of their 
 
 Keys are the trained or frozen models: ``actor``, ``ref``, ``critic``, ``reward_model``. A role it
 leaves out runs on the actor's ranks; the actor, when left out, takes every rank no other role
-names. Two roles own the same ranks or disjoint ones. The rollout engine always runs on every
-rank of the world (vLLM's in-process engine spans the torchrun world): where the actor owns part
-of the world, its weights are pushed to the ranks beside it too (``verl.hybrid.WeightSync``), and
-the ranks of a critic or reward model also sample. Each role's TP x PP x CP must divide its own
-ranks, and its data-parallel size is its ranks over that.
+names. Two roles own the same ranks or disjoint ones. The rollout engine runs with the actor (the
+hybrid engine: the actor's weights are resharded into it in place), so it is not placed on its own;
+where the actor owns part of the world, the engine spans the actor's ranks as its world
+(``verl.parallel.role_world``). Each role's TP x PP x CP must divide its own ranks, and its
+data-parallel size is its ranks over that.
 
 Roles on disjoint ranks run their passes at the same time (the critic's values beside the actor's
 log-probs, the critic's update beside the actor's), and each hands its results to every rank.
@@ -59,9 +59,9 @@ def placement_problems(placement: Mapping[str, Any], world: int, roles: Iterable
     for key, value in placement.items():
         if key == "rollout":
             problems.append(
-                "trainer.placement.rollout: the rollout engine runs on every rank of the world (vLLM's in-process "
-                "engine spans the torchrun world; the actor's weights reach every rank), so it is not placed; "
-                "drop the key"
+                "trainer.placement.rollout: the rollout engine runs on the actor's ranks (the hybrid engine: the "
+                "actor's weights are resharded into it in place), so it is not placed on its own; drop the key "
+                "(place the actor instead)"
             )
             continue
         if key not in PLACEABLE_ROLES:
