@@ -365,7 +365,7 @@ def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
 
 def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str]) -> None:
     """Every check of a PPO config that depends on the world size (and ``trainer.placement``)."""
-    from verl.parallel.placement import placement_problems
+    from verl.parallel.placement import placement_problems, show_ranks
 
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
@@ -382,7 +382,7 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
     def size(role: str) -> tuple[int, str]:  # the ranks a role's layout must fit
         if not cfg.trainer.placement:
             return world, world_text
-        return len(ranks[role]), f"{len(ranks[role])} (the {role}'s ranks {list(ranks[role])}, trainer.placement)"
+        return len(ranks[role]), f"{len(ranks[role])} (the {role}'s ranks {show_ranks(ranks[role])}, trainer.placement)"
 
     layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, *size("actor"), problems)
     if layout is not None:

@@ -24,7 +24,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["PLACEABLE_ROLES", "placement_problems", "role_ranks"]
+__all__ = ["PLACEABLE_ROLES", "placement_problems", "role_ranks", "show_ranks"]
+
+
+def show_ranks(ranks: Iterable[int]) -> str:
+    """Ranks as runs for messages: ``[0-23, 32-63]``, ``[1]``, ``[0, 2]``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return "[" + ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs) + "]"
 
 PLACEABLE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model")
 """The roles ``trainer.placement`` can place (``verl.parallel.topology.ROLES`` less the rollout)."""
