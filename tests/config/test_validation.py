@@ -299,7 +299,9 @@ def test_a_placement_gives_each_role_its_ranks_and_checks_its_layout_there():
     # PPO (actor + critic) on 4 ranks: the critic on 3, the actor (TP 3, rollout TP' 3) on the rest.
     cfg = _load(*_PLACED, "trainer.placement.critic=[3]", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=3", world_size=4)
-    assert role_ranks(cfg.trainer.placement, 4, ["actor", "critic"]) == {"actor": (0, 1, 2), "critic": (3,)}
+    assert role_ranks(cfg.trainer.placement, 4, ["actor", "critic"]) == {
+        "actor": (0, 1, 2), "rollout": (0, 1, 2), "critic": (3,)  # the rollout with the actor unless placed
+    }
     # The same layout colocated on 4 ranks does not divide the world.
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 .* does not divide"):
         _load(*_PLACED, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3", world_size=4)
@@ -317,15 +319,18 @@ def test_a_placement_gives_each_role_its_ranks_and_checks_its_layout_there():
         (["trainer.placement.critic=[4]"], r"trainer\.placement\.critic names ranks \[4\] outside the world of 4 rank\(s\)"),
         (["trainer.placement.critic=[1, 1]"], r"lists a rank twice"),
         (["trainer.placement.critic=[]"], r"trainer\.placement\.critic is empty"),
-        (["trainer.placement.ref=[1]"], r"names 'ref', which this run does not build \(it builds actor, critic\)"),
-        (["trainer.placement.rollout=[1]"], r"the rollout engine runs on the actor's ranks \(the hybrid engine"),
+        (["trainer.placement.ref=[1]"], r"names 'ref', which this run does not build \(it builds actor, rollout, critic\)"),
+        (["trainer.placement.rollout=[0, 1]", "trainer.placement.actor=[1, 2]", "trainer.placement.critic=[3]"],
+         r"puts actor on ranks \[1, 2\] and rollout on \[0, 1\]: they share ranks \[1\] but not all"),
         (["trainer.placement.critics=[1]"], r"unknown role 'critics'"),
         (["trainer.placement.critic=[0, 1, 2, 3]"], r"leaving none to the actor"),
         (["trainer.placement.actor=[0, 1]", "trainer.placement.critic=[1, 2]"], r"they share ranks \[1\] but not all"),
         (["trainer.placement.actor=[0]", "trainer.placement.critic=[1]"], r"leaves ranks \[2, 3\] to no role"),
         (["trainer.placement.critic=[3]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
-         r"the rollout layout does not fit the actor's ranks: .*tensor_model_parallel_size=2 does not divide 3 "
-         r"\(the actor's ranks \[0-2\]"),
+         r"the rollout layout does not fit its ranks: .*tensor_model_parallel_size=2 does not divide 3 "
+         r"\(the rollout's ranks \[0-2\]"),
+        (["trainer.placement.rollout=[3]", "trainer.placement.critic=[2]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+         r"the rollout layout does not fit its ranks: .*tensor_model_parallel_size=2 does not divide 1 \(the rollout's ranks \[3\]"),
     ],
 )
 def test_a_placement_that_cannot_run_names_the_cause(overrides, pattern):

@@ -49,9 +49,12 @@ def test_roles_on_devices_of_their_own_become_the_trainer_placement():
     )
     # A role named alone takes its devices; the actor (left out) the rest; the rollout names the actor's.
     assert resolve_device_map({"critic": [1]}, world_size=2, cuda_devices=0).role_devices == {"critic": [1], "actor": [0]}
-    assert resolve_device_map({"rollout": [0], "ref": [1]}, world_size=2, cuda_devices=0).role_devices == {
+    assert resolve_device_map({"actor": [0], "rollout": [0], "ref": [1]}, world_size=2, cuda_devices=0).role_devices == {
         "actor": [0], "ref": [1]
     }
+    # Generation disaggregated: the rollout engine on a device of its own.
+    apart = resolve_device_map({"actor": [0], "rollout_sampler": [1]}, world_size=2, cuda_devices=0)
+    assert apart.config_overrides()["trainer.placement"] == {"actor": [0], "rollout": [1]}
 
 
 def test_a_stream_puts_roles_apart_through_the_config(monkeypatch):
@@ -86,8 +89,8 @@ def test_a_stream_builds_its_config_from_the_map():
          r"machine has 2 CUDA device\(s\) \(0\.\.1\)"),
         ({"actor": "cuda:0"}, 1, 0, r"asks for CUDA devices .* but none is visible here; map to 'cpu'"),
         # Roles on devices of their own: the rollout stays with the actor; roles share devices whole or not at all.
-        ({"actor": [0], "rollout_sampler": [1]}, 2, 2, r"puts the rollout on cuda \[1\] but the actor on \[0\]: the "
-         r"rollout engine runs on the actor's devices \(the hybrid engine"),
+        ({"actor": [0, 1], "rollout_sampler": [1]}, 2, 2, r"puts the actor on every device \(\[0, 1\]\) and rollout "
+         r"on \[1\]: roles share devices whole or not at all"),
         ({"actor": [0, 1], "reward_model": [1]}, 2, 2, r"puts the actor on every device \(\[0, 1\]\) and reward_model "
          r"on \[1\]: roles share devices whole or not at all; give the actor the devices no other role has, e\.g\. \[0\]"),
         ({"actor": [0], "critic": [1, 2], "rm": [2, 3]}, 4, 4, r"puts critic on cuda \[1, 2\] and reward_model on "

@@ -43,7 +43,8 @@ FAST = [
 
 # (name, config, engine, extra overrides, placement on 2 ranks)
 RUNS = [
-    ("ppo-critic-apart", "ppo_tiny_cpu", "hf", [], ["trainer.placement.critic=[1]"]),
+    # The critic and the rollout engine (generation disaggregated: the weights sent across) on rank 1.
+    ("ppo-critic-apart", "ppo_tiny_cpu", "hf", [], ["trainer.placement.critic=[1]", "trainer.placement.rollout=[1]"]),
     (
         "grpo-rm-and-ref-apart",
         "grpo_tiny_cpu",
@@ -51,6 +52,8 @@ RUNS = [
         ["reward_model.enable=true", "reward_model.model.path={model}"],
         ["trainer.placement.reward_model=[1]", "trainer.placement.ref=[1]"],
     ),
+    # vLLM on a rank of its own, in a world of its own, fed the actor's weights before each generation.
+    ("grpo-rollout-apart", "grpo_tiny_cpu", "vllm", [], ["trainer.placement.rollout=[1]"]),
 ]
 STEPS = 2
 
@@ -119,7 +122,10 @@ def test_roles_apart_take_the_steps_of_one_rank(tiny_model_dir, arithmetic_files
     assert actual[1]["ppo-critic-apart"]["roles"] == ["critic"]
     assert actual[0]["grpo-rm-and-ref-apart"]["roles"] == ["actor"]
     assert actual[1]["grpo-rm-and-ref-apart"]["roles"] == ["ref", "reward_model"]
-    assert [a["ppo-critic-apart"]["rollout"] for a in actual] == [True, False]
+    assert [a["ppo-critic-apart"]["rollout"] for a in actual] == [False, True]
+    assert [a["grpo-rm-and-ref-apart"]["rollout"] for a in actual] == [True, False]
+    assert [a["grpo-rollout-apart"]["rollout"] for a in actual] == [False, True]
+    assert [a["grpo-rollout-apart"]["roles"] for a in actual] == [["actor", "ref"], []]
     for name, *_ in RUNS:
         # Every rank reports the same metrics (the roles apart handed theirs over)...
         for a, b in zip(actual[0][name]["steps"], actual[1][name]["steps"]):
@@ -139,6 +145,9 @@ def test_roles_apart_take_the_steps_of_one_rank(tiny_model_dir, arithmetic_files
     ppo = actual[0]["ppo-critic-apart"]["steps"]
     assert ppo[1]["critic/vf_loss"] > 0 and ppo[1]["actor/reward_kl_penalty"] != 0.0
     assert actual[0]["grpo-rm-and-ref-apart"]["steps"][0]["reward/model_score_mean"] != 0.0
+    # The weights sent to the engine apart: every element, each step (the tiny model in float32).
+    sent = actual[1]["grpo-rollout-apart"]["steps"][0]["update_weights/bytes_received"]
+    assert sent == actual[0]["grpo-rollout-apart"]["steps"][0]["update_weights/bytes_received"] > 0
     # The checkpoint holds each role's state, written by its own ranks in their own worlds.
     path = actual[0]["ppo-critic-apart"]["checkpoint"]
     for role in ("actor", "critic"):

@@ -463,9 +463,10 @@ class TrainerConfig(RunConfig):
     )
     placement: dict[str, list[int]] = option(
         {},
-        "Roles on ranks of their own, role -> global ranks (e.g. trainer.placement.critic=[1]): actor, ref, "
-        "critic, reward_model; a role left out runs on the actor's ranks, the actor on every rank no other role "
-        "names; the rollout engine runs with the actor. {}: every role on every rank (colocated).",
+        "Roles on ranks of their own, role -> global ranks (e.g. trainer.placement.critic=[1]): actor, rollout, "
+        "ref, critic, reward_model; a role left out runs on the actor's ranks (the rollout too: the hybrid engine; "
+        "placed apart, generation is disaggregated and the actor's weights are sent to it), the actor on every "
+        "rank no other role names. {}: every role on every rank (colocated).",
     )
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:

@@ -400,9 +400,9 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
                           *layout, problems)
     if cfg.reward_model.enable:
         _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, *size("reward_model"), problems)
-    rollout_ranks, rollout_text = size("actor")  # the rollout engine runs on the actor's ranks
+    rollout_ranks, rollout_text = size("rollout")  # the actor's ranks unless the rollout is placed apart
     if rollout_ranks % rollout.tensor_model_parallel_size:
-        fits = "the actor's ranks" if cfg.trainer.placement else "the world"
+        fits = "its ranks" if cfg.trainer.placement else "the world"
         problems.append(
             f"the rollout layout does not fit {fits}: actor_rollout_ref.rollout.tensor_model_parallel_size="
             f"{rollout.tensor_model_parallel_size} does not divide {'' if cfg.trainer.placement else 'the world size '}"

@@ -19,7 +19,7 @@ Where the trainer comes from:
 (``verl.parallel.device_map``) on the devices ``0 .. N-1`` of one node, one rank each, with a
 launched world of N processes: the same devices for every role (colocated, the hybrid engine), or
 roles on devices of their own (``{"actor": [0], "reward_model": [1]}``: ``trainer.placement``),
-the rollout engine with the actor. It is checked when the stream is made and sets
+the rollout engine with the actor unless it is given devices of its own. It is checked when the stream is made and sets
 ``trainer.device``, ``trainer.n_gpus_per_node``, ``trainer.nnodes`` and ``trainer.placement`` (a
 given trainer must already agree).
 """

@@ -6,7 +6,9 @@ processes. Roles a map gives every device are colocated (time-sharing each devic
 engine); roles it gives some devices run there alone (``trainer.placement``,
 ``verl.parallel.placement``): ``{"actor": [0], "reward_model": [1]}`` puts the reward model on
 device 1 and the actor (and every role left out) on device 0. Roles share devices whole or not at
-all, and the rollout engine runs on the actor's devices (the hybrid engine). A map becomes ``trainer.device``,
+all. The rollout engine runs with the actor unless the map gives it devices of its own
+(``{"actor": [0], "rollout_sampler": [1]}``: generation disaggregated, the actor's weights sent
+to it before each generation). A map becomes ``trainer.device``,
 ``trainer.n_gpus_per_node=N``, ``trainer.nnodes=1`` and ``trainer.placement``; how a role is split
 over its devices (TP/PP/CP, data parallel derived) stays the config's.
 
@@ -70,7 +72,8 @@ class DevicePlacement:
         if not self.role_devices:
             return f"every role colocated on {where} (device_map named {', '.join(self.roles)})"
         apart = "; ".join(f"{role} on {self.device} {ids}" for role, ids in self.role_devices.items())
-        return f"{apart}; the rollout engine and the roles left out with the actor (devices {where})"
+        rest = "the roles left out" if "rollout" in self.role_devices else "the rollout engine and the roles left out"
+        return f"{apart}; {rest} with the actor (devices {where})"
 
 
 def _show(devices: Sequence[Any]) -> str:
@@ -179,16 +182,6 @@ def resolve_device_map(
         placed[key] = tuple(sorted(ids))
 
     by_role = {ROLE_NAMES[key]: ids for key, ids in placed.items()}
-    rollout = by_role.pop("rollout", None)
-    if rollout is not None:  # the rollout engine runs with the actor (the hybrid engine)
-        actor = by_role.setdefault("actor", rollout)
-        if actor != rollout:
-            raise ValueError(
-                f"device_map puts the rollout on {device} {list(rollout)} but the actor on {list(actor)}: the rollout "
-                "engine runs on the actor's devices (the hybrid engine: the actor's weights are resharded into it in "
-                f"place, and it hands its memory back for training); map both to {list(actor)}, and give the other "
-                "roles (reference, critic, reward model) devices of their own if you like"
-            )
     union = set().union(*by_role.values())
     if "actor" not in by_role and union != set(range(world_size)) and not union - set(range(world_size)):
         union |= set(range(world_size))  # the actor (left out) takes the devices no role names
@@ -218,6 +211,8 @@ def resolve_device_map(
             f"at all; give the actor the devices no other role has, e.g. "
             f"{sorted(set(union) - set().union(*apart.values()))}"
         )
+    if apart.get("rollout") is not None and apart.get("rollout") == apart.get("actor"):
+        del apart["rollout"]  # with the actor: the default (the hybrid engine)
     for role, ids in apart.items():  # every other clash (two roles sharing part of their devices)
         for other, more in apart.items():
             if role < other and set(ids) & set(more) and ids != more:

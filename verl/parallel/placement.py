@@ -7,13 +7,16 @@ training and generation). ``trainer.placement`` moves roles onto ranks of their 
     trainer.placement={critic: [1]}                      # actor (and reference) on rank 0, critic on 1
     trainer.placement={reward_model: [3], critic: [2]}   # actor 0-1, critic 2, reward model 3
 
-Keys are the trained or frozen models: ``actor``, ``ref``, ``critic``, ``reward_model``. A role it
-leaves out runs on the actor's ranks; the actor, when left out, takes every rank no other role
-names. Two roles own the same ranks or disjoint ones. The rollout engine runs with the actor (the
-hybrid engine: the actor's weights are resharded into it in place), so it is not placed on its own;
-where the actor owns part of the world, the engine spans the actor's ranks as its world
-(``verl.parallel.role_world``). Each role's TP x PP x CP must divide its own ranks, and its
-data-parallel size is its ranks over that.
+Keys are the roles: ``actor``, ``rollout``, ``ref``, ``critic``, ``reward_model``. A role it leaves
+out runs on the actor's ranks; the actor, when left out, takes every rank no other role names. Two
+roles own the same ranks or disjoint ones. The rollout engine runs with the actor by default (the
+hybrid engine: the actor's weights are resharded into it in place, and the two hand memory back
+and forth); ``rollout`` on ranks of its own disaggregates generation: the engine keeps its
+memory there, and before each generation the actor's ranks send their shards straight into its
+weights (the same reshard plan, across ranks). A role apart runs in a world of its own
+(``verl.parallel.role_world``; vLLM's engine spans it as the torchrun world). Each role's
+TP x PP x CP (the rollout's TP') must divide its own ranks, and its data-parallel size is its ranks
+over that.
 
 Roles on disjoint ranks run their passes at the same time (the critic's values beside the actor's
 log-probs, the critic's update beside the actor's), and each hands its results to every rank.
@@ -37,8 +40,8 @@ def show_ranks(ranks: Iterable[int]) -> str:
             runs.append([r, r])
     return "[" + ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs) + "]"
 
-PLACEABLE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model")
-"""The roles ``trainer.placement`` can place (``verl.parallel.topology.ROLES`` less the rollout)."""
+PLACEABLE_ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward_model")
+"""The roles ``trainer.placement`` can place (``verl.parallel.topology.ROLES``)."""
 
 
 def _ranks(role: str, value: Any, world: int, problems: list[str]) -> tuple[int, ...] | None:
@@ -64,17 +67,10 @@ def _ranks(role: str, value: Any, world: int, problems: list[str]) -> tuple[int,
 
 def placement_problems(placement: Mapping[str, Any], world: int, roles: Iterable[str]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """(role -> ranks, problems) for the run's ``roles`` (the module docstring's rules)."""
-    roles = [r for r in PLACEABLE_ROLES if r in set(roles)]
+    roles = [r for r in PLACEABLE_ROLES if r in {*roles, "rollout"}]
     problems: list[str] = []
     named: dict[str, tuple[int, ...]] = {}
     for key, value in placement.items():
-        if key == "rollout":
-            problems.append(
-                "trainer.placement.rollout: the rollout engine runs on the actor's ranks (the hybrid engine: the "
-                "actor's weights are resharded into it in place), so it is not placed on its own; drop the key "
-                "(place the actor instead)"
-            )
-            continue
         if key not in PLACEABLE_ROLES:
             problems.append(f"trainer.placement: unknown role {key!r}; the roles are {list(PLACEABLE_ROLES)}")
             continue

@@ -19,10 +19,10 @@ Sampling is seeded per call (``seed``): the same weights, prompts and seed give 
 samples, so a resumed run draws what the uninterrupted one drew without saving the engine's
 random state.
 
-The rollout lives on the actor's ranks. Where those are part of the world (``trainer.placement``
-put a critic or reward model on ranks of their own), the engine is built and run inside the
-actor's world (``verl.parallel.role_world``): vLLM's in-process engine then spans the actor's
-ranks as if they were the torchrun world.
+The rollout lives on the actor's ranks, or on ranks of its own (``trainer.placement.rollout``:
+generation disaggregated, :meth:`attach_apart`). Where its ranks are part of the world, the engine
+is built and run inside their world (``verl.parallel.role_world``): vLLM's in-process engine then
+spans those ranks as if they were the torchrun world.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ __all__ = ["Rollout"]
 
 class _SharedModule:
     """The hybrid engine's part when the rollout engine generates with the trained module itself
-    (a plain ``nn.Module``, ``verl.rollout.module_engine``): no weights to push, no memory to hand over."""
+    (a plain ``nn.Module``, ``verl.rollout.module_engine``), or runs on ranks apart from the actor
+    (the trainer sends the weights, ``verl.hybrid.DisaggregatedSync``): nothing to push here, no
+    memory to hand over."""
 
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator[dict[str, float]]:
@@ -118,6 +120,11 @@ class Rollout:
                     actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
                 )
             self.engine.release()
+
+    def attach_apart(self) -> None:
+        """The engine runs on ranks apart from the actor's: it keeps its memory (no handoff), and
+        the trainer sends it the actor's weights before each phase (``verl.hybrid.DisaggregatedSync``)."""
+        self.sync = _SharedModule()
 
     @contextlib.contextmanager
     def phase(self) -> Iterator[dict[str, float]]:

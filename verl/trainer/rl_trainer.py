@@ -4,8 +4,9 @@ Every rank of the torchrun world runs the same code (SPMD). By default the roles
 on all ranks (``verl.parallel.Topology``): actor, rollout and reference time-share them (the
 hybrid engine), the critic and the reward model too, each with its own TP/PP/CP (DP derived) and
 its own process groups. ``trainer.placement`` (``verl.parallel.placement``) puts the reference,
-critic or reward model (or the actor) on ranks of their own; the rollout engine stays with the
-actor, each role apart in a world of its own (``verl.parallel.role_world``). A step's batch is held whole on every rank; each
+critic, reward model or rollout engine (or the actor) on ranks of their own, each role apart in a
+world of its own (``verl.parallel.role_world``); a rollout engine apart from the actor is sent the
+actor's weights before each generation (``verl.hybrid.DisaggregatedSync``). A step's batch is held whole on every rank; each
 role takes its data-parallel share and hands its results back whole (``verl.roles.dispatch``); a
 role on part of the world computes on its ranks and hands its columns and metrics to every rank
 (the ``exchange`` phase), after the passes that can run side by side on disjoint ranks (old
@@ -75,6 +76,7 @@ from verl.data.preference_dataset import PAIR_SIDES, PreferencePairDataset
 from verl.data.rl_dataset import build_dataloader, create_rl_dataset
 from verl.data.tokenizer import load_tokenizer
 from verl.engine import lr_schedule_steps
+from verl.hybrid import DisaggregatedSync
 from verl.parallel import megatron_state
 from verl.parallel.placement import role_ranks
 from verl.parallel.topology import RoleLayout, Topology
@@ -264,15 +266,19 @@ class RLTrainer:
                 self.tokenizer,
                 dp_group=groups["rollout"].groups["dp"],
                 trust_remote_code=arr.model.trust_remote_code,
-                world=groups["rollout"].groups["all"] if "actor" in self._apart else None,
+                world=groups["rollout"].groups["all"] if "rollout" in self._apart else None,
             )
+        # Generation disaggregated: the rollout engine on ranks apart from the actor's.
+        self._rollout_apart = set(self.topology.roles["rollout"].ranks) != set(self.topology.roles["actor"].ranks)
+        self._send: DisaggregatedSync | None = None
         self.closed = False
         self.actor: Actor | None = None
         self.reference: Reference | None = None
         self.critic: Critic | None = None
         try:
-            first = next(role for role in ("actor", "ref", "critic", "reward_model") if role in groups)
-            megatron_state.initialize_role(groups[first].pg_collection, seed=arr.actor.megatron.seed)
+            first = next((role for role in ("actor", "ref", "critic", "reward_model") if role in groups), None)
+            if first is not None:  # not on a rank that only generates (the rollout apart, alone)
+                megatron_state.initialize_role(groups[first].pg_collection, seed=arr.actor.megatron.seed)
             torch.manual_seed(t.seed)
             balance = t.balance_batch
             temperature = arr.rollout.temperature
@@ -317,7 +323,17 @@ class RLTrainer:
                 else None
             )
             self.reward = self._reward_model(groups, max_len, balance)
-            if self.rollout is not None:
+            if self._rollout_apart:  # every rank plans the transfer; the engine keeps its memory
+                if self.rollout is not None:
+                    self.rollout.attach_apart()
+                self._send = DisaggregatedSync(
+                    self.actor.engine if self.actor is not None else None,
+                    self.rollout.engine if self.rollout is not None else None,
+                    rollout_rank=groups["rollout"].coords.local_rank if self.rollout is not None else None,
+                    bucket_bytes=arr.rollout.update_weights_bucket_megabytes * 2**20,
+                    rollout_world=groups["rollout"].groups["all"] if self.rollout is not None else None,
+                )
+            elif self.rollout is not None:
                 self.rollout.attach(self.actor.engine)
             a = cfg.algorithm
             self.kl_ctrl = make_kl_controller(
@@ -385,8 +401,8 @@ class RLTrainer:
         arr = cfg.actor_rollout_ref
         roles = {
             "actor": megatron(arr.actor.megatron, "actor"),
-            # With the actor (the hybrid engine), in its world when the actor is apart.
-            "rollout": RoleLayout(ranks=placed["actor"], tensor_parallel=arr.rollout.tensor_model_parallel_size),
+            # With the actor (the hybrid engine) unless placed apart; in a world of its own when apart.
+            "rollout": RoleLayout(ranks=placed["rollout"], tensor_parallel=arr.rollout.tensor_model_parallel_size),
         }
         if self.use_reference:
             roles["ref"] = megatron(arr.ref.megatron, "ref")
@@ -569,8 +585,8 @@ class RLTrainer:
         greedy: Batch | None = None
         metrics: dict[str, float] = {}
         remax = self.cfg.algorithm.adv_estimator == "remax"
-        if self.rollout is not None:  # the actor's ranks
-            with self.rollout.phase() as push:
+        with self._rollout_phase() as push:
+            if self.rollout is not None:  # the rollout's ranks
                 if call_sizes is None:
                     batch = self.rollout.generate(prompts, seed=seed)
                     metrics = {**push, **self.rollout.last_metrics}
@@ -579,8 +595,8 @@ class RLTrainer:
                     metrics = {**push, **calls}
                 if remax:
                     greedy = self.rollout.generate(prompts, seed=seed + _REMAX_OFFSET, greedy=True)
-        if "actor" in self._apart:  # the samples reach the ranks of the roles apart
-            src = self._source["actor"]
+        if "rollout" in self._apart:  # the samples reach every rank
+            src = self._source["rollout"]
             batch = share_batch(batch, src)
             metrics = share_object(metrics, src)
             if remax:
@@ -590,6 +606,20 @@ class RLTrainer:
             batch["reward_baselines"] = baseline.repeat_interleave(self.n)
         batch["response_mask"] = batch["response_mask"].to(torch.float32)
         return batch, metrics
+
+    @contextlib.contextmanager
+    def _rollout_phase(self) -> Iterator[dict[str, float]]:
+        """The rollout phase on the rollout's ranks (``Rollout.phase``: the block runs in their
+        world); with the engine apart from the actor, the actor's weights are sent to it first
+        (collective over the world). Yields the push's metrics on the rollout's ranks."""
+        sent: dict[str, float] = {}
+        if self._send is not None:
+            sent = self._send.push()
+        if self.rollout is None:
+            yield {}
+            return
+        with self.rollout.phase() as push:
+            yield {**sent, **push}
 
     def _call_size(self, prompts: Batch, call_sizes: tuple[int, int]) -> tuple[int, int]:
         """(prompts per engine call, at most all of them; the KV token budget it came from). The engine's budget (the least
@@ -911,13 +941,13 @@ class RLTrainer:
             offset += len(prompts)
             batches.append(prompts)
         outs: list[Batch | None] = [None] * len(batches)
-        if self.rollout is not None:  # the actor's ranks generate; the reward is every rank's
-            with self.rollout.phase():
+        with self._rollout_phase():  # the rollout's ranks generate; the reward is every rank's
+            if self.rollout is not None:
                 for i, prompts in enumerate(batches):
                     outs[i] = self.rollout.generate(prompts, seed=_VAL_OFFSET + self._seed(0), validate=True)
         for out in outs:
-            if "actor" in self._apart:
-                out = share_batch(out, self._source["actor"])
+            if "rollout" in self._apart:
+                out = share_batch(out, self._source["rollout"])
             result = self.reward.score(out)
             for i, (source, uid) in enumerate(
                 zip(out.non_tensors[DATA_SOURCE_COLUMN], out.non_tensors["uid"])
