@@ -287,3 +287,52 @@ def test_launched_world_is_the_only_problem_when_it_differs():
 def test_data_file_lists_that_name_nothing(root, override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _load(override, root=root)
+
+
+# trainer.placement: roles on ranks of their own (verl.parallel.placement)
+_PLACED = ("trainer.n_gpus_per_node=4",)
+
+
+def test_a_placement_gives_each_role_its_ranks_and_checks_its_layout_there():
+    from verl.parallel.placement import role_ranks
+
+    # PPO (actor + critic) on 4 ranks: the critic on 3, the actor (TP 3, rollout TP' 3) on the rest.
+    cfg = _load(*_PLACED, "trainer.placement.critic=[3]", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=3", world_size=4)
+    assert role_ranks(cfg.trainer.placement, 4, ["actor", "critic"]) == {
+        "actor": (0, 1, 2), "rollout": (0, 1, 2), "critic": (3,)  # the rollout with the actor unless placed
+    }
+    # The same layout colocated on 4 ranks does not divide the world.
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 .* does not divide"):
+        _load(*_PLACED, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3", world_size=4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["trainer.placement.critic=[2]", "critic.megatron.tensor_model_parallel_size=2"],
+         r"the critic layout does not fit its ranks: critic\.megatron\.tensor_model_parallel_size=2 .* does not divide 1 "
+         r"\(the critic's ranks \[2\], trainer\.placement\)"),
+        (["trainer.placement.critic=[2, 3]", "critic.ppo_micro_batch_size_per_gpu=48"],
+         r"critic\.ppo_micro_batch_size_per_gpu=48 does not divide the 128 sequences of a mini-batch on one rank "
+         r"\(.* / data-parallel size 2 \(its 2 ranks / \(tensor 1"),  # the critic's DP is its ranks', not the world's
+        (["trainer.placement.critic=[4]"], r"trainer\.placement\.critic names ranks \[4\] outside the world of 4 rank\(s\)"),
+        (["trainer.placement.critic=[1, 1]"], r"lists a rank twice"),
+        (["trainer.placement.critic=[]"], r"trainer\.placement\.critic is empty"),
+        (["trainer.placement.ref=[1]"], r"names 'ref', which this run does not build \(it builds actor, rollout, critic\)"),
+        (["trainer.placement.rollout=[0, 1]", "trainer.placement.actor=[1, 2]", "trainer.placement.critic=[3]"],
+         r"puts actor on ranks \[1, 2\] and rollout on \[0, 1\]: they share ranks \[1\] but not all"),
+        (["trainer.placement.critics=[1]"], r"unknown role 'critics'"),
+        (["trainer.placement.critic=[0, 1, 2, 3]"], r"leaving none to the actor"),
+        (["trainer.placement.actor=[0, 1]", "trainer.placement.critic=[1, 2]"], r"they share ranks \[1\] but not all"),
+        (["trainer.placement.actor=[0]", "trainer.placement.critic=[1]"], r"leaves ranks \[2, 3\] to no role"),
+        (["trainer.placement.critic=[3]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+         r"the rollout layout does not fit its ranks: .*tensor_model_parallel_size=2 does not divide 3 "
+         r"\(the rollout's ranks \[0-2\]"),
+        (["trainer.placement.rollout=[3]", "trainer.placement.critic=[2]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+         r"the rollout layout does not fit its ranks: .*tensor_model_parallel_size=2 does not divide 1 \(the rollout's ranks \[3\]"),
+    ],
+)
+def test_a_placement_that_cannot_run_names_the_cause(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        _load(*_PLACED, *overrides, world_size=4)

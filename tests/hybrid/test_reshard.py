@@ -195,3 +195,58 @@ def test_bad_destinations_fail_at_construction_on_every_rank(models):
         assert "rank 1: the rollout engine lacks 1 parameter(s) the plan fills, e.g. " \
                "['model.layers.1.mlp.down_proj.weight']" in r["lacking"]
         assert "model.norm.weight has shape [3], the plan [256]" in r["wrong_shape"]
+
+
+# -- generation disaggregated: the actor's shards sent to a rollout on other ranks ----------------------
+
+
+def _disaggregated_body(model_dir: str, tp: int, pp: int, rollout_tp: int, bucket_bytes: int):
+    import torch.distributed as dist
+
+    from verl.config import MegatronConfig, ModelConfig
+    from verl.engine import MegatronEngine
+    from verl.hybrid.weight_sync import DisaggregatedSync, HFShards
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel import megatron_state as ms
+    from verl.parallel.topology import RoleLayout, Topology
+
+    # The actor on ranks 0-1 (TP x PP = 2), the rollout on ranks 2-3: each in a world of its own.
+    topo = Topology(world_size=4, roles={
+        "actor": RoleLayout(ranks=(0, 1), tensor_parallel=tp, pipeline_parallel=pp),
+        "rollout": RoleLayout(ranks=(2, 3), tensor_parallel=rollout_tp),
+    })
+    groups = topo.build_groups()
+    rank = dist.get_rank()
+    engine = dest = None
+    if "actor" in groups:
+        pg = groups["actor"].pg_collection
+        ms.initialize_role(pg)
+        with ms.activate_role(pg):
+            engine = MegatronEngine(model=ModelConfig(path=model_dir), pg=pg, megatron=MegatronConfig(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    local = groups["rollout"].coords.local_rank if "rollout" in groups else None
+    spec = parse_hf_config(f"{model_dir}/config.json")
+    if local is not None:
+        dest = HFShards(spec, tp=rollout_tp, tp_rank=local % rollout_tp, dtype=torch.float32, device="cpu")
+    sync = DisaggregatedSync(engine, dest, rollout_rank=local, bucket_bytes=bucket_bytes,
+                             rollout_world=groups["rollout"].groups["all"] if local is not None else None)
+    metrics = sync.push()
+    wrong = None
+    if dest is not None:
+        expected = HFShards(spec, tp=rollout_tp, tp_rank=local % rollout_tp, dtype=torch.float32, device="cpu")
+        expected.update_weights(_full_weights(model_dir).items())
+        wrong = [k for k in expected.tensors if not torch.equal(dest.tensors[k], expected.tensors[k])]
+    ms.destroy_model_parallel()
+    return {"wrong": wrong, "sent": metrics["update_weights/bytes_sent"],
+            "received": metrics["update_weights/bytes_received"], "buffer": metrics["update_weights/buffer_bytes"]}
+
+
+@pytest.mark.parametrize(("tp", "pp", "rollout_tp"), [(2, 1, 2), (1, 2, 1)], ids=["tp2-to-tp2", "pp2-to-tp1x2"])
+def test_shards_sent_to_a_rollout_on_other_ranks_arrive_bit_exactly(models, tp, pp, rollout_tp):
+    bucket = 64 * 1024
+    results = run_distributed(_disaggregated_body, 4, models["qwen2"], tp, pp, rollout_tp, bucket, timeout=300)
+    # The rollout's ranks hold exactly the checkpoint's tensors, sliced for their TP' rank; only they receive.
+    assert [r["wrong"] for r in results] == [None, None, [], []]
+    assert results[0]["received"] == results[1]["received"] == 0 and results[2]["sent"] == results[3]["sent"] == 0
+    assert sum(r["sent"] for r in results) == sum(r["received"] for r in results) > 0
+    assert all(r["buffer"] <= 2 * bucket for r in results)

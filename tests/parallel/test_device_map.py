@@ -1,6 +1,7 @@
-"""``device_map``: the placements the trainer can run (every role colocated on devices 0..N-1, one
-rank each) become its config; every other map fails naming the role, its devices and the fix.
-No trainer is built: the map is checked when the stream is made."""
+"""``device_map``: the placements the trainer can run (roles colocated on devices 0..N-1, one rank
+each, or on devices of their own: ``trainer.placement``) become its config; every other map fails
+naming the role, its devices and the fix. No trainer is built: the map is checked when the stream
+is made (tests/trainer/test_placement.py runs roles apart)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,38 @@ def test_a_colocated_map_sets_the_trainer_placement():
     assert (cpu.device, cpu.devices, cpu.roles) == ("cpu", (0, 1, 2), ("actor", "reward_model"))
 
 
+def test_roles_on_devices_of_their_own_become_the_trainer_placement():
+    # The tutorials' map: the reward model on a GPU of its own, the rollout with the actor.
+    tutorial = resolve_device_map(TUTORIAL, world_size=3, cuda_devices=3)
+    assert tutorial.role_devices == {"actor": [0, 1], "reward_model": [2]}
+    assert tutorial.config_overrides() == {
+        "trainer.device": "cuda", "trainer.n_gpus_per_node": 3, "trainer.nnodes": 1,
+        "trainer.placement": {"actor": [0, 1], "reward_model": [2]},
+    }
+    assert tutorial.describe() == (
+        "actor on cuda [0, 1]; reward_model on cuda [2]; the rollout engine and the roles left out with the actor "
+        "(devices cuda:0, cuda:1, cuda:2)"
+    )
+    # A role named alone takes its devices; the actor (left out) the rest; the rollout names the actor's.
+    assert resolve_device_map({"critic": [1]}, world_size=2, cuda_devices=0).role_devices == {"critic": [1], "actor": [0]}
+    assert resolve_device_map({"actor": [0], "rollout": [0], "ref": [1]}, world_size=2, cuda_devices=0).role_devices == {
+        "actor": [0], "ref": [1]
+    }
+    # Generation disaggregated: the rollout engine on a device of its own.
+    apart = resolve_device_map({"actor": [0], "rollout_sampler": [1]}, world_size=2, cuda_devices=0)
+    assert apart.config_overrides()["trainer.placement"] == {"actor": [0], "rollout": [1]}
+
+
+def test_a_stream_puts_roles_apart_through_the_config(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the world a torchrun launch of 2 would give the stream
+    stream = DataStream(
+        model="unused", train_files="unused.parquet", overrides=["trainer.device=cpu", "actor_rollout_ref.rollout.name=hf"],
+        device_map={"actor": [0], "critic": [1]},
+    ).add_operator(RolloutOperator())
+    cfg = stream.config()
+    assert (cfg.trainer.n_gpus_per_node, dict(cfg.trainer.placement)) == (2, {"actor": [0], "critic": [1]})
+
+
 def test_a_stream_builds_its_config_from_the_map():
     stream = DataStream(
         model="unused", train_files="unused.parquet", overrides=["trainer.device=cpu", "actor_rollout_ref.rollout.name=hf"],
@@ -55,10 +88,13 @@ def test_a_stream_builds_its_config_from_the_map():
         (TUTORIAL, 3, 2, r"device_map\['reward_model'\] = \[2\] names cuda device\(s\) \[2\] that do not exist: this "
          r"machine has 2 CUDA device\(s\) \(0\.\.1\)"),
         ({"actor": "cuda:0"}, 1, 0, r"asks for CUDA devices .* but none is visible here; map to 'cpu'"),
-        # Roles on different devices: the trainer only colocates; the map that would run.
-        (TUTORIAL, 3, 3, r"puts 'reward_model' on cuda \[2\] but 'actor' on \[0, 1\]: the trainer colocates every role "
-         r".*not supported\. Give every role the same devices, e.g\. \{'actor': \[0, 1, 2\], 'reward_model': \[0, 1, 2\], "
-         r"'rollout_sampler': \[0, 1, 2\]\}"),
+        # Roles on devices of their own: the rollout stays with the actor; roles share devices whole or not at all.
+        ({"actor": [0, 1], "rollout_sampler": [1]}, 2, 2, r"puts the actor on every device \(\[0, 1\]\) and rollout "
+         r"on \[1\]: roles share devices whole or not at all"),
+        ({"actor": [0, 1], "reward_model": [1]}, 2, 2, r"puts the actor on every device \(\[0, 1\]\) and reward_model "
+         r"on \[1\]: roles share devices whole or not at all; give the actor the devices no other role has, e\.g\. \[0\]"),
+        ({"actor": [0], "critic": [1, 2], "rm": [2, 3]}, 4, 4, r"puts critic on cuda \[1, 2\] and reward_model on "
+         r"\[2, 3\]: they share \[2\] but not all"),
         ({"actor": [2, 3]}, 2, 4, r"rank i of a node runs on device i .* CUDA_VISIBLE_DEVICES=2,3 and map to \[0, 1\]"),
         ({"actor": [0, 1]}, 1, 2, r"on 2 cuda device\(s\) \[0, 1\], one rank each, but the launched world has 1 "
          r"process\(es\); launch 2 with torchrun --nproc_per_node=2, or map to \[0\]"),

@@ -106,14 +106,23 @@ def test_roles_on_split_topology() -> None:
 
 
 def _groups_on_split_topology() -> dict[str, dict[str, object]]:
+    from verl.parallel.role_world import role_world
+
     mine = _split_topology().build_groups()
     out: dict[str, dict[str, object]] = {}
     for role, role_groups in mine.items():
-        members = {kind: tuple(dist.get_process_group_ranks(g)) for kind, g in role_groups.groups.items()}
-        assert members == role_groups.group_ranks, "the built groups hold the ranks the topology computed"
-        # Real traffic over the role's DP group: the sum of its members' global ranks.
-        value = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(value, group=role_groups.groups["dp"])
+        everyone = role_groups.group_ranks["all"]  # the role's global ranks, its world's 0 .. n-1
+        assert everyone == tuple(dist.get_process_group_ranks(role_groups.groups["all"]))
+        # Each role apart lives in a world of its own: inside it, its groups hold that world's ranks.
+        with role_world(role_groups.groups["all"]):
+            members = {
+                kind: tuple(everyone[r] for r in dist.get_process_group_ranks(g))
+                for kind, g in role_groups.groups.items() if kind != "all"
+            }
+            # Real traffic over the role's DP group: the sum of its members' global ranks.
+            value = torch.tensor([float(everyone[dist.get_rank()])])
+            dist.all_reduce(value, group=role_groups.groups["dp"])
+        assert {**members, "all": everyone} == role_groups.group_ranks, "the groups hold the ranks the topology computed"
         out[role] = {
             "tp": members["tp"],
             "dp": members["dp"],

@@ -193,3 +193,10 @@ def test_plan_py_and_launcher_dry_run(tmp_path):
                          env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stderr[-2000:]
     assert "memory plan (dry run" in run.stdout and "DOES NOT FIT" in run.stdout
+
+
+def test_a_placement_is_not_planned_as_if_colocated():
+    # ppo_70b on 64 GPUs with the critic on 32 of them: the plan models colocated roles only, so it says so.
+    cfg = _cfg("ppo_70b", f"trainer.placement.critic=[{','.join(str(r) for r in range(32, 64))}]")
+    with pytest.raises(ValueError, match=r"trainer\.placement=.*the memory plan models colocated roles"):
+        config_inputs(cfg, model_config="llama3_70b", gpu_memory_gib=80.0)

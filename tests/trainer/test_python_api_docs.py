@@ -113,8 +113,11 @@ def test_every_code_block_of_the_docs_runs(tiny_model_dir, arithmetic_files, tmp
     assert ns["placed"].placement.devices == (0,) and ns["placed"].placement.device == "cpu"
     assert (ns["placed_cfg"].trainer.n_gpus_per_node, ns["placed_cfg"].trainer.nnodes) == (1, 1)
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 8  # the blocks' prints: four fit summaries, two stream steps, the placement
-    assert printed[-2:] == ["every role colocated on cpu:0 (device_map named actor, rollout, reward_model)", "cpu 1"]
+    assert len(printed) == 9  # the blocks' prints: four fit summaries, two stream steps, the placements
+    assert printed[-3:] == [
+        "every role colocated on cpu:0 (device_map named actor, rollout, reward_model)", "cpu 1",
+        "{'actor': [0, 1], 'reward_model': [2]}",  # the tutorials' map on three ranks: the reward model apart
+    ]
 
 
 def test_preference_files_fail_the_trainer_checks_pointing_to_dpo(tiny_model_dir, tmp_path):

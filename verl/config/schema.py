@@ -461,6 +461,13 @@ class TrainerConfig(RunConfig):
         "-1: only at the end; 0: never.",
         ge=-1,
     )
+    placement: dict[str, list[int]] = option(
+        {},
+        "Roles on ranks of their own, role -> global ranks (e.g. trainer.placement.critic=[1]): actor, rollout, "
+        "ref, critic, reward_model; a role left out runs on the actor's ranks (the rollout too: the hybrid engine; "
+        "placed apart, generation is disaggregated and the actor's weights are sent to it), the actor on every "
+        "rank no other role names. {}: every role on every rank (colocated).",
+    )
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:
     # str.replace, not str.format: a user path may contain other braces.

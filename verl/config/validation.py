@@ -180,7 +180,7 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     found = layout_problems(
         ranks=world,
-        ranks_text=f"the world size {world_text}",
+        ranks_text=world_text if "trainer.placement" in world_text else f"the world size {world_text}",
         tensor=tp,
         pipeline=pp,
         context=cp,
@@ -189,12 +189,14 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
         names=LayoutNames(prefix=f"{prefix}."),
     )
     for problem in found:
-        lead = f"the {role} layout does not fit the world: " if problem.kind == "divide" else ""
+        fits = "its ranks" if "trainer.placement" in world_text else "the world"
+        lead = f"the {role} layout does not fit {fits}: " if problem.kind == "divide" else ""
         problems.append(lead + problem.text)
     if any(problem.kind in ("degree", "divide") for problem in found):
         return None
     dp = world // (tp * pp * cp)
-    return dp, f"{dp} (world {world} / (tensor {tp} x pipeline {pp} x context {cp}))"
+    ranks = f"its {world} ranks" if "trainer.placement" in world_text else f"world {world}"
+    return dp, f"{dp} ({ranks} / (tensor {tp} x pipeline {pp} x context {cp}))"
 
 
 def _mini_batches(
@@ -362,30 +364,49 @@ def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
 
 
 def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str]) -> None:
-    """Every check of a PPO config that depends on the world size."""
+    """Every check of a PPO config that depends on the world size (and ``trainer.placement``)."""
+    from verl.parallel.placement import placement_problems, show_ranks
+
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
     n, train_bs = rollout.n, cfg.data.train_batch_size
-    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, world, world_text, problems)
+    roles = ["actor"] + [
+        role for role, on in (("ref", cfg.use_reference), ("critic", cfg.use_critic),
+                              ("reward_model", cfg.reward_model.enable)) if on
+    ]
+    ranks, placed = placement_problems(cfg.trainer.placement, world, roles)
+    if placed:
+        problems.extend(placed)
+        return
+
+    def size(role: str) -> tuple[int, str]:  # the ranks a role's layout must fit
+        if not cfg.trainer.placement:
+            return world, world_text
+        return len(ranks[role]), f"{len(ranks[role])} (the {role}'s ranks {show_ranks(ranks[role])}, trainer.placement)"
+
+    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, *size("actor"), problems)
     if layout is not None:
         _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size,
                       None if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu, n, train_bs, *layout,
                       problems)
     if cfg.use_reference:
-        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, world, world_text, problems)
+        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, *size("ref"), problems)
     if cfg.use_critic:
         critic = cfg.critic
-        layout = _layout("critic", "critic.megatron", critic.megatron, world, world_text, problems)
+        layout = _layout("critic", "critic.megatron", critic.megatron, *size("critic"), problems)
         if layout is not None:
             _mini_batches("critic", critic.ppo_mini_batch_size,
                           None if critic.use_dynamic_bsz else critic.ppo_micro_batch_size_per_gpu, n, train_bs,
                           *layout, problems)
     if cfg.reward_model.enable:
-        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, world, world_text, problems)
-    if world % rollout.tensor_model_parallel_size:
+        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, *size("reward_model"), problems)
+    rollout_ranks, rollout_text = size("rollout")  # the actor's ranks unless the rollout is placed apart
+    if rollout_ranks % rollout.tensor_model_parallel_size:
+        fits = "its ranks" if cfg.trainer.placement else "the world"
         problems.append(
-            f"the rollout layout does not fit the world: actor_rollout_ref.rollout.tensor_model_parallel_size="
-            f"{rollout.tensor_model_parallel_size} does not divide the world size {world_text}"
+            f"the rollout layout does not fit {fits}: actor_rollout_ref.rollout.tensor_model_parallel_size="
+            f"{rollout.tensor_model_parallel_size} does not divide {'' if cfg.trainer.placement else 'the world size '}"
+            f"{rollout_text}"
         )
 
 

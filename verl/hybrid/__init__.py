@@ -7,7 +7,9 @@ memory handoff between the training state and the rollout KV cache.
 - :mod:`verl.hybrid.transfer`: executing it: local copies, then buckets with every peer in turn;
 - :mod:`verl.hybrid.memory`: moving the actor's training state to host memory and back, and the
   per-phase memory ledger;
-- :mod:`verl.hybrid.weight_sync`: ``WeightSync``, the trainer's entry point, and the naive baseline;
+- :mod:`verl.hybrid.weight_sync`: ``WeightSync``, the trainer's entry point, ``DisaggregatedSync``
+  (the same plan across ranks, for a rollout engine placed apart from the actor), and the naive
+  baseline;
 - ``copy_ranges_`` (many tensors to many tensors, one call) and ``copy_shards_`` (one pair): the
   bounds-checked range copies of ``verl._C`` the transfer and the offload are built on.
 """
@@ -15,9 +17,10 @@ memory handoff between the training state and the rollout KV cache.
 from verl.hybrid.copy_ranges import copy_ranges_, copy_ranges_reference_
 from verl.hybrid.copy_shards import copy_shards_, copy_shards_reference_
 from verl.hybrid.memory import MemoryLedger, PhaseMemory, TrainingStateOffload
-from verl.hybrid.weight_sync import HFShards, WeightSync, naive_push
+from verl.hybrid.weight_sync import DisaggregatedSync, HFShards, WeightSync, naive_push
 
 __all__ = [
+    "DisaggregatedSync",
     "HFShards",
     "MemoryLedger",
     "PhaseMemory",

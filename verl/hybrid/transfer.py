@@ -101,17 +101,32 @@ def execute_plan(
     *,
     bucket_elements: int,
     group: dist.ProcessGroup | None = None,
+    source_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> TransferStats:
     """Move this rank's part of ``plan`` (collective over ``group``, every rank calls it).
 
     ``sources`` / ``destinations``: this rank's tensors in ``plan.src_keys[rank]`` /
-    ``plan.dst_keys[rank]`` order, contiguous, one dtype per side, on one device.
+    ``plan.dst_keys[rank]`` order, contiguous, one dtype per side, on one device. A rank may hold
+    no sources (it only receives: give ``source_dtype``, what its peers send) or no destinations
+    (it only sends: give ``device``, where its buffers live), as when the rollout engine runs on
+    ranks apart from the actor's.
     """
     start = time.perf_counter()
     world = plan.world_size
-    src_dtype = _single_dtype(sources, "source")
-    dst_dtype = _single_dtype(destinations, "destination")
-    device = destinations[0].device
+    if sources:
+        src_dtype = _single_dtype(sources, "source")
+        if source_dtype is not None and source_dtype != src_dtype:
+            raise ValueError(f"execute_plan: source_dtype={source_dtype} but the sources are {src_dtype}")
+    elif source_dtype is not None:
+        src_dtype = source_dtype
+    else:
+        raise ValueError("execute_plan: this rank holds no sources; pass source_dtype (what its peers send)")
+    dst_dtype = _single_dtype(destinations, "destination") if destinations else src_dtype
+    if device is None:
+        if not (destinations or sources):
+            raise ValueError("execute_plan: this rank holds no tensors; pass device (where its buffers live)")
+        device = (destinations or sources)[0].device
     elem = torch.empty((), dtype=src_dtype).element_size()
     # Buffers sized for the largest bucket this rank will send or receive.
     sends = [plan.ranges(rank, (rank + k) % world) for k in range(1, world)]

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFShards", "WeightSync", "destination_layout", "naive_push"]
+__all__ = ["DisaggregatedSync", "HFShards", "WeightSync", "destination_layout", "naive_push"]
 
 class HFShards:
     """A destination that is a dict of Hugging Face tensors as rollout rank ``tp_rank`` of ``tp``
@@ -250,6 +250,160 @@ class WeightSync:
             self._state_offload.reload()
         ledger.record("reloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
         self.last_metrics.update(ledger.metrics())
+
+
+def _layout_of(kind: str, spec: HFModelSpec, *, tp: int, tp_rank: int) -> Layout:
+    """The tensors a rollout rank holds in a destination of ``kind`` ("vllm", "hf", "hf-shards")."""
+    if kind == "vllm":
+        return vllm_layout(spec, tp=tp, tp_rank=tp_rank)
+    if kind == "hf":
+        return hf_layout(spec)
+    return hf_layout(spec, tp=tp, tp_rank=tp_rank)
+
+
+class DisaggregatedSync:
+    """Sends the actor's weights from its ranks to a rollout engine on ranks of its own.
+
+    The rollout engine placed apart from the actor (``trainer.placement.rollout``: generation
+    disaggregated) keeps its memory; there is no handoff. :meth:`push` (collective over the whole
+    world: every rank calls it, those of neither role with nothing to move) executes the same
+    kind of reshard plan as :class:`WeightSync`, across ranks: each actor rank sends the pieces of
+    its shards that each rollout rank's tensors need, straight into those tensors, in buckets.
+
+    Args:
+        actor: the actor's ``MegatronEngine`` on the actor's ranks, None elsewhere.
+        rollout: the rollout engine (or :class:`HFShards`) on the rollout's ranks, None elsewhere.
+        rollout_rank: this rank's place among the rollout's ranks (0 .. size - 1; its TP' rank is
+            ``rollout_rank % TP'``), None off them.
+        bucket_bytes: as :class:`WeightSync`.
+        rollout_world: the group of the rollout's ranks, the engine's world
+            (``verl.parallel.role_world``): the engine's own calls run inside it.
+    """
+
+    def __init__(self, actor: "MegatronEngine | None", rollout: Any, *, rollout_rank: int | None,
+                 bucket_bytes: int, rollout_world: dist.ProcessGroup | None = None) -> None:
+        from verl.parallel.role_world import role_world
+
+        self._engine_world = lambda: role_world(rollout_world)
+        if bucket_bytes < 1:
+            raise ValueError(f"DisaggregatedSync: bucket_bytes={bucket_bytes}; it must be >= 1")
+        if (rollout is None) != (rollout_rank is None):
+            raise ValueError("DisaggregatedSync: give rollout_rank with the rollout engine, and only there")
+        self.actor, self.rollout = actor, rollout
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine: dict[str, Any] = {}
+        if actor is not None:
+            pg = actor.pg
+            mine["actor"] = {
+                "coords": (pg.tp.rank(), pg.pp.rank()),
+                "degrees": (pg.tp.size(), pg.pp.size(), pg.dp.size(), pg.cp.size()),
+                "vpp": actor.megatron_config.virtual_pipeline_model_parallel_size,
+                "pad": actor.build_config.vocab_pad_multiple,
+                "dtype": str(next(unwrap_model(actor.chunks[0]).parameters()).dtype).removeprefix("torch."),
+                "spec": actor.spec,
+            }
+        if rollout is not None:
+            mine["rollout"] = {"kind": rollout.weights_layout, "tp": _rollout_tp(rollout), "rank": rollout_rank}
+        infos: list[Any] = [None] * world
+        dist.all_gather_object(infos, mine)
+        actor_ranks = [r for r, i in enumerate(infos) if "actor" in i]
+        rollout_ranks = [r for r, i in enumerate(infos) if "rollout" in i]
+        if not actor_ranks or not rollout_ranks:
+            raise ValueError(
+                f"DisaggregatedSync: the actor is built on ranks {actor_ranks} and the rollout on {rollout_ranks}; "
+                "both must exist"
+            )
+        first = infos[actor_ranks[0]]["actor"]
+        spec, vpp, pad = first["spec"], first["vpp"], first["pad"]
+        tp, pp, dp, cp = first["degrees"]
+        rollout_tp = infos[rollout_ranks[0]]["rollout"]["tp"]
+        self.degrees = (
+            f"actor tp={tp} pp={pp} vpp={vpp} cp={cp} dp={dp} on ranks {actor_ranks}, rollout TP'={rollout_tp} "
+            f"x DP'={len(rollout_ranks) // rollout_tp if len(rollout_ranks) % rollout_tp == 0 else '?'} on ranks "
+            f"{rollout_ranks}, world_size={world}"
+        )
+        problems = []
+        if cp != 1:
+            problems.append("context parallel actors are not resharded yet (cp must be 1)")
+        if len(rollout_ranks) % rollout_tp:
+            problems.append(f"rollout TP'={rollout_tp} does not divide the rollout's {len(rollout_ranks)} ranks")
+        problems += check_rollout_degrees(spec, rollout_tp)
+
+        def source(info: dict[str, Any] | None) -> Layout:
+            if info is None:
+                return Layout(shapes={}, boxes=())
+            t, p = info["coords"]
+            return megatron_layout(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, vpp=vpp, vocab_pad_multiple=pad)
+
+        def destination(info: dict[str, Any] | None) -> Layout:
+            if info is None:
+                return Layout(shapes={}, boxes=())
+            return _layout_of(info["kind"], spec, tp=rollout_tp, tp_rank=info["rank"] % rollout_tp)
+
+        local: list[str] = []
+        if not problems:
+            if actor is not None:
+                try:
+                    check_megatron_layout(source(mine["actor"]), actor.chunks, where=f"rank {rank}")
+                except ValueError as exc:
+                    local.append(str(exc))
+            if rollout is not None:
+                dest = destination(mine["rollout"])
+                with self._engine_world():
+                    held = dict(rollout.named_parameters())
+                local += [f"rank {rank}: {p}" for p in _tensor_problems(dest, held, "the rollout engine")]
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, local)
+        problems += [p for errs in gathered for p in errs]
+        if problems:  # the same list on every rank: every rank raises
+            raise ValueError(f"DisaggregatedSync: cannot send ({self.degrees}): " + "; ".join(dict.fromkeys(problems)))
+        self.plan: ReshardPlan = build_plan(
+            [source(i.get("actor")) for i in infos], [destination(i.get("rollout")) for i in infos]
+        )
+        self.source_dtype = getattr(torch, first["dtype"])
+        self.bucket_elements = max(1, bucket_bytes // torch.empty((), dtype=self.source_dtype).element_size())
+        if actor is not None:
+            self.device = actor.device
+        elif rollout is not None:
+            self.device = next((t.device for _, t in held.items()), torch.device("cpu"))
+        else:  # a rank of neither role: nothing to move, a device for its (empty) buffers
+            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.last_metrics: dict[str, float] = {}
+        stats = self.plan.rank_stats(rank)
+        logger.info(
+            "disaggregated weight sync planned (%s): rank %d sends %d elements to %d peers, receives %d from %d",
+            self.degrees, rank, sum(stats.sent.values()), len(stats.sent), stats.received_elements, len(stats.received),
+        )
+
+    def push(self) -> dict[str, float]:
+        """Send the actor's current weights into the rollout engine (collective over the world)."""
+        rank = dist.get_rank()
+        sources: list[torch.Tensor] = []
+        if self.actor is not None:
+            params = {}
+            for v, chunk in enumerate(self.actor.chunks):
+                for name, param in unwrap_model(chunk).named_parameters():
+                    params[f"{v}/{name}"] = param.data
+            sources = [params[k].view(-1) for k in self.plan.src_keys[rank]]
+        destinations: list[torch.Tensor] = []
+        if self.rollout is not None:
+            with self._engine_world():
+                held = {k: p.data for k, p in self.rollout.named_parameters()}
+            destinations = [held[k].view(-1) for k in self.plan.dst_keys[rank]]
+        stats = execute_plan(
+            self.plan, rank, sources, destinations, bucket_elements=self.bucket_elements,
+            source_dtype=self.source_dtype, device=self.device,
+        )
+        if self.rollout is not None:
+            with self._engine_world():
+                self.rollout.weights_updated()
+        self.last_metrics = {
+            "timing_s/update_weights": stats.seconds,
+            "update_weights/bytes_sent": float(stats.sent_bytes),
+            "update_weights/bytes_received": float(stats.received_bytes),
+            "update_weights/buffer_bytes": float(stats.buffer_bytes),
+        }
+        return dict(self.last_metrics)
 
 
 def _hf_order(actor: "MegatronEngine") -> list[str]:

@@ -292,20 +292,12 @@ class RewardModelScorer(RewardOperator):
             super().bind(trainer)
             return
         Operator.bind(self, trainer)
-        from verl.roles import RewardModel
-
-        model_role = trainer.reward.model_role
-        if model_role is None:
+        if not trainer.reward.has_model:
             raise ValueError(
                 "RewardModelScorer(rm_model=<reward model>): the stream's trainer has no reward model; build it with "
                 f"reward_model.enable=true reward_model.model.path={self.model_path}"
             )
-        self._role = RewardModel(
-            None,
-            custom_scorer=False,
-            model_role=model_role,
-            micro_batch_size=trainer.cfg.reward_model.micro_batch_size_per_gpu,
-        )
+        self._role = trainer.reward.model_only()
 
 
 class MultiRewardScorer(Operator):

@@ -16,10 +16,12 @@ Where the trainer comes from:
   torch.distributed is not initialised; :meth:`close` frees both.
 
 ``device_map={"actor": [0, 1], "rollout_sampler": [0, 1]}`` places the roles
-(``verl.parallel.device_map``): the trainer colocates every role on the devices ``0 .. N-1`` of
-one node, one rank each, so a map must give every role it names the same such devices, with a
-launched world of N processes. It is checked when the stream is made and sets ``trainer.device``,
-``trainer.n_gpus_per_node`` and ``trainer.nnodes`` (a given trainer must already agree).
+(``verl.parallel.device_map``) on the devices ``0 .. N-1`` of one node, one rank each, with a
+launched world of N processes: the same devices for every role (colocated, the hybrid engine), or
+roles on devices of their own (``{"actor": [0], "reward_model": [1]}``: ``trainer.placement``),
+the rollout engine with the actor unless it is given devices of its own. It is checked when the stream is made and sets
+``trainer.device``, ``trainer.n_gpus_per_node``, ``trainer.nnodes`` and ``trainer.placement`` (a
+given trainer must already agree).
 """
 
 from __future__ import annotations
@@ -217,6 +219,12 @@ class DataStream:
                     f"device_map places the roles on {len(placement.devices)} device(s) of one node, but the trainer "
                     f"was built with trainer.nnodes={t.nnodes} trainer.n_gpus_per_node={t.n_gpus_per_node}; build it "
                     f"with trainer.nnodes=1 trainer.n_gpus_per_node={len(placement.devices)}, or leave device_map out"
+                )
+            if {k: list(v) for k, v in t.placement.items()} != placement.role_devices:
+                raise ValueError(
+                    f"device_map puts roles apart as {placement.role_devices or 'nowhere (all colocated)'}, but the "
+                    f"trainer was built with trainer.placement={dict(t.placement)}; build it with the same placement, "
+                    "or leave device_map out"
                 )
             return placement
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,16 +1,20 @@
 """``device_map``: which devices each role runs on, as ``DataStream(device_map=...)`` takes it.
 
-The trainer places every role on every rank of its world (``RLTrainer._topology``: actor,
-rollout, reference, critic and reward model colocated, time-sharing each device, the hybrid
-engine), one rank per device, rank ``i`` of a node on ``cuda:i`` (its ``LOCAL_RANK``) or on
-the CPU. So the one placement a map can express is: the same devices for every role it names,
-which are the devices ``0 .. N-1`` of one node, with a launched world of ``N`` processes. It
-becomes ``trainer.device``, ``trainer.n_gpus_per_node=N`` and ``trainer.nnodes=1``; how a role is
-split over them (TP/PP/CP, data parallel derived) stays the config's.
+One rank per device: rank ``i`` of a node runs on ``cuda:i`` (its ``LOCAL_RANK``) or is CPU
+rank ``i``, so a map's devices are ``0 .. N-1`` of one node, with a launched world of ``N``
+processes. Roles a map gives every device are colocated (time-sharing each device: the hybrid
+engine); roles it gives some devices run there alone (``trainer.placement``,
+``verl.parallel.placement``): ``{"actor": [0], "reward_model": [1]}`` puts the reward model on
+device 1 and the actor (and every role left out) on device 0. Roles share devices whole or not at
+all. The rollout engine runs with the actor unless the map gives it devices of its own
+(``{"actor": [0], "rollout_sampler": [1]}``: generation disaggregated, the actor's weights sent
+to it before each generation). A map becomes ``trainer.device``,
+``trainer.n_gpus_per_node=N``, ``trainer.nnodes=1`` and ``trainer.placement``; how a role is split
+over its devices (TP/PP/CP, data parallel derived) stays the config's.
 
 A map's keys are role names (:data:`ROLE_NAMES`: ``actor``; ``rollout`` or ``rollout_sampler``;
-``reference`` or ``ref``; ``critic``; ``reward_model`` or ``rm``); a role it leaves out runs on the
-same devices. Its values are one device or a list: an int (a CUDA device when one is visible and
+``reference`` or ``ref``; ``critic``; ``reward_model`` or ``rm``); a role it leaves out runs with
+the actor. Its values are one device or a list: an int (a CUDA device when one is visible and
 no entry says ``"cpu"``; else a CPU rank), ``"cuda:N"``, ``"cpu:N"`` (CPU rank ``N``), or ``"cpu"``
 (every CPU rank of the world). A map that cannot be placed fails naming the role, its devices and
 what exists or what the trainer supports (:func:`resolve_device_map`).
@@ -21,7 +25,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ROLE_NAMES", "DevicePlacement", "override_value", "placement_conflicts", "resolve_device_map"]
@@ -43,22 +47,33 @@ _DEVICE = re.compile(r"^(cuda|cpu):(\d+)$")
 
 @dataclass(frozen=True)
 class DevicePlacement:
-    """A checked ``device_map``: every role on ``devices`` of kind ``device``."""
+    """A checked ``device_map``: the roles on ``devices`` of kind ``device``, some apart (``role_devices``)."""
 
     device: str
     """``"cuda"`` or ``"cpu"`` (``trainer.device``)."""
     devices: tuple[int, ...]
     """Device indices (CUDA) or ranks (CPU) ``0 .. N-1``: one rank each."""
     roles: tuple[str, ...]
-    """The roles the map named (the trainer's names); the others run on the same devices."""
+    """The roles the map named (the trainer's names)."""
+    role_devices: dict[str, list[int]] = field(default_factory=dict)
+    """The roles on devices of their own (not every device): ``trainer.placement``."""
 
     def config_overrides(self) -> dict[str, Any]:
         """The config keys this placement sets."""
-        return {"trainer.device": self.device, "trainer.n_gpus_per_node": len(self.devices), "trainer.nnodes": 1}
+        out: dict[str, Any] = {
+            "trainer.device": self.device, "trainer.n_gpus_per_node": len(self.devices), "trainer.nnodes": 1
+        }
+        if self.role_devices:
+            out["trainer.placement"] = {role: list(ids) for role, ids in self.role_devices.items()}
+        return out
 
     def describe(self) -> str:
         where = ", ".join(f"{self.device}:{i}" for i in self.devices)
-        return f"every role colocated on {where} (device_map named {', '.join(self.roles)})"
+        if not self.role_devices:
+            return f"every role colocated on {where} (device_map named {', '.join(self.roles)})"
+        apart = "; ".join(f"{role} on {self.device} {ids}" for role, ids in self.role_devices.items())
+        rest = "the roles left out" if "rollout" in self.role_devices else "the rollout engine and the roles left out"
+        return f"{apart}; {rest} with the actor (devices {where})"
 
 
 def _show(devices: Sequence[Any]) -> str:
@@ -166,29 +181,48 @@ def resolve_device_map(
             )
         placed[key] = tuple(sorted(ids))
 
-    first_key, first = next(iter(placed.items()))
-    for key, ids in placed.items():
-        if ids != first:
-            raise ValueError(
-                f"device_map puts {key!r} on {device} {list(ids)} but {first_key!r} on {list(first)}: the trainer "
-                "colocates every role on the same devices (actor, rollout, reference, critic and reward model "
-                "time-share each device, the hybrid engine); placing roles on separate devices is not supported. "
-                f"Give every role the same devices, e.g. "
-                f"{ {k: sorted(set(first) | set(ids)) for k in placed} }"
-            )
-    if first != tuple(range(len(first))):
+    by_role = {ROLE_NAMES[key]: ids for key, ids in placed.items()}
+    union = set().union(*by_role.values())
+    if "actor" not in by_role and union != set(range(world_size)) and not union - set(range(world_size)):
+        union |= set(range(world_size))  # the actor (left out) takes the devices no role names
+    union = tuple(sorted(union))
+    if union != tuple(range(len(union))):
         raise ValueError(
-            f"device_map puts the roles on {device} {list(first)}: rank i of a node runs on device i (its "
-            f"LOCAL_RANK), so the devices are 0..{len(first) - 1}; to use those devices, select them with "
-            f"CUDA_VISIBLE_DEVICES={','.join(map(str, first))} and map to {list(range(len(first)))}"
+            f"device_map puts the roles on {device} {list(union)}: rank i of a node runs on device i (its "
+            f"LOCAL_RANK), so the devices are 0..{len(union) - 1}; to use those devices, select them with "
+            f"CUDA_VISIBLE_DEVICES={','.join(map(str, union))} and map to {list(range(len(union)))}"
         )
-    if len(first) != world_size:
+    if len(union) != world_size:
         raise ValueError(
-            f"device_map puts the roles on {len(first)} {device} device(s) {list(first)}, one rank each, but the "
-            f"launched world has {world_size} process(es); launch {len(first)} with torchrun "
-            f"--nproc_per_node={len(first)}, or map to {list(range(world_size))}"
+            f"device_map puts the roles on {len(union)} {device} device(s) {list(union)}, one rank each, but the "
+            f"launched world has {world_size} process(es); launch {len(union)} with torchrun "
+            f"--nproc_per_node={len(union)}, or map to {list(range(world_size))}"
         )
-    return DevicePlacement(device=device, devices=first, roles=tuple(roles))
+    apart = {role: ids for role, ids in by_role.items() if ids != union}
+    if apart and "actor" not in by_role:
+        rest = tuple(i for i in union if i not in set().union(*apart.values()))
+        if rest:
+            apart["actor"] = rest
+    if apart and "actor" in by_role and "actor" not in apart:
+        # Roles apart from an actor that would also hold their devices: roles share ranks whole or not at all.
+        raise ValueError(
+            f"device_map puts the actor on every device ({list(union)}) and "
+            f"{', '.join(f'{r} on {list(ids)}' for r, ids in apart.items())}: roles share devices whole or not "
+            f"at all; give the actor the devices no other role has, e.g. "
+            f"{sorted(set(union) - set().union(*apart.values()))}"
+        )
+    if apart.get("rollout") is not None and apart.get("rollout") == apart.get("actor"):
+        del apart["rollout"]  # with the actor: the default (the hybrid engine)
+    for role, ids in apart.items():  # every other clash (two roles sharing part of their devices)
+        for other, more in apart.items():
+            if role < other and set(ids) & set(more) and ids != more:
+                raise ValueError(
+                    f"device_map puts {role} on {device} {list(ids)} and {other} on {list(more)}: they share "
+                    f"{sorted(set(ids) & set(more))} but not all; roles share devices whole or not at all"
+                )
+    return DevicePlacement(
+        device=device, devices=union, roles=tuple(roles), role_devices={r: list(ids) for r, ids in apart.items()}
+    )
 
 
 def override_value(overrides: Sequence[str], key: str) -> str | None:

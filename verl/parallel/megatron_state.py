@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ROLE_WORLD_ATTR = "verl_role_world"
+"""The attribute of a ``ProcessGroupCollection`` (made by :func:`process_group_collection`) that holds
+the group of all the role's ranks (None: the world)."""
+
 
 def initialize_model_parallel(
     *,
@@ -158,6 +162,9 @@ def process_group_collection(groups: Mapping[str, dist.ProcessGroup | None]) -> 
         intra_dp_cp=groups["dp_cp"],
         intra_expt_dp=groups["dp_cp"],
     )
+    # The role's whole rank set ("all": the world for a colocated role), entered by activate_role
+    # (verl.parallel.role_world) so that a role on part of the world saves/loads/exports as if alone.
+    setattr(pgs, ROLE_WORLD_ATTR, groups.get("all"))
     return pgs
 
 
@@ -217,10 +224,16 @@ def activate_role(pg_collection: ProcessGroupCollection) -> Iterator[None]:
     ``pg_collection`` is passed (vocab-parallel cross entropy, some schedule fallbacks), so
     colocated roles with different layouts (actor TP2, reference TP1 on the same ranks) each
     run inside their own ``activate_role``. The previous binding is restored on exit.
+
+    A role on part of the world (``trainer.placement``) also runs the block with its ranks as
+    torch.distributed's default group (``verl.parallel.role_world``).
     """
+    from verl.parallel.role_world import role_world
+
     previous = _bind(pg_collection)
     try:
-        yield
+        with role_world(getattr(pg_collection, ROLE_WORLD_ATTR, None)):
+            yield
     finally:
         from megatron.core import parallel_state
 
@@ -247,6 +260,9 @@ def initialize_role(pg_collection: ProcessGroupCollection, *, seed: int = 1234) 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     _bind(pg_collection)
-    tp = dist.get_rank(group=pg_collection.tp)
+    from verl.parallel.role_world import role_world
+
+    with role_world(getattr(pg_collection, ROLE_WORLD_ATTR, None)):  # the role's groups answer inside it
+        tp = dist.get_rank(group=pg_collection.tp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, tp_rank=tp, ep_rank=0, etp_rank=tp, force_reset_rng=True)

@@ -112,9 +112,11 @@ class RoleGroups:
     layout: RoleLayout
     coords: RankCoords
     groups: dict[str, dist.ProcessGroup]
-    """Kind ("tp", "dp", "pp", ...) -> this rank's group of that kind."""
+    """Kind ("tp", "dp", "pp", ..., and "all": every rank of the role) -> this rank's group of that kind.
+    A role on part of the world has its groups in a world of its own (:meth:`Topology.build_groups`):
+    use them inside ``verl.parallel.role_world.role_world(groups["all"])``."""
     group_ranks: dict[str, tuple[int, ...]]
-    """Kind -> the global ranks in this rank's group of that kind."""
+    """Kind -> the global ranks in this rank's group of that kind (global ranks of the whole world)."""
     pg_collection: ProcessGroupCollection | None = field(default=None)
     """Megatron's collection for Megatron roles; None for the rollout."""
 
@@ -315,7 +317,15 @@ class Topology:
 
         Collective: every rank of the world must call it, with the same topology. Identical
         rank sets share one ProcessGroup (e.g. colocated roles with the same layout).
+
+        Every role gets an ``"all"`` group of its whole rank set (the world for a role on every
+        rank). A role on part of the world lives in a world of its own
+        (``verl.parallel.role_world``): its groups are made inside it, by its ranks only, and every
+        call of the role runs inside it (``megatron_state.activate_role``), so Megatron's and
+        torch's group-less calls (checkpoints, exports) reach the role's ranks alone.
         """
+        from verl.parallel.role_world import role_world
+
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Topology.build_groups: torch.distributed is not initialised")
         if dist.get_world_size() != self.world_size:
@@ -324,23 +334,46 @@ class Topology:
                 f"but the topology was built for {self.world_size} ({self.describe()})"
             )
         rank = dist.get_rank()
+        world = tuple(range(self.world_size))
         cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        mine: dict[str, RoleGroups] = {}
+        # Every rank makes the same world-level groups first: the "all" group of each role apart.
+        everyone: dict[str, dist.ProcessGroup] = {}
         for role in ROLES:
             if role not in self.roles:
                 continue
+            ranks = tuple(sorted(self.roles[role].ranks))
+            if ranks == world:
+                everyone[role] = dist.group.WORLD
+                continue
+            if ranks not in cache:
+                cache[ranks] = dist.new_group(ranks=list(ranks), timeout=timeout)
+            everyone[role] = cache[ranks]
+        mine: dict[str, RoleGroups] = {}
+        local_caches: dict[tuple[int, ...], dict[tuple[int, ...], dist.ProcessGroup]] = {}
+        for role in ROLES:
+            if role not in self.roles:
+                continue
+            layout = self.roles[role]
+            apart = tuple(sorted(layout.ranks)) != world
+            if apart and rank not in layout.ranks:
+                continue  # its ranks make its groups in their own world
             kinds = _MEGATRON_KINDS if role in MEGATRON_ROLES else _ROLLOUT_KINDS
-            groups: dict[str, dist.ProcessGroup] = {}
-            ranks_of: dict[str, tuple[int, ...]] = {}
-            for kind in kinds:
-                for ranks in self.group_ranks(role, kind):
-                    if ranks not in cache:
-                        # Every rank runs this same sequence of new_group calls (torch requires it).
-                        cache[ranks] = dist.new_group(ranks=list(ranks), timeout=timeout)
-                    if rank in ranks:
-                        groups[kind] = cache[ranks]
-                        ranks_of[kind] = ranks
-            if rank not in self.roles[role].ranks:
+            groups: dict[str, dist.ProcessGroup] = {"all": everyone[role]}
+            ranks_of: dict[str, tuple[int, ...]] = {"all": tuple(sorted(layout.ranks))}
+            # Inside a role's own world, groups are made from its ranks as that world numbers them.
+            local_of = {r: i for i, r in enumerate(sorted(layout.ranks))} if apart else {r: r for r in world}
+            role_cache = local_caches.setdefault(tuple(sorted(layout.ranks)), {}) if apart else cache
+            with role_world(everyone[role] if apart else None):
+                for kind in kinds:
+                    for ranks in self.group_ranks(role, kind):
+                        key = tuple(local_of[r] for r in ranks)
+                        if key not in role_cache:
+                            # Every rank of the (role's) world runs this same sequence of new_group calls.
+                            role_cache[key] = dist.new_group(ranks=list(key), timeout=timeout)
+                        if rank in ranks:
+                            groups[kind] = role_cache[key]
+                            ranks_of[kind] = ranks
+            if rank not in layout.ranks:
                 continue
             pg_collection = None
             if role in MEGATRON_ROLES:
@@ -349,11 +382,14 @@ class Topology:
                 pg_collection = megatron_state.process_group_collection(groups)
             mine[role] = RoleGroups(
                 role=role,
-                layout=self.roles[role],
+                layout=layout,
                 coords=self.coords(role, rank),
                 groups=groups,
                 group_ranks=ranks_of,
                 pg_collection=pg_collection,
             )
-        log_rank0(logger, logging.INFO, "Topology groups built: %s (%d distinct groups)", self.describe(), len(cache))
+        log_rank0(
+            logger, logging.INFO, "Topology groups built: %s (%d distinct groups)", self.describe(),
+            len(cache) + sum(len(c) for c in local_caches.values()),
+        )
         return mine

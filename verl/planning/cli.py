@@ -80,6 +80,12 @@ def config_inputs(cfg: "PPOConfig", *, model_config: str | None, gpu_memory_gib:
 
     if gpu_memory_gib <= 0:
         raise ValueError(f"--gpu-memory-gb={gpu_memory_gib:g}; it must be > 0")
+    if cfg.trainer.placement:
+        raise ValueError(
+            f"trainer.placement={dict(cfg.trainer.placement)}: the memory plan models colocated roles (every role "
+            "on every GPU); roles on GPUs of their own are not planned yet. Plan without trainer.placement (an upper "
+            "bound: each GPU then holds every role)"
+        )
     arr = cfg.actor_rollout_ref
     if model_config:
         spec = load_spec(model_config, override=arr.model.override_config, what="--model-config")

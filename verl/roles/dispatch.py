@@ -87,3 +87,41 @@ def collect(local: Batch, group: dist.ProcessGroup | None, piece: Shard) -> Batc
     if piece.order is not None:
         whole = whole.reorder(np.argsort(piece.order, kind="stable"))
     return whole.unpad(piece.pad)
+
+
+# ---------------------------------------------------------------- roles on part of the world
+#
+# A role placed on ranks of its own (trainer.placement) computes on those ranks only; these hand
+# its results to every rank of the world, so that every rank again holds the same whole batch.
+# Every rank of the world calls them, in the same order; ``src`` is the role's first global rank.
+
+
+def share_columns(columns: dict[str, torch.Tensor] | None, src: int) -> dict[str, torch.Tensor]:
+    """``columns`` (name -> [B, ...] tensor, given on rank ``src``; None elsewhere) on every rank."""
+    from verl.protocol.collectives import broadcast
+
+    payload = Batch.from_dict(columns) if dist.get_rank() == src else None
+    whole = broadcast(payload, None, src=src)
+    return {name: tensor.cpu() if tensor.device.type != "cpu" else tensor for name, tensor in whole.tensors.items()}
+
+
+def share_object(value: object, src: int) -> object:
+    """A picklable ``value`` (metrics, per-sample lists) from rank ``src`` on every rank."""
+    box = [value if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def share_batch(batch: Batch | None, src: int) -> Batch:
+    """A whole ``batch`` (given on rank ``src``; None elsewhere) on every rank, tensors on the CPU."""
+    from verl.protocol.collectives import broadcast
+
+    whole = broadcast(batch if dist.get_rank() == src else None, None, src=src)
+    if dist.get_rank() == src:
+        return whole
+    return Batch(
+        tensors={k: t.cpu() for k, t in whole.tensors.items()},
+        non_tensors=whole.non_tensors,
+        meta_info=whole.meta_info,
+        batch_size=len(whole),
+    )

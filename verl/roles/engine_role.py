@@ -214,6 +214,13 @@ class RoleEngine:
         (and ``entropy``) or ``values``, each [B, R] float32, identical on every rank.
         ``full=True`` returns every column ([B, P+R]) instead. ``max_token_len`` (None: micro-batches
         of ``micro_batch_size`` rows) cuts micro-batches by real tokens instead."""
+        with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
+            return self._forward(batch, output=output, micro_batch_size=micro_batch_size,
+                                 response_length=response_length, temperature=temperature,
+                                 with_entropy=with_entropy, full=full, max_token_len=max_token_len)
+
+    def _forward(self, batch: Batch, *, output, micro_batch_size, response_length, temperature, with_entropy,
+                 full, max_token_len) -> dict[str, torch.Tensor]:
         piece = shard(batch.select(["input_ids", "attention_mask"]), self.pg.dp, balance=self.balance)
 
         def run(size: int | None, split):
@@ -262,6 +269,13 @@ class RoleEngine:
         ``max_token_len`` (None: micro-batches of ``micro_batch_size`` rows) cuts each mini-batch's
         micro-batches by real tokens instead.
         """
+        with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
+            return self._train(batch, keys=keys, mini_batch_rows=mini_batch_rows, micro_batch_size=micro_batch_size,
+                               epochs=epochs, make_loss=make_loss, shuffle_seed=shuffle_seed, output=output,
+                               temperature=temperature, with_entropy=with_entropy, max_token_len=max_token_len)
+
+    def _train(self, batch: Batch, *, keys, mini_batch_rows, micro_batch_size, epochs, make_loss, shuffle_seed,
+               output, temperature, with_entropy, max_token_len) -> list[EngineStepResult]:
         needed = ["input_ids", "attention_mask", *dict.fromkeys(keys)]
         rows = batch.select(needed)
         results = []

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from verl.models.forward import last_token_values
 from verl.protocol import Batch
 from verl.rewards import get_scorer
-from verl.roles.dispatch import collect, shard
+from verl.roles.dispatch import collect, share_columns, shard
 from verl.roles.engine_role import RoleEngine
 
 if TYPE_CHECKING:
@@ -73,6 +73,9 @@ class RewardModel:
             sample goes through it, whatever its ``data_source``).
         model_role: the reward model's frozen engine (:meth:`build_model_role`), or None.
         micro_batch_size: sequences per reward-model forward (``reward_model.micro_batch_size_per_gpu``).
+        model_source: where the reward model runs on ranks of its own (``trainer.placement``): its
+            first global rank, which hands the model's scores to every rank (``model_role`` is the
+            engine on the model's ranks and None elsewhere). None: the model, if any, is on every rank.
     """
 
     def __init__(
@@ -82,13 +85,29 @@ class RewardModel:
         custom_scorer: bool,
         model_role: RoleEngine | None = None,
         micro_batch_size: int = 4,
+        model_source: int | None = None,
     ) -> None:
-        if manager is None and model_role is None:
+        if manager is None and model_role is None and model_source is None:
             raise ValueError("RewardModel needs a rule-based manager, a reward model, or both")
         self.manager = manager
         self.custom_scorer = custom_scorer
         self.model_role = model_role
         self.micro_batch_size = micro_batch_size
+        self.model_source = model_source
+
+    @property
+    def has_model(self) -> bool:
+        """Whether a reward model scores (on this rank, or on ranks of its own)."""
+        return self.model_role is not None or self.model_source is not None
+
+    def model_only(self) -> "RewardModel":
+        """The same reward model without the rule-based scorers (``RewardModelScorer``'s scores)."""
+        if not self.has_model:
+            raise ValueError("RewardModel.model_only: this scorer has no reward model")
+        return RewardModel(
+            None, custom_scorer=False, model_role=self.model_role, micro_batch_size=self.micro_batch_size,
+            model_source=self.model_source,
+        )
 
     @classmethod
     def build_model_role(
@@ -109,7 +128,7 @@ class RewardModel:
         """Rows that go through the rule-based manager."""
         if self.manager is None:
             return np.zeros(0, dtype=np.int64)
-        if self.custom_scorer or self.model_role is None:
+        if self.custom_scorer or not self.has_model:
             return np.arange(len(batch), dtype=np.int64)
         sources = batch.non_tensors[DATA_SOURCE_COLUMN]
         return np.flatnonzero([has_rule_scorer(str(s)) for s in sources]).astype(np.int64)
@@ -152,15 +171,22 @@ class RewardModel:
             for i, e in zip(rows.tolist(), extras):
                 extra_rows[i] = dict(e)
             metrics["reward/num_failed"] = float(failed)
-        if self.model_role is not None:
-            out = self.model_role.forward(
-                batch,
-                output="values",
-                micro_batch_size=self.micro_batch_size,
-                response_length=batch["responses"].shape[1],
-                full=True,
-            )
-            model_scores = last_token_values(out["values"], batch["attention_mask"])  # [B]
+        if self.has_model:
+            model_scores = None
+            if self.model_role is not None:
+                out = self.model_role.forward(
+                    batch,
+                    output="values",
+                    micro_batch_size=self.micro_batch_size,
+                    response_length=batch["responses"].shape[1],
+                    full=True,
+                )
+                model_scores = last_token_values(out["values"], batch["attention_mask"]).float()  # [B]
+            if self.model_source is not None:  # computed on the model's ranks, handed to every rank
+                shared = share_columns(
+                    {"model_scores": model_scores} if model_scores is not None else None, self.model_source
+                )
+                model_scores = shared["model_scores"]
             scores += model_scores
             metrics["reward/model_score_mean"] = float(model_scores.mean())
         token_level = torch.zeros(mask.shape, dtype=torch.float32)

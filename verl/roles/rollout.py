@@ -18,6 +18,11 @@ the KV cache is released for training (``rollout.free_cache_engine``). Several g
 Sampling is seeded per call (``seed``): the same weights, prompts and seed give the same
 samples, so a resumed run draws what the uninterrupted one drew without saving the engine's
 random state.
+
+The rollout lives on the actor's ranks, or on ranks of its own (``trainer.placement.rollout``:
+generation disaggregated, :meth:`attach_apart`). Where its ranks are part of the world, the engine
+is built and run inside their world (``verl.parallel.role_world``): vLLM's in-process engine then
+spans those ranks as if they were the torchrun world.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 
 from verl.engine.torch_engine import registered_module
 from verl.hybrid import WeightSync
+from verl.parallel.role_world import role_world
 from verl.protocol import Batch
 from verl.roles.dispatch import collect, shard
 from verl.rollout import build_rollout_engine
@@ -46,7 +52,9 @@ __all__ = ["Rollout"]
 
 class _SharedModule:
     """The hybrid engine's part when the rollout engine generates with the trained module itself
-    (a plain ``nn.Module``, ``verl.rollout.module_engine``): no weights to push, no memory to hand over."""
+    (a plain ``nn.Module``, ``verl.rollout.module_engine``), or runs on ranks apart from the actor
+    (the trainer sends the weights, ``verl.hybrid.DisaggregatedSync``): nothing to push here, no
+    memory to hand over."""
 
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator[dict[str, float]]:
@@ -62,6 +70,8 @@ class Rollout:
         tokenizer: the policy's tokenizer.
         dp_group: this rank's group of replicas (the ranks with its TP' rank, one per replica).
         trust_remote_code: ``actor_rollout_ref.model.trust_remote_code``.
+        world: the group of the actor's ranks when they are part of the world (None: the world);
+            every call of this role runs with it as the default group.
     """
 
     def __init__(
@@ -72,9 +82,18 @@ class Rollout:
         *,
         dp_group: dist.ProcessGroup | None,
         trust_remote_code: bool = False,
+        world: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg = cfg
         self.dp_group = dp_group
+        self.world = world
+        with role_world(world):
+            self._build(cfg, model_path, tokenizer, trust_remote_code)
+        self.sync: WeightSync | _SharedModule | None = None
+        self._in_phase = False
+        self.last_metrics: dict[str, float] = {}
+
+    def _build(self, cfg: "RolloutConfig", model_path: str, tokenizer: Any, trust_remote_code: bool) -> None:
         module = registered_module(model_path)
         if module is not None:  # a plain nn.Module: it generates itself (verl.rollout.module_engine)
             from verl.rollout.module_engine import ModuleRollout
@@ -87,35 +106,39 @@ class Rollout:
             self.engine: RolloutEngine = ModuleRollout(cfg, module, tokenizer=tokenizer)
         else:
             self.engine = build_rollout_engine(cfg, model_path, tokenizer, trust_remote_code=trust_remote_code)
-        self.sync: WeightSync | _SharedModule | None = None
-        self._in_phase = False
-        self.last_metrics: dict[str, float] = {}
 
     def attach(self, actor: "MegatronEngine") -> None:
         """Plan the weight transfer from ``actor`` (collective), then release the KV cache until
         the first :meth:`phase`."""
         from verl.rollout.module_engine import ModuleRollout
 
-        if isinstance(self.engine, ModuleRollout):
-            self.sync = _SharedModule()
-        else:
-            self.sync = WeightSync(
-                actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
-            )
-        self.engine.release()
+        with role_world(self.world):
+            if isinstance(self.engine, ModuleRollout):
+                self.sync = _SharedModule()
+            else:
+                self.sync = WeightSync(
+                    actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
+                )
+            self.engine.release()
+
+    def attach_apart(self) -> None:
+        """The engine runs on ranks apart from the actor's: it keeps its memory (no handoff), and
+        the trainer sends it the actor's weights before each phase (``verl.hybrid.DisaggregatedSync``)."""
+        self.sync = _SharedModule()
 
     @contextlib.contextmanager
     def phase(self) -> Iterator[dict[str, float]]:
         """The rollout phase (collective): KV cache back, actor weights pushed; released on exit.
 
-        Yields the push's metrics (``timing_s/update_weights``, ``update_weights/bytes_*``).
+        Yields the push's metrics (``timing_s/update_weights``, ``update_weights/bytes_*``). The
+        block runs in the actor's world (``world``): only rollout calls belong in it.
         """
         if self.sync is None:
             raise RuntimeError("Rollout.phase: call attach(actor) first")
         if self._in_phase:
             yield {}
             return
-        with self.sync.rollout_phase() as push:
+        with role_world(self.world), self.sync.rollout_phase() as push:
             self._in_phase = True
             try:
                 yield push
@@ -157,4 +180,5 @@ class Rollout:
 
     def shutdown(self) -> None:
         """Free the engine."""
-        self.engine.shutdown()
+        with role_world(self.world):
+            self.engine.shutdown()

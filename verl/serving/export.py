@@ -29,8 +29,7 @@ def export_policy(stream: "DataStream", out_dir: str | None = None) -> str:
     if out_dir is None:
         out_dir = os.path.join(trainer.cfg.trainer.default_local_dir, "serving", f"global_step_{step}")
     out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
-    with trainer.actor.role.active():
-        trainer.actor.engine.export_hf(out_dir)
+    trainer.export_actor_hf(out_dir)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(os.path.join(out_dir, EXPORT_INFO_FILE), "w", encoding="utf-8") as f:
             json.dump({"step": step, "source": "verl.DataStream.export_as_api"}, f, indent=2)
@@ -46,10 +45,10 @@ def export_as_api(stream: "DataStream", out_dir: str | None = None, **app_kwargs
     from verl.engine.torch_engine import TorchEngine
     from verl.serving.app import create_app
 
-    engine = stream.trainer.actor.engine
-    if isinstance(engine, TorchEngine):
+    actor = stream.trainer.actor  # None on ranks the actor is not placed on (trainer.placement)
+    if actor is not None and isinstance(actor.engine, TorchEngine):
         raise ValueError(
-            f"export_as_api: the actor is a plain nn.Module ({type(engine.module).__name__}) on the plain PyTorch "
+            f"export_as_api: the actor is a plain nn.Module ({type(actor.engine.module).__name__}) on the plain PyTorch "
             "engine; the serving app runs Hugging Face checkpoints (vLLM or transformers), not arbitrary modules. "
             "Its weights are exported with export_policy(stream) (model.safetensors, the module's state_dict)"
         )

@@ -191,7 +191,8 @@ def model_directory(
     A path is returned absolute (it must hold a ``config.json``). A model object is written once
     (the same object given to several operators shares one directory): to ``out_dir`` when given
     (kept; reused when it already holds a checkpoint), else to a temporary directory removed at
-    exit. ``what`` names the argument in errors (``"RLTrainer(actor_model=...)"``); ``head``:
+    exit. Under torchrun (collective: every rank calls it for the same object, in the same order)
+    rank 0's object is written and every rank reads that directory. ``what`` names the argument in errors (``"RLTrainer(actor_model=...)"``); ``head``:
     ``"lm"`` for a policy, ``"reward"`` for a reward model.
     """
     if isinstance(model, (str, os.PathLike)):
@@ -206,14 +207,34 @@ def model_directory(
     if saved is not None and (out_dir is None or os.path.abspath(out_dir) == saved):
         return saved
     tok = _tokenizer_of(model, tokenizer, what)
+    # Under torchrun every rank holds its own object; rank 0's is the model (as DDP takes rank 0's
+    # weights), written once where every rank reads it (transformers' save_pretrained writes on
+    # rank 0 only anyway).
+    import torch.distributed as dist
+
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    writer = not shared or dist.get_rank() == 0
     if out_dir is None:
-        target = tempfile.mkdtemp(prefix="verl-model-")
-        _TEMP_DIRS.append(target)
-        os.rmdir(target)  # _save renames the finished copy in
+        target = None
+        if writer:
+            target = tempfile.mkdtemp(prefix="verl-model-")
+            _TEMP_DIRS.append(target)
+            os.rmdir(target)  # _save renames the finished copy in
     else:
         target = os.path.abspath(out_dir)
-    if not _is_written(target):
+    if shared:
+        box = [target]
+        dist.broadcast_object_list(box, src=0)
+        target = box[0]
+    if writer and not _is_written(target):
         _save(model, tok, target)
+    if shared:
+        dist.barrier()
+        if not _is_written(target):
+            raise ValueError(
+                f"{what}: rank 0 wrote the model object to {target}, which rank {dist.get_rank()} cannot read (a node "
+                "without that filesystem?); save it with save_pretrained to a directory every node reads and pass the path"
+            )
     if head == "lm":
         from verl.engine.torch_engine import register_module
 

@@ -190,6 +190,11 @@ def _plain_module_problems(cfg: PPOConfig) -> list[str]:
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size}: the "
             f"plain nn.Module {module} generates on its own rank; set it to 1"
         )
+    if cfg.trainer.placement:
+        problems.append(
+            f"trainer.placement={dict(cfg.trainer.placement)}: the plain nn.Module {module} trains and generates "
+            "itself on every rank (it is the rollout too); drop trainer.placement (device_map) to run it colocated"
+        )
     if cfg.use_critic and registered_module(cfg.critic.model.path) is not None:
         problems.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic, and critic.model.path is the plain "

@@ -1,10 +1,16 @@
 """``RLTrainer``: PPO, GRPO and their relatives on the roles of ``verl.roles``; ``fit()`` is the one loop.
 
-Every rank of the torchrun world runs the same code (SPMD). The roles are colocated on all
-ranks (``verl.parallel.Topology``): actor, rollout and reference time-share them (the hybrid
-engine), the critic and the reward model too, each with its own TP/PP/CP (DP derived) and its
-own process groups. A step's batch is held whole on every rank; each role takes its
-data-parallel share and hands its results back whole (``verl.roles.dispatch``).
+Every rank of the torchrun world runs the same code (SPMD). By default the roles are colocated
+on all ranks (``verl.parallel.Topology``): actor, rollout and reference time-share them (the
+hybrid engine), the critic and the reward model too, each with its own TP/PP/CP (DP derived) and
+its own process groups. ``trainer.placement`` (``verl.parallel.placement``) puts the reference,
+critic, reward model or rollout engine (or the actor) on ranks of their own, each role apart in a
+world of its own (``verl.parallel.role_world``); a rollout engine apart from the actor is sent the
+actor's weights before each generation (``verl.hybrid.DisaggregatedSync``). A step's batch is held whole on every rank; each
+role takes its data-parallel share and hands its results back whole (``verl.roles.dispatch``); a
+role on part of the world computes on its ranks and hands its columns and metrics to every rank
+(the ``exchange`` phase), after the passes that can run side by side on disjoint ranks (old
+log-probs, reference log-probs and values; then the critic's and the actor's updates).
 
 One step (shared/DESIGN.md), each piece a method that takes and returns a ``Batch``, so a
 caller can compose its own step (``verl.DataStream`` operators call these methods, and
@@ -70,12 +76,15 @@ from verl.data.preference_dataset import PAIR_SIDES, PreferencePairDataset
 from verl.data.rl_dataset import build_dataloader, create_rl_dataset
 from verl.data.tokenizer import load_tokenizer
 from verl.engine import lr_schedule_steps
+from verl.hybrid import DisaggregatedSync
 from verl.parallel import megatron_state
+from verl.parallel.placement import role_ranks
 from verl.parallel.topology import RoleLayout, Topology
 from verl.protocol import Batch
 from verl.rollout.base import merge_rollout_metrics
 from verl.rewards import reward_manager_from_config
 from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
+from verl.roles.dispatch import share_batch, share_columns, share_object
 from verl.roles.engine_role import token_budget
 from verl.roles.reward_model import DATA_SOURCE_COLUMN
 from verl.trainer.checkpoint import CheckpointManager
@@ -237,26 +246,43 @@ class RLTrainer:
             )
             critic_cfg = dataclasses.replace(c, optim=critic_optim)
 
-        # Placement: every role on every rank, each with its own layout and groups.
+        # Placement: each role on its ranks (every rank unless trainer.placement says otherwise),
+        # with its own layout and groups; this rank builds the roles it owns.
         self.topology = self._topology()
         groups = self.topology.build_groups(timeout=datetime.timedelta(seconds=t.collective_timeout_s))
-        self.board = PhaseBoard()
-        # The engine first (every rank at the same point: it creates process groups), then
-        # the training RNG is seeded (vLLM seeds the global RNGs as it starts).
-        self.rollout = Rollout(
-            arr.rollout,
-            model_path,
-            self.tokenizer,
-            dp_group=groups["rollout"].groups["dp"],
-            trust_remote_code=arr.model.trust_remote_code,
+        self._mine = frozenset(groups)
+        self._source = {role: min(layout.ranks) for role, layout in self.topology.roles.items()}
+        self._apart = frozenset(
+            role for role, layout in self.topology.roles.items() if len(layout.ranks) != self.world_size
         )
+        self.board = PhaseBoard()
+        # The engine first (every rank of the actor at the same point: it creates process groups),
+        # then the training RNG is seeded (vLLM seeds the global RNGs as it starts).
+        self.rollout: Rollout | None = None
+        if "rollout" in groups:
+            self.rollout = Rollout(
+                arr.rollout,
+                model_path,
+                self.tokenizer,
+                dp_group=groups["rollout"].groups["dp"],
+                trust_remote_code=arr.model.trust_remote_code,
+                world=groups["rollout"].groups["all"] if "rollout" in self._apart else None,
+            )
+        # Generation disaggregated: the rollout engine on ranks apart from the actor's.
+        self._rollout_apart = set(self.topology.roles["rollout"].ranks) != set(self.topology.roles["actor"].ranks)
+        self._send: DisaggregatedSync | None = None
         self.closed = False
+        self.actor: Actor | None = None
+        self.reference: Reference | None = None
+        self.critic: Critic | None = None
         try:
-            megatron_state.initialize_role(groups["actor"].pg_collection, seed=arr.actor.megatron.seed)
+            first = next((role for role in ("actor", "ref", "critic", "reward_model") if role in groups), None)
+            if first is not None:  # not on a rank that only generates (the rollout apart, alone)
+                megatron_state.initialize_role(groups[first].pg_collection, seed=arr.actor.megatron.seed)
             torch.manual_seed(t.seed)
             balance = t.balance_batch
             temperature = arr.rollout.temperature
-            self.actor = Actor(
+            self.actor = None if "actor" not in groups else Actor(
                 dataclasses.replace(arr.actor, optim=actor_optim),
                 arr.model,
                 pg=groups["actor"].pg_collection,
@@ -282,7 +308,7 @@ class RLTrainer:
                     temperature=temperature,
                     balance=balance,
                 )
-                if self.use_reference
+                if "ref" in groups
                 else None
             )
             self.critic = (
@@ -293,11 +319,22 @@ class RLTrainer:
                     max_sequence_length=max_len,
                     balance=balance,
                 )
-                if critic_cfg is not None
+                if critic_cfg is not None and "critic" in groups
                 else None
             )
             self.reward = self._reward_model(groups, max_len, balance)
-            self.rollout.attach(self.actor.engine)
+            if self._rollout_apart:  # every rank plans the transfer; the engine keeps its memory
+                if self.rollout is not None:
+                    self.rollout.attach_apart()
+                self._send = DisaggregatedSync(
+                    self.actor.engine if self.actor is not None else None,
+                    self.rollout.engine if self.rollout is not None else None,
+                    rollout_rank=groups["rollout"].coords.local_rank if self.rollout is not None else None,
+                    bucket_bytes=arr.rollout.update_weights_bucket_megabytes * 2**20,
+                    rollout_world=groups["rollout"].groups["all"] if self.rollout is not None else None,
+                )
+            elif self.rollout is not None:
+                self.rollout.attach(self.actor.engine)
             a = cfg.algorithm
             self.kl_ctrl = make_kl_controller(
                 type=a.kl_ctrl.type,
@@ -313,7 +350,8 @@ class RLTrainer:
             self.scores_file = report.StepRecords(os.path.join(t.log_dir, report.SCORES_FILE))
             self.samples_file = report.StepRecords(os.path.join(t.log_dir, report.SAMPLES_FILE))
         except BaseException:
-            self.rollout.shutdown()
+            if self.rollout is not None:
+                self.rollout.shutdown()
             megatron_state.destroy_model_parallel()
             raise
         self.global_step = 0
@@ -346,11 +384,15 @@ class RLTrainer:
 
     def _topology(self) -> Topology:
         cfg, world = self.cfg, self.world_size
-        ranks = tuple(range(world))
+        roles_built = ["actor"] + [
+            role for role, on in (("ref", self.use_reference), ("critic", self.use_critic),
+                                  ("reward_model", cfg.reward_model.enable)) if on
+        ]
+        placed = role_ranks(cfg.trainer.placement, world, roles_built)  # validated with the config
 
-        def megatron(m) -> RoleLayout:
+        def megatron(m, role: str) -> RoleLayout:
             return RoleLayout(
-                ranks=ranks,
+                ranks=placed[role],
                 tensor_parallel=m.tensor_model_parallel_size,
                 pipeline_parallel=m.pipeline_model_parallel_size,
                 context_parallel=m.context_parallel_size,
@@ -358,22 +400,48 @@ class RLTrainer:
 
         arr = cfg.actor_rollout_ref
         roles = {
-            "actor": megatron(arr.actor.megatron),
-            "rollout": RoleLayout(ranks=ranks, tensor_parallel=arr.rollout.tensor_model_parallel_size),
+            "actor": megatron(arr.actor.megatron, "actor"),
+            # With the actor (the hybrid engine) unless placed apart; in a world of its own when apart.
+            "rollout": RoleLayout(ranks=placed["rollout"], tensor_parallel=arr.rollout.tensor_model_parallel_size),
         }
         if self.use_reference:
-            roles["ref"] = megatron(arr.ref.megatron)
+            roles["ref"] = megatron(arr.ref.megatron, "ref")
         if self.use_critic:
-            roles["critic"] = megatron(cfg.critic.megatron)
+            roles["critic"] = megatron(cfg.critic.megatron, "critic")
         if cfg.reward_model.enable:
-            roles["reward_model"] = megatron(cfg.reward_model.megatron)
+            roles["reward_model"] = megatron(cfg.reward_model.megatron, "reward_model")
         return Topology(world_size=world, roles=roles)
+
+    # -- roles on part of the world -------------------------------------------------------
+
+    def runs(self, role: str) -> bool:
+        """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
+        return role in self._mine
+
+    def _exchange(
+        self, batch: Batch | None, shares: list[tuple[str, list[str], dict[str, float]]]
+    ) -> tuple[Batch | None, dict[str, float]]:
+        """Hand each role's new ``batch`` columns and metrics, computed on its ranks, to every rank
+        (collective over the world, in ``shares`` order: (role, column names, metrics)). Roles on
+        every rank computed them everywhere already."""
+        metrics: dict[str, float] = {}
+        for role, keys, found in shares:
+            if role not in self._apart:
+                metrics.update(found)
+                continue
+            src = self._source[role]
+            if keys:
+                columns = share_columns({k: batch[k] for k in keys} if self.runs(role) else None, src)
+                for key, value in columns.items():
+                    batch[key] = value
+            metrics.update(share_object(found, src))
+        return batch, metrics
 
     def _reward_model(self, groups, max_len: int, balance: bool) -> RewardModel:
         cfg = self.cfg
         rm = cfg.reward_model
         model_role = None
-        if rm.enable:
+        if rm.enable and "reward_model" in groups:
             model_role = RewardModel.build_model_role(
                 model=ModelConfig(
                     path=rm.model.path,
@@ -390,6 +458,7 @@ class RLTrainer:
             custom_scorer=bool(cfg.custom_reward_function.path),
             model_role=model_role,
             micro_batch_size=rm.micro_batch_size_per_gpu,
+            model_source=self._source["reward_model"] if "reward_model" in self._apart else None,
         )
 
     # -- data -----------------------------------------------------------------------------
@@ -452,7 +521,7 @@ class RLTrainer:
         """DPO's step on :meth:`preference_batch`'s pairs: the reference's log-probs, then
         ``Actor.update_preference``; advances :attr:`global_step` (unless ``advance_step=False``: a
         second update within a step that already advanced it) and returns the step's metrics."""
-        if self.reference is None:
+        if not self.use_reference:
             raise ValueError(
                 "DPO needs the frozen reference policy, which this trainer does not build: train on "
                 "data.pairs=true, or turn on actor_rollout_ref.actor.use_kl_loss (e.g. PPOUpdateOperator(kl_coef=0.001))"
@@ -462,9 +531,20 @@ class RLTrainer:
         if advance_step:
             self.global_step += 1
         with timer("ref"):
-            batch["ref_log_prob"] = self.reference.compute_log_prob(batch, temperature=1.0)
+            if self.runs("ref"):
+                batch["ref_log_prob"] = self.reference.compute_log_prob(batch, temperature=1.0)
+        if "ref" in self._apart:
+            with timer("exchange"):
+                batch, _ = self._exchange(batch, [("ref", ["ref_log_prob"], {})])
         with timer("update_actor"):
-            metrics = self.actor.update_preference(batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
+            metrics = {}
+            if self.runs("actor"):
+                metrics = self.actor.update_preference(
+                    batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
+                )
+        if "actor" in self._apart:
+            with timer("exchange"):
+                _, metrics = self._exchange(None, [("actor", [], metrics)])
         metrics.update(
             self.skipped.record(
                 self.global_step, metrics.get("actor/num_skipped_updates", 0) > 0, last_checkpoint=self._last_checkpoint
@@ -501,19 +581,45 @@ class RLTrainer:
         one call the samples are those of an unsplit call, and greedy samples never change. Adds
         ``rollout/batch_size`` (sequences per call), ``rollout/num_calls`` and ``rollout/kv_token_budget``.
         """
-        with self.rollout.phase() as push:
-            if call_sizes is None:
-                batch = self.rollout.generate(prompts, seed=seed)
-                metrics = {**push, **self.rollout.last_metrics}
-            else:
-                batch, calls = self._generate_in_calls(prompts, seed=seed, call_sizes=call_sizes)
-                metrics = {**push, **calls}
-            if self.cfg.algorithm.adv_estimator == "remax":
-                greedy = self.rollout.generate(prompts, seed=seed + _REMAX_OFFSET, greedy=True)
-                baseline = self.reward.score(greedy).scores  # [B]
-                batch["reward_baselines"] = baseline.repeat_interleave(self.n)
+        batch: Batch | None = None
+        greedy: Batch | None = None
+        metrics: dict[str, float] = {}
+        remax = self.cfg.algorithm.adv_estimator == "remax"
+        with self._rollout_phase() as push:
+            if self.rollout is not None:  # the rollout's ranks
+                if call_sizes is None:
+                    batch = self.rollout.generate(prompts, seed=seed)
+                    metrics = {**push, **self.rollout.last_metrics}
+                else:
+                    batch, calls = self._generate_in_calls(prompts, seed=seed, call_sizes=call_sizes)
+                    metrics = {**push, **calls}
+                if remax:
+                    greedy = self.rollout.generate(prompts, seed=seed + _REMAX_OFFSET, greedy=True)
+        if "rollout" in self._apart:  # the samples reach every rank
+            src = self._source["rollout"]
+            batch = share_batch(batch, src)
+            metrics = share_object(metrics, src)
+            if remax:
+                greedy = share_batch(greedy, src)
+        if remax:
+            baseline = self.reward.score(greedy).scores  # [B]
+            batch["reward_baselines"] = baseline.repeat_interleave(self.n)
         batch["response_mask"] = batch["response_mask"].to(torch.float32)
         return batch, metrics
+
+    @contextlib.contextmanager
+    def _rollout_phase(self) -> Iterator[dict[str, float]]:
+        """The rollout phase on the rollout's ranks (``Rollout.phase``: the block runs in their
+        world); with the engine apart from the actor, the actor's weights are sent to it first
+        (collective over the world). Yields the push's metrics on the rollout's ranks."""
+        sent: dict[str, float] = {}
+        if self._send is not None:
+            sent = self._send.push()
+        if self.rollout is None:
+            yield {}
+            return
+        with self.rollout.phase() as push:
+            yield {**sent, **push}
 
     def _call_size(self, prompts: Batch, call_sizes: tuple[int, int]) -> tuple[int, int]:
         """(prompts per engine call, at most all of them; the KV token budget it came from). The engine's budget (the least
@@ -745,11 +851,14 @@ class RLTrainer:
         start = start if start is not None else time.perf_counter()
         metrics = dict(metrics or {})
         self.global_step += 1
-        source = self.actor.old_log_prob
+        source = self.cfg.old_log_prob_source
+        shares: list[tuple[str, list[str], dict[str, float]]] = []  # what roles apart hand to every rank
         if source == "recompute":
             with timer("old_log_prob"):
-                batch, more = self.compute_old_log_prob(batch)
-                metrics.update(more)
+                more = {}
+                if self.runs("actor"):
+                    batch, more = self.compute_old_log_prob(batch)
+                shares.append(("actor", ["old_log_probs"], more))
         elif source == "rollout":
             if "rollout_log_probs" not in batch:
                 raise ValueError(
@@ -758,12 +867,23 @@ class RLTrainer:
                 )
             batch["old_log_probs"] = batch["rollout_log_probs"].float()
         # source == "current": the actor's update takes them from its own forward
-        if self.reference is not None:
+        if self.use_reference:
             with timer("ref"):
-                batch = self.compute_ref_log_prob(batch)
-        if self.critic is not None:
+                if self.runs("ref"):
+                    batch = self.compute_ref_log_prob(batch)
+                shares.append(("ref", ["ref_log_prob"], {}))
+        if self.use_critic:
             with timer("values"):
-                batch = self.compute_values(batch)
+                if self.runs("critic"):
+                    batch = self.compute_values(batch)
+                shares.append(("critic", ["values"], {}))
+        if self._apart:
+            with timer("exchange"):
+                batch, more = self._exchange(batch, shares)
+                metrics.update(more)
+        else:
+            for _, _, more in shares:
+                metrics.update(more)
         with timer("adv"):
             batch, more = self.compute_advantage(batch)
             metrics.update(more)
@@ -773,12 +893,19 @@ class RLTrainer:
                 batch["response_mask"],
                 batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
             )
-        if self.critic is not None:
+        updates: list[tuple[str, list[str], dict[str, float]]] = []
+        if self.use_critic:
             with timer("update_critic"):
-                metrics.update(self.update_critic(batch))
+                updates.append(("critic", [], self.update_critic(batch) if self.runs("critic") else {}))
         if self.global_step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                metrics.update(self.update_actor(batch))
+                updates.append(("actor", [], self.update_actor(batch) if self.runs("actor") else {}))
+        if self._apart:
+            with timer("exchange"):
+                metrics.update(self._exchange(None, updates)[1])
+        else:
+            for _, _, more in updates:
+                metrics.update(more)
         with timer("records"):  # the skip count, the run report's per-sample scores
             skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
             metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
@@ -788,7 +915,7 @@ class RLTrainer:
                 )
         seconds = time.perf_counter() - start
         timer.seconds["step"] = seconds
-        metrics.update(data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(data_metrics(batch, use_critic=self.use_critic))
         metrics.update(throughput_metrics(batch, step_seconds=seconds, world_size=self.world_size))
         metrics.update(timer.metrics())
         metrics["training/global_step"] = float(self.global_step)
@@ -806,23 +933,31 @@ class RLTrainer:
         start = time.perf_counter()
         samples: list[dict[str, Any]] = []  # one record per sample: data_source, prompt, reward, extras
         shown: list[dict[str, Any]] = []  # generations for the run report
+        batches: list[Batch] = []
         offset = 0
-        with self.rollout.phase():
-            for data in self.val_loader:
-                prompts = _to_batch(data)
-                prompts["uid"] = [f"val/{offset + i}" for i in range(len(prompts))]
-                offset += len(prompts)
-                out = self.rollout.generate(prompts, seed=_VAL_OFFSET + self._seed(0), validate=True)
-                result = self.reward.score(out)
-                for i, (source, uid) in enumerate(
-                    zip(out.non_tensors[DATA_SOURCE_COLUMN], out.non_tensors["uid"])
-                ):
-                    record = {name: values[i] for name, values in result.extra.items()}
-                    samples.append(
-                        {**record, "reward": float(result.scores[i]), "_source": str(source), "_uid": uid}
-                    )
-                if self.reporting and self._is_rank0:
-                    shown.extend(self._generations(out, result.scores))
+        for data in self.val_loader:
+            prompts = _to_batch(data)
+            prompts["uid"] = [f"val/{offset + i}" for i in range(len(prompts))]
+            offset += len(prompts)
+            batches.append(prompts)
+        outs: list[Batch | None] = [None] * len(batches)
+        with self._rollout_phase():  # the rollout's ranks generate; the reward is every rank's
+            if self.rollout is not None:
+                for i, prompts in enumerate(batches):
+                    outs[i] = self.rollout.generate(prompts, seed=_VAL_OFFSET + self._seed(0), validate=True)
+        for out in outs:
+            if "rollout" in self._apart:
+                out = share_batch(out, self._source["rollout"])
+            result = self.reward.score(out)
+            for i, (source, uid) in enumerate(
+                zip(out.non_tensors[DATA_SOURCE_COLUMN], out.non_tensors["uid"])
+            ):
+                record = {name: values[i] for name, values in result.extra.items()}
+                samples.append(
+                    {**record, "reward": float(result.scores[i]), "_source": str(source), "_uid": uid}
+                )
+            if self.reporting and self._is_rank0:
+                shown.extend(self._generations(out, result.scores))
         names = list(dict.fromkeys(k for s in samples for k in s if not k.startswith("_")))
         metrics = validation_metrics(
             data_sources=[s["_source"] for s in samples],
@@ -872,8 +1007,9 @@ class RLTrainer:
     def save_checkpoint(self) -> str:
         """Checkpoint the actor, the critic and the trainer state at the current step (collective)."""
 
-        def write(tmp: str) -> None:
-            self.actor.role.save(os.path.join(tmp, ACTOR_SUBDIR))
+        def write(tmp: str) -> None:  # each role on its ranks; roles apart write at the same time
+            if self.actor is not None:
+                self.actor.role.save(os.path.join(tmp, ACTOR_SUBDIR))
             if self.critic is not None:
                 self.critic.role.save(os.path.join(tmp, CRITIC_SUBDIR))
 
@@ -898,8 +1034,9 @@ class RLTrainer:
         found = self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
         if found is not None:
             state = self.checkpoints.read_trainer_state(found.path)
-            self.actor.role.load(os.path.join(found.path, ACTOR_SUBDIR))
-            if self.critic is not None:
+            if self.actor is not None:
+                self.actor.role.load(os.path.join(found.path, ACTOR_SUBDIR))
+            if self.use_critic:
                 critic_dir = os.path.join(found.path, CRITIC_SUBDIR)
                 if not os.path.isdir(critic_dir):
                     raise ValueError(
@@ -907,7 +1044,8 @@ class RLTrainer:
                         "resume from a checkpoint of a run with a critic, or start without resuming "
                         "(trainer.resume_mode=disable)"
                     )
-                self.critic.role.load(critic_dir)
+                if self.critic is not None:
+                    self.critic.role.load(critic_dir)
             self.loader.load_state_dict(state["dataloader"])
             self._iterator = None
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -1003,12 +1141,20 @@ class RLTrainer:
             self.save_checkpoint()
         if t.save_hf:
             self._enter("export_hf")
-            with self.actor.role.active():
-                self.actor.engine.export_hf(hf_export_dir(t))
+            self.export_actor_hf(hf_export_dir(t))
         if val:
             log_rank0(logger, logging.INFO, "validation after training: %s", _core(val))
         self.write_report()  # named in the run's list of outputs that closing the trainer logs
         return {**last, **val}
+
+    def export_actor_hf(self, out_dir: str) -> None:
+        """Write the actor's weights as a Hugging Face checkpoint in ``out_dir`` (collective: the
+        actor's ranks write it, every rank returns once it is complete)."""
+        if self.actor is not None:
+            with self.actor.role.active():
+                self.actor.engine.export_hf(out_dir)
+        if "actor" in self._apart:
+            dist.barrier()
 
     def close(self) -> None:
         """Free the rollout engine, the reward workers, the loggers and Megatron's state."""
@@ -1018,7 +1164,8 @@ class RLTrainer:
         self.tracking.close()
         if self.reward.manager is not None:
             self.reward.manager.close()
-        self.rollout.shutdown()
+        if self.rollout is not None:
+            self.rollout.shutdown()
         megatron_state.destroy_model_parallel()
 
     def __enter__(self) -> "RLTrainer":

@@ -1,0 +1,70 @@
+"""``role_world``: inside it a role's ranks are the world (torch's private default-group state,
+pinned here: this test fails when torch changes how group-less calls find their group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verl.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _inside_and_after() -> dict[str, object]:
+    from torch.distributed import distributed_c10d
+
+    from verl.parallel.role_world import role_world, spans_world
+
+    rank = dist.get_rank()
+    # Roles apart on 3 ranks: {0} and {1, 2}, each group made by the whole world.
+    groups = {(0,): dist.new_group([0]), (1, 2): dist.new_group([1, 2])}
+    mine = groups[(0,)] if rank == 0 else groups[(1, 2)]
+    count_before = distributed_c10d._world.group_count
+    out: dict[str, object] = {"spans": (spans_world(None), spans_world(dist.group.WORLD), spans_world(mine))}
+    with role_world(mine):
+        out["rank"], out["size"] = dist.get_rank(), dist.get_world_size()
+        gathered: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rank)  # no group: the role's ranks only
+        out["gathered"] = gathered
+        dist.barrier()
+        # A group made inside, by the role's ranks numbered as its world numbers them.
+        inner = dist.new_group(list(range(dist.get_world_size())))
+        out["inner_rank"] = dist.get_rank(inner)
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=inner)
+        out["inner_sum"] = value.item()
+        out["default_members"] = dist.get_process_group_ranks(dist.group.WORLD)
+        with role_world(mine):  # nested: the same world, unchanged
+            out["nested_size"] = dist.get_world_size()
+    # After: the world again, its group counter in step on every rank, so a group made now by
+    # every rank (the world's sequence) still meets.
+    out["after"] = (dist.get_rank(), dist.get_world_size(), distributed_c10d._world.group_count == count_before)
+    late = dist.new_group([0, 1, 2])
+    value = torch.tensor([1.0])
+    dist.all_reduce(value, group=late)
+    out["late_sum"] = value.item()
+    out["mine_members"] = dist.get_process_group_ranks(mine)
+    if rank == 1:
+        try:
+            with role_world(groups[(0,)]):
+                pass
+        except ValueError as exc:
+            out["refused"] = str(exc)
+    return out
+
+
+def test_a_role_world_is_the_world_inside_and_leaves_no_trace():
+    actual = run_distributed(_inside_and_after, 3)
+    assert [a["spans"] for a in actual] == [(True, True, False)] * 3
+    assert [(a["rank"], a["size"]) for a in actual] == [(0, 1), (0, 2), (1, 2)]
+    assert [a["gathered"] for a in actual] == [[0], [1, 2], [1, 2]]
+    assert [a["inner_rank"] for a in actual] == [0, 0, 1]
+    assert [a["inner_sum"] for a in actual] == [0.0, 3.0, 3.0]
+    assert [a["default_members"] for a in actual] == [[0], [0, 1], [0, 1]]
+    assert [a["nested_size"] for a in actual] == [1, 2, 2]
+    assert [a["after"] for a in actual] == [(0, 3, True), (1, 3, True), (2, 3, True)]
+    assert [a["late_sum"] for a in actual] == [3.0] * 3
+    assert [a["mine_members"] for a in actual] == [[0], [1, 2], [1, 2]]
+    assert "global rank 1 is not one of the group's ranks [0]" in actual[1]["refused"]

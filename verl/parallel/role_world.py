@@ -1,0 +1,104 @@
+"""``role_world(group)``: a block in which ``torch.distributed``'s default group is one role's ranks.
+
+A role placed on part of the world (``trainer.placement``: a critic or reward model on ranks of
+its own) runs code that was written for a world of its own: Megatron-core's
+``dist_checkpointing`` (rank 0 writes the common state, metadata is all-gathered over the
+default group), the engine's checkpoint and export files (rank 0 writes, the rest wait at a
+barrier), the Hugging Face weight loader (rank 0 reads, then broadcasts). Inside the block those
+calls see the role's ranks as the world: ``dist.get_rank()`` is the rank within the role,
+``dist.get_world_size()`` the role's size, and ``barrier``/``all_gather_object``/``broadcast``
+without a group reach the role's ranks only, so two roles on disjoint ranks can save, load and
+export at the same time without waiting for each other. Groups passed explicitly (a role's TP,
+DP, ... groups) are untouched: their global ranks keep their meaning.
+
+A group that is the whole world (every colocated role) changes nothing.
+
+Groups made inside the block (``new_group`` by the role's ranks, numbered as the role's world
+numbers them: 0 .. size - 1) belong to that world: ``dist.get_rank(g)`` answers for them only
+inside it (torch maps a group's members by the default group's ranks), so a role's groups are
+made and used inside its block (``Topology.build_groups``, ``megatron_state.activate_role``).
+torch names groups by a process-wide counter that every rank of a world must advance alike; the
+block gives each role's world a counter of its own (starting far above the world's), so groups
+made inside it never put the world's ranks out of step for groups made outside later.
+
+This is the one place verl touches torch's private default-group state. Checked against:
+
+| torch | what is read/written | why |
+| --- | --- | --- |
+| 2.13 (CPU), 2.11 (CUDA) | ``distributed_c10d._world.default_pg`` (property with a setter; ``GroupMember.WORLD`` and ``group.WORLD`` read it) | the group every group-less c10d call uses |
+| 2.13 (CPU), 2.11 (CUDA) | ``distributed_c10d._world.group_count`` (property with a setter) | the counter ``new_group`` names groups by |
+| 2.13 (CPU), 2.11 (CUDA) | ``distributed_c10d._world.pg_group_ranks[group]`` (global rank -> group rank) | the role's world numbers its members 0 .. size - 1 inside (sharded checkpoints check the default group's members) |
+
+``tests/parallel/test_role_world.py`` fails when this behaviour changes. Where the slot is missing
+(another torch), :func:`role_world` raises for a group that is not the world, naming the torch
+version, so a split placement fails at build time instead of hanging later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["role_world", "spans_world"]
+
+
+def spans_world(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is None, the world, or a group of every rank of the world."""
+    if group is None or group is dist.group.WORLD:
+        return True
+    return dist.get_world_size(group) == dist.get_world_size()
+
+
+# (id of the world's default group, the role world's global ranks) -> its group counter.
+_COUNTERS: dict[tuple[int, tuple[int, ...]], int] = {}
+_COUNTER_BASE = 1_000_000
+
+
+def _slot():
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if world is None or not all(
+        isinstance(getattr(type(world), name, None), property) for name in ("default_pg", "group_count", "pg_group_ranks")
+    ):
+        raise RuntimeError(
+            f"role_world: torch {torch.__version__} has no distributed_c10d._world.default_pg, which a role on "
+            "part of the world needs (trainer.placement); place every role on every rank, or use a torch that "
+            "verl.parallel.role_world lists"
+        )
+    return world
+
+
+@contextlib.contextmanager
+def role_world(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run the block with ``group`` as the default process group (see the module docstring).
+
+    ``group`` None or the whole world: the block runs unchanged. Nested blocks restore the
+    enclosing one's group on exit. Only a member of ``group`` may enter it.
+    """
+    if spans_world(group):
+        yield
+        return
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"role_world: global rank {dist.get_rank()} is not one of the group's ranks "
+            f"{dist.get_process_group_ranks(group)}; only the role's ranks run its calls"
+        )
+    world = _slot()
+    previous, count = world.default_pg, world.group_count
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(previous), ranks)
+    members = world.pg_group_ranks[group]
+    world.default_pg = group
+    # Inside, the role's world numbers its ranks 0 .. size - 1, its own members included.
+    world.pg_group_ranks[group] = {i: i for i in range(len(ranks))}
+    world.group_count = _COUNTERS.get(key, _COUNTER_BASE * (1 + ranks[0]))
+    try:
+        yield
+    finally:
+        _COUNTERS[key] = world.group_count
+        world.pg_group_ranks[group] = members
+        world.default_pg, world.group_count = previous, count
