@@ -1,0 +1,103 @@
+"""``tools/bench.py compare-trl --reward``: the words reward scores as documented, both sides call the
+same function, and our side's config points its ``custom_reward_function`` at it (fast: no trainer)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", file))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("verl_tools_bench", "bench.py")
+rewards = _load("verl_tools_bench_rewards", "bench_rewards.py")
+
+
+@pytest.mark.parametrize(
+    ("text", "score"),
+    [("", 0.0), ("12", 0.0), (" ", 0.125), ("a b c", 0.25), ("one two three four five", 0.5),
+     ("a b c d e f g h i", 1.0), (" " * 20, 1.0), ("a\tb\nc", 0.0)],
+)
+def test_words_score(text, score):
+    assert rewards.words_score(text) == score
+    assert rewards.compute_score(data_source="verl/arithmetic", solution_str=text, ground_truth="7") == score
+
+
+def test_words_matches_the_trainers_test_reward():
+    # The reward tests/trainer/words_reward.py lets the raw tiny model learn: the same scores.
+    trainer_reward = _load(
+        "verl_tests_words_reward", os.path.join("..", "tests", "trainer", "words_reward.py"))
+    for text in ("", "a", "a b", "x " * 3, "y " * 11):
+        assert rewards.words_score(text) == trainer_reward.compute_score("d", text, "g")
+
+
+def _args(**kw):
+    base = dict(prompts=4, n=2, response_length=16, engine="vllm", lr=1e-4, steps=2, warmup=1, seed=3,
+                reward="arithmetic", overrides=[])
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+HF = {"num_hidden_layers": 2, "num_key_value_heads": 2, "hidden_size": 64, "num_attention_heads": 2}
+
+
+def _keys(overrides):
+    return dict(o.split("=", 1) for o in overrides)
+
+
+def test_our_side_config_per_reward():
+    words = _keys(bench._compare_trl_overrides(_args(reward="words"), "/m", "/t.parquet", HF, "fp32"))
+    assert words["custom_reward_function.path"] == bench.BENCH_REWARDS
+    assert os.path.isfile(words["custom_reward_function.path"])
+    assert words["custom_reward_function.name"] == "compute_score"
+    plain = _keys(bench._compare_trl_overrides(_args(), "/m", "/t.parquet", HF, "fp32"))
+    assert not any(k.startswith("custom_reward_function") for k in plain)  # the data source's scorer
+    # The user's overrides come last, so they win.
+    mine = bench._compare_trl_overrides(_args(reward="words", overrides=["custom_reward_function.name=x"]),
+                                        "/m", "/t.parquet", HF, "fp32")
+    assert mine[-1] == "custom_reward_function.name=x"
+
+
+def test_the_config_loads_with_the_words_reward(tmp_path):
+    overrides = bench._compare_trl_overrides(_args(reward="words"), "/m", "/t.parquet", HF, "fp32")
+    cfg = bench._rl_config("grpo_tiny_cpu", overrides, str(tmp_path), 1)
+    assert cfg.custom_reward_function.path == bench.BENCH_REWARDS
+    assert cfg.custom_reward_function.name == "compute_score"
+    # What our reward manager then calls is the function TRL's side calls.
+    from verl.rewards import load_custom_reward_fn
+
+    ours = load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    assert ours(data_source="verl/arithmetic", solution_str="a b c", ground_truth="1") == 0.25
+
+
+def test_trl_side_scores_like_ours():
+    completions = ["a b c", "", "1 2 3 4 5 6 7 8 9 10"]
+    conversational = [[{"role": "assistant", "content": c}] for c in completions]
+    kw = dict(prompts=["p"] * 3, ground_truth=["7", "12", "3"], data_source=["verl/arithmetic"] * 3)
+    words = bench._trl_reward("words")
+    assert words.__name__ == "words_reward"
+    assert words(completions=completions, **kw) == [0.25, 0.0, 1.0]
+    assert words(completions=conversational, **kw) == [0.25, 0.0, 1.0]
+    arithmetic = bench._trl_reward("arithmetic")
+    from verl.rewards.registry import default_compute_score
+
+    texts = ["Answer: 7", "Answer: 11", "no"]
+    got = arithmetic(completions=texts, **kw)
+    want = [float(default_compute_score("verl/arithmetic", t, g)) for t, g in zip(texts, kw["ground_truth"])]
+    assert got == want
+    assert got[0] == 1.0  # a right answer scores, so the arithmetic scorer is the real one
+
+
+def test_unknown_reward_is_refused():
+    with pytest.raises(ValueError, match="unknown reward"):
+        bench._reward_overrides("length")
