@@ -219,6 +219,9 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
                         "transformers engine), hf-generate (a plain model.generate without logprobs), vllm")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed rounds after a warm-up; medians are reported (default %(default)s)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the engines' dtype (rollout.dtype; auto: float32 on CPU, bfloat16 on GPU); the reference "
+                        "recomputes in float32 (default %(default)s)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
@@ -236,7 +239,7 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
         def cfg_for(engine: str) -> RolloutConfig:
             return RolloutConfig(
                 name=engine, n=args.n, temperature=args.temperature, prompt_length=args.prompt_length,
-                response_length=args.max_tokens, seed=args.seed,
+                response_length=args.max_tokens, seed=args.seed, dtype=args.dtype,
             )
 
         from verl.rollout import build_rollout_engine
@@ -269,6 +272,7 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             "n": args.n,
             "max_tokens": args.max_tokens,
             "threads": args.threads,
+            "dtype": args.dtype,
             "repeats": args.repeats,
             "sequences": int(metrics["rollout/num_sequences"]),
             "tokens": int(metrics["rollout/num_tokens"]),
@@ -1009,6 +1013,12 @@ def _verl_train_dtype(choice: str, hidden_size: int) -> str:
     return "bf16" if hidden_size >= _BF16_FROM_HIDDEN and cpu_has_bf16_matmul() else "fp32"
 
 
+def _verl_rollout_dtype(choice: str, train_dtype: str) -> str:
+    """Our rollout engine's dtype under --rollout-dtype: auto follows the training dtype (bf16 training,
+    picked only on a CPU with bf16 matrix instructions, rolls out in bf16 too; else fp32)."""
+    return train_dtype if choice == "auto" else choice
+
+
 def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf: dict[str, Any],
                            train_dtype: str) -> list[str]:
     """Our side's overrides of grpo_tiny_cpu for compare-trl: TRL's work (batch, samples, length, one
@@ -1034,6 +1044,7 @@ def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf:
         "actor_rollout_ref.actor.optim.lr_decay_style=constant",
         f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
         f"actor_rollout_ref.actor.megatron.dtype={_VERL_DTYPES[train_dtype]}",
+        f"actor_rollout_ref.rollout.dtype={_VERL_DTYPES[_verl_rollout_dtype(args.rollout_dtype, train_dtype)]}",
         *_reward_overrides(args.reward),
         *args.overrides,
     ]
@@ -1156,6 +1167,8 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                    help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
                         f"{_BF16_FROM_HIDDEN} up on a CPU with bf16 matrix instructions (avx512_bf16/amx_bf16), "
                         f"where it is faster, else fp32 (default %(default)s)")
+    p.add_argument("--rollout-dtype", choices=["auto", "fp32", "bf16"], default="fp32",
+                   help="our rollout engine's dtype; auto: the training dtype (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
     p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",

@@ -43,7 +43,7 @@ def test_words_matches_the_trainers_test_reward():
 
 def _args(**kw):
     base = dict(prompts=4, n=2, response_length=16, engine="vllm", lr=1e-4, steps=2, warmup=1, seed=3,
-                reward="arithmetic", overrides=[])
+                reward="arithmetic", rollout_dtype="fp32", overrides=[])
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -101,3 +101,12 @@ def test_trl_side_scores_like_ours():
 def test_unknown_reward_is_refused():
     with pytest.raises(ValueError, match="unknown reward"):
         bench._reward_overrides("length")
+
+
+@pytest.mark.parametrize(("choice", "train", "want"),
+                         [("fp32", "bf16", "float32"), ("bf16", "fp32", "bfloat16"), ("auto", "bf16", "bfloat16"),
+                          ("auto", "fp32", "float32")])
+def test_rollout_dtype(choice, train, want):
+    got = _keys(bench._compare_trl_overrides(_args(rollout_dtype=choice), "/m", "/t.parquet", HF, train))
+    assert got["actor_rollout_ref.rollout.dtype"] == want
+    assert got["actor_rollout_ref.actor.megatron.dtype"] == bench._VERL_DTYPES[train]
