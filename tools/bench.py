@@ -900,7 +900,7 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
 
 # compare-trl --reward: the scorer both sides use. arithmetic: the built-in scorer of the prompts'
 # data source (verl.rewards.arithmetic; a random model scores 0 on it). words: tools/bench_rewards.py,
-# spaces in the response over 8, at most 1, which a raw model earns, so the reward curves move.
+# the share of the response's characters that are spaces, which a raw model earns, so the curves move.
 BENCH_REWARDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rewards.py")
 REWARDS = ("arithmetic", "words")
 
@@ -1175,8 +1175,8 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                    help="TRL's precision: bf16 (its default) or fp32 (default %(default)s)")
     p.add_argument("--reward", choices=REWARDS, default="arithmetic",
                    help="the scorer, the same function on both sides: arithmetic (the prompts' 2-digit sums; a random "
-                        "model scores 0) or words (tools/bench_rewards.py: spaces in the response over 8, at most 1, "
-                        "which a raw model earns, so the curves move) (default %(default)s)")
+                        "model scores 0) or words (tools/bench_rewards.py: the share of the response's characters that are "
+                        "spaces, which a raw model earns, so the curves move) (default %(default)s)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         result = _compare_trl_run(args)
