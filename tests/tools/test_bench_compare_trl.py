@@ -20,8 +20,11 @@ pytest.importorskip("trl", reason="the bench extra (pip install -e .[bench]) bri
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_compare_trl_smoke(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
+    # Unset, so accelerate would set the process's torch threads to the core count: the bench must not
+    # let it (both sides run on --threads, 1 by default).
+    env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run(
         [sys.executable, BENCH, "compare-trl", "--inputs", str(tmp_path), "--engine", "hf", "--prompts", "2",
          "--n", "2", "--response-length", "6", "--steps", "1", "--warmup", "1", "--reward", "words"],
@@ -33,6 +36,7 @@ def test_compare_trl_smoke(tmp_path):
     result = json.loads(lines[0])
     assert result["trl"]["bf16"] is True  # TRL's own default, kept
     assert result["trl"]["beta"] == 0.0
+    assert result["threads"] == 1 and result["threads_seen"] == [1]
     for side in ("ours", "trl"):
         rounds = result[side]["rounds"]
         assert len(rounds) == 1, side
