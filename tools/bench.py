@@ -219,6 +219,8 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
                         "transformers engine), hf-generate (a plain model.generate without logprobs), vllm")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed rounds after a warm-up; medians are reported (default %(default)s)")
+    p.add_argument("--cpu-kv-cache-gib", type=positive_float, default=None,
+                   help="the CPU vLLM engine's KV cache (rollout.cpu_kv_cache_gib; default: the config's)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="the engines' dtype (rollout.dtype; auto: float32 on CPU, bfloat16 on GPU); the reference "
                         "recomputes in float32 (default %(default)s)")
@@ -240,6 +242,7 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             return RolloutConfig(
                 name=engine, n=args.n, temperature=args.temperature, prompt_length=args.prompt_length,
                 response_length=args.max_tokens, seed=args.seed, dtype=args.dtype,
+                **({"cpu_kv_cache_gib": args.cpu_kv_cache_gib} if args.cpu_kv_cache_gib else {}),
             )
 
         from verl.rollout import build_rollout_engine

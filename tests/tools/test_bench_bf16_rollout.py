@@ -39,7 +39,8 @@ def test_vllm_bf16_rollout_agrees_with_fp32_within_the_bound(tmp_path):
     for dtype in ("bfloat16", "float32"):
         proc = subprocess.run(
             [sys.executable, BENCH, "rollout", "--model", model, "--engine", "vllm", "--dtype", dtype,
-             "--prompts", "8", "--n", "2", "--max-tokens", "16", "--repeats", "1", "--reference", "hf"],
+             "--prompts", "8", "--n", "2", "--max-tokens", "16", "--repeats", "1", "--reference", "hf",
+             "--cpu-kv-cache-gib", "0.25"],  # 16 sequences of 48 tokens need a few MiB
             capture_output=True, text=True, timeout=280, cwd=REPO, env=env,
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
