@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from verl.utils.cli import hf_model_dir, non_negative_float, positive_float, positive_int, user_errors  # noqa: E402 - after the env
+from verl.utils.cli import hf_model_dir, non_negative_float, non_negative_int, positive_float, positive_int, user_errors  # noqa: E402 - after the env
 
 logger = logging.getLogger("verl.tools.bench")
 
@@ -1022,6 +1022,20 @@ def _verl_rollout_dtype(choice: str, train_dtype: str) -> str:
     return train_dtype if choice == "auto" else choice
 
 
+# Our update's micro-batch under --micro-batch auto: 16 rows from this hidden size up (measured at ~30M on
+# an AMX CPU: 1.84-1.96x TRL against 1.56-1.59x with the whole 64; docs/benchmarks.md), the whole batch
+# below (at the tiny default each micro-batch costs Megatron's fixed per-micro-batch overhead).
+_MICRO_BATCH_FROM_HIDDEN = 512
+_MICRO_BATCH_ROWS = 16
+
+
+def _micro_batch(choice: int | None, hidden_size: int, rows: int) -> int:
+    """Rows per micro-batch of our update: ``choice`` (0: the whole batch), or auto (None)."""
+    if choice is None:
+        choice = _MICRO_BATCH_ROWS if hidden_size >= _MICRO_BATCH_FROM_HIDDEN else 0
+    return min(choice or rows, rows)
+
+
 def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf: dict[str, Any],
                            train_dtype: str) -> list[str]:
     """Our side's overrides of grpo_tiny_cpu for compare-trl: TRL's work (batch, samples, length, one
@@ -1039,7 +1053,11 @@ def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf:
         f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
         f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={args.engine}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one update per step, as TRL's side
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={sequences}",  # TRL runs its batch whole
+        # Micro-batches change the update only by float rounding (each one's loss is its share of the
+        # step's), and the speed: 16 rows measured faster than the whole 64 at ~30M on CPU
+        # (docs/benchmarks.md). TRL runs its batch whole.
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+        f"{_micro_batch(args.micro_batch, hf['hidden_size'], sequences)}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
         "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
         f"actor_rollout_ref.rollout.cpu_kv_cache_gib={kv_gib}",
@@ -1178,6 +1196,10 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                    help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
                         f"{_BF16_FROM_HIDDEN} up on a CPU with bf16 matrix instructions (avx512_bf16/amx_bf16), "
                         f"where it is faster, else fp32 (default %(default)s)")
+    p.add_argument("--micro-batch", type=non_negative_int, default=None,
+                   help=f"rows per micro-batch of our update (0: the whole batch, as TRL's side); the update is the "
+                        f"same either way; default: {_MICRO_BATCH_ROWS} from hidden size {_MICRO_BATCH_FROM_HIDDEN} up "
+                        f"(measured faster than the whole 64 at ~30M on CPU), the whole batch below")
     p.add_argument("--rollout-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="our rollout engine's dtype; auto: the training dtype, so bf16 where --verl-dtype auto picks "
                         "bf16 (measured at ~30M on an AMX CPU: the vLLM rollout 3-4x faster than in fp32, the "

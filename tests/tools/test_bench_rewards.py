@@ -35,7 +35,7 @@ def test_words_score(text, score):
 
 def _args(**kw):
     base = dict(prompts=4, n=2, response_length=16, engine="vllm", lr=1e-4, steps=2, warmup=1, seed=3,
-                reward="arithmetic", rollout_dtype="fp32", overrides=[])
+                reward="arithmetic", rollout_dtype="fp32", micro_batch=16, overrides=[])
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -102,3 +102,21 @@ def test_rollout_dtype(choice, train, want):
     got = _keys(bench._compare_trl_overrides(_args(rollout_dtype=choice), "/m", "/t.parquet", HF, train))
     assert got["actor_rollout_ref.rollout.dtype"] == want
     assert got["actor_rollout_ref.actor.megatron.dtype"] == bench._VERL_DTYPES[train]
+
+
+@pytest.mark.parametrize(("micro_batch", "hidden", "want"),
+                         [(16, 64, 8), (0, 64, 8), (4, 64, 4), (3, 64, 3), (None, 64, 8), (None, 512, 8)])
+def test_micro_batch(micro_batch, hidden, want):
+    # prompts 4 x n 2 = 8 rows: at most the whole batch; 0 is the whole batch; auto (None) is 16 rows from
+    # hidden 512 up, the whole batch below.
+    hf = dict(HF, hidden_size=hidden, num_attention_heads=hidden // 32)
+    args = _args(micro_batch=micro_batch)
+    got = _keys(bench._compare_trl_overrides(args, "/m", "/t.parquet", hf, "fp32"))
+    assert got["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == str(want)
+    assert got["actor_rollout_ref.actor.ppo_mini_batch_size"] == "4"  # one update per step on every prompt
+
+
+def test_micro_batch_auto_at_the_bench_sizes():
+    assert bench._micro_batch(None, 512, 64) == 16  # ~30M: 16 rows
+    assert bench._micro_batch(None, 64, 64) == 64  # tiny default: the whole batch, as before
+    assert bench._micro_batch(0, 512, 64) == 64
