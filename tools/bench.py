@@ -1000,20 +1000,40 @@ _BF16_FROM_HIDDEN = 512
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU has bf16 matrix instructions (``/proc/cpuinfo`` flags; False where unreadable)."""
+def _cpu_flags() -> list[str]:
+    """This CPU's ``/proc/cpuinfo`` flags ([] where unreadable)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
-    return any(flag in flags for flag in _BF16_CPU_FLAGS)
+        return []
 
 
-def _verl_train_dtype(choice: str, hidden_size: int) -> str:
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix instructions (``/proc/cpuinfo`` flags; False where unreadable)."""
+    return any(flag in _cpu_flags() for flag in _BF16_CPU_FLAGS)
+
+
+def _verl_train_dtype(choice: str, hidden_size: int, flags: list[str] | None = None) -> str:
+    """auto: bf16 from hidden 512 up on a CPU with avx512_bf16 or amx_bf16, else fp32 (at the tiny default
+    on an AMX CPU, idle, bf16 and fp32 training measured the same against TRL: 0.91x both)."""
     if choice != "auto":
         return choice
-    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN and cpu_has_bf16_matmul() else "fp32"
+    flags = _cpu_flags() if flags is None else flags
+    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN and any(f in flags for f in _BF16_CPU_FLAGS) else "fp32"
+
+
+# Our rollout engine under --engine auto: vLLM from this hidden size up, transformers' generate below
+# (measured on an AMX CPU: at hidden 64 our transformers engine generated ~2,000 tokens in 0.17-0.28 s
+# where vLLM took 0.33-0.36 s, its per-step scheduling dominating; at hidden 512 vLLM in bf16 took 5.5-7 s
+# for ~7,900 tokens where transformers' generate (TRL's) took 14-23 s). The crossover is not measured.
+_VLLM_FROM_HIDDEN = 512
+
+
+def _verl_engine(choice: str, hidden_size: int) -> str:
+    if choice != "auto":
+        return choice
+    return "vllm" if hidden_size >= _VLLM_FROM_HIDDEN else "hf"
 
 
 def _verl_rollout_dtype(choice: str, train_dtype: str) -> str:
@@ -1051,7 +1071,7 @@ def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf:
     return [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
         f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
-        f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={args.engine}",
+        f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={_verl_engine(args.engine, hf['hidden_size'])}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one update per step, as TRL's side
         # Micro-batches change the update only by float rounding (each one's loss is its share of the
         # step's), and the speed: 16 rows measured faster than the whole 64 at ~30M on CPU
@@ -1149,7 +1169,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         # torch's intra-op threads seen after each round (one process: both sides share the setting).
         "threads_seen": sorted({r["torch_threads"] for r in ours_records}),
         "machine": _machine(),
-        "ours": {"engine": args.engine, "train_dtype": _VERL_DTYPES[train_dtype],
+        "ours": {"engine": cfg.actor_rollout_ref.rollout.name, "train_dtype": _VERL_DTYPES[train_dtype],
                  "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, **mine},
         "trl": {"version": trl.__version__, "transformers": transformers.__version__,
                 "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
@@ -1205,7 +1225,9 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                         "bf16 (measured at ~30M on an AMX CPU: the vLLM rollout 3-4x faster than in fp32, the "
                         "trainer's agreement with it unchanged; docs/benchmarks.md) (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
-    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
+    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
+                   help=f"our rollout engine; auto: vllm from hidden size {_VLLM_FROM_HIDDEN} up, hf (transformers' "
+                        f"generate) below, where vLLM's per-step cost dominates (default %(default)s)")
     p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="TRL's precision: bf16 (its default) or fp32 (default %(default)s)")
     p.add_argument("--reward", choices=REWARDS, default="arithmetic",

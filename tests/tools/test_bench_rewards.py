@@ -120,3 +120,21 @@ def test_micro_batch_auto_at_the_bench_sizes():
     assert bench._micro_batch(None, 512, 64) == 16  # ~30M: 16 rows
     assert bench._micro_batch(None, 64, 64) == 64  # tiny default: the whole batch, as before
     assert bench._micro_batch(0, 512, 64) == 64
+
+
+@pytest.mark.parametrize(("flags", "hidden", "want"), [
+    (["avx2"], 512, "fp32"), (["avx2"], 64, "fp32"),
+    (["avx512_bf16"], 512, "bf16"), (["avx512_bf16"], 64, "fp32"),  # no AMX: bf16 was slower at hidden 64
+    (["avx512_bf16", "amx_bf16"], 64, "fp32"), (["amx_bf16"], 512, "bf16"),  # AMX at hidden 64: no faster
+])
+def test_train_dtype_auto(flags, hidden, want):
+    assert bench._verl_train_dtype("auto", hidden, flags) == want
+    assert bench._verl_train_dtype("fp32", hidden, flags) == "fp32"
+
+
+def test_engine_auto():
+    assert bench._verl_engine("auto", 64) == "hf"  # tiny default: vLLM's per-step cost dominates
+    assert bench._verl_engine("auto", 512) == "vllm"
+    assert bench._verl_engine("vllm", 64) == "vllm" and bench._verl_engine("hf", 512) == "hf"
+    got = _keys(bench._compare_trl_overrides(_args(engine="auto"), "/m", "/t.parquet", HF, "fp32"))
+    assert got["actor_rollout_ref.rollout.name"] == "hf"
