@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from verl.utils.cli import hf_model_dir, non_negative_float, positive_float, positive_int, user_errors  # noqa: E402 - after the env
+from verl.utils.cli import hf_model_dir, non_negative_float, non_negative_int, positive_float, positive_int, user_errors  # noqa: E402 - after the env
 
 logger = logging.getLogger("verl.tools.bench")
 
@@ -219,6 +219,11 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
                         "transformers engine), hf-generate (a plain model.generate without logprobs), vllm")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed rounds after a warm-up; medians are reported (default %(default)s)")
+    p.add_argument("--cpu-kv-cache-gib", type=positive_float, default=None,
+                   help="the CPU vLLM engine's KV cache (rollout.cpu_kv_cache_gib; default: the config's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the engines' dtype (rollout.dtype; auto: float32 on CPU, bfloat16 on GPU); the reference "
+                        "recomputes in float32 (default %(default)s)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
@@ -236,7 +241,8 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
         def cfg_for(engine: str) -> RolloutConfig:
             return RolloutConfig(
                 name=engine, n=args.n, temperature=args.temperature, prompt_length=args.prompt_length,
-                response_length=args.max_tokens, seed=args.seed,
+                response_length=args.max_tokens, seed=args.seed, dtype=args.dtype,
+                **({"cpu_kv_cache_gib": args.cpu_kv_cache_gib} if args.cpu_kv_cache_gib else {}),
             )
 
         from verl.rollout import build_rollout_engine
@@ -269,6 +275,7 @@ def _rollout_parser(p: argparse.ArgumentParser) -> Runner:
             "n": args.n,
             "max_tokens": args.max_tokens,
             "threads": args.threads,
+            "dtype": args.dtype,
             "repeats": args.repeats,
             "sequences": int(metrics["rollout/num_sequences"]),
             "tokens": int(metrics["rollout/num_tokens"]),
@@ -842,17 +849,13 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
     from trl import GRPOConfig, GRPOTrainer
 
     from verl.data.tokenizer import load_tokenizer
-    from verl.rewards.arithmetic import compute_score
 
     rows = pq.read_table(train).to_pylist()
     dataset = datasets.Dataset.from_list(
-        [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
+        [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
+          "data_source": r["data_source"]} for r in rows]
     )
-
-    def arithmetic_reward(prompts, completions, ground_truth, **_):
-        # The scorer our trainer uses for data_source verl/arithmetic, on the completion's text.
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [compute_score(t, g) for t, g in zip(texts, ground_truth)]
+    reward = _trl_reward(args.reward)
 
     config = GRPOConfig(
         output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=args.steps + args.warmup,
@@ -883,7 +886,7 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
             })
             on_step()
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                           processing_class=load_tokenizer(model), callbacks=[Timing()])
     generate = trainer._generate
 
@@ -898,6 +901,52 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
     return trainer, records, config
 
 
+# compare-trl --reward: the scorer both sides use. arithmetic: the built-in scorer of the prompts'
+# data source (verl.rewards.arithmetic; a random model scores 0 on it). words: tools/bench_rewards.py,
+# the share of the response's characters that are spaces, which a raw model earns, so the curves move.
+BENCH_REWARDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rewards.py")
+REWARDS = ("arithmetic", "words")
+
+
+def _score_fn(kind: str) -> Callable[..., Any]:
+    """The scoring function our trainer calls for ``kind`` (``data_source, solution_str, ground_truth``
+    keywords): the very function TRL's side calls too."""
+    if kind == "arithmetic":
+        from verl.rewards.registry import default_compute_score
+
+        return default_compute_score
+    if kind == "words":
+        from verl.rewards import load_custom_reward_fn
+
+        return load_custom_reward_fn(BENCH_REWARDS, "compute_score")
+    raise ValueError(f"unknown reward {kind!r}; choose from {REWARDS}")
+
+
+def _reward_overrides(kind: str) -> list[str]:
+    """Our side's config for ``kind``: nothing for arithmetic (the prompts' data source picks the
+    built-in scorer), ``custom_reward_function`` pointing at tools/bench_rewards.py for words."""
+    if kind == "arithmetic":
+        return []
+    if kind == "words":
+        return [f"custom_reward_function.path={BENCH_REWARDS}", "custom_reward_function.name=compute_score"]
+    raise ValueError(f"unknown reward {kind!r}; choose from {REWARDS}")
+
+
+def _trl_reward(kind: str) -> Callable[..., list[float]]:
+    """TRL's reward function for ``kind``: our side's scorer on each completion's text (TRL decodes
+    completions with ``skip_special_tokens=True``, as our reward manager does)."""
+    score = _score_fn(kind)
+
+    def reward(prompts, completions, ground_truth, data_source, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        out = [score(data_source=d, solution_str=t, ground_truth=g)
+               for t, g, d in zip(texts, ground_truth, data_source)]
+        return [float(v["score"]) if isinstance(v, dict) else float(v) for v in out]
+
+    reward.__name__ = f"{kind}_reward"  # TRL's metric name: rewards/<name>/mean
+    return reward
+
+
 def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
     return {
         "step_s": _median([r["step_s"] for r in records]),
@@ -907,6 +956,38 @@ def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
         "generated_tokens_per_step": _median([r["generated_tokens"] for r in records]),
         "rounds": records,
     }
+
+
+_AGREEMENT_KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+                   "training/rollout_logprob_diff_max", "training/token_mult_prob_error")
+
+
+def _machine() -> dict[str, Any]:
+    """What a figure was measured on: CPU model, its matrix-relevant flags, cores, library versions."""
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                            "load_average": list(os.getloadavg()), "torch": torch.__version__}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+        info["cpu"] = model or info["cpu"]
+        info["cpu_flags"] = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16",
+                                                              "amx_bf16", "amx_tile", "amx_int8"))
+    except OSError:
+        pass
+    for name in ("vllm", "megatron.core", "transformers", "trl"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            info[name] = getattr(module, "__version__", None)
+        except ImportError:
+            info[name] = None
+    return info
 
 
 _VERL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -919,20 +1000,95 @@ _BF16_FROM_HIDDEN = 512
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU has bf16 matrix instructions (``/proc/cpuinfo`` flags; False where unreadable)."""
+def _cpu_flags() -> list[str]:
+    """This CPU's ``/proc/cpuinfo`` flags ([] where unreadable)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
-    return any(flag in flags for flag in _BF16_CPU_FLAGS)
+        return []
 
 
-def _verl_train_dtype(choice: str, hidden_size: int) -> str:
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix instructions (``/proc/cpuinfo`` flags; False where unreadable)."""
+    return any(flag in _cpu_flags() for flag in _BF16_CPU_FLAGS)
+
+
+def _verl_train_dtype(choice: str, hidden_size: int, flags: list[str] | None = None) -> str:
+    """auto: bf16 from hidden 512 up on a CPU with avx512_bf16 or amx_bf16, else fp32 (at the tiny default
+    on an AMX CPU, idle, bf16 and fp32 training measured the same against TRL: 0.91x both)."""
     if choice != "auto":
         return choice
-    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN and cpu_has_bf16_matmul() else "fp32"
+    flags = _cpu_flags() if flags is None else flags
+    return "bf16" if hidden_size >= _BF16_FROM_HIDDEN and any(f in flags for f in _BF16_CPU_FLAGS) else "fp32"
+
+
+# Our rollout engine under --engine auto: vLLM from this hidden size up, transformers' generate below
+# (measured on an AMX CPU: at hidden 64 our transformers engine generated ~2,000 tokens in 0.17-0.28 s
+# where vLLM took 0.33-0.36 s, its per-step scheduling dominating; at hidden 512 vLLM in bf16 took 5.5-7 s
+# for ~7,900 tokens where transformers' generate (TRL's) took 14-23 s). The crossover is not measured.
+_VLLM_FROM_HIDDEN = 512
+
+
+def _verl_engine(choice: str, hidden_size: int) -> str:
+    if choice != "auto":
+        return choice
+    return "vllm" if hidden_size >= _VLLM_FROM_HIDDEN else "hf"
+
+
+def _verl_rollout_dtype(choice: str, train_dtype: str) -> str:
+    """Our rollout engine's dtype under --rollout-dtype: auto follows the training dtype (bf16 training,
+    picked only on a CPU with bf16 matrix instructions, rolls out in bf16 too; else fp32)."""
+    return train_dtype if choice == "auto" else choice
+
+
+# Our update's micro-batch under --micro-batch auto: 16 rows from this hidden size up (measured at ~30M on
+# an AMX CPU: 1.84-1.96x TRL against 1.56-1.59x with the whole 64; docs/benchmarks.md), the whole batch
+# below (at the tiny default each micro-batch costs Megatron's fixed per-micro-batch overhead).
+_MICRO_BATCH_FROM_HIDDEN = 512
+_MICRO_BATCH_ROWS = 16
+
+
+def _micro_batch(choice: int | None, hidden_size: int, rows: int) -> int:
+    """Rows per micro-batch of our update: ``choice`` (0: the whole batch), or auto (None)."""
+    if choice is None:
+        choice = _MICRO_BATCH_ROWS if hidden_size >= _MICRO_BATCH_FROM_HIDDEN else 0
+    return min(choice or rows, rows)
+
+
+def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf: dict[str, Any],
+                           train_dtype: str) -> list[str]:
+    """Our side's overrides of grpo_tiny_cpu for compare-trl: TRL's work (batch, samples, length, one
+    update per step on the whole batch, no KL, learning rate), the training dtype, the reward; the
+    user's overrides last."""
+    sequences = args.prompts * args.n
+    # A KV cache that holds the whole step's batch at once (float32 keys and values, twice over for
+    # the engine's blocks and padding), so our engine is not throttled by the small config default.
+    kv_bytes = (sequences * (64 + args.response_length)  # 64: grpo_tiny_cpu's data.max_prompt_length
+                * hf["num_hidden_layers"] * 2
+                * hf["num_key_value_heads"] * (hf["hidden_size"] // hf["num_attention_heads"]) * 4)
+    kv_gib = max(0.25, round(2 * kv_bytes / 2**30, 2))
+    return [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
+        f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
+        f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={_verl_engine(args.engine, hf['hidden_size'])}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one update per step, as TRL's side
+        # Micro-batches change the update only by float rounding (each one's loss is its share of the
+        # step's), and the speed: 16 rows measured faster than the whole 64 at ~30M on CPU
+        # (docs/benchmarks.md). TRL runs its batch whole.
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+        f"{_micro_batch(args.micro_batch, hf['hidden_size'], sequences)}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
+        "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
+        f"actor_rollout_ref.rollout.cpu_kv_cache_gib={kv_gib}",
+        f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+        "actor_rollout_ref.actor.optim.lr_decay_style=constant",
+        f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
+        f"actor_rollout_ref.actor.megatron.dtype={_VERL_DTYPES[train_dtype]}",
+        f"actor_rollout_ref.rollout.dtype={_VERL_DTYPES[_verl_rollout_dtype(args.rollout_dtype, train_dtype)]}",
+        *_reward_overrides(args.reward),
+        *args.overrides,
+    ]
 
 
 def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -947,6 +1103,11 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ValueError("compare-trl runs in one process (TRL's side is one process): start it without torchrun")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both sides on the CPU
+    # Accelerate (TRL's side) calls torch.set_num_threads(physical cores) when OMP_NUM_THREADS is unset
+    # and a process group exists, for the whole process: both sides would then run on more threads than
+    # --threads says (verl's vLLM engine puts the real torch.set_num_threads back after its start-up, so
+    # the call takes effect with either engine: accelerate logged "we set it at 2" in those runs).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)  # both sides; before vLLM starts (its CPU worker pins the setting)
     root = tempfile.mkdtemp(prefix="verl-bench-compare-trl-")
     try:
@@ -957,27 +1118,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
             hf = json.load(f)
         train_dtype = _verl_train_dtype(args.verl_dtype, hf["hidden_size"])
-        # A KV cache that holds the whole step's batch at once (float32 keys and values, twice over for
-        # the engine's blocks and padding), so our engine is not throttled by the small config default.
-        kv_bytes = (sequences * (64 + args.response_length)  # 64: grpo_tiny_cpu's data.max_prompt_length
-                    * hf["num_hidden_layers"] * 2
-                    * hf["num_key_value_heads"] * (hf["hidden_size"] // hf["num_attention_heads"]) * 4)
-        kv_gib = max(0.25, round(2 * kv_bytes / 2**30, 2))
-        overrides = [
-            f"actor_rollout_ref.model.path={model}", f"data.train_files={made['train']}",
-            f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
-            f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.name={args.engine}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one update per step, as TRL's side
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={sequences}",  # TRL runs its batch whole
-            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
-            "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
-            f"actor_rollout_ref.rollout.cpu_kv_cache_gib={kv_gib}",
-            f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
-            "actor_rollout_ref.actor.optim.lr_decay_style=constant",
-            f"trainer.total_training_steps={args.steps + args.warmup}", f"trainer.seed={args.seed}",
-            f"actor_rollout_ref.actor.megatron.dtype={_VERL_DTYPES[train_dtype]}",
-            *args.overrides,
-        ]
+        overrides = _compare_trl_overrides(args, model, made["train"], hf, train_dtype)
         cfg = _rl_config("grpo_tiny_cpu", overrides, root, 1)
         init_distributed(device="cpu")
         try:
@@ -992,6 +1133,9 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
                         "step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"] - m.get("timing_s/update_weights", 0.0),
                         "generated_tokens": m["response_length/mean"] * sequences,
                         "score_mean": m["critic/score/mean"],
+                        "torch_threads": torch.get_num_threads(),  # after the TRL step and ours
+                        # The update's logprobs against the rollout engine's on the same samples.
+                        **{k.split("/", 1)[1]: m[k] for k in _AGREEMENT_KEYS if k in m},
                     })
                     logger.info("compare-trl round %d: TRL %.3f s/step (%.3f s generating), ours %.3f s/step "
                                 "(%.3f s generating)", len(ours_records), trl_records[-1]["step_s"],
@@ -1019,9 +1163,14 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "compare-trl",
         "model": model,
         "model_parameters": sum(p.numel() for p in trl_trainer.model.parameters()),
+        "reward": args.reward,
         "prompts_per_step": args.prompts, "n": args.n, "response_length": args.response_length, "lr": args.lr,
         "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-        "ours": {"engine": args.engine, "train_dtype": _VERL_DTYPES[train_dtype], "rollout_dtype": "float32", **mine},
+        # torch's intra-op threads seen after each round (one process: both sides share the setting).
+        "threads_seen": sorted({r["torch_threads"] for r in ours_records}),
+        "machine": _machine(),
+        "ours": {"engine": cfg.actor_rollout_ref.rollout.name, "train_dtype": _VERL_DTYPES[train_dtype],
+                 "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, **mine},
         "trl": {"version": trl.__version__, "transformers": transformers.__version__,
                 "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
                 "use_vllm": bool(trl_config.use_vllm), "loss_type": trl_config.loss_type, "beta": trl_config.beta,
@@ -1033,6 +1182,9 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         "step_time_ratio_trl_over_ours_median_of_rounds": _median(step_rounds),
         "reward_curve_ours": [r["score_mean"] for r in ours_records],
         "reward_curve_trl": [r["score_mean"] for r in trl_records],
+        # Mean reward of each step's samples, drawn before that step's update: the last entry is the
+        # policy after the same number of updates on both sides.
+        "reward_last_ours": ours_records[-1]["score_mean"], "reward_last_trl": trl_records[-1]["score_mean"],
     }
 
 
@@ -1040,7 +1192,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
 def _compare_trl(p: argparse.ArgumentParser) -> Runner:
     p.description = (
         "One process, one machine: verl's RL trainer (GRPO, world of one) and TRL's GRPOTrainer on the same local "
-        "tiny Qwen2 (random weights unless --model), the same 2-digit arithmetic prompts and scorer, prompts x n "
+        "tiny Qwen2 (random weights unless --model), the same 2-digit arithmetic prompts and scorer (--reward), prompts x n "
         "samples per step, response length, learning rate (constant), one optimizer update per step, no KL. A "
         "round is one TRL step then one of ours (after --warmup rounds). Reports each side's generated tokens "
         "per second of step, seconds per step, share of the step spent generating, the ratio ours/TRL (of the "
@@ -1064,10 +1216,24 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                    help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
                         f"{_BF16_FROM_HIDDEN} up on a CPU with bf16 matrix instructions (avx512_bf16/amx_bf16), "
                         f"where it is faster, else fp32 (default %(default)s)")
+    p.add_argument("--micro-batch", type=non_negative_int, default=None,
+                   help=f"rows per micro-batch of our update (0: the whole batch, as TRL's side); the update is the "
+                        f"same either way; default: {_MICRO_BATCH_ROWS} from hidden size {_MICRO_BATCH_FROM_HIDDEN} up "
+                        f"(measured faster than the whole 64 at ~30M on CPU), the whole batch below")
+    p.add_argument("--rollout-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="our rollout engine's dtype; auto: the training dtype, so bf16 where --verl-dtype auto picks "
+                        "bf16 (measured at ~30M on an AMX CPU: the vLLM rollout 3-4x faster than in fp32, the "
+                        "trainer's agreement with it unchanged; docs/benchmarks.md) (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed, both sides (default %(default)s)")
-    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="our rollout engine (default %(default)s)")
+    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
+                   help=f"our rollout engine; auto: vllm from hidden size {_VLLM_FROM_HIDDEN} up, hf (transformers' "
+                        f"generate) below, where vLLM's per-step cost dominates (default %(default)s)")
     p.add_argument("--trl-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="TRL's precision: bf16 (its default) or fp32 (default %(default)s)")
+    p.add_argument("--reward", choices=REWARDS, default="arithmetic",
+                   help="the scorer, the same function on both sides: arithmetic (the prompts' 2-digit sums; a random "
+                        "model scores 0) or words (tools/bench_rewards.py: the share of the response's characters that are "
+                        "spaces, which a raw model earns, so the curves move) (default %(default)s)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         result = _compare_trl_run(args)

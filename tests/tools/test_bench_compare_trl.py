@@ -1,5 +1,6 @@
 """``tools/bench.py compare-trl`` smoke run: one warm-up and one measured round of TRL's GRPOTrainer and
-ours (transformers rollout, tiny shapes); the JSON holds both sides and ratios consistent with them."""
+ours (transformers rollout, tiny shapes, the words reward); the JSON holds both sides and ratios consistent
+with them."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ pytest.importorskip("trl", reason="the bench extra (pip install -e .[bench]) bri
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_compare_trl_smoke(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
+    # Unset, so accelerate would set the process's torch threads to the core count: the bench must not
+    # let it (both sides run on --threads, 1 by default).
+    env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run(
         [sys.executable, BENCH, "compare-trl", "--inputs", str(tmp_path), "--engine", "hf", "--prompts", "2",
-         "--n", "2", "--response-length", "6", "--steps", "1", "--warmup", "1"],
+         "--n", "2", "--response-length", "6", "--steps", "1", "--warmup", "1", "--reward", "words"],
         capture_output=True, text=True, timeout=230, cwd=REPO, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -32,6 +36,7 @@ def test_compare_trl_smoke(tmp_path):
     result = json.loads(lines[0])
     assert result["trl"]["bf16"] is True  # TRL's own default, kept
     assert result["trl"]["beta"] == 0.0
+    assert result["threads"] == 1 and result["threads_seen"] == [1]
     for side in ("ours", "trl"):
         rounds = result[side]["rounds"]
         assert len(rounds) == 1, side
@@ -40,6 +45,10 @@ def test_compare_trl_smoke(tmp_path):
             assert 0 < r["generated_tokens"] <= 2 * 2 * 6, (side, r)  # prompts x n x response length
         assert 0 < result[side]["gen_share"] < 1
     assert len(result["reward_curve_ours"]) == len(result["reward_curve_trl"]) == 2  # warm-up included
+    assert result["reward"] == "words"  # tools/bench_rewards.py on both sides: scores in [0, 1]
+    assert all(0.0 <= v <= 1.0 for v in result["reward_curve_ours"] + result["reward_curve_trl"])
+    assert result["reward_last_ours"] == result["reward_curve_ours"][-1]
+    assert result["machine"]["cores"] >= 1 and result["machine"]["trl"] == result["trl"]["version"]
     expected = result["ours"]["generated_tokens_per_s"] / result["trl"]["generated_tokens_per_s"]
     assert result["tokens_per_s_ratio_of_medians"] == pytest.approx(expected)
     per_round = [

@@ -1,0 +1,140 @@
+"""``tools/bench.py compare-trl --reward``: the words reward scores as documented, both sides call the
+same function, and our side's config points its ``custom_reward_function`` at it (fast: no trainer)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", file))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("verl_tools_bench", "bench.py")
+rewards = _load("verl_tools_bench_rewards", "bench_rewards.py")
+
+
+@pytest.mark.parametrize(
+    ("text", "score"),
+    [("", 0.0), ("12", 0.0), (" ", 1.0), ("a b c", 0.4), ("ab cd", 0.2), ("a\tb\nc", 0.0), ("  ab", 0.5)],
+)
+def test_words_score(text, score):
+    assert rewards.words_score(text) == pytest.approx(score)
+    assert rewards.compute_score(data_source="verl/arithmetic", solution_str=text, ground_truth="7") == \
+        pytest.approx(score)
+
+
+def _args(**kw):
+    base = dict(prompts=4, n=2, response_length=16, engine="vllm", lr=1e-4, steps=2, warmup=1, seed=3,
+                reward="arithmetic", rollout_dtype="fp32", micro_batch=16, overrides=[])
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+HF = {"num_hidden_layers": 2, "num_key_value_heads": 2, "hidden_size": 64, "num_attention_heads": 2}
+
+
+def _keys(overrides):
+    return dict(o.split("=", 1) for o in overrides)
+
+
+def test_our_side_config_per_reward():
+    words = _keys(bench._compare_trl_overrides(_args(reward="words"), "/m", "/t.parquet", HF, "fp32"))
+    assert words["custom_reward_function.path"] == bench.BENCH_REWARDS
+    assert os.path.isfile(words["custom_reward_function.path"])
+    assert words["custom_reward_function.name"] == "compute_score"
+    plain = _keys(bench._compare_trl_overrides(_args(), "/m", "/t.parquet", HF, "fp32"))
+    assert not any(k.startswith("custom_reward_function") for k in plain)  # the data source's scorer
+    # The user's overrides come last, so they win.
+    mine = bench._compare_trl_overrides(_args(reward="words", overrides=["custom_reward_function.name=x"]),
+                                        "/m", "/t.parquet", HF, "fp32")
+    assert mine[-1] == "custom_reward_function.name=x"
+
+
+def test_the_config_loads_with_the_words_reward(tmp_path):
+    overrides = bench._compare_trl_overrides(_args(reward="words"), "/m", "/t.parquet", HF, "fp32")
+    cfg = bench._rl_config("grpo_tiny_cpu", overrides, str(tmp_path), 1)
+    assert cfg.custom_reward_function.path == bench.BENCH_REWARDS
+    assert cfg.custom_reward_function.name == "compute_score"
+    # What our reward manager then calls is the function TRL's side calls.
+    from verl.rewards import load_custom_reward_fn
+
+    ours = load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    assert ours(data_source="verl/arithmetic", solution_str="a b c", ground_truth="1") == pytest.approx(0.4)
+
+
+def test_trl_side_scores_like_ours():
+    completions = ["a b c", "", "ab cd"]
+    conversational = [[{"role": "assistant", "content": c}] for c in completions]
+    kw = dict(prompts=["p"] * 3, ground_truth=["7", "12", "3"], data_source=["verl/arithmetic"] * 3)
+    words = bench._trl_reward("words")
+    assert words.__name__ == "words_reward"
+    assert words(completions=completions, **kw) == pytest.approx([0.4, 0.0, 0.2])
+    assert words(completions=conversational, **kw) == pytest.approx([0.4, 0.0, 0.2])
+    arithmetic = bench._trl_reward("arithmetic")
+    from verl.rewards.registry import default_compute_score
+
+    texts = ["Answer: 7", "Answer: 11", "no"]
+    got = arithmetic(completions=texts, **kw)
+    want = [float(default_compute_score("verl/arithmetic", t, g)) for t, g in zip(texts, kw["ground_truth"])]
+    assert got == want
+    assert got[0] == 1.0  # a right answer scores, so the arithmetic scorer is the real one
+
+
+def test_unknown_reward_is_refused():
+    with pytest.raises(ValueError, match="unknown reward"):
+        bench._reward_overrides("length")
+
+
+@pytest.mark.parametrize(("choice", "train", "want"),
+                         [("fp32", "bf16", "float32"), ("bf16", "fp32", "bfloat16"), ("auto", "bf16", "bfloat16"),
+                          ("auto", "fp32", "float32")])
+def test_rollout_dtype(choice, train, want):
+    got = _keys(bench._compare_trl_overrides(_args(rollout_dtype=choice), "/m", "/t.parquet", HF, train))
+    assert got["actor_rollout_ref.rollout.dtype"] == want
+    assert got["actor_rollout_ref.actor.megatron.dtype"] == bench._VERL_DTYPES[train]
+
+
+@pytest.mark.parametrize(("micro_batch", "hidden", "want"),
+                         [(16, 64, 8), (0, 64, 8), (4, 64, 4), (3, 64, 3), (None, 64, 8), (None, 512, 8)])
+def test_micro_batch(micro_batch, hidden, want):
+    # prompts 4 x n 2 = 8 rows: at most the whole batch; 0 is the whole batch; auto (None) is 16 rows from
+    # hidden 512 up, the whole batch below.
+    hf = dict(HF, hidden_size=hidden, num_attention_heads=hidden // 32)
+    args = _args(micro_batch=micro_batch)
+    got = _keys(bench._compare_trl_overrides(args, "/m", "/t.parquet", hf, "fp32"))
+    assert got["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == str(want)
+    assert got["actor_rollout_ref.actor.ppo_mini_batch_size"] == "4"  # one update per step on every prompt
+
+
+def test_micro_batch_auto_at_the_bench_sizes():
+    assert bench._micro_batch(None, 512, 64) == 16  # ~30M: 16 rows
+    assert bench._micro_batch(None, 64, 64) == 64  # tiny default: the whole batch, as before
+    assert bench._micro_batch(0, 512, 64) == 64
+
+
+@pytest.mark.parametrize(("flags", "hidden", "want"), [
+    (["avx2"], 512, "fp32"), (["avx2"], 64, "fp32"),
+    (["avx512_bf16"], 512, "bf16"), (["avx512_bf16"], 64, "fp32"),  # no AMX: bf16 was slower at hidden 64
+    (["avx512_bf16", "amx_bf16"], 64, "fp32"), (["amx_bf16"], 512, "bf16"),  # AMX at hidden 64: no faster
+])
+def test_train_dtype_auto(flags, hidden, want):
+    assert bench._verl_train_dtype("auto", hidden, flags) == want
+    assert bench._verl_train_dtype("fp32", hidden, flags) == "fp32"
+
+
+def test_engine_auto():
+    assert bench._verl_engine("auto", 64) == "hf"  # tiny default: vLLM's per-step cost dominates
+    assert bench._verl_engine("auto", 512) == "vllm"
+    assert bench._verl_engine("vllm", 64) == "vllm" and bench._verl_engine("hf", 512) == "hf"
+    got = _keys(bench._compare_trl_overrides(_args(engine="auto"), "/m", "/t.parquet", HF, "fp32"))
+    assert got["actor_rollout_ref.rollout.name"] == "hf"
