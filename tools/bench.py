@@ -594,8 +594,8 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
 # The trainer's phases (``timing_s/<name>``) in step order. ``gen`` encloses ``update_weights`` (the
 # push happens as the rollout phase opens), so the table shows ``gen`` less the push.
 _PHASES = (
-    "data", "gen", "update_weights", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
-    "records",
+    "data", "gen", "update_weights", "reward", "old_log_prob", "ref", "values", "exchange", "adv", "update_critic",
+    "update_actor", "records",  # exchange: roles on ranks of their own hand over their results (trainer.placement)
 )
 
 
