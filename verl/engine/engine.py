@@ -218,9 +218,11 @@ class MegatronEngine:
         output: OutputKind = "logprobs",
         temperature: float = 1.0,
         with_entropy: bool = False,
+        head_columns: int | None = None,
     ) -> ForwardResult:
         """Forward only: per-token outputs ([B, T]) of ``batch`` on every pipeline stage, in micro-batches
-        of ``micro_batch_size`` rows or as ``split`` cuts them (one of the two)."""
+        of ``micro_batch_size`` rows or as ``split`` cuts them (one of the two); ``head_columns``: as
+        ``verl.models.forward.forward_backward`` (log-probabilities of the last columns only)."""
         for chunk in self.chunks:
             chunk.eval()
         try:
@@ -234,6 +236,7 @@ class MegatronEngine:
                 temperature=temperature,
                 with_entropy=with_entropy,
                 broadcast=True,
+                head_columns=head_columns,
             )
         finally:
             for chunk in self.chunks:
@@ -249,8 +252,9 @@ class MegatronEngine:
         output: OutputKind = "logprobs",
         temperature: float = 1.0,
         with_entropy: bool = False,
+        head_columns: int | None = None,
     ) -> EngineStepResult:
-        """One optimizer step on this rank's share of the batch.
+        """One optimizer step on this rank's share of the batch (``head_columns``: as :meth:`forward`).
 
         ``batch`` holds ``input_ids`` and ``attention_mask`` [B, T] plus whatever ``loss_fn`` reads.
         ``loss_fn`` returns each micro-batch's ``LossShare`` of the global loss (the contract of
@@ -274,6 +278,7 @@ class MegatronEngine:
             temperature=temperature,
             with_entropy=with_entropy,
             broadcast=False,
+            head_columns=head_columns,
         )
         lr = self.current_lr()
         grad_norm, ok = optimizer_step(self.optimizer, self.optim_config.clip_grad)

@@ -330,8 +330,10 @@ class TorchEngine:
         output: OutputKind = "logprobs",
         temperature: float = 1.0,
         with_entropy: bool = False,
+        head_columns: int | None = None,
     ) -> ForwardResult:
-        """Forward only: per-token outputs ([B, T]) of ``batch`` in micro-batches (as ``MegatronEngine.forward``)."""
+        """Forward only: per-token outputs ([B, T]) of ``batch`` in micro-batches (as ``MegatronEngine.forward``;
+        ``head_columns`` is accepted for the one signature: this engine computes every column)."""
         split = self._micro_batches(batch, micro_batch_size, split)
         self.module.eval()
         try:
@@ -368,6 +370,7 @@ class TorchEngine:
         output: OutputKind = "logprobs",
         temperature: float = 1.0,
         with_entropy: bool = False,
+        head_columns: int | None = None,  # accepted for the one signature; every column is computed
     ) -> EngineStepResult:
         """One optimizer step on this rank's share of the batch (``MegatronEngine.train_step``'s
         contract): each micro-batch's ``LossShare`` backpropagated, DDP averaging the gradients

@@ -232,6 +232,8 @@ class RoleEngine:
                     output=output,
                     temperature=temperature,
                     with_entropy=with_entropy,
+                    # Only the response columns are returned: the log-softmax skips the prompts.
+                    head_columns=response_length if output == "logprobs" and not full else None,
                 )
 
         kind = f"forward ({output})"
@@ -292,7 +294,7 @@ class RoleEngine:
                 mask = local["response_mask"]  # [b, R]
                 info = GlobalBatchInfo.from_masks([mask.float()], group=self.pg.dp)
 
-                def run(size: int | None, split, local=local, info=info, rows=mask.shape[0]):
+                def run(size: int | None, split, local=local, info=info, rows=mask.shape[0], width=mask.shape[1]):
                     count = split.count if split is not None else -(-rows // size)
                     with self.active():
                         return self.engine.train_step(
@@ -303,6 +305,8 @@ class RoleEngine:
                             output=output,
                             temperature=temperature,
                             with_entropy=with_entropy,
+                            # The loss reads the response columns (response_mask's width) only.
+                            head_columns=width if output == "logprobs" else None,
                         )
 
                 results.append(self._fit("update", micro_batch_size, max_token_len, local["attention_mask"], run))
