@@ -5,8 +5,9 @@ Each tensor-parallel rank holds logits for a contiguous slice of the (padded) vo
 computed from three all-reduces over the TP group, each of a tensor with one number per token
 (the max, the sum of exponentials, and the target logit / the expected logit for entropy).
 
-Columns at or past ``vocab_size`` (padding added so the vocabulary splits evenly) are masked
-to -inf: they get probability exactly 0, never count in the entropy and never receive gradient.
+Columns at or past ``vocab_size`` (padding added at the vocabulary's end so it splits evenly)
+are left out of every pass: they get probability exactly 0, never count in the entropy and
+receive zero gradient.
 
 Both quantities come from one autograd Function with an analytic, communication-free backward:
 
@@ -29,49 +30,55 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_size, group, with_entropy):
-        # logits [N, V_local] (any float dtype), target [N] global token ids.
-        z = logits.float()
-        v_local = z.shape[-1]
-        col = torch.arange(vocab_start, vocab_start + v_local, device=z.device)
-        valid = col < vocab_size  # [V_local]
-        z = z.masked_fill(~valid, float("-inf"))
-
-        zmax = z.max(dim=-1).values  # [N]; -inf on a rank holding only padding
+        # logits [N, V_local] (any float dtype), target [N] global token ids. Megatron pads the
+        # vocabulary at its end: this rank's columns past vocab_size are padding, which gets
+        # probability 0, so they are left out of every pass (their gradient is 0).
+        n, v_local = logits.shape
+        n_valid = max(0, min(v_local, vocab_size - vocab_start))
+        z = logits[:, :n_valid].float()  # [N, n_valid]
+        if n_valid:
+            zmax = z.max(dim=-1).values  # [N]
+        else:  # a rank holding only padding
+            zmax = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
         zmax = _all_reduce(zmax, dist.ReduceOp.MAX, group)
-        shifted = z - zmax.unsqueeze(-1)  # [N, V_local], -inf on padding
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)  # [N]
+        shifted = z - zmax.unsqueeze(-1)  # [N, n_valid]
+        probs = shifted.exp()
+        sum_exp = _all_reduce(probs.sum(dim=-1), dist.ReduceOp.SUM, group)  # [N]
         log_sum = sum_exp.log()
-        probs = exp / sum_exp.unsqueeze(-1)  # [N, V_local], 0 on padding
+        probs.div_(sum_exp.unsqueeze(-1))  # [N, n_valid]: exp(shifted) / sum, in place
 
-        in_range = (target >= vocab_start) & (target < vocab_start + v_local)
-        local_idx = (target - vocab_start).clamp(0, v_local - 1)
-        target_shifted = shifted.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1)
-        target_shifted = torch.where(in_range, target_shifted, torch.zeros_like(target_shifted))
+        in_range = (target >= vocab_start) & (target < vocab_start + n_valid)
+        local_idx = (target - vocab_start).clamp(0, max(n_valid - 1, 0))
+        if n_valid:
+            target_shifted = shifted.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1)
+            target_shifted = torch.where(in_range, target_shifted, torch.zeros_like(target_shifted))
+        else:
+            target_shifted = torch.zeros_like(zmax)
         target_shifted = _all_reduce(target_shifted, dist.ReduceOp.SUM, group)
         logprob = target_shifted - log_sum  # [N]
 
-        shifted_finite = torch.where(valid, shifted, torch.zeros_like(shifted))
         if with_entropy:
-            expected = _all_reduce((probs * shifted_finite).sum(dim=-1), dist.ReduceOp.SUM, group)  # E_p[z - max]
+            expected = _all_reduce((probs * shifted).sum(dim=-1), dist.ReduceOp.SUM, group)  # E_p[z - max]
             entropy = log_sum - expected  # [N]
         else:
             expected = torch.zeros_like(logprob)
             entropy = torch.zeros_like(logprob)
-        ctx.save_for_backward(probs, shifted_finite, expected, in_range, local_idx)
+        ctx.save_for_backward(probs, shifted, expected, in_range, local_idx)
         ctx.with_entropy = with_entropy
         ctx.logits_dtype = logits.dtype
+        ctx.padding = v_local - n_valid
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         probs, shifted, expected, in_range, local_idx = ctx.saved_tensors
         grad = -probs * grad_logprob.unsqueeze(-1)
-        onehot = torch.zeros_like(probs)
-        onehot.scatter_(-1, local_idx.unsqueeze(-1), in_range.to(probs.dtype).unsqueeze(-1))
-        grad = grad + onehot * grad_logprob.unsqueeze(-1)
+        if probs.shape[-1]:  # + grad_logprob at the target column (where this rank holds it)
+            grad.scatter_add_(-1, local_idx.unsqueeze(-1), (in_range.to(probs.dtype) * grad_logprob).unsqueeze(-1))
         if ctx.with_entropy:
             grad = grad - grad_entropy.unsqueeze(-1) * probs * (shifted - expected.unsqueeze(-1))
+        if ctx.padding:
+            grad = torch.nn.functional.pad(grad, (0, ctx.padding))
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
