@@ -19,25 +19,17 @@ import pytest
 
 from verl.testing.distributed import run_distributed
 
+from .test_rl_trainer import FAST as RL_FAST
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+# test_rl_trainer's fast shapes (later overrides win), with two mini-batches per step for each
+# trained role and the roles' forward micro-batches of 8.
 FAST = [
-    "data.max_prompt_length=24",
-    "data.max_response_length=12",
-    "data.train_batch_size=8",
-    "actor_rollout_ref.rollout.n=4",
+    *RL_FAST,
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
     "critic.ppo_mini_batch_size=4",
-    "critic.ppo_micro_batch_size_per_gpu=8",
-    "critic.forward_micro_batch_size_per_gpu=8",
     "reward_model.micro_batch_size_per_gpu=8",
-    "trainer.val_before_train=false",
-    "trainer.test_freq=-1",
-    "trainer.save_hf=false",
-    "trainer.resume_mode=disable",
     "trainer.logger=[]",
 ]
 
@@ -68,8 +60,8 @@ def _config(config: str, engine: str, model_dir: str, files: dict[str, str], roo
             f"actor_rollout_ref.model.path={model_dir}",
             f"data.train_files={files['train']}",
             "data.val_files=null",
-            f"actor_rollout_ref.rollout.name={engine}",
             *FAST,
+            f"actor_rollout_ref.rollout.name={engine}",
             f"trainer.n_gpus_per_node={world}",
             f"trainer.default_local_dir={root}",
             *(e.format(model=model_dir) for e in extra),

@@ -5,6 +5,8 @@ the weights are the same, so the metrics are equal bit for bit on CPU)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from verl.testing.distributed import run_distributed
@@ -63,4 +65,4 @@ def test_the_tutorial_stream_with_the_reward_model_apart(tiny_model_dir, arithme
     for got_rank0, got_rank1, want in zip(two[0]["steps"], two[1]["steps"], one["steps"]):
         assert _numbers(got_rank0) == _numbers(got_rank1)  # every rank holds the step's metrics
         assert _numbers(got_rank0) == _numbers(want)
-        assert want["reward/reward_model/mean"] != 0.0 and want["loss"] == want["loss"]
+        assert want["reward/reward_model/mean"] != 0.0 and math.isfinite(want["loss"])

@@ -175,12 +175,14 @@ def _world(trainer: Any, world_size: int | None, problems: list[str]) -> tuple[i
     return world_size, f"{world_size} (launched)"
 
 
-def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: str, problems: list[str]) -> tuple[int, str] | None:
+def _layout(
+    role: str, prefix: str, m: MegatronConfig, world: int, world_text: str, problems: list[str], *, placed: bool = False
+) -> tuple[int, str] | None:
     """Check one role's Megatron layout; return (data-parallel size, how it was derived) or None."""
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     found = layout_problems(
         ranks=world,
-        ranks_text=world_text if "trainer.placement" in world_text else f"the world size {world_text}",
+        ranks_text=world_text if placed else f"the world size {world_text}",
         tensor=tp,
         pipeline=pp,
         context=cp,
@@ -189,13 +191,13 @@ def _layout(role: str, prefix: str, m: MegatronConfig, world: int, world_text: s
         names=LayoutNames(prefix=f"{prefix}."),
     )
     for problem in found:
-        fits = "its ranks" if "trainer.placement" in world_text else "the world"
+        fits = "its ranks" if placed else "the world"
         lead = f"the {role} layout does not fit {fits}: " if problem.kind == "divide" else ""
         problems.append(lead + problem.text)
     if any(problem.kind in ("degree", "divide") for problem in found):
         return None
     dp = world // (tp * pp * cp)
-    ranks = f"its {world} ranks" if "trainer.placement" in world_text else f"world {world}"
+    ranks = f"its {world} ranks" if placed else f"world {world}"
     return dp, f"{dp} ({ranks} / (tensor {tp} x pipeline {pp} x context {cp}))"
 
 
@@ -379,27 +381,29 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
         problems.extend(placed)
         return
 
+    placed = bool(cfg.trainer.placement)
+
     def size(role: str) -> tuple[int, str]:  # the ranks a role's layout must fit
         if not cfg.trainer.placement:
             return world, world_text
         return len(ranks[role]), f"{len(ranks[role])} (the {role}'s ranks {show_ranks(ranks[role])}, trainer.placement)"
 
-    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, *size("actor"), problems)
+    layout = _layout("actor", "actor_rollout_ref.actor.megatron", actor.megatron, *size("actor"), problems, placed=placed)
     if layout is not None:
         _mini_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size,
                       None if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu, n, train_bs, *layout,
                       problems)
     if cfg.use_reference:
-        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, *size("ref"), problems)
+        _layout("reference", "actor_rollout_ref.ref.megatron", arr.ref.megatron, *size("ref"), problems, placed=placed)
     if cfg.use_critic:
         critic = cfg.critic
-        layout = _layout("critic", "critic.megatron", critic.megatron, *size("critic"), problems)
+        layout = _layout("critic", "critic.megatron", critic.megatron, *size("critic"), problems, placed=placed)
         if layout is not None:
             _mini_batches("critic", critic.ppo_mini_batch_size,
                           None if critic.use_dynamic_bsz else critic.ppo_micro_batch_size_per_gpu, n, train_bs,
                           *layout, problems)
     if cfg.reward_model.enable:
-        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, *size("reward_model"), problems)
+        _layout("reward model", "reward_model.megatron", cfg.reward_model.megatron, *size("reward_model"), problems, placed=placed)
     rollout_ranks, rollout_text = size("rollout")  # the actor's ranks unless the rollout is placed apart
     if rollout_ranks % rollout.tensor_model_parallel_size:
         fits = "its ranks" if cfg.trainer.placement else "the world"

@@ -102,7 +102,7 @@ def share_columns(columns: dict[str, torch.Tensor] | None, src: int) -> dict[str
 
     payload = Batch.from_dict(columns) if dist.get_rank() == src else None
     whole = broadcast(payload, None, src=src)
-    return {name: tensor.cpu() if tensor.device.type != "cpu" else tensor for name, tensor in whole.tensors.items()}
+    return {name: tensor.cpu() for name, tensor in whole.tensors.items()}
 
 
 def share_object(value: object, src: int) -> object:
