@@ -178,6 +178,12 @@ def test_layouts_a_plain_module_cannot_take_are_refused(tiny_model_dir, tmp_path
     with pytest.raises(ValueError) as err:
         check_ppo_inputs(cfg)
     assert "has no value head" in str(err.value) and "critic-free estimator" in str(err.value)
+    packed = ["actor_rollout_ref.model.use_remove_padding=true"]
+    cfg = load_config(PPOConfig, config_file="ppo_trainer", overrides=base + packed)
+    with pytest.raises(ValueError) as err:
+        check_ppo_inputs(cfg)
+    assert "use_remove_padding=true: packed sequences run in Megatron models" in str(err.value)
+    assert "TinyGRULM its padded rows" in str(err.value) and "set it to false" in str(err.value)
 
 
 def test_engine_logprobs_equal_the_hand_computation(tmp_path):

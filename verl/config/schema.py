@@ -112,7 +112,7 @@ class ModelConfig(ConfigBase):
     trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the model.")
     override_config: dict[str, Any] = option({}, "Hugging Face config fields to override (add keys with +...override_config.KEY=VALUE).")
     enable_gradient_checkpointing: bool = option(False, "Recompute activations in backward (full recompute) to save memory.")
-    use_remove_padding: bool = option(False, "Packed THD sequences (the reference's key; default False there too). verl builds no THD path: without Transformer Engine (the local spec; every CPU run) True runs the padded micro-batches trimmed to their longest real row and logs that once; with Transformer Engine True is refused. See docs/benchmarks.md.")
+    use_remove_padding: bool = option(False, "Packed sequences (the reference's key; default False there too): each micro-batch's rows run as one row of their real tokens, Megatron's THD layout, so no layer but attention computes on padding. Transformer Engine's attention takes it natively, the local spec (every CPU run) through verl's per-sequence attention. Not with context parallelism. False: each micro-batch runs padded, trimmed to its longest real row (one pipeline stage). See docs/benchmarks.md.")
 
 
 @dataclass(kw_only=True)
@@ -317,6 +317,7 @@ class RewardModelModelConfig(ConfigBase):
     input_tokenizer: str | None = option(None, "Tokenizer of the policy, to decode responses before re-encoding them for the reward model; None: the actor's tokenizer.")
     trust_remote_code: bool = option(False, "Allow custom modelling code shipped with the reward model.")
     override_config: dict[str, Any] = option({}, "Hugging Face config fields to override.")
+    use_remove_padding: bool = option(False, "Packed sequences for the reward model's scoring pass: as actor_rollout_ref.model.use_remove_padding.")
 
 
 @dataclass(kw_only=True)

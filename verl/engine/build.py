@@ -3,7 +3,7 @@
 - :func:`load_model_spec`: the HF config of ``model.path`` with ``model.override_config`` applied;
 - :func:`build_trainable_chunks`: Megatron model chunks on the role's layout with the HF weights
   loaded, wrapped in Megatron's ``DistributedDataParallel`` when the role trains;
-- :func:`check_remove_padding`: what ``model.use_remove_padding`` does on the built layer spec;
+- :func:`check_remove_padding`: ``model.use_remove_padding`` checked against the built model;
 - :func:`build_optimizer` (``get_megatron_optimizer``: Adam/SGD, fp32 master weights) and
   :func:`build_scheduler` (``OptimizerParamScheduler``: linear warm-up, then constant, linear,
   cosine or inverse-square-root decay; :func:`lr_schedule_steps` resolves its lengths).
@@ -21,7 +21,6 @@ from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
 from verl.models.builder import HF_DTYPE_NAMES, ModelBuildConfig, build_model_chunks
 from verl.models.checkpoint import load_hf_weights
 from verl.models.hf_config import HFModelSpec, parse_hf_config
-from verl.utils.logging import warn_once
 from verl.utils.paths import check_model_dir, load_json_object
 
 if TYPE_CHECKING:
@@ -56,38 +55,34 @@ def resolve_dtype(dtype: str) -> str:
     return _SHORT_DTYPE[dtype]
 
 
-def check_remove_padding(requested: bool, transformer_impl: str, *, log: bool = True) -> None:
-    """Refuse or explain ``model.use_remove_padding=True``; verl builds no packed (THD) path.
+def check_remove_padding(requested: bool, transformer_impl: str, *, cp_size: int = 1, log: bool = True) -> None:
+    """Check ``model.use_remove_padding=True`` against the built model and say what it does.
 
-    Packing sequences end to end (Megatron's THD layout) needs ``PackedSeqParams`` with
-    ``cu_seqlens`` in every attention call, which Megatron-core's local ``DotProductAttention``
-    refuses (it asserts ``packed_seq_params is None``; checked in megatron-core 0.16.1) and only
-    Transformer Engine's attention takes.
-
-    - ``transformer_impl='local'`` (no Transformer Engine; every CPU run): the padded path runs
-      as with False, each micro-batch trimmed to its longest real row (one pipeline stage and no
-      context parallelism; the full width otherwise), so the outputs are the same; a warning says
-      so once per process (``log=False``: on ranks other than the group's first).
-    - ``transformer_impl='transformer_engine'``: ValueError, since running the padded path there
-      would silently ignore a setting the spec could honour.
+    True packs each micro-batch's rows into one row of their real tokens and runs it as
+    Megatron's THD packed sequences (``verl.models.packing``): Transformer Engine's attention
+    takes them natively, the local spec's through verl's ``VarlenDotProductAttention``. Context
+    parallelism is refused (ValueError naming the fix): verl does not split packed sequences over
+    context-parallel ranks. ``log``: say which attention runs them (False on ranks other than
+    the group's first).
     """
     if not requested:
         return
-    if transformer_impl == "transformer_engine":
+    if cp_size > 1:
         raise ValueError(
-            "model.use_remove_padding=true: verl does not build the packed THD path on the Transformer "
-            "Engine spec yet (PackedSeqParams with cu_seqlens per micro-batch); set "
-            "use_remove_padding=false: each micro-batch still runs at its longest real row, not the "
-            "padded width (one pipeline stage)"
+            f"model.use_remove_padding=true with context_parallel_size={cp_size}: verl does not split "
+            "packed (THD) sequences over context-parallel ranks; set use_remove_padding=false (each "
+            "micro-batch then runs padded) or context_parallel_size=1"
         )
     if log:
-        warn_once(
-            logger,
-            "model.use_remove_padding=true: packed THD sequences need Transformer Engine's attention "
-            "(megatron-core's local DotProductAttention refuses PackedSeqParams) and this model is built "
-            "on the local spec; running padded micro-batches trimmed to their longest real row instead "
-            "(one pipeline stage, no context parallelism; the full width otherwise): same outputs, "
-            "compute on the trimmed width",
+        attention = (
+            "Transformer Engine's variable-length attention"
+            if transformer_impl == "transformer_engine"
+            else "Megatron's local attention per sequence (verl.models.varlen_attention)"
+        )
+        logger.info(
+            "model.use_remove_padding=true: each micro-batch runs as one packed row of its real tokens "
+            "(Megatron's THD layout; attention by %s)",
+            attention,
         )
 
 

@@ -132,8 +132,12 @@ class MegatronEngine:
         self.transformer_config = self.chunks[0].config
         first_rank = pg.dp.rank() == 0 and pg.tp.rank() == 0 and pg.pp.rank() == 0
         check_remove_padding(
-            model.use_remove_padding, self.transformer_config.transformer_impl, log=first_rank
+            model.use_remove_padding,
+            self.transformer_config.transformer_impl,
+            cp_size=pg.cp.size(),
+            log=first_rank,
         )
+        self.pack_sequences = model.use_remove_padding
         self.optimizer = None
         self.scheduler = None
         self.steps_taken = 0
@@ -237,6 +241,7 @@ class MegatronEngine:
                 with_entropy=with_entropy,
                 broadcast=True,
                 head_columns=head_columns,
+                pack_sequences=self.pack_sequences,
             )
         finally:
             for chunk in self.chunks:
@@ -279,6 +284,7 @@ class MegatronEngine:
             with_entropy=with_entropy,
             broadcast=False,
             head_columns=head_columns,
+            pack_sequences=self.pack_sequences,
         )
         lr = self.current_lr()
         grad_norm, ok = optimizer_step(self.optimizer, self.optim_config.clip_grad)

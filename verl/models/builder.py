@@ -220,12 +220,17 @@ def local_layer_spec(config: "TransformerConfig", *, vp_stage: int | None, pp_ra
     """Megatron's local (no Transformer Engine) block spec of this stage with verl's :class:`RMSNorm`.
 
     Megatron's own local norm (``WrappedTorchNorm``) refuses sequence parallel; verl's computes
-    the transformers formula and tags its weight for sequence parallel.
+    the transformers formula and tags its weight for sequence parallel. The core attention is
+    Megatron's, extended to packed (THD) sequences (``verl.models.packing``); unpacked calls are
+    Megatron's own.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from verl.models.varlen_attention import VarlenDotProductAttention
+
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)

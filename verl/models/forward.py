@@ -16,6 +16,11 @@ columns hold only pads, which causal attention never lets a real token see, so t
 outputs are those of the full width (float rounding of the shorter matmuls apart). With
 pipeline stages every micro-batch keeps the width ``T`` (the stages exchange fixed shapes).
 
+Packed sequences (``pack_sequences``, the config's ``use_remove_padding``) go further: each
+micro-batch's rows become one row of their real tokens, run as Megatron's THD packed sequences
+(``verl.models.packing``), so no layer but attention computes on any pad; with pipeline stages
+every packed micro-batch is padded to the largest one's width.
+
 Outputs (all [B, T], float32, aligned with ``input_ids``):
 
 - ``logprobs[:, t]`` = log p(input_ids[:, t] | real tokens before t), computed from
@@ -55,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl.models.micro_batches import MicroBatchSplit, fixed_split
+from verl.models.packing import PackedMicroBatch, pack_like, pack_micro_batch, packed_width, unpack_to_rows
 from verl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 if TYPE_CHECKING:
@@ -128,10 +134,26 @@ def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> tor
 @dataclass
 class _MicroBatch:
     tensors: dict[str, torch.Tensor]  # this micro-batch's slice of every batch tensor, [b, ...]
-    input_ids: torch.Tensor  # packed [b, S]
-    position_ids: torch.Tensor  # [b, S]
-    order: torch.Tensor  # [b, T]
+    input_ids: torch.Tensor  # what the model reads: [b, S] (rows packed left) or [1, S] (sequences packed)
+    position_ids: torch.Tensor  # the same shape
+    order: torch.Tensor | None  # [b, T]: rows packed left (pack_left)
     mask: torch.Tensor  # [b, T] float
+    packed: PackedMicroBatch | None = None  # sequences packed into one row (verl.models.packing)
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token model outputs ([rows, S, ...]) -> the micro-batch's layout ([b, T, ...])."""
+        if self.packed is None:
+            return unpack(x, self.order)
+        b, t = self.mask.shape
+        return unpack_to_rows(x, self.packed.real, b, t)
+
+    def to_model(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of the micro-batch ([b, T]) in the model's layout ([rows, S])."""
+        s_len = self.input_ids.shape[1]
+        if self.packed is not None:
+            return pack_like(x, self.packed.real, s_len)
+        x = x.gather(1, self.order)
+        return x[:, :s_len] if x.shape[1] >= s_len else F.pad(x, (0, s_len - x.shape[1]))
 
 
 @dataclass
@@ -162,22 +184,21 @@ def _head_outputs(
     log-probabilities (and entropy) of the last that many columns only (module docstring)."""
     mask = mb.mask
     if kind == "values":
-        values = output.squeeze(-1).float()  # [b, S]
-        return {"values": unpack(values, mb.order) * mask}
+        values = output.squeeze(-1).float()  # [rows, S]
+        return {"values": mb.to_rows(values) * mask}
     if kind == "logits":
-        logits = unpack(output, mb.order)  # [b, T, V_local]
+        logits = mb.to_rows(output)  # [b, T, V_local]
         return {"logits": logits * mask.unsqueeze(-1).to(logits.dtype)}
-    logits = output[:, :-1]  # [b, S-1, V_local] predicts packed tokens 1..S-1
-    targets = mb.input_ids[:, 1:]  # [b, S-1]
+    logits = output[:, :-1]  # [rows, S-1, V_local] predicts the model's tokens 1..S-1
+    targets = mb.input_ids[:, 1:]  # [rows, S-1]
     chosen = None
     if head_columns is not None:
-        # Only the tokens of the last head_columns columns (the responses): where they sit once packed.
+        # Only the tokens of the last head_columns columns (the responses): where the model reads them.
         b, t = mask.shape
         wanted = mask.bool() & (torch.arange(t, device=mask.device) >= t - head_columns)  # [b, T]
-        packed = wanted.gather(1, mb.order)  # [b, T], packed order
-        s_len = output.shape[1]
-        packed = packed[:, :s_len] if packed.shape[1] >= s_len else F.pad(packed, (0, s_len - packed.shape[1]))
-        chosen = packed[:, 1:]  # [b, S-1]: the targets whose log-probability is computed
+        chosen = mb.to_model(wanted)[:, 1:]  # [rows, S-1]: the targets whose log-probability is computed
+        if mb.packed is not None:  # a row's first token follows the previous row's last: not predicted
+            chosen = chosen & ~mb.packed.starts[1:]
         logits, targets = logits[chosen], targets[chosen]  # [N, V_local], [N]
     if temperature != 1.0:
         logits = logits / temperature
@@ -193,9 +214,13 @@ def _head_outputs(
     if chosen is not None:  # back to [b, S-1], 0 at the tokens not asked for
         logprobs = logprobs.new_zeros(chosen.shape).index_put((chosen,), logprobs)
         entropy = entropy.new_zeros(chosen.shape).index_put((chosen,), entropy)
-    out = {"logprobs": unpack(F.pad(logprobs, (1, 0)), mb.order) * mask}
+    logprobs, entropy = F.pad(logprobs, (1, 0)), F.pad(entropy, (1, 0))  # [rows, S], 0: nothing predicts token 0
+    if mb.packed is not None:  # nor each row's first token (it follows the previous row in the packed row)
+        logprobs = logprobs.masked_fill(mb.packed.starts, 0.0)
+        entropy = entropy.masked_fill(mb.packed.starts, 0.0)
+    out = {"logprobs": mb.to_rows(logprobs) * mask}
     if with_entropy:
-        out["entropy"] = unpack(F.pad(entropy, (1, 0)), mb.order) * mask
+        out["entropy"] = mb.to_rows(entropy) * mask
     return out
 
 
@@ -210,8 +235,22 @@ def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) ->
     return _trimmed_width(longest, seq_len, multiple)
 
 
+def packed_widths(
+    attention_mask: torch.Tensor, split: MicroBatchSplit, multiple: int, *, common: bool
+) -> list[int]:
+    """Each micro-batch's packed width (``use_remove_padding``): its real tokens rounded up to
+    ``multiple``; ``common``: every micro-batch at the largest (pipeline stages exchange fixed shapes)."""
+    lengths = attention_mask.sum(-1).tolist()
+    widths = [packed_width(int(sum(lengths[i] for i in index)), multiple) for index in split.parts]
+    return [max(widths)] * len(widths) if common and widths else widths
+
+
 def _micro_batches(
-    batch: Mapping[str, torch.Tensor], split: MicroBatchSplit, seq_len: int, trim_multiple: int | None = None
+    batch: Mapping[str, torch.Tensor],
+    split: MicroBatchSplit,
+    seq_len: int,
+    trim_multiple: int | None = None,
+    pack_widths: list[int] | None = None,
 ) -> list[_MicroBatch]:
     device = batch["input_ids"].device
     # Every row's real length in one device-to-host copy for the whole batch, not one sync per
@@ -219,13 +258,26 @@ def _micro_batches(
     lengths = batch["attention_mask"].sum(-1).tolist() if trim_multiple is not None else None
     positions_by_width: dict[int, torch.Tensor] = {}  # [S] per width, shared read-only by micro-batches
     out = []
-    for index in split.parts:
+    for number, index in enumerate(split.parts):
         idx = torch.as_tensor(index, dtype=torch.long, device=device)
         mb = {k: v.index_select(0, idx) for k, v in batch.items()}
         pad_rows = split.rows - len(index) if split.pad else 0
         if pad_rows > 0:
             # Rows with an all-zero mask keep the shapes fixed for the pipeline; dropped at the end.
             mb = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in mb.items()}
+        if pack_widths is not None:  # sequences packed into one row (verl.models.packing)
+            packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], pack_widths[number])
+            out.append(
+                _MicroBatch(
+                    tensors=mb,
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    order=None,
+                    mask=mb["attention_mask"].to(torch.float32),
+                    packed=packed,
+                )
+            )
+            continue
         if lengths is None:
             width = seq_len
         else:
@@ -270,6 +322,7 @@ def forward_backward(
     broadcast: bool = True,
     trim_padding: bool = True,
     head_columns: int | None = None,
+    pack_sequences: bool = False,
 ) -> ForwardResult:
     """Run the batch through the model in micro-batches with Megatron's pipeline schedule.
 
@@ -293,6 +346,9 @@ def forward_backward(
             reads); the other columns are 0. The log-softmax over the vocabulary then skips the
             prompts' tokens (measured: the vocabulary head was 28% of the tiny model's update).
             The computed columns are the same numbers as without it. None: every column.
+        pack_sequences: each micro-batch's rows packed into one row of their real tokens, run as
+            Megatron's THD packed sequences (``verl.models.packing``; ``model.use_remove_padding``):
+            no compute on padding in any layer but attention. Not with context parallelism.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -326,7 +382,18 @@ def forward_backward(
     trim_multiple = None
     if trim_padding and pp_size == 1 and pg.cp.size() == 1:
         trim_multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
-    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple)
+    widths = None
+    rows = split.rows
+    if pack_sequences:
+        if pg.cp.size() > 1:
+            raise ValueError(
+                f"packed sequences (use_remove_padding) with context parallel {pg.cp.size()}: verl does not "
+                "split packed sequences over context-parallel ranks; set use_remove_padding=false"
+            )
+        multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
+        widths = packed_widths(batch["attention_mask"], split, multiple, common=pp_size > 1)
+        seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
+    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
     head = functools.partial(
@@ -364,7 +431,10 @@ def forward_backward(
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
-        out = chunk(mb.input_ids, mb.position_ids, None)
+        if mb.packed is None:
+            out = chunk(mb.input_ids, mb.position_ids, None)
+        else:
+            out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed.seq_params())
         return out, functools.partial(collect, mb)
 
     schedule = get_forward_backward_func(pp_size=pp_size, vp_size=len(chunks) if len(chunks) > 1 else None)
@@ -374,7 +444,7 @@ def forward_backward(
         model=chunks,
         num_microbatches=num_micro,
         seq_length=seq_len,
-        micro_batch_size=split.rows,
+        micro_batch_size=rows,
         forward_only=forward_only,
         pg_collection=pg,
     )

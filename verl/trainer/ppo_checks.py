@@ -185,6 +185,11 @@ def _plain_module_problems(cfg: PPOConfig) -> list[str]:
                 )
         if m.virtual_pipeline_model_parallel_size is not None or m.sequence_parallel:
             problems.append(f"{prefix}: no virtual pipeline or sequence parallelism for the plain nn.Module {module}")
+    if arr.model.use_remove_padding:
+        problems.append(
+            f"actor_rollout_ref.model.use_remove_padding=true: packed sequences run in Megatron models; the plain "
+            f"PyTorch engine feeds {module} its padded rows (the all-pad trailing columns cut); set it to false"
+        )
     if arr.rollout.tensor_model_parallel_size != 1:
         problems.append(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size}: the "

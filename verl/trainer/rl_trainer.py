@@ -447,6 +447,7 @@ class RLTrainer:
                     path=rm.model.path,
                     trust_remote_code=rm.model.trust_remote_code,
                     override_config=dict(rm.model.override_config),
+                    use_remove_padding=rm.model.use_remove_padding,
                 ),
                 megatron=rm.megatron,
                 pg=groups["reward_model"].pg_collection,

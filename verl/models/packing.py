@@ -1,0 +1,141 @@
+"""Packed sequences (``model.use_remove_padding``): Megatron's THD layout, on either layer spec.
+
+A micro-batch of ``b`` padded rows becomes one row of its real tokens only: the rows' real
+tokens one after another (``[1, S]``), their boundaries in ``cu_seqlens`` (int32, ``[k + 1]``),
+handed to the model as Megatron's ``PackedSeqParams(qkv_format="thd")``. Every linear layer,
+norm and the vocabulary head then run on the real tokens, not on ``b x`` the longest row;
+Megatron's attention restarts the rotary positions at each boundary (``apply_rotary_pos_emb``
+with ``cu_seqlens``) and the core attention keeps each sequence to itself.
+
+The core attention is the only part that depends on the spec:
+
+- Transformer Engine's ``TEDotProductAttention`` takes THD natively (its variable-length kernels).
+- Megatron-core's local ``DotProductAttention`` refuses ``packed_seq_params`` (it asserts it is
+  None; megatron-core 0.16.1). ``verl.models.varlen_attention.VarlenDotProductAttention`` is the local spec's core
+  attention in verl's builder: without ``packed_seq_params`` it *is* Megatron's (the same call);
+  with them it lays the packed queries, keys and values out as ``[max_seqlen, k, heads, dim]``
+  (sequence ``i``'s tokens in column ``i``, zeros after its end), runs Megatron's own causal
+  attention on that, and gathers each real token's output back into the packed order. Causal
+  attention never lets a token see a later position, so the zeros after a sequence never reach
+  its tokens: the outputs are those of each sequence alone. Attention is the one part computed at
+  the longest sequence's length, as on the padded path; everything else is on real tokens.
+
+So one code path (:func:`pack_micro_batch` in, ``PackedSeqParams`` through Megatron, the
+outputs scattered back) serves CPU and GPU; only the attention kernel differs.
+
+Layout rules (:func:`pack_micro_batch`): rows with no real token take no segment; the packed
+row is padded at its end to ``width`` (a multiple of 8, and of TP under sequence parallelism;
+with pipeline stages every micro-batch's common width) and the padding is a segment of its own
+(it attends to itself only; its outputs are dropped), so every segment has at least one token.
+Context parallelism splits THD sequences across ranks in a way this module does not do; the
+engine refuses ``use_remove_padding`` with it (``verl.engine.build.check_remove_padding``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from verl.models.varlen_attention import PackedRows
+
+
+@dataclass
+class PackedMicroBatch:
+    """One micro-batch packed (:func:`pack_micro_batch`)."""
+
+    input_ids: torch.Tensor
+    """[1, width]: the rows' real tokens in row order, then padding (id 0)."""
+    position_ids: torch.Tensor
+    """[1, width]: each token's position in its own row (0 at every row's first real token)."""
+    real: torch.Tensor
+    """[n] (int64): the flat indices (into the micro-batch's ``[b * T]``) of its real tokens, in
+    packed order: packed token ``j < n`` is ``input_ids.view(-1)[real[j]]`` of the padded rows."""
+    starts: torch.Tensor
+    """[width] bool: True at each row's first real token (nothing in the packed row predicts it)."""
+    cu_seqlens: torch.Tensor
+    """[k + 1] int32: the segments' boundaries (the rows with real tokens, then the padding if any)."""
+    max_seqlen: int
+    """The longest segment."""
+    token_segment: torch.Tensor
+    """[width] int64: the segment of each packed token."""
+    token_offset: torch.Tensor
+    """[width] int64: each packed token's position in its segment."""
+
+    def seq_params(self) -> PackedRows:
+        """What the model is called with (``packed_seq_params=``): Megatron's THD ``PackedSeqParams``."""
+        from verl.models.varlen_attention import PackedRows
+
+        return PackedRows(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+            token_segment=self.token_segment,
+            token_offset=self.token_offset,
+            segments=self.cu_seqlens.numel() - 1,
+        )
+
+
+def packed_width(real_tokens: int, multiple: int) -> int:
+    """The packed row's width for ``real_tokens``: rounded up to ``multiple`` (at least one ``multiple``)."""
+    return max(multiple, -(-real_tokens // multiple) * multiple)
+
+
+def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> PackedMicroBatch:
+    """Pack ``input_ids`` [b, T] (``attention_mask`` 1 = real token) into one row of ``width`` tokens.
+
+    ``width`` must hold every real token (``>= attention_mask.sum()``). The real tokens keep their
+    order within each row (left- and right-padding alike), so token ``k`` of a row is at position ``k``.
+    """
+    device = input_ids.device
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1)  # [b]
+    real = mask.reshape(-1).nonzero().squeeze(-1)  # [n], row-major = packed order
+    n = real.numel()
+    if n > width:
+        raise ValueError(f"pack_micro_batch: {n} real tokens do not fit a packed width of {width}")
+    seg_lengths = lengths[lengths > 0]
+    if width > n:  # the padding: a segment of its own
+        seg_lengths = torch.cat([seg_lengths, seg_lengths.new_tensor([width - n])])
+    cu = torch.zeros(seg_lengths.numel() + 1, dtype=torch.int32, device=device)
+    cu[1:] = seg_lengths.cumsum(0)
+    segment = torch.repeat_interleave(
+        torch.arange(seg_lengths.numel(), device=device), seg_lengths
+    )  # [width]
+    offset = torch.arange(width, device=device) - cu[:-1].long()[segment]  # [width]
+    packed = input_ids.new_zeros(1, width)
+    packed[0, :n] = input_ids.reshape(-1)[real]
+    starts = offset == 0
+    if width > n:
+        starts[n:] = False  # the padding is no row's first token
+    return PackedMicroBatch(
+        input_ids=packed,
+        position_ids=offset.unsqueeze(0),
+        real=real,
+        starts=starts,
+        cu_seqlens=cu,
+        max_seqlen=int(seg_lengths.max()),
+        token_segment=segment,
+        token_offset=offset,
+    )
+
+
+def unpack_to_rows(packed: torch.Tensor, real: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Per-token outputs of a packed row ([1, S, ...]) back to the padded rows ([rows, width, ...]); 0 at pads.
+
+    Differentiable (an ``index_put`` into zeros)."""
+    tail = packed.shape[2:]
+    out = packed.new_zeros(rows * width, *tail)
+    out = out.index_put((real,), packed[0, : real.numel()])
+    return out.view(rows, width, *tail)
+
+
+def pack_like(values: torch.Tensor, real: torch.Tensor, width: int) -> torch.Tensor:
+    """A per-token tensor of the padded rows ([b, T]) in packed order ([1, width]; 0 after the real tokens)."""
+    out = values.new_zeros(1, width)
+    out[0, : real.numel()] = values.reshape(-1)[real]
+    return out
