@@ -178,8 +178,9 @@ def test_every_estimator_and_policy_loss_runs_a_step(tiny_model_dir, arithmetic_
         if name.startswith("gae"):
             assert "critic/vf_loss" in step
         if name == "kl_in_reward_adaptive":
-            assert step["actor/reward_kl_penalty"] == 0.0 and step["actor/reward_kl_penalty_coeff"] == 0.001
+            # the actor's and the reference's engines: equal to float rounding (test_rl_trainer's docstring)
+            assert abs(step["actor/reward_kl_penalty"]) <= 1e-6 and step["actor/reward_kl_penalty_coeff"] == 0.001
         if name == "kl_loss_dual_clip":
-            assert step["actor/kl_loss"] == 0.0
+            assert abs(step["actor/kl_loss"]) <= 1e-6  # two engines: rounding (test_rl_trainer's docstring)
         if name == "reward_model":
             assert "reward/model_score_mean" in step

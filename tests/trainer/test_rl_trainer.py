@@ -7,7 +7,11 @@ not need a trained one. Each case runs in ONE call on the persistent 2-rank pool
 Invariants of the first update (one mini-batch per step, one PPO epoch, the same micro-batch
 size for every forward pass): the actor's old log-probabilities, the reference's and the
 update's come from the same weights with the same arithmetic, so the policy ratio is exactly 1
-(``actor/ppo_kl`` 0, nothing clipped) and the KL to the reference is exactly 0.
+(``actor/ppo_kl`` 0, nothing clipped) and the KL to the reference is 0 to float rounding (1e-6):
+the reference's log-probabilities come from another engine than the actor's (GRPO's KL loss,
+PPO's KL in the reward), whose activations sit at different addresses, and the CPU BLAS picks
+its kernels (so its summation order) by alignment: measured on packed rows at TP=2, the same
+inputs and weights gave query/key/value projections 1.8e-7 apart and a KL of -1.9e-8.
 """
 
 from __future__ import annotations
@@ -160,9 +164,9 @@ def test_grpo_and_ppo_at_every_layout(tiny_model_dir, arithmetic_files, tmp_path
         assert first["actor/ppo_kl"] == 0.0, name
         assert first["actor/pg_clipfrac"] == 0.0 and first["actor/pg_clipfrac_lower"] == 0.0, name
         if name.startswith("grpo"):
-            assert first["actor/kl_loss"] == 0.0, name
+            assert abs(first["actor/kl_loss"]) <= 1e-6, name  # two engines: rounding (docstring)
         else:
-            assert first["actor/reward_kl_penalty"] == 0.0, name
+            assert abs(first["actor/reward_kl_penalty"]) <= 1e-6, name  # two engines: rounding (docstring)
         keys = COMMON_KEYS + (CRITIC_KEYS if name.startswith("ppo") else [])
         missing = [k for k in keys if k not in first]
         assert not missing, (name, missing)
@@ -276,7 +280,7 @@ def test_grpo_step_with_token_budget_micro_batches(tiny_model_dir, arithmetic_fi
     # the fewest micro-batches the budget allows: at least the tokens' bound, fewer than one per row
     assert math.ceil(step["perf/total_num_tokens"] / 2 / DYNAMIC_BUDGET) <= count < 16
     assert step["actor/ppo_kl"] == 0.0 and step["actor/pg_clipfrac"] == 0.0
-    assert step["actor/kl_loss"] == 0.0
+    assert abs(step["actor/kl_loss"]) <= 1e-6  # the actor's and the reference's engines: rounding (docstring)
     assert math.isfinite(step["actor/grad_norm"]) and "timing_s/old_log_prob" in step
 
 

@@ -135,7 +135,9 @@ def test_grpo_with_vllm_agrees_with_the_trainer_and_learns(tiny_model_dir, arith
             m["training/rollout_logprob_diff_max"],
         )
         assert m["training/token_mult_prob_error"] < 1.0 + LOGPROB_ATOL, step
-    assert steps[1]["actor/ppo_kl"] == 0.0 and steps[1]["actor/kl_loss"] == 0.0
+    assert steps[1]["actor/ppo_kl"] == 0.0
+    # the actor's and the reference's engines agree to float rounding (test_rl_trainer's docstring)
+    assert abs(steps[1]["actor/kl_loss"]) <= 1e-6
     assert after >= before + MARGIN, (
         f"validation reward {before:.3f} -> {after:.3f}, expected a rise of {MARGIN}"
     )
