@@ -18,7 +18,7 @@
 #   build        verl._C with the CUDA kernels (setup.py build_ext --inplace, nvcc)
 #   csrc         the kernels' tests on cpu and cuda (byte copy, shard copy, range copy)
 #   engine       Megatron engine on the GPU, one rank (NCCL): bf16 with fp32 master weights,
-#                clipping, the loss contract
+#                clipping, the loss contract, packed sequences (use_remove_padding) equal to padded
 #   rl-step      tools/bench.py rl-step on the tiny default on the GPU (transformers rollout,
 #                trainer.device=cuda): phases, tokens/s, peak memory
 #   rollout      tools/bench.py rollout on the GPU: generation tokens/s and the rollout-vs-trainer
@@ -71,7 +71,7 @@ step env 30 bash -c "nvidia-smi; $python -c 'import torch; print(torch.__version
 step build 240 "$python" setup.py -q build_ext --inplace
 step csrc 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/csrc/test_copy_shards.py tests/csrc/test_copy_ranges.py
 step engine 150 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/trainer/test_engine_bf16.py tests/trainer/test_engine_clipping.py \
-  tests/models/test_loss_contract.py
+  tests/models/test_loss_contract.py tests/trainer/test_engine_remove_padding.py
 step rl-step 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
   actor_rollout_ref.rollout.name=hf trainer.device=cuda
 step rollout 90 "$python" tools/bench.py rollout --model /tmp/verl-bench-inputs/qwen2-h64-l2-a2 --engine hf
