@@ -234,7 +234,9 @@ def _vpp_body(model_dir, batch):
     chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(), pg, vpp_size=2)
     load_hf_weights(chunks, model_dir, pg=pg)
     result = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs")
-    return [c.verl_layer_offset for c in chunks], result.outputs["logprobs"]
+    # packed sequences through the interleaved schedule (every micro-batch at the common packed width)
+    packed = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs", pack_sequences=True)
+    return [c.verl_layer_offset for c in chunks], result.outputs["logprobs"], packed.outputs["logprobs"]
 
 
 def test_interleaved_pipeline_matches_transformers(tmp_path):
@@ -243,8 +245,9 @@ def test_interleaved_pipeline_matches_transformers(tmp_path):
     results = run_distributed(_vpp_body, 2, model_dir, batch)
     assert [r[0] for r in results] == [[0, 2], [1, 3]]  # stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
     expected, _ = reference_logprobs_entropy(hf_outputs(model_dir, batch), batch["input_ids"], batch["attention_mask"])
-    for _, logprobs in results:
+    for _, logprobs, packed in results:
         torch.testing.assert_close(logprobs, expected, rtol=0, atol=ATOL)
+        torch.testing.assert_close(packed, expected, rtol=0, atol=ATOL)
 
 
 # ----------------------------------------------------------------------------------------------

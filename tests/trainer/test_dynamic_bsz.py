@@ -70,9 +70,10 @@ def _make_value_loss(info, num_micro):
     return loss_fn
 
 
-def _runs(model_dir: str, pp: int, modes: list[tuple[str, str, int]]) -> list[dict]:
+def _runs(model_dir: str, pp: int, modes: list[tuple[str, str, int]], packed: bool = False) -> list[dict]:
     """For each (head, mode, size): a fresh engine (seeded alike, so a value head starts the same),
-    a forward of the batch and one update, cut by ``size`` rows (``rows``) or tokens (``tokens``)."""
+    a forward of the batch and one update, cut by ``size`` rows (``rows``) or tokens (``tokens``);
+    ``packed``: each micro-batch run as packed sequences (``model.use_remove_padding``)."""
     from verl.config import MegatronConfig, ModelConfig, OptimConfig
     from verl.parallel import megatron_state as ms
     from verl.protocol import Batch
@@ -85,7 +86,7 @@ def _runs(model_dir: str, pp: int, modes: list[tuple[str, str, int]]) -> list[di
     for head, mode, size in modes:
         ms.initialize_role(pg, seed=7)
         role = RoleEngine(
-            model=ModelConfig(path=model_dir),
+            model=ModelConfig(path=model_dir, use_remove_padding=packed),
             megatron=MegatronConfig(pipeline_model_parallel_size=pp),
             pg=pg,
             # SGD with an active clip (as test_engine_parallel): the update is the gradient itself.
@@ -201,6 +202,20 @@ def test_two_pipeline_stages_pad_token_micro_batches_to_one_shape(reference, tin
     for (run,) in per_rank:
         # Each stage holds its own layers (weights are compared at DP above); the forward reaches
         # every stage and the step's numbers are the role's.
+        _same_as_reference(run, reference["lm"], weights=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_packed_micro_batches_under_a_token_budget_match_one_micro_batch(reference, tiny_model_dir):
+    # use_remove_padding: each micro-batch (rows or a token budget) packed into one row of its real
+    # tokens; on one rank every mode, and with two pipeline stages the token split (the packed
+    # micro-batches then share one width). The same tolerances: float32 sums of other lengths.
+    runs = run_distributed(_runs, 1, tiny_model_dir, 1, ALL_MODES, True)[0]
+    for (head, _, _), run in zip(ALL_MODES, runs):
+        _same_as_reference(run, reference[head])
+    for (run,) in run_distributed(_runs, 2, tiny_model_dir, 2, [("lm", "tokens", BUDGET)], True):
+        assert run["micro_batches"] == _local_split(0, 1).count
         _same_as_reference(run, reference["lm"], weights=False)
 
 
