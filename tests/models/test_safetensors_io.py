@@ -105,3 +105,19 @@ def test_writer_shards_and_indexes(tmp_path):
         loaded.update(load_file(str(tmp_path / fn)))
     assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], v) for k, v in tensors.items())
     assert torch.equal(SafetensorsReader(str(tmp_path)).read("t3"), tensors["t3"])
+
+
+@pytest.mark.parametrize("max_shard_bytes", [2048, 1 << 20], ids=["sharded", "one-file"])
+def test_written_files_get_the_umask_mode_not_0600(tmp_path, max_shard_bytes):
+    # safetensors writes through a private temporary (0600); an exported model must be readable
+    # by whoever may read the config beside it (0666 less the umask).
+    old = os.umask(0o022)
+    try:
+        writer = SafetensorsWriter(str(tmp_path), max_shard_bytes=max_shard_bytes)
+        writer.add_all((f"t{i}", torch.full((256,), float(i))) for i in range(5))
+        files = writer.finish()
+    finally:
+        os.umask(old)
+    assert files
+    for name in files:
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o644, name

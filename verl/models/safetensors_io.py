@@ -250,8 +250,15 @@ def commit_shards(out_dir: str, shards: list[ShardFile]) -> list[str]:
 
     One file becomes ``model.safetensors``; several become ``model-0000i-of-0000n.safetensors``
     (in the order given) with ``model.safetensors.index.json`` mapping every tensor to its file.
-    Returns the final file names.
+    Returns the final file names. The files get the mode any new file gets here (``0o666`` less the
+    umask, as the config and tokenizer beside them): the safetensors library writes its files
+    through a private temporary (0600), which left an exported model unreadable to the rest of a
+    shared cluster's users.
     """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path, _, _ in shards:
+        os.chmod(path, 0o666 & ~umask)
     n = len(shards)
     if n == 1:
         os.replace(shards[0][0], os.path.join(out_dir, "model.safetensors"))
