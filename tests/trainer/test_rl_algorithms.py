@@ -82,6 +82,7 @@ def _cases(model_dir: str, root: str) -> dict[str, list[str]]:
         "algorithm.adv_estimator=grpo",
         "reward_model.enable=true",
         f"reward_model.model.path={model_dir}",
+        "reward_model.model.use_remove_padding=true",  # its scoring pass packed (values: test_packed_sequences)
         "reward_model.overlong_buffer.enable=true",
         "reward_model.overlong_buffer.len=4",
     ]
