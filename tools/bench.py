@@ -869,6 +869,9 @@ def _rollout_shaped_batch(vocab: int, rows: int, prompt: int, response: int, see
 
 
 def _packing_run(args: argparse.Namespace) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
     import torch
 
     from verl.algos import agg_loss
@@ -876,9 +879,6 @@ def _packing_run(args: argparse.Namespace) -> dict[str, Any]:
     from verl.engine import LossShare, MegatronEngine
     from verl.parallel import megatron_state as ms
     from verl.parallel.bootstrap import destroy_distributed, init_distributed
-
-    import shutil
-    import tempfile
 
     model, made = args.model, None
     if model is None:

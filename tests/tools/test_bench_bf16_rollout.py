@@ -10,17 +10,11 @@ against the bf16 engine measured 1.0023-1.0029, against the float32 engine 1.002
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytest.importorskip("vllm", reason="the CPU vLLM build (pip install -e .[cpu])")
+from tests.tools.bench_run import run_bench
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "tools", "bench.py")
+pytest.importorskip("vllm", reason="the CPU vLLM build (pip install -e .[cpu])")
 
 LOGPROB_MAX_ABS = 0.1  # any sampled token of the batch
 LOGPROB_MEAN_ABS = 0.02
@@ -33,18 +27,14 @@ def test_vllm_bf16_rollout_agrees_with_fp32_within_the_bound(tmp_path):
     from verl.data.tiny_model import TinyModelSpec, make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "qwen2"), TinyModelSpec(family="qwen2", corpus_lines=600, seed=1))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    env.pop("WORLD_SIZE", None)
     results = {}
     for dtype in ("bfloat16", "float32"):
-        proc = subprocess.run(
-            [sys.executable, BENCH, "rollout", "--model", model, "--engine", "vllm", "--dtype", dtype,
-             "--prompts", "8", "--n", "2", "--max-tokens", "16", "--repeats", "1", "--reference", "hf",
-             "--cpu-kv-cache-gib", "0.25"],  # 16 sequences of 48 tokens need a few MiB
-            capture_output=True, text=True, timeout=280, cwd=REPO, env=env,
+        results[dtype], _ = run_bench(
+            "rollout", "--model", model, "--engine", "vllm", "--dtype", dtype, "--prompts", "8", "--n", "2",
+            "--max-tokens", "16", "--repeats", "1", "--reference", "hf",
+            "--cpu-kv-cache-gib", "0.25",  # 16 sequences of 48 tokens need a few MiB
+            timeout=280, env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}, one_line=False,
         )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
     bf16, fp32 = results["bfloat16"], results["float32"]
     assert bf16["dtype"] == "bfloat16" and bf16["tokens"] > 0
     assert bf16["logprob_max_abs_diff"] <= LOGPROB_MAX_ABS, bf16

@@ -4,15 +4,9 @@ with them."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "tools", "bench.py")
+from tests.tools.bench_run import run_bench
 
 pytest.importorskip("trl", reason="the bench extra (pip install -e .[bench]) brings TRL")
 
@@ -20,20 +14,13 @@ pytest.importorskip("trl", reason="the bench extra (pip install -e .[bench]) bri
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_compare_trl_smoke(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    # Unset, so accelerate would set the process's torch threads to the core count: the bench must not
-    # let it (both sides run on --threads, 1 by default).
-    env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run(
-        [sys.executable, BENCH, "compare-trl", "--inputs", str(tmp_path), "--engine", "hf", "--prompts", "2",
-         "--n", "2", "--response-length", "6", "--steps", "1", "--warmup", "1", "--reward", "words"],
-        capture_output=True, text=True, timeout=230, cwd=REPO, env=env,
+    # OMP_NUM_THREADS unset, so accelerate would set the process's torch threads to the core count: the
+    # bench must not let it (both sides run on --threads, 1 by default).
+    result, _ = run_bench(
+        "compare-trl", "--inputs", str(tmp_path), "--engine", "hf", "--prompts", "2", "--n", "2",
+        "--response-length", "6", "--steps", "1", "--warmup", "1", "--reward", "words",
+        timeout=230, threads=None,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, proc.stdout
-    result = json.loads(lines[0])
     assert result["trl"]["bf16"] is True  # TRL's own default, kept
     assert result["trl"]["beta"] == 0.0
     assert result["threads"] == 1 and result["threads_seen"] == [1]

@@ -3,15 +3,9 @@ raw tiny model) print one JSON object whose phases add up to the step and follow
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "tools", "bench.py")
+from tests.tools.bench_run import BENCH, run_bench
 
 # 8 prompts x 4 samples of up to 12 tokens, one mini-batch and one micro-batch per step.
 SMALL = [
@@ -29,17 +23,10 @@ SMALL = [
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_rl_step_phases_add_up(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [sys.executable, BENCH, "rl-step", "--config", "grpo_tiny_cpu", "--inputs", str(tmp_path), "--prompts", "64",
-         "--steps", "2", "--warmup", "1", *SMALL],
-        capture_output=True, text=True, timeout=170, cwd=REPO, env=env,
+    result, _ = run_bench(
+        "rl-step", "--config", "grpo_tiny_cpu", "--inputs", str(tmp_path), "--prompts", "64",
+        "--steps", "2", "--warmup", "1", *SMALL, timeout=170,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, proc.stdout
-    result = json.loads(lines[0])
     assert result["bench"] == "rl-step" and result["world_size"] == 1 and result["rollout"] == "hf"
     assert len(result["steps"]) == 2
     # The phases the GRPO step without a KL loss runs, and no others: one optimizer step per

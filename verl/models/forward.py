@@ -194,7 +194,7 @@ def _head_outputs(
     chosen = None
     if head_columns is not None:
         # Only the tokens of the last head_columns columns (the responses): where the model reads them.
-        b, t = mask.shape
+        t = mask.shape[1]
         wanted = mask.bool() & (torch.arange(t, device=mask.device) >= t - head_columns)  # [b, T]
         chosen = mb.to_model(wanted)[:, 1:]  # [rows, S-1]: the targets whose log-probability is computed
         if mb.packed is not None:  # a row's first token follows the previous row's last: not predicted
@@ -235,12 +235,10 @@ def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) ->
     return _trimmed_width(longest, seq_len, multiple)
 
 
-def packed_widths(
-    attention_mask: torch.Tensor, split: MicroBatchSplit, multiple: int, *, common: bool
-) -> list[int]:
-    """Each micro-batch's packed width (``use_remove_padding``): its real tokens rounded up to
-    ``multiple``; ``common``: every micro-batch at the largest (pipeline stages exchange fixed shapes)."""
-    lengths = attention_mask.sum(-1).tolist()
+def packed_widths(lengths: list[int], split: MicroBatchSplit, multiple: int, *, common: bool) -> list[int]:
+    """Each micro-batch's packed width (``use_remove_padding``) from the rows' real ``lengths``: its real
+    tokens rounded up to ``multiple``; ``common``: every micro-batch at the largest (pipeline stages
+    exchange fixed shapes)."""
     widths = [packed_width(int(sum(lengths[i] for i in index)), multiple) for index in split.parts]
     return [max(widths)] * len(widths) if common and widths else widths
 
@@ -251,11 +249,12 @@ def _micro_batches(
     seq_len: int,
     trim_multiple: int | None = None,
     pack_widths: list[int] | None = None,
+    lengths: list[int] | None = None,
 ) -> list[_MicroBatch]:
+    """``lengths``: every row's real tokens (to trim or pack), read once per batch (None: read here)."""
     device = batch["input_ids"].device
-    # Every row's real length in one device-to-host copy for the whole batch, not one sync per
-    # micro-batch (on a GPU each ``int(tensor)`` waits for the stream).
-    lengths = batch["attention_mask"].sum(-1).tolist() if trim_multiple is not None else None
+    if lengths is None and (trim_multiple is not None or pack_widths is not None):
+        lengths = batch["attention_mask"].sum(-1).tolist()
     positions_by_width: dict[int, torch.Tensor] = {}  # [S] per width, shared read-only by micro-batches
     out = []
     for number, index in enumerate(split.parts):
@@ -266,7 +265,8 @@ def _micro_batches(
             # Rows with an all-zero mask keep the shapes fixed for the pipeline; dropped at the end.
             mb = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in mb.items()}
         if pack_widths is not None:  # sequences packed into one row (verl.models.packing)
-            packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], pack_widths[number])
+            row_lengths = [lengths[i] for i in index] + [0] * max(pad_rows, 0)
+            packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], pack_widths[number], row_lengths)
             out.append(
                 _MicroBatch(
                     tensors=mb,
@@ -278,7 +278,7 @@ def _micro_batches(
                 )
             )
             continue
-        if lengths is None:
+        if trim_multiple is None:
             width = seq_len
         else:
             width = _trimmed_width(int(max((lengths[i] for i in index), default=0)), seq_len, trim_multiple)
@@ -382,6 +382,11 @@ def forward_backward(
     trim_multiple = None
     if trim_padding and pp_size == 1 and pg.cp.size() == 1:
         trim_multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
+    # Every row's real length in one device-to-host copy for the whole batch, not one sync per
+    # micro-batch (on a GPU each ``int(tensor)`` waits for the stream).
+    lengths = None
+    if trim_multiple is not None or pack_sequences:
+        lengths = batch["attention_mask"].sum(-1).tolist()
     widths = None
     rows = split.rows
     if pack_sequences:
@@ -391,9 +396,9 @@ def forward_backward(
                 "split packed sequences over context-parallel ranks; set use_remove_padding=false"
             )
         multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
-        widths = packed_widths(batch["attention_mask"], split, multiple, common=pp_size > 1)
+        widths = packed_widths(lengths, split, multiple, common=pp_size > 1)
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
-    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths)
+    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths, lengths)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
     head = functools.partial(

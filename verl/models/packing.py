@@ -25,14 +25,17 @@ outputs scattered back) serves CPU and GPU; only the attention kernel differs.
 
 Layout rules (:func:`pack_micro_batch`): rows with no real token take no segment; the packed
 row is padded at its end to ``width`` (a multiple of 8, and of TP under sequence parallelism;
-with pipeline stages every micro-batch's common width) and the padding is a segment of its own
-(it attends to itself only; its outputs are dropped), so every segment has at least one token.
+with pipeline stages every micro-batch's common width) and the padding makes segments of its own,
+none longer than the longest row (they attend to themselves only; their outputs are dropped), so
+every segment has at least one token.
 Context parallelism splits THD sequences across ranks in a way this module does not do; the
 engine refuses ``use_remove_padding`` with it (``verl.engine.build.check_remove_padding``).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,40 +88,48 @@ def packed_width(real_tokens: int, multiple: int) -> int:
     return max(multiple, -(-real_tokens // multiple) * multiple)
 
 
-def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> PackedMicroBatch:
+def pack_micro_batch(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, lengths: Sequence[int] | None = None
+) -> PackedMicroBatch:
     """Pack ``input_ids`` [b, T] (``attention_mask`` 1 = real token) into one row of ``width`` tokens.
 
     ``width`` must hold every real token (``>= attention_mask.sum()``). The real tokens keep their
     order within each row (left- and right-padding alike), so token ``k`` of a row is at position ``k``.
+    ``lengths``: each row's real tokens, read on the host once per batch by the caller (None: read
+    here); the layout is then built without waiting on the device.
     """
     device = input_ids.device
-    mask = attention_mask.bool()
-    lengths = mask.sum(-1)  # [b]
-    real = mask.reshape(-1).nonzero().squeeze(-1)  # [n], row-major = packed order
-    n = real.numel()
+    if lengths is None:
+        lengths = attention_mask.sum(-1).tolist()
+    n = int(sum(lengths))
     if n > width:
         raise ValueError(f"pack_micro_batch: {n} real tokens do not fit a packed width of {width}")
-    seg_lengths = lengths[lengths > 0]
-    if width > n:  # the padding: a segment of its own
-        seg_lengths = torch.cat([seg_lengths, seg_lengths.new_tensor([width - n])])
-    cu = torch.zeros(seg_lengths.numel() + 1, dtype=torch.int32, device=device)
-    cu[1:] = seg_lengths.cumsum(0)
+    segments = [int(length) for length in lengths if length > 0]
+    # The padding after the real tokens: segments of their own, none longer than the longest row
+    # (the local attention lays every segment out at the longest one's length).
+    cap, pad = max(segments, default=width), width - n
+    while pad > 0:
+        segments.append(min(pad, cap))
+        pad -= segments[-1]
+    cu = torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.int32, device=device)
     segment = torch.repeat_interleave(
-        torch.arange(seg_lengths.numel(), device=device), seg_lengths
+        torch.arange(len(segments), device=device),
+        torch.tensor(segments, device=device),
+        output_size=width,
     )  # [width]
-    offset = torch.arange(width, device=device) - cu[:-1].long()[segment]  # [width]
+    positions = torch.arange(width, device=device)
+    offset = positions - cu[:-1].long()[segment]  # [width]
+    # [n], row-major = packed order; the size known on the host, so no wait on the device
+    real = torch.nonzero_static(attention_mask.reshape(-1), size=n).squeeze(-1)
     packed = input_ids.new_zeros(1, width)
     packed[0, :n] = input_ids.reshape(-1)[real]
-    starts = offset == 0
-    if width > n:
-        starts[n:] = False  # the padding is no row's first token
     return PackedMicroBatch(
         input_ids=packed,
         position_ids=offset.unsqueeze(0),
         real=real,
-        starts=starts,
+        starts=(offset == 0) & (positions < n),  # the padding is no row's first token
         cu_seqlens=cu,
-        max_seqlen=int(seg_lengths.max()),
+        max_seqlen=max(segments),
         token_segment=segment,
         token_offset=offset,
     )

@@ -40,6 +40,7 @@ def show_ranks(ranks: Iterable[int]) -> str:
             runs.append([r, r])
     return "[" + ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs) + "]"
 
+
 PLACEABLE_ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward_model")
 """The roles ``trainer.placement`` can place (``verl.parallel.topology.ROLES``)."""
 

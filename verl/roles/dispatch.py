@@ -97,11 +97,8 @@ def collect(local: Batch, group: dist.ProcessGroup | None, piece: Shard) -> Batc
 
 
 def share_columns(columns: dict[str, torch.Tensor] | None, src: int) -> dict[str, torch.Tensor]:
-    """``columns`` (name -> [B, ...] tensor, given on rank ``src``; None elsewhere) on every rank."""
-    from verl.protocol.collectives import broadcast
-
-    payload = Batch.from_dict(columns) if dist.get_rank() == src else None
-    whole = broadcast(payload, None, src=src)
+    """``columns`` (name -> [B, ...] tensor, given on rank ``src``; None elsewhere) on every rank (CPU)."""
+    whole = share_batch(Batch.from_dict(columns) if dist.get_rank() == src else None, src)
     return {name: tensor.cpu() for name, tensor in whole.tensors.items()}
 
 

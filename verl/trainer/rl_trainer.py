@@ -418,6 +418,11 @@ class RLTrainer:
         """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
         return role in self._mine
 
+    def _exchange_phase(self, timer: _Timer) -> contextlib.AbstractContextManager:
+        """The ``exchange`` phase's timer when some role is apart; nothing to time otherwise (no
+        collective: :meth:`_exchange` only merges the metrics)."""
+        return timer("exchange") if self._apart else contextlib.nullcontext()
+
     def _exchange(
         self, batch: Batch | None, shares: list[tuple[str, list[str], dict[str, float]]]
     ) -> tuple[Batch | None, dict[str, float]]:
@@ -878,13 +883,9 @@ class RLTrainer:
                 if self.runs("critic"):
                     batch = self.compute_values(batch)
                 shares.append(("critic", ["values"], {}))
-        if self._apart:
-            with timer("exchange"):
-                batch, more = self._exchange(batch, shares)
-                metrics.update(more)
-        else:
-            for _, _, more in shares:
-                metrics.update(more)
+        with self._exchange_phase(timer):
+            batch, more = self._exchange(batch, shares)
+            metrics.update(more)
         with timer("adv"):
             batch, more = self.compute_advantage(batch)
             metrics.update(more)
@@ -901,12 +902,8 @@ class RLTrainer:
         if self.global_step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 updates.append(("actor", [], self.update_actor(batch) if self.runs("actor") else {}))
-        if self._apart:
-            with timer("exchange"):
-                metrics.update(self._exchange(None, updates)[1])
-        else:
-            for _, _, more in updates:
-                metrics.update(more)
+        with self._exchange_phase(timer):
+            metrics.update(self._exchange(None, updates)[1])
         with timer("records"):  # the skip count, the run report's per-sample scores
             skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
             metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
