@@ -29,8 +29,10 @@ __all__ = [
     "CriticConfig",
     "CustomClassConfig",
     "CustomRewardFunctionConfig",
+    "DPOConfig",
     "DataConfig",
     "FilterGroupsConfig",
+    "HybridConfig",
     "KLControlConfig",
     "MegatronConfig",
     "ModelConfig",
@@ -376,6 +378,23 @@ class FilterGroupsConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
+class DPOConfig(ConfigBase):
+    """DPO's loss (arXiv:2305.18290): the step on preference pairs (data.pairs) and the hybrid step's DPO half."""
+
+    beta: float = option(0.1, "DPO's beta: the strength of the implicit KL to the reference.", gt=0.0)
+    loss_type: str = option("sigmoid", "Preference loss by its registry name in verl.algos (sigmoid: DPO, ipo).")
+    label_smoothing: float = option(0.0, "Conservative DPO's epsilon: the share of pairs assumed mislabelled (sigmoid only).", ge=0.0, lt=0.5)
+
+
+@dataclass(kw_only=True)
+class HybridConfig(ConfigBase):
+    """The hybrid PPO/DPO step: each sample trains with the PPO update or goes into a DPO pair."""
+
+    enable: bool = option(False, "Route each sample: reward >= reward_threshold -> the PPO/GRPO update; the others -> DPO on the best-vs-worst pair of their prompt group (algorithm.dpo). Needs the reference (a KL loss).")
+    reward_threshold: float = option(0.5, "Sequence reward at or above which a sample trains with the PPO update (Python users pass any condition: verl.ConditionalUpdateOperator).")
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig(ConfigBase):
     """Advantage estimation and in-reward KL."""
 
@@ -387,6 +406,8 @@ class AlgorithmConfig(ConfigBase):
     kl_penalty: str = option("kl", "KL estimator for the in-reward penalty, by registry name (kl, abs, mse, low_var_kl, full).")
     kl_ctrl: KLControlConfig = section(KLControlConfig, "In-reward KL coefficient controller.")
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")
+    dpo: DPOConfig = section(DPOConfig, "DPO's loss (data.pairs=true, and the hybrid step's DPO half).")
+    hybrid: HybridConfig = section(HybridConfig, "The hybrid PPO/DPO step.")
 
 
 @dataclass(kw_only=True)

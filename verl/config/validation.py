@@ -46,6 +46,7 @@ NAME_REGISTRIES: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.actor.kl_loss_type": ("verl.algos.kl:list_kl_estimators", "KL estimator"),
     "actor_rollout_ref.rollout.name": ("verl.rollout.factory:ENGINES", "rollout engine"),
     "reward_model.reward_manager": ("verl.rewards.manager:REWARD_MANAGERS", "reward manager"),
+    "algorithm.dpo.loss_type": ("verl.algos.preference:list_preference_losses", "preference loss"),
 }
 
 _CHOICES: dict[str, tuple[Callable[[], Iterable[str]], str]] = {}
@@ -294,10 +295,33 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
     _token_budgets(cfg, problems)
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:
         problems.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
+    _step_kind(cfg, problems)
     _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _raise(problems)
+
+
+def _step_kind(cfg: PPOConfig, problems: list[str]) -> None:
+    """The step kinds (``verl.trainer.step.build_step``) are one each: DPO on pairs, the hybrid
+    PPO/DPO step, DAPO's dynamic sampling, or the plain RL step."""
+    a = cfg.algorithm
+    kinds = [
+        name
+        for name, on in (
+            ("data.pairs=true (DPO)", cfg.data.pairs),
+            ("algorithm.hybrid.enable=true", a.hybrid.enable),
+            ("algorithm.filter_groups.enable=true", a.filter_groups.enable),
+        )
+        if on
+    ]
+    if len(kinds) > 1:
+        problems.append(f"{' and '.join(kinds)} are different steps; choose one of them")
+    elif a.hybrid.enable and not cfg.use_reference:
+        problems.append(
+            "algorithm.hybrid.enable=true: the DPO half needs the reference policy; set "
+            "actor_rollout_ref.actor.use_kl_loss=true (or algorithm.use_kl_in_reward=true)"
+        )
 
 
 def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:

@@ -4,8 +4,8 @@ Each built-in operator wraps step pieces of :class:`verl.trainer.rl_trainer.RLTr
 runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit`` (one loop).
 """
 
-from verl.operator.base import Operator
-from verl.operator.ops import (
+from verl.trainer.step.base import Operator
+from verl.trainer.step.ops import (
     ConditionalUpdateOperator,
     DPOUpdateOperator,
     FilterOperator,

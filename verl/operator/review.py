@@ -3,7 +3,7 @@
 Put it after the reward operator (it reads ``token_level_scores``) and before
 ``PPOUpdateOperator``. Each step it
 
-1. picks the samples ``select(sample)`` is true for (``sample``: ``verl.operator.ops.sample_view``,
+1. picks the samples ``select(sample)`` is true for (``sample``: ``verl.trainer.step.ops.sample_view``,
    the per-sample view FilterOperator's predicate gets: ``reward``, per-sample fields);
 2. queues them (decoded prompt and response, model reward) in SQLite
    (:class:`verl.serving.review.ReviewStore`, ``<trainer.default_local_dir>/human_review.sqlite`` by
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl.operator.base import Operator
-from verl.operator.ops import sample_view
+from verl.trainer.step.base import Operator
+from verl.trainer.step.ops import sample_view
 
 if TYPE_CHECKING:
     from verl.protocol import Batch

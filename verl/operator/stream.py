@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from verl.operator.base import Operator, declared, operator_name
+from verl.trainer.step.base import Operator
+from verl.trainer.step.pipeline import StepPipeline
 from verl.trainer.model_objects import is_model_object
 
 if TYPE_CHECKING:
@@ -143,33 +143,26 @@ class DataStream:
         self._owns_trainer = trainer is None
         self._started_world = False
         self._build_args = dict(model=model, train_files=train_files, config=config, overrides=tuple(overrides))
-        self.operators: list[Any] = []
-        self._names: list[str] = []
-        self._fields: set[str] = set()
+        # The stream's step: the trainer's kind of pipeline, with the user's operators in it.
+        self._pipeline = StepPipeline(time_operators=True)
         self.monitor: "VerlMonitor | None" = None
         self.placement = None if device_map is None else self._place(device_map, trainer, tuple(overrides))
+
+    @property
+    def operators(self) -> list[Any]:
+        """The stream's operators, in order."""
+        return self._pipeline.operators
+
+    @property
+    def _names(self) -> list[str]:
+        return self._pipeline.names
 
     # -- building -------------------------------------------------------------------------
 
     def add_operator(self, op: Any) -> "DataStream":
         """Append ``op``; fails (ValueError) when one of its inputs is produced by no earlier
         operator, or when its settings disagree with the given trainer's config. Returns the stream."""
-        if not callable(getattr(op, "process", None)):
-            raise TypeError(
-                f"{type(op).__name__} is not an operator: it needs a process(batch) method "
-                "and inputs/outputs tuples (verl.operator.Operator)"
-            )
-        inputs, outputs = declared(op)
-        name = operator_name(op, self._names)
-        missing = [f for f in inputs if f not in self._fields]
-        if missing:
-            earlier = ", ".join(self._names) or "none"
-            raise ValueError(
-                f"operator {name} needs field {missing[0]!r}"
-                + (f" (and {missing[1:]})" if len(missing) > 1 else "")
-                + f", which no earlier operator produces (earlier operators: {earlier}; fields they "
-                f"produce: {sorted(self._fields) or 'none'}); add the operator that produces it first"
-            )
+        name = self._pipeline.check(op)  # first: nothing is recorded for an operator it refuses
         if self._trainer is not None and isinstance(op, Operator):
             self._check_settings(name, op, self._trainer.cfg)
         if isinstance(op, Operator):
@@ -178,9 +171,7 @@ class DataStream:
                 given = getattr(op, attr, None)
                 if is_model_object(given) and not any(given is m for m in self._model_objects):
                     self._model_objects.append(given)
-        self.operators.append(op)
-        self._names.append(name)
-        self._fields.update(outputs)
+        self._pipeline.add(op)
         if self._trainer is not None and isinstance(op, Operator):
             op.bind(self._trainer)
         return self
@@ -327,22 +318,10 @@ class DataStream:
         if not self.operators:
             raise ValueError("DataStream has no operators: add_operator(RolloutOperator()) first")
         trainer = self.trainer
-        start = time.perf_counter()
-        batch: "Batch | None" = None
-        metrics: dict[str, float] = {}
-        for name, op in zip(self._names, self.operators):
-            t0 = time.perf_counter()
-            out = op.process(batch)
-            if isinstance(out, tuple):
-                out, more = out
-                metrics.update(more)
-            metrics[f"timing_s/op/{name}"] = time.perf_counter() - t0
-            if out is None:
-                if batch is None:  # the first operator found no more prompts
-                    return None
-                raise ValueError(f"operator {name} returned None; process(batch) must return the batch")
-            batch = out
-        metrics["timing_s/stream_step"] = time.perf_counter() - start
+        metrics = self._pipeline.run(trainer)
+        if metrics is None:
+            return None
+        metrics["timing_s/stream_step"] = metrics["timing_s/step"]
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
         elif "dpo/loss" in metrics:
@@ -351,7 +330,7 @@ class DataStream:
         if kl_key in metrics:
             metrics["kl"] = metrics[kl_key]
         metrics["step"] = float(trainer.global_step)
-        self.last_batch = batch
+        self.last_batch = self._pipeline.last_batch
         return metrics
 
     def step(self) -> dict[str, float] | None:

@@ -107,6 +107,7 @@ from verl.trainer.resilience import (
 )
 from verl.trainer.run_checks import as_file_list, hf_export_dir, show_files
 from verl.trainer.startup import run_outputs
+from verl.trainer.step import build_step, step_kind
 from verl.trainer.tracking import Tracking, progress_bar
 from verl.utils.logging import log_rank0
 
@@ -362,12 +363,16 @@ class RLTrainer:
         self._resumed = False
         self.skipped = SkippedSteps(t.max_consecutive_skipped_steps)
         self.stopped_by: str | None = None  # the signal that stopped fit(), if one did
+        self.step_timer: _Timer | None = None  # the current step's phases (begin_step)
+        self.step_start = 0.0
+        self.pipeline = build_step(cfg)  # the config's step; fit() runs it
+        self.pipeline.bind(self)
         log_rank0(
             logger,
             logging.INFO,
             "RL trainer: %s on %s; training %s (%d prompts, %d steps per epoch of %d x n=%d, %d steps); "
             "%s; %s",
-            "dpo (preference pairs, data.pairs)" if cfg.data.pairs else cfg.algorithm.adv_estimator,
+            _describe_step(cfg, self.pipeline),
             os.path.abspath(model_path),
             show_files(cfg.data.train_files),
             len(self.train_dataset),
@@ -780,81 +785,35 @@ class RLTrainer:
             f"nor a field the reward function returns (the batch has {sorted(batch.non_tensors)})"
         )
 
-    def collect_batch(self, timer: _Timer) -> tuple[Batch | None, dict[str, float]]:
-        """Rollout and reward for one step; with ``algorithm.filter_groups``, DAPO's dynamic
-        sampling. Returns (None, {}) when the epochs are used up."""
-        fg = self.cfg.algorithm.filter_groups
-        want = self.cfg.data.train_batch_size
-        kept: list[Batch] = []
-        kept_groups = 0
-        metrics: dict[str, float] = {}
-        draw = 0
-        while True:
-            with timer("data"):
-                prompts = self.prompt_batch(draw)
-            if prompts is None:
-                return None, {}
-            with timer("gen"):
-                batch, gen_metrics = self.generate(prompts, seed=self._seed(draw))
-            metrics.update(gen_metrics)
-            with timer("reward"):
-                batch, reward_metrics = self.compute_reward(batch)
-            metrics.update(reward_metrics)
-            draw += 1
-            if not fg.enable:
-                return batch, metrics
-            result = filter_groups(
-                index=batch.non_tensors["uid"], metric_values=self.filter_metric(batch, fg.metric)
-            )
-            kept.append(batch[result.kept_indices])
-            kept_groups += result.num_kept_groups
-            if kept_groups >= want:
-                whole = Batch.concat(kept)[: want * self.n]
-                metrics.update(
-                    {"dapo/num_gen_batches": float(draw), "dapo/num_kept_groups": float(kept_groups)}
-                )
-                return whole, metrics
-            if 0 < fg.max_num_gen_batches <= draw:
-                raise ValueError(
-                    f"dynamic sampling (algorithm.filter_groups) kept {kept_groups} of the {want} prompt "
-                    f"groups a step needs after {draw} generation batches "
-                    f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}): too many "
-                    f"groups score the same on filter_groups.metric={fg.metric!r}. Raise max_num_gen_batches "
-                    "(0: no limit), raise actor_rollout_ref.rollout.n or the temperature, or use easier or "
-                    "harder prompts"
-                )
-
     def _enter(self, phase: str) -> None:
         self.board.post(phase, self.global_step)
 
     def train_step(self) -> dict[str, float] | None:
-        """One PPO/GRPO step in DESIGN.md's order; its metrics, or None when the data is used up."""
-        if self.cfg.data.pairs:
-            raise ValueError(
-                "data.pairs=true trains with DPO, whose step runs from the Python API: verl.RLTrainer(algorithm="
-                "'dpo') or a DataStream of PreferenceOperator and DPOUpdateOperator (docs/python_api.md)"
-            )
-        timer = _Timer(self._enter)
-        start = time.perf_counter()
-        batch, metrics = self.collect_batch(timer)
-        if batch is None:
-            return None
-        return self.update_step(batch, metrics, timer=timer, start=start)
+        """One step of the config's pipeline (:attr:`pipeline`, ``verl.trainer.step.build_step``);
+        its metrics, or None when the data is used up."""
+        return self.pipeline.run(self)
 
-    def update_step(
-        self,
-        batch: Batch,
-        metrics: dict[str, float] | None = None,
-        *,
-        timer: _Timer | None = None,
-        start: float | None = None,
-    ) -> dict[str, float]:
+    def begin_step(self) -> _Timer:
+        """Start a step's clock and phase timer (the pipeline calls it first); returns the timer."""
+        self.step_timer = _Timer(self._enter)
+        self.step_start = time.perf_counter()
+        return self.step_timer
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        """``with trainer.phase("gen"):`` adds the block's seconds to the step's ``timing_s/gen``
+        (and posts the phase for failure reports); outside a step it only posts the phase."""
+        if self.step_timer is None:
+            self._enter(name)
+            return contextlib.nullcontext()
+        return self.step_timer(name)
+
+    def update_step(self, batch: Batch, metrics: dict[str, float] | None = None) -> dict[str, float]:
         """The step after rollout and reward (``batch`` has ``token_level_scores``): old, reference
         log-probs and values, advantages, the critic and actor updates; returns ``metrics`` with the
-        step's added. Advances :attr:`global_step`. ``start`` is when the step began
-        (``time.perf_counter()``; now when None)."""
-        timer = timer if timer is not None else _Timer(self._enter)
-        start = start if start is not None else time.perf_counter()
+        step's added. Advances :attr:`global_step`. Inside a step (:meth:`begin_step`) its phases
+        and throughput count from the step's start."""
+        timer = self.step_timer or _Timer(self._enter)
+        start = self.step_start if self.step_timer is not None else time.perf_counter()
         metrics = dict(metrics or {})
         self.global_step += 1
         source = self.cfg.old_log_prob_source
@@ -1171,6 +1130,18 @@ class RLTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe_step(cfg: PPOConfig, pipeline: Any) -> str:
+    """The startup line's algorithm and step: ``grpo (RolloutOperator -> RewardOperator -> PPOUpdateOperator)``."""
+    kind = step_kind(cfg)
+    what = {
+        "dpo": f"dpo (preference pairs, data.pairs; beta={cfg.algorithm.dpo.beta})",
+        "hybrid": f"hybrid {cfg.algorithm.adv_estimator}/dpo (reward >= {cfg.algorithm.hybrid.reward_threshold}: PPO update)",
+        "dynamic_sampling": f"{cfg.algorithm.adv_estimator} with dynamic sampling (algorithm.filter_groups)",
+        "rl": cfg.algorithm.adv_estimator,
+    }[kind]
+    return f"{what}; step {' -> '.join(pipeline.names)}"
 
 
 def _core(metrics: dict[str, float]) -> str:

@@ -1,4 +1,5 @@
-"""The built-in operators: each wraps step pieces of :class:`verl.trainer.rl_trainer.RLTrainer`.
+"""The built-in operators: each wraps step pieces of :class:`verl.trainer.rl_trainer.RLTrainer`;
+``verl.trainer.step.build_step`` composes the config's step from them.
 
 | operator | trainer pieces | adds |
 | --- | --- | --- |
@@ -8,6 +9,7 @@
 | :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
 | :class:`WeightedFilterOperator` | the actor loss's per-sample weight (``verl.roles.actor.SAMPLE_WEIGHT``) | ``sample_weight`` |
 | :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``RLTrainer.filter_metric`` | nothing: drops groups |
+| :class:`DynamicSamplingOperator` | ``prompt_batch``, ``generate``, the reward, ``filter_groups``, redrawn until the batch is full | ``responses``, ..., ``token_level_scores`` |
 | :class:`PreferenceOperator` | ``preference_batch`` (``data.pairs``) | ``responses``, ``response_mask``, ``pair_side``, ... |
 | :class:`DPOUpdateOperator` | ``update_preference``: reference log-probs, ``Actor.update_preference`` | ``ref_log_prob`` |
 | :class:`ConditionalUpdateOperator` | ``update_step`` on the samples a predicate picks, ``update_preference`` on best-vs-worst pairs of the others | ``advantages``, ... |
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl.operator.base import Operator
+from verl.trainer.step.base import Operator
 
 if TYPE_CHECKING:
     from verl.protocol import Batch
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ConditionalUpdateOperator",
     "DPOUpdateOperator",
+    "DynamicSamplingOperator",
     "FilterOperator",
     "PreferenceOperator",
     "GroupFilterOperator",
@@ -130,10 +133,12 @@ class RolloutOperator(Operator):
         if batch is not None:
             raise ValueError("RolloutOperator makes the step's batch: it must be the stream's first operator")
         trainer = self.trainer
-        prompts = trainer.prompt_batch(0)
+        with trainer.phase("data"):
+            prompts = trainer.prompt_batch(0)
         if prompts is None:
             return None, {}
-        return trainer.generate(prompts, seed=trainer.sampling_seed(0), call_sizes=self.call_sizes)
+        with trainer.phase("gen"):
+            return trainer.generate(prompts, seed=trainer.sampling_seed(0), call_sizes=self.call_sizes)
 
 
 def _policy_settings(model: Any, tokenizer: Any, what: str) -> dict[str, Any]:
@@ -171,13 +176,19 @@ class RewardOperator(Operator):
             a Python function ``f(data_source, solution_str, ground_truth, extra_info) -> float``
             (the ``custom_reward_function`` contract; a dict with a ``"score"`` key also works).
         name: the name in metrics (``reward/<name>/mean``); the scorer's name by default.
+        summary: add ``reward/<name>/mean`` and ``reward_mean`` (the step's mean sequence score
+            before any filter: the Python API's summary keys); the config's own step
+            (``verl.trainer.step.build_step``) reports ``critic/score/*`` only.
     """
 
     inputs = ("responses", "response_mask", "data_source")
     outputs = ("token_level_scores",)
 
-    def __init__(self, scorer: str | Callable[..., Any] | None = None, *, name: str | None = None) -> None:
+    def __init__(
+        self, scorer: str | Callable[..., Any] | None = None, *, name: str | None = None, summary: bool = True
+    ) -> None:
         super().__init__()
+        self.summary = summary
         if scorer is not None and not isinstance(scorer, str) and not callable(scorer):
             raise TypeError(
                 f"RewardOperator(scorer=...) takes None, a scorer name or a function, got {type(scorer).__name__}"
@@ -217,16 +228,19 @@ class RewardOperator(Operator):
         role = self._role if self._role is not None else self.trainer.reward
         result = role.score(batch)
         scores, metrics = result.token_level_scores, dict(result.metrics)
-        metrics[f"reward/{self.name}/mean"] = float(scores.sum(-1).mean())
+        if self.summary:
+            metrics[f"reward/{self.name}/mean"] = float(scores.sum(-1).mean())
         return scores, metrics, result.extra
 
     def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
-        scores, metrics, extra = self._score(batch)
+        with self.trainer.phase("reward"):
+            scores, metrics, extra = self._score(batch)
         batch["token_level_scores"] = scores
         for key, values in extra.items():  # the scorers' per-sample fields (acc, pred), as compute_reward adds them
             if key not in batch:
                 batch[key] = values
-        metrics["reward_mean"] = float(scores.sum(-1).mean())
+        if self.summary:
+            metrics["reward_mean"] = float(scores.sum(-1).mean())
         return batch, metrics
 
 
@@ -525,6 +539,69 @@ class GroupFilterOperator(Operator):
             "filter/kept_groups": float(result.num_kept_groups),
             "filter/dropped_groups": float(result.num_dropped_groups),
         }
+
+
+class DynamicSamplingOperator(Operator):
+    """DAPO's dynamic sampling (arXiv:2503.14476; ``algorithm.filter_groups``): draws prompt
+    batches (rollout, then the config's reward) and keeps the prompt groups whose ``metric``
+    (``RLTrainer.filter_metric``) has a spread, until ``data.train_batch_size`` groups are kept;
+    the step trains on exactly that many groups. Draw ``d`` samples with the step's seed + ``d``.
+    Makes the step's batch; None when the data is used up. Fails after ``max_num_gen_batches``
+    draws (0: no limit) with fewer groups. Logs ``dapo/num_gen_batches`` and ``dapo/num_kept_groups``.
+
+    Unlike :class:`GroupFilterOperator` (which trains on the groups left of one draw) it refills
+    the batch, as the reference verl's DAPO trainer does.
+    """
+
+    outputs = (*ROLLOUT_FIELDS, "token_level_scores")
+
+    def __init__(self, *, metric: str | None = "seq_reward", max_num_gen_batches: int = 0) -> None:
+        super().__init__()
+        self.metric = metric
+        self.max_num_gen_batches = max_num_gen_batches
+        self.reward = RewardOperator(summary=False)
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        super().bind(trainer)
+        self.reward.bind(trainer)
+
+    def process(self, batch: "Batch | None") -> "tuple[Batch | None, dict[str, float]]":
+        from verl.algos import filter_groups
+        from verl.protocol import Batch
+
+        if batch is not None:
+            raise ValueError("DynamicSamplingOperator makes the step's batch: it must be the stream's first operator")
+        trainer = self.trainer
+        want = trainer.cfg.data.train_batch_size
+        kept: list[Batch] = []
+        kept_groups, draw = 0, 0
+        metrics: dict[str, float] = {}
+        while True:
+            with trainer.phase("data"):
+                prompts = trainer.prompt_batch(draw)
+            if prompts is None:
+                return None, {}
+            with trainer.phase("gen"):
+                drawn, more = trainer.generate(prompts, seed=trainer.sampling_seed(draw))
+            metrics.update(more)
+            drawn, more = self.reward.process(drawn)
+            metrics.update(more)
+            draw += 1
+            result = filter_groups(index=drawn.non_tensors["uid"], metric_values=trainer.filter_metric(drawn, self.metric))
+            kept.append(drawn[result.kept_indices])
+            kept_groups += result.num_kept_groups
+            if kept_groups >= want:
+                metrics.update({"dapo/num_gen_batches": float(draw), "dapo/num_kept_groups": float(kept_groups)})
+                return Batch.concat(kept)[: want * trainer.n], metrics
+            if 0 < self.max_num_gen_batches <= draw:
+                raise ValueError(
+                    f"dynamic sampling (algorithm.filter_groups) kept {kept_groups} of the {want} prompt "
+                    f"groups a step needs after {draw} generation batches "
+                    f"(algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches}): too many "
+                    f"groups score the same on filter_groups.metric={self.metric!r}. Raise max_num_gen_batches "
+                    "(0: no limit), raise actor_rollout_ref.rollout.n or the temperature, or use easier or "
+                    "harder prompts"
+                )
 
 
 class PPOUpdateOperator(Operator):

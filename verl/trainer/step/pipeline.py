@@ -1,0 +1,150 @@
+"""The step as data: an ordered pipeline of operators, built from the config by one function.
+
+Every algorithm's step is a :class:`StepPipeline`; :func:`build_step` makes the config's:
+
+| config | operators |
+| --- | --- |
+| PPO/GAE, GRPO, RLOO, REINFORCE++, ReMax, ... (``algorithm.adv_estimator``) | ``RolloutOperator`` -> ``RewardOperator`` -> ``PPOUpdateOperator`` |
+| DAPO's dynamic sampling (``algorithm.filter_groups.enable``) | ``DynamicSamplingOperator`` (draws rollout + reward until the batch is full) -> ``PPOUpdateOperator`` |
+| DPO on preference pairs (``data.pairs``) | ``PreferenceOperator`` -> ``DPOUpdateOperator`` (``algorithm.dpo.*``) |
+| the hybrid PPO/DPO step (``algorithm.hybrid.enable``) | ``RolloutOperator`` -> ``RewardOperator`` -> ``ConditionalUpdateOperator`` |
+
+The trainer's loop runs the pipeline (``RLTrainer.fit``); ``verl.DataStream`` is the same
+class with the user's operators in it, so ``main_ppo``, the Python API and the benchmarks all
+run one kind of step. ReMax's greedy baseline is part of the rollout (``RLTrainer.generate``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from verl.trainer.step.base import Operator, declared, operator_name
+
+if TYPE_CHECKING:
+    from verl.config import PPOConfig
+    from verl.protocol import Batch
+    from verl.trainer.rl_trainer import RLTrainer
+
+__all__ = ["StepPipeline", "build_step", "step_kind"]
+
+
+class StepPipeline:
+    """Operators run in order on one batch per step.
+
+    Args:
+        operators: the step's operators (each: ``inputs``/``outputs`` field tuples and
+            ``process(batch)``; see :mod:`verl.trainer.step.base`); more with :meth:`add`.
+        time_operators: add ``timing_s/op/<name>`` per operator to the step's metrics (the
+            Python API's streams do; the config's own step reports its phases instead).
+    """
+
+    def __init__(self, operators: Iterable[Any] = (), *, time_operators: bool = False) -> None:
+        self.operators: list[Any] = []
+        self.names: list[str] = []
+        self.fields: set[str] = set()
+        self.time_operators = time_operators
+        self.last_batch: "Batch | None" = None
+        for op in operators:
+            self.add(op)
+
+    def add(self, op: Any) -> str:
+        """Append ``op`` and return its name (:meth:`check` first)."""
+        name = self.check(op)
+        self.operators.append(op)
+        self.names.append(name)
+        self.fields.update(declared(op)[1])
+        return name
+
+    def check(self, op: Any) -> str:
+        """The name ``op`` would get; ValueError when an input of it is produced by no earlier
+        operator, TypeError when it is not an operator."""
+        if not callable(getattr(op, "process", None)):
+            raise TypeError(
+                f"{type(op).__name__} is not an operator: it needs a process(batch) method "
+                "and inputs/outputs tuples (verl.operator.Operator)"
+            )
+        inputs, _ = declared(op)
+        name = operator_name(op, self.names)
+        missing = [f for f in inputs if f not in self.fields]
+        if missing:
+            earlier = ", ".join(self.names) or "none"
+            raise ValueError(
+                f"operator {name} needs field {missing[0]!r}"
+                + (f" (and {missing[1:]})" if len(missing) > 1 else "")
+                + f", which no earlier operator produces (earlier operators: {earlier}; fields they "
+                f"produce: {sorted(self.fields) or 'none'}); add the operator that produces it first"
+            )
+        return name
+
+    def bind(self, trainer: "RLTrainer") -> None:
+        """Give every built-in operator the trainer whose roles it calls."""
+        for op in self.operators:
+            if isinstance(op, Operator):
+                op.bind(trainer)
+
+    def run(self, trainer: "RLTrainer") -> dict[str, float] | None:
+        """One step: every operator in order on the step's batch; the step's metrics (the
+        operators' and the trainer's phase timings, ``timing_s/step``), or None when the first
+        operator found no more data."""
+        if not self.operators:
+            raise ValueError("the step has no operators: add_operator(RolloutOperator()) first")
+        timer = trainer.begin_step()
+        metrics: dict[str, float] = {}
+        batch: "Batch | None" = None
+        for name, op in zip(self.names, self.operators):
+            t0 = time.perf_counter()
+            out = op.process(batch)
+            if isinstance(out, tuple):
+                out, more = out
+                metrics.update(more)
+            if self.time_operators:
+                metrics[f"timing_s/op/{name}"] = time.perf_counter() - t0
+            if out is None:
+                if batch is None:  # the first operator found no more data
+                    return None
+                raise ValueError(f"operator {name} returned None; process(batch) must return the batch")
+            batch = out
+        timer.seconds["step"] = time.perf_counter() - trainer.step_start
+        metrics.update(timer.metrics())
+        self.last_batch = batch
+        return metrics
+
+
+def step_kind(cfg: "PPOConfig") -> str:
+    """Which step the config trains: ``dpo``, ``hybrid``, ``dynamic_sampling`` or ``rl``."""
+    if cfg.data.pairs:
+        return "dpo"
+    if cfg.algorithm.hybrid.enable:
+        return "hybrid"
+    if cfg.algorithm.filter_groups.enable:
+        return "dynamic_sampling"
+    return "rl"
+
+
+def build_step(cfg: "PPOConfig") -> StepPipeline:
+    """The config's step (module docstring's table); bind it to the trainer before running it."""
+    from verl.trainer.step import ops
+
+    kind = step_kind(cfg)
+    if kind == "dpo":
+        d = cfg.algorithm.dpo
+        return StepPipeline(
+            [ops.PreferenceOperator(), ops.DPOUpdateOperator(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing)]
+        )
+    if kind == "hybrid":
+        d, h = cfg.algorithm.dpo, cfg.algorithm.hybrid
+        threshold = h.reward_threshold
+        hybrid = ops.ConditionalUpdateOperator(
+            condition=lambda sample: sample["reward"] >= threshold,
+            true_branch=ops.PPOUpdateOperator(),
+            false_branch=ops.DPOUpdateOperator(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing),
+        )
+        return StepPipeline([ops.RolloutOperator(), ops.RewardOperator(summary=False), hybrid])
+    if kind == "dynamic_sampling":
+        fg = cfg.algorithm.filter_groups
+        return StepPipeline(
+            [ops.DynamicSamplingOperator(metric=fg.metric, max_num_gen_batches=fg.max_num_gen_batches), ops.PPOUpdateOperator()]
+        )
+    return StepPipeline([ops.RolloutOperator(), ops.RewardOperator(summary=False), ops.PPOUpdateOperator()])
