@@ -38,7 +38,6 @@ from verl.trainer.model_objects import is_model_object
 if TYPE_CHECKING:
     from verl.config import PPOConfig
     from verl.monitor import VerlMonitor
-    from verl.protocol import Batch
     from verl.trainer.rl_trainer import RLTrainer
 
 logger = logging.getLogger(__name__)
@@ -145,6 +144,7 @@ class DataStream:
         self._build_args = dict(model=model, train_files=train_files, config=config, overrides=tuple(overrides))
         # The stream's step: the trainer's kind of pipeline, with the user's operators in it.
         self._pipeline = StepPipeline(time_operators=True)
+        self._loop: Any = None  # the trainer's loop that step() advances (verl.trainer.loop.Loop)
         self.monitor: "VerlMonitor | None" = None
         self.placement = None if device_map is None else self._place(device_map, trainer, tuple(overrides))
 
@@ -334,16 +334,26 @@ class DataStream:
         return metrics
 
     def step(self) -> dict[str, float] | None:
-        """:meth:`run_operators` and log its metrics to the trainer's loggers (``metrics.jsonl`` ...);
-        ``report.html`` is rewritten every ``trainer.report_freq`` steps, as in :meth:`fit`."""
-        metrics = self.run_operators()
-        if metrics is not None:
-            trainer = self.trainer
-            trainer.tracking.log(metrics, trainer.global_step)
-            freq = trainer.cfg.trainer.report_freq
-            if freq > 0 and trainer.global_step % freq == 0:
-                trainer.write_report()
-        return metrics
+        """One step of the trainer's loop (``verl.trainer.loop.Loop``) with this stream's operators:
+        the same as a step of :meth:`fit`. The first call resumes from the checkpoint
+        ``trainer.resume_mode`` selects (and validates first with ``trainer.val_before_train``); each
+        call then validates every ``trainer.test_freq`` steps, checkpoints every
+        ``trainer.save_freq``, logs the metrics and rewrites ``report.html`` every
+        ``trainer.report_freq``; a stop signal (SIGTERM, SIGINT, SIGUSR1) checkpoints the step and
+        ends the run (:attr:`stopped_by`). Returns the step's metrics (:meth:`run_operators`), or
+        None once the run is over: the data or ``trainer.total_training_steps`` used up (after the
+        last validation, checkpoint, export and report, as :meth:`fit` ends) or a stop signal.
+        :meth:`run_operators` runs the operators alone, without the loop."""
+        if self._loop is None:
+            from verl.trainer.loop import Loop
+
+            self._loop = Loop(self.trainer, self.run_operators)
+        return self._loop.step()
+
+    @property
+    def stopped_by(self) -> str | None:
+        """The signal that ended the run (``SIGTERM`` ...), or None."""
+        return None if self._trainer is None else self._trainer.stopped_by
 
     def fit(self, *, stop_after: int | None = None) -> dict[str, float]:
         """Train to the config's step count with this stream's step in the trainer's loop
@@ -384,6 +394,9 @@ class DataStream:
     def close(self) -> None:
         """Close the operators that hold resources (``close()``: the review page), then the trainer
         (and the world of one) if the stream built them."""
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
         for op in self.operators:
             if callable(getattr(op, "close", None)):
                 op.close()

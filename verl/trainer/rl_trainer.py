@@ -69,7 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl.algos import apply_kl_penalty, compute_advantage, filter_groups, make_kl_controller, masked_mean
+from verl.algos import apply_kl_penalty, compute_advantage, make_kl_controller, masked_mean
 from verl.config import PPOConfig, to_dict
 from verl.config.schema import ModelConfig, OptimConfig
 from verl.data.preference_dataset import PAIR_SIDES, PreferencePairDataset
@@ -99,16 +99,13 @@ from verl.trainer.ppo_metrics import (
 from verl.trainer.resilience import (
     PhaseBoard,
     SkippedSteps,
-    StopSignals,
     check_finite_rewards,
-    is_collective_failure,
-    log_stop,
-    rank_failure,
 )
-from verl.trainer.run_checks import as_file_list, hf_export_dir, show_files
+from verl.trainer.run_checks import as_file_list, show_files
+from verl.trainer.loop import Loop
 from verl.trainer.startup import run_outputs
 from verl.trainer.step import build_step, step_kind
-from verl.trainer.tracking import Tracking, progress_bar
+from verl.trainer.tracking import Tracking
 from verl.utils.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -1021,7 +1018,9 @@ class RLTrainer:
     def fit(
         self, *, stop_after: int | None = None, step_fn: Callable[[], dict[str, float] | None] | None = None
     ) -> dict[str, float]:
-        """Train to ``total_steps`` (resuming first); returns the last step's and validation metrics.
+        """Train to ``total_steps`` (resuming first) in the one loop (``verl.trainer.loop.Loop``:
+        validation, checkpoints, loggers, report, export, stop signals); returns the last step's
+        and the latest validation's metrics.
 
         ``step_fn`` replaces :meth:`train_step` as one step of the loop (``verl.DataStream.fit``
         passes its operators); it returns the step's metrics or None when the data is used up.
@@ -1031,78 +1030,19 @@ class RLTrainer:
         after the current step with a checkpoint (:attr:`stopped_by` names the signal). A
         collective that fails because another rank died or hung raises ``RankFailure`` naming it.
         """
-        with StopSignals() as signals:  # also while a failure is described: the launcher's SIGTERM waits
-            try:
-                return self._fit(signals, stop_after, step_fn or self.train_step)
-            except Exception as exc:
-                if is_collective_failure(exc):
-                    raise rank_failure(self.board, exc, timeout_s=self.cfg.trainer.collective_timeout_s) from exc
-                raise
-
-    def _fit(
-        self, signals: StopSignals, stop_after: int | None, step_fn: Callable[[], dict[str, float] | None]
-    ) -> dict[str, float]:
-        t = self.cfg.trainer
-        self.resume()
-        val: dict[str, float] = {}
-        if t.val_before_train and self.global_step == 0 and self.val_loader is not None:
-            val = self.validate()
-            self.tracking.log(val, self.global_step)
-            log_rank0(logger, logging.INFO, "validation before training: %s", _core(val))
-        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rl", enabled=t.progress_bar)
-        last: dict[str, float] = {}
-        interrupted = False
+        loop = Loop(self, step_fn or self.train_step)
         try:
-            while self.global_step < self.total_steps:
-                metrics = step_fn()
-                if metrics is None:
+            while loop.step() is not None:
+                if stop_after is not None and self.global_step >= stop_after and not loop.finished:
                     break
-                if t.test_freq > 0 and self.global_step % t.test_freq == 0:
-                    val = self.validate()
-                    metrics.update(val)
-                if t.save_freq > 0 and self.global_step % t.save_freq == 0:
-                    save_start = time.perf_counter()
-                    self.save_checkpoint()
-                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
-                self.tracking.log(metrics, self.global_step)
-                last = metrics
-                if "critic/score/mean" in metrics:  # DPO's steps have no reward
-                    bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")  # before update: the log line carries it
-                bar.update(1)
-                if t.report_freq > 0 and self.global_step % t.report_freq == 0:
-                    self.write_report()
-                self._enter("end_of_step")
-                stop = signals.agreed()
-                if stop is not None:
-                    if self._last_saved_step != self.global_step:
-                        self.save_checkpoint()
-                    self.stopped_by = stop.name
-                    log_stop(stop.name, self.global_step, self._last_checkpoint)
-                    self.write_report()
-                    return {**last, **val}
-                if stop_after is not None and self.global_step >= stop_after:
-                    interrupted = True
-                    break
+            return loop.result
         finally:
-            bar.close()
-        if interrupted:
-            return {**last, **val}
-        if (
-            t.test_freq > 0
-            and self.val_loader is not None
-            and not (last and self.global_step % t.test_freq == 0)
-        ):
-            val = self.validate()
-            self.tracking.log(val, self.global_step)
-        if t.save_freq > 0 and self._last_saved_step != self.global_step:
-            self.save_checkpoint()
-        if t.save_hf:
-            self._enter("export_hf")
-            self.export_actor_hf(hf_export_dir(t))
-        if val:
-            log_rank0(logger, logging.INFO, "validation after training: %s", _core(val))
-        self.write_report()  # named in the run's list of outputs that closing the trainer logs
-        return {**last, **val}
+            loop.close()
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of the newest checkpoint this run saved or resumed from."""
+        return self._last_saved_step
 
     def export_actor_hf(self, out_dir: str) -> None:
         """Write the actor's weights as a Hugging Face checkpoint in ``out_dir`` (collective: the
@@ -1141,10 +1081,4 @@ def _describe_step(cfg: PPOConfig, pipeline: Any) -> str:
         "dynamic_sampling": f"{cfg.algorithm.adv_estimator} with dynamic sampling (algorithm.filter_groups)",
         "rl": cfg.algorithm.adv_estimator,
     }[kind]
-    return f"{what}; step {' -> '.join(pipeline.names)}"
-
-
-def _core(metrics: dict[str, float]) -> str:
-    return (
-        ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("val-core/")) or "none"
-    )
+    return f"{what}; step {pipeline.describe()}"

@@ -284,6 +284,7 @@ class RewardModelScorer(RewardOperator):
             )
             Operator.__init__(self)
             self.scorer = None
+            self.summary = True
             self.name = name or "reward_model"
             self._role = None
             return

@@ -78,6 +78,10 @@ class StepPipeline:
             )
         return name
 
+    def describe(self) -> str:
+        """The operators' classes in order: ``RolloutOperator -> RewardOperator -> PPOUpdateOperator``."""
+        return " -> ".join(type(op).__name__ for op in self.operators)
+
     def bind(self, trainer: "RLTrainer") -> None:
         """Give every built-in operator the trainer whose roles it calls."""
         for op in self.operators:

@@ -1,0 +1,256 @@
+"""The step as data (``verl.trainer.step``) and the one loop (``verl.trainer.loop``).
+
+- ``build_step`` composes each algorithm's step from operators; conflicting step kinds fail
+  with one message before anything is built;
+- ``python -m verl.trainer.main_ppo data.pairs=true`` trains DPO, and ``algorithm.hybrid.enable``
+  runs the hybrid PPO/DPO step from the command line;
+- a ``DataStream`` stepped by hand gets the loop's checkpoints and resume: stepped for 6 steps,
+  killed (SIGKILL) after step 4's checkpoint and started again, it continues at step 5 with the
+  metrics the uninterrupted run logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from verl.config import ConfigError, PPOConfig, load_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORDS = os.path.join(HERE, "words_reward.py")
+
+FAST = [
+    "trainer.device=cpu", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
+    "data.max_prompt_length=24", "data.max_response_length=8", "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.test_freq=-1",
+    "trainer.save_hf=false", "trainer.logger=[jsonl]", "data.val_files=null",
+]
+
+
+def _cfg(*overrides: str) -> PPOConfig:
+    return load_config(
+        PPOConfig,
+        config_file="ppo_trainer",
+        overrides=["actor_rollout_ref.model.path=/nonexistent", "data.train_files=/nonexistent.parquet", *overrides],
+        world_size=1,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["algorithm.adv_estimator=grpo"], ["RolloutOperator", "RewardOperator", "PPOUpdateOperator"]),
+        (["algorithm.adv_estimator=gae"], ["RolloutOperator", "RewardOperator", "PPOUpdateOperator"]),
+        (["algorithm.adv_estimator=remax"], ["RolloutOperator", "RewardOperator", "PPOUpdateOperator"]),
+        (
+            ["algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+            ["DynamicSamplingOperator", "PPOUpdateOperator"],
+        ),
+        (["data.pairs=true", "data.val_files=null", "algorithm.adv_estimator=grpo"], ["PreferenceOperator", "DPOUpdateOperator"]),
+        (
+            ["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true", "actor_rollout_ref.actor.use_kl_loss=true"],
+            ["RolloutOperator", "RewardOperator", "ConditionalUpdateOperator"],
+        ),
+    ],
+)
+def test_build_step_composes_each_algorithms_step(overrides, names):
+    from verl.trainer.step import build_step
+
+    assert [type(op).__name__ for op in build_step(_cfg(*overrides)).operators] == names
+
+
+def test_the_configs_dpo_and_hybrid_settings_reach_the_operators():
+    from verl.trainer.step import build_step
+
+    dpo = build_step(_cfg("data.pairs=true", "data.val_files=null", "algorithm.adv_estimator=grpo",
+                          "algorithm.dpo.beta=0.3", "algorithm.dpo.loss_type=ipo")).operators[1]
+    assert (dpo.beta, dpo.loss_type) == (0.3, "ipo")
+    hybrid = build_step(_cfg("algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true",
+                             "algorithm.hybrid.reward_threshold=0.25", "actor_rollout_ref.actor.use_kl_loss=true")).operators[2]
+    assert hybrid.condition({"reward": 0.25}) and not hybrid.condition({"reward": 0.2})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.pairs=true", "data.val_files=null", "algorithm.hybrid.enable=true"], "are different steps; choose one"),
+        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "algorithm.hybrid.enable=true",
+          "actor_rollout_ref.actor.use_kl_loss=true"], "are different steps; choose one"),
+        (["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true"], "the DPO half needs the reference policy"),
+        (["algorithm.dpo.loss_type=nope"], "algorithm.dpo.loss_type"),
+    ],
+)
+def test_step_kinds_that_cannot_hold_fail_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*overrides)
+
+
+# -- main_ppo runs DPO and the hybrid step ---------------------------------------------------------
+
+
+def _main_ppo(argv: list[str], cwd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *argv], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+def _logged(log_dir: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                steps.setdefault(int(record.pop("step")), {}).update(record)
+    return steps
+
+
+@pytest.mark.slow
+def test_main_ppo_trains_dpo_on_pairs(tiny_model_dir, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(
+        json.dumps({"prompt": f"What is {a}+{b}?", "chosen": f"Answer: {a + b}", "rejected": f"Answer: {a + b + 1}"}) + "\n"
+        for a in range(3) for b in range(3)
+    ))
+    logs = tmp_path / "logs"
+    done = _main_ppo(
+        [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={pairs}", "data.pairs=true",
+         "data.shuffle=false", "algorithm.adv_estimator=grpo", "algorithm.dpo.beta=0.5", *FAST,
+         "trainer.total_training_steps=3", "trainer.save_freq=-1", f"trainer.log_dir={logs}",
+         f"trainer.default_local_dir={tmp_path / 'ckpt'}"],
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dpo (preference pairs, data.pairs; beta=0.5); step PreferenceOperator -> DPOUpdateOperator" in done.stderr
+    steps = _logged(str(logs))
+    assert sorted(steps) == [1, 2, 3]
+    for step, m in steps.items():
+        assert math.isfinite(m["dpo/loss"]) and m["actor/grad_norm"] > 0, (step, m)
+    # The same pairs train (no shuffle, 9 pairs in batches of 4): the chosen side gains on the rejected one.
+    assert steps[1]["dpo/rewards/margin"] == 0.0 and steps[3]["dpo/rewards/margin"] > 0  # step 1 at the reference's weights
+
+
+@pytest.mark.slow
+def test_main_ppo_runs_the_hybrid_step(tiny_model_dir, arithmetic_files, tmp_path):
+    logs = tmp_path / "logs"
+    done = _main_ppo(
+        [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={arithmetic_files['train']}",
+         "algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true", "algorithm.hybrid.reward_threshold=0.5",
+         "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={WORDS}", *FAST,
+         "trainer.total_training_steps=2", "trainer.save_freq=-1", f"trainer.log_dir={logs}",
+         f"trainer.default_local_dir={tmp_path / 'ckpt'}"],
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step RolloutOperator -> RewardOperator -> ConditionalUpdateOperator" in done.stderr
+    steps = _logged(str(logs))
+    assert sorted(steps) == [1, 2]
+    for m in steps.values():
+        assert m["conditional/true_samples"] + m["conditional/false_samples"] == 16
+        if m["conditional/true_samples"] > 0:
+            assert math.isfinite(m["actor/pg_loss"])
+        if m["conditional/dpo_pairs"] > 0:
+            assert math.isfinite(m["dpo/loss"])
+    assert any(m["conditional/dpo_pairs"] > 0 for m in steps.values())  # the words reward spreads: pairs form
+
+
+# -- a stream stepped by hand: the loop's checkpoints and resume -----------------------------------
+
+HAND_LOOP = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from verl import DataStream, PPOUpdateOperator, RewardOperator, RolloutOperator
+
+    def main():
+        model, train, out, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+        overrides = json.loads(sys.argv[5])
+        stream = DataStream(model=model, train_files=train, overrides=overrides)
+        stream.add_operator(RolloutOperator()).add_operator(RewardOperator()).add_operator(PPOUpdateOperator())
+        for _ in range(6):
+            metrics = stream.step()
+            if metrics is None:
+                break
+            with open(os.path.join(out, "steps.txt"), "a") as f:
+                f.write(f"{int(metrics['training/global_step'])}\\n")
+            if metrics["training/global_step"] == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        stream.close()
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def _hand_loop(model: str, train: str, out: str, *, kill_after: int) -> subprocess.CompletedProcess:
+    os.makedirs(out, exist_ok=True)
+    overrides = [
+        *FAST, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true",
+        f"custom_reward_function.path={WORDS}", "trainer.total_training_steps=6", "trainer.save_freq=2",
+        "trainer.resume_mode=auto", f"trainer.default_local_dir={out}/ckpt", f"trainer.log_dir={out}/logs",
+    ]
+    script = os.path.join(out, "hand_loop.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(HAND_LOOP)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    # Output to a file, not a pipe: a helper process the killed run leaves behind (a checkpoint
+    # writer's) would hold a pipe open; its own session, so that the test can end every process it left.
+    log = os.path.join(out, f"run{len(os.listdir(out))}.log")
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(
+            [sys.executable, script, model, train, out, str(kill_after), json.dumps(overrides)],
+            cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    with open(log, encoding="utf-8") as f:
+        text = f.read()
+    return subprocess.CompletedProcess(proc.args, code, text, text)
+
+
+@pytest.mark.slow
+def test_a_stream_stepped_by_hand_resumes_after_a_kill_with_equal_metrics(tiny_model_dir, arithmetic_files, tmp_path):
+    train = arithmetic_files["train"]
+    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+    done = _hand_loop(tiny_model_dir, train, whole, kill_after=0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = _hand_loop(tiny_model_dir, train, parts, kill_after=4)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(parts, "ckpt"))) == ["global_step_2", "global_step_4", "latest_checkpointed_iteration.txt"]
+    again = _hand_loop(tiny_model_dir, train, parts, kill_after=0)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    # The second start's first step() resumed at step 4: it ran steps 5 and 6, then the run was over.
+    with open(os.path.join(parts, "steps.txt"), encoding="utf-8") as f:
+        assert [int(line) for line in f] == [1, 2, 3, 4, 5, 6]
+    expected, actual = _logged(os.path.join(whole, "logs")), _logged(os.path.join(parts, "logs"))
+    assert sorted(expected) == sorted(actual) == [1, 2, 3, 4, 5, 6]  # steps 5-6 logged once
+    for step in (5, 6):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "reward_mean"):
+            # Bit-equal on CPU: the same samples (seeded by the step), the same weights and optimizer
+            # state (restored from the checkpoint), the same float32 arithmetic.
+            assert actual[step][key] == expected[step][key], (step, key)
+    assert all(expected[s]["actor/grad_norm"] > 1e-3 for s in (5, 6))  # the steps train
+    # Both runs ended as fit() ends: the final checkpoint at step 6.
+    assert os.path.isdir(os.path.join(parts, "ckpt", "global_step_6"))
+    assert os.path.isdir(os.path.join(whole, "ckpt", "global_step_6"))
