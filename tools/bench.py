@@ -749,7 +749,7 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from verl.parallel.bootstrap import destroy_distributed, init_distributed
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     root = tempfile.mkdtemp(prefix="verl-bench-rl-step-")
@@ -768,7 +768,7 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             steps, peaks = [], {}
             sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-            with RLTrainer(cfg) as trainer:
+            with PPOTrainer(cfg) as trainer:
                 if trainer.total_steps < args.warmup + args.steps:
                     raise ValueError(f"the config runs {trainer.total_steps} steps, fewer than --warmup {args.warmup} "
                                      f"+ --steps {args.steps}: raise trainer.total_training_steps")
@@ -821,7 +821,7 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
 @subcommand("rl-step", "one RL trainer step, phase by phase: time, share, tokens/s, peak memory")
 def _rl_step(p: argparse.ArgumentParser) -> Runner:
     p.description = (
-        "Runs --warmup then --steps steps of verl's RL trainer (verl.trainer.rl_trainer.RLTrainer, as main_ppo "
+        "Runs --warmup then --steps steps of verl's RL trainer (verl.trainer.ppo_trainer.PPOTrainer, as main_ppo "
         "builds it; validation, checkpoints and loggers off) and reports, per phase (rollout, weight push, "
         "reward, old logprobs, reference, values, advantages, critic and actor updates), the median seconds, "
         "share of the step, tokens/s and peak memory (resident on CPU, allocated on CUDA, sampled every 5 ms), "
@@ -1242,7 +1242,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from verl.parallel.bootstrap import destroy_distributed, init_distributed
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ValueError("compare-trl runs in one process (TRL's side is one process): start it without torchrun")
@@ -1266,7 +1266,7 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = _rl_config("grpo_tiny_cpu", overrides, root, 1)
         init_distributed(device="cpu")
         try:
-            with RLTrainer(cfg) as ours:
+            with PPOTrainer(cfg) as ours:
                 ours_records: list[dict[str, float]] = []
 
                 def our_step() -> None:  # right after each TRL step: a round is one step of each

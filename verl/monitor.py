@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,13 @@ class VerlMonitor:
         self.report_interval = report_interval
         self.summaries: list[dict[str, float]] = []
         """The summary of every ``report_interval``-th step seen, oldest first."""
-        self._trainer: "RLTrainer | None" = None
+        self._trainer: "PPOTrainer | None" = None
 
     def config_overrides(self) -> dict[str, Any]:
         """The trainer settings the monitor needs (dotted keys)."""
         return {"trainer.log_dir": self.log_dir, "trainer.report_freq": self.report_interval}
 
-    def attach(self, trainer: "RLTrainer") -> None:
+    def attach(self, trainer: "PPOTrainer") -> None:
         """Join ``trainer``'s metric fan-out; its log folder and report frequency must be this
         monitor's (ValueError naming the setting otherwise)."""
         t = trainer.cfg.trainer

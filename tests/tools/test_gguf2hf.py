@@ -180,7 +180,7 @@ def test_smollm2_converts_to_megatron_with_matching_logits(smollm2_hf, tmp_path,
 
 def _grpo_body(model_dir: str, files: dict[str, str], root: str) -> dict[int, dict[str, float]]:
     from verl.config import PPOConfig, load_config
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     config = load_config(
         PPOConfig,
@@ -206,7 +206,7 @@ def _grpo_body(model_dir: str, files: dict[str, str], root: str) -> dict[int, di
             f"trainer.log_dir={root}/logs",
         ],
     )
-    with RLTrainer(config) as trainer:
+    with PPOTrainer(config) as trainer:
         trainer.fit()
     steps: dict[int, dict[str, float]] = {}
     with open(os.path.join(root, "logs", "metrics.jsonl"), encoding="utf-8") as f:

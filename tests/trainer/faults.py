@@ -46,12 +46,12 @@ def install(faults: list[dict]) -> None:
     from verl.engine import LossShare, MegatronEngine
     from verl.roles import actor as actor_module
     from verl.roles.engine_role import RoleEngine
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     faults = [f for f in faults if _mine(f)]
     phase_faults = [f for f in faults if f["kind"] in ("kill", "term", "hang")]
     if phase_faults:
-        enter = RLTrainer._enter
+        enter = PPOTrainer.post_phase
 
         def _enter(self, phase: str) -> None:
             enter(self, phase)
@@ -65,7 +65,7 @@ def install(faults: list[dict]) -> None:
                     else:
                         time.sleep(3600)
 
-        RLTrainer._enter = _enter
+        PPOTrainer.post_phase = _enter
 
     for f in faults:
         if f["kind"] == "kill_in_checkpoint":
@@ -110,13 +110,13 @@ def install(faults: list[dict]) -> None:
 
             setattr(MegatronEngine, name, _raising)
 
-    init = RLTrainer.__init__
+    init = PPOTrainer.__init__
 
     def _init(self, *args, **kwargs):
         _TRAINER[0] = self
         init(self, *args, **kwargs)
 
-    RLTrainer.__init__ = _init
+    PPOTrainer.__init__ = _init
 
 
 _TRAINER: list = [None]

@@ -73,7 +73,7 @@ def _config(config: str, engine: str, model_dir: str, files: dict[str, str], roo
 def _runs_body(model_dir: str, files: dict[str, str], root: str, split: bool) -> dict[str, object]:
     import torch.distributed as dist
 
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     world = dist.get_world_size()
     out: dict[str, object] = {}
@@ -82,7 +82,7 @@ def _runs_body(model_dir: str, files: dict[str, str], root: str, split: bool) ->
             config, engine, model_dir, files, f"{root}/{name}", world, *extra, *(placement if split else []),
             "trainer.save_freq=-1",
         )
-        with RLTrainer(cfg) as trainer:
+        with PPOTrainer(cfg) as trainer:
             out[name] = {
                 "steps": [trainer.train_step() for _ in range(STEPS if split else STEPS + 1)],
                 "roles": sorted(r for r in ("actor", "ref", "critic", "reward_model") if trainer.runs(r)),
@@ -93,7 +93,7 @@ def _runs_body(model_dir: str, files: dict[str, str], root: str, split: bool) ->
         if split:  # a new trainer resumes from the checkpoint the roles apart wrote, and takes step 3
             cfg = _config(config, engine, model_dir, files, f"{root}/{name}", world, *extra, *placement,
                           "trainer.resume_mode=auto")
-            with RLTrainer(cfg) as trainer:
+            with PPOTrainer(cfg) as trainer:
                 out[name]["resumed_at"] = trainer.resume()
                 out[name]["steps"].append(trainer.train_step())
     return out

@@ -135,7 +135,7 @@ def _config(config: str, model_dir: str, files: dict[str, str], *extra: str):
 
 
 def _layouts_body(model_dir: str, files: dict[str, str], root: str) -> dict[str, list[dict[str, float]]]:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     out = {}
     for algo, config in (("grpo", "grpo_tiny_cpu"), ("ppo", "ppo_tiny_cpu")):
@@ -148,7 +148,7 @@ def _layouts_body(model_dir: str, files: dict[str, str], root: str) -> dict[str,
                 "trainer.logger=[]",
                 f"trainer.default_local_dir={root}/{algo}-{name}",
             )
-            with RLTrainer(cfg) as trainer:
+            with PPOTrainer(cfg) as trainer:
                 out[f"{algo}-{name}"] = [trainer.train_step() for _ in range(2)]
     return out
 
@@ -198,7 +198,7 @@ def test_grpo_and_ppo_at_every_layout(tiny_model_dir, arithmetic_files, tmp_path
 
 
 def _old_log_prob_body(model_dir: str, files: dict[str, str], root: str) -> dict[str, list[dict[str, float]]]:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     out = {}
     for source in ("recompute", "current", "rollout"):
@@ -210,7 +210,7 @@ def _old_log_prob_body(model_dir: str, files: dict[str, str], root: str) -> dict
             "trainer.logger=[]",
             f"trainer.default_local_dir={root}/{source}",
         )
-        with RLTrainer(cfg) as trainer:
+        with PPOTrainer(cfg) as trainer:
             out[source] = [trainer.train_step() for _ in range(2)]
     return out
 
@@ -251,7 +251,7 @@ DYNAMIC_BUDGET = 96  # the longest sequence is 24 + 12 = 36 tokens; each rank ho
 
 
 def _dynamic_bsz_body(model_dir: str, files: dict[str, str], root: str) -> list[dict[str, float]]:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     cfg = _config(
         "grpo_tiny_cpu",
@@ -263,7 +263,7 @@ def _dynamic_bsz_body(model_dir: str, files: dict[str, str], root: str) -> list[
         "trainer.logger=[]",
         f"trainer.default_local_dir={root}/dynbsz",
     )
-    with RLTrainer(cfg) as trainer:
+    with PPOTrainer(cfg) as trainer:
         return [trainer.train_step()]
 
 
@@ -308,7 +308,7 @@ def _metrics(log_dir: str) -> dict[int, dict[str, float]]:
 
 
 def _resume_body(model_dir: str, files: dict[str, str], root: str) -> dict[str, dict]:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     # PPO with a critic, an adaptive in-reward KL controller and a warm-up: every piece of state
     # a checkpoint holds changes from step to step. 16 prompts, 8 per step: 2 steps per epoch.
@@ -333,7 +333,7 @@ def _resume_body(model_dir: str, files: dict[str, str], root: str) -> dict[str, 
             f"trainer.resume_mode={resume}",
             *more,
         )
-        with RLTrainer(cfg) as trainer:
+        with PPOTrainer(cfg) as trainer:
             start = trainer.resume()
             trainer.fit(stop_after=stop_after)
             return start, trainer.global_step

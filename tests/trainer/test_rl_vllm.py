@@ -1,7 +1,7 @@
 """GRPO with the CPU vLLM engine on 2 ranks: the engine agrees with the trainer, and the reward rises.
 
 ONE call on the persistent 2-rank pool: a short SFT warm-up of the tiny model on 1-digit
-addition (it learns the answer format and roughly the sums), then GRPO through ``RLTrainer``
+addition (it learns the answer format and roughly the sums), then GRPO through ``PPOTrainer``
 with the Megatron actor at TP=2 and the vLLM engine at TP'=2 (one engine over both ranks,
 weights pushed by the hybrid engine every step), validation sampled at temperature 1 before
 and after. The task is scored by a dense custom reward (``arithmetic_distance_reward.py``:
@@ -35,7 +35,7 @@ MARGIN = 0.05
 
 def _body(model_dir: str, files: dict[str, str], root: str) -> dict[str, object]:
     from verl.config import PPOConfig, SFTConfig, load_config
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
     from verl.trainer.sft_trainer import SFTTrainer
 
     data = [f"data.train_files={files['train']}", f"data.val_files={files['val']}"]
@@ -96,7 +96,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict[str, object]
             f"trainer.log_dir={root}/grpo/logs",
         ],
     )
-    with RLTrainer(grpo) as trainer:
+    with PPOTrainer(grpo) as trainer:
         trainer.fit()
     logs = os.path.join(root, "grpo", "logs")
     out: dict[int, dict[str, float]] = {}

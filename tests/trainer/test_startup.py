@@ -91,7 +91,7 @@ print("wandb", "wandb" not in sys.modules or is_deferred("wandb"), "mlflow", "ml
 
 @pytest.mark.parametrize(
     "main, cls, yaml, trainer",
-    [("main_ppo", "PPOConfig", "ppo_trainer.yaml", "rl_trainer"), ("main_sft", "SFTConfig", "sft_trainer.yaml", "sft_trainer")],
+    [("main_ppo", "PPOConfig", "ppo_trainer.yaml", "ppo_trainer"), ("main_sft", "SFTConfig", "sft_trainer.yaml", "sft_trainer")],
 )
 def test_the_start_up_path_imports_no_logger_package_it_was_not_asked_for(main, cls, yaml, trainer):
     pytest.importorskip("wandb", reason="W&B is not installed: nothing could import it")

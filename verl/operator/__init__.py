@@ -1,7 +1,7 @@
 """The Python API's dataflow: ``DataStream`` and its operators (see docs/python_api.md).
 
-Each built-in operator wraps step pieces of :class:`verl.trainer.rl_trainer.RLTrainer`; the stream
-runs them in order and ``DataStream.fit`` runs its step inside ``RLTrainer.fit`` (one loop).
+Each built-in operator wraps step pieces of :class:`verl.trainer.ppo_trainer.PPOTrainer`; the stream
+runs them in order and ``DataStream.fit`` runs its step inside ``PPOTrainer.fit`` (one loop).
 """
 
 from verl.trainer.step.base import Operator

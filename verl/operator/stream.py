@@ -1,13 +1,13 @@
 """``DataStream``: one PPO/GRPO step composed of operators, run by the one trainer loop.
 
-A stream holds a :class:`verl.trainer.rl_trainer.RLTrainer` (its roles, data loader, checkpoints
+A stream holds a :class:`verl.trainer.ppo_trainer.PPOTrainer` (its roles, data loader, checkpoints
 and loggers) and a list of operators. :meth:`DataStream.step` passes one batch through the
-operators in order; :meth:`DataStream.fit` hands that step to ``RLTrainer.fit(step_fn=...)``, so
+operators in order; :meth:`DataStream.fit` hands that step to ``PPOTrainer.fit(step_fn=...)``, so
 validation, checkpoints every ``save_freq``, stop signals and the run report are the trainer's.
 
 Where the trainer comes from:
 
-- ``DataStream(trainer=t)``: an ``RLTrainer`` the caller built (and closes); the operators' own
+- ``DataStream(trainer=t)``: an ``PPOTrainer`` the caller built (and closes); the operators' own
   settings (``PPOUpdateOperator(estimator=...)``, ``RolloutOperator(n=...)``) must agree with its
   config, or :meth:`add_operator` fails naming the key;
 - ``DataStream(model=PATH, train_files=FILE, config="ppo_trainer", overrides=[...])``: the stream
@@ -38,7 +38,7 @@ from verl.trainer.model_objects import is_model_object
 if TYPE_CHECKING:
     from verl.config import PPOConfig
     from verl.monitor import VerlMonitor
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,13 @@ def build_config(
     return load_config(PPOConfig, config_file=config, overrides=[*args, *overrides], world_size=world)
 
 
-def build_trainer(cfg: "PPOConfig") -> tuple["RLTrainer", bool]:
-    """``RLTrainer(cfg)`` on the current torch.distributed world, or on a world of one that this
+def build_trainer(cfg: "PPOConfig") -> tuple["PPOTrainer", bool]:
+    """``PPOTrainer(cfg)`` on the current torch.distributed world, or on a world of one that this
     call starts; returns the trainer and whether the world was started here."""
     import torch.distributed as dist
 
     from verl.parallel.bootstrap import init_distributed
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     started = False
     if not dist.is_initialized():
@@ -82,7 +82,7 @@ def build_trainer(cfg: "PPOConfig") -> tuple["RLTrainer", bool]:
         init_distributed(device=cfg.trainer.device)
         started = True
     try:
-        return RLTrainer(cfg), started
+        return PPOTrainer(cfg), started
     except BaseException:
         if started:
             from verl.parallel.bootstrap import destroy_distributed
@@ -102,7 +102,7 @@ class DataStream:
     """Operators run in order on one batch per step (see the module docstring).
 
     Args:
-        trainer: an ``RLTrainer`` to run on; or None to build one from the arguments below.
+        trainer: an ``PPOTrainer`` to run on; or None to build one from the arguments below.
         model: the actor (``actor_rollout_ref.model.path``): a Hugging Face checkpoint directory or
             a model object (``verl.trainer.model_objects``: a ``...ForCausalLM`` of a supported family
             for Megatron, another ``nn.Module`` with ``generate()`` for the plain PyTorch engine); None when an operator names
@@ -118,7 +118,7 @@ class DataStream:
 
     def __init__(
         self,
-        trainer: "RLTrainer | None" = None,
+        trainer: "PPOTrainer | None" = None,
         *,
         model: Any = None,
         tokenizer: Any = None,
@@ -192,7 +192,7 @@ class DataStream:
         return self
 
     @staticmethod
-    def _place(device_map: Mapping[str, Any], trainer: "RLTrainer | None", overrides: Sequence[str]) -> Any:
+    def _place(device_map: Mapping[str, Any], trainer: "PPOTrainer | None", overrides: Sequence[str]) -> Any:
         """``device_map`` checked against the launched world, the devices here and the trainer's config
         (a given trainer's, or the ``overrides`` of one the stream builds)."""
         import torch
@@ -292,7 +292,7 @@ class DataStream:
         )
 
     @property
-    def trainer(self) -> "RLTrainer":
+    def trainer(self) -> "PPOTrainer":
         """The trainer, built now if the stream builds its own."""
         if self._trainer is None:
             cfg = self.config()
@@ -357,8 +357,8 @@ class DataStream:
 
     def fit(self, *, stop_after: int | None = None) -> dict[str, float]:
         """Train to the config's step count with this stream's step in the trainer's loop
-        (``RLTrainer.fit(step_fn=...)``: resume, validation, checkpoints, stop signals, report);
-        ``stop_after`` ends it after that global step, as ``RLTrainer.fit`` does."""
+        (``PPOTrainer.fit(step_fn=...)``: resume, validation, checkpoints, stop signals, report);
+        ``stop_after`` ends it after that global step, as ``PPOTrainer.fit`` does."""
         return self.trainer.fit(stop_after=stop_after, step_fn=self.run_operators)
 
     def save_checkpoint(self) -> str:

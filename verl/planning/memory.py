@@ -6,7 +6,7 @@ pipeline stage, weight-sync figures from the real reshard plan) and ``tools/plan
 :func:`memory_plan`; everything after the counts is this module, once.
 
 Per GPU, for each Megatron role on it (actor, reference, critic, reward model; every role is
-colocated on every rank, as ``RLTrainer`` places them):
+colocated on every rank, as ``PPOTrainer`` places them):
 
 - parameters: ``params x dtype bytes`` (bf16: 2);
 - gradients (trained roles): ``params x 4`` — Megatron's DDP keeps an fp32 ``main_grad`` buffer

@@ -16,7 +16,7 @@ from typing import Any as _Any
 
 def __getattr__(name: str) -> _Any:
     # verl.trainer.RLTrainer is the keyword-argument facade (verl.trainer.api); the config-driven
-    # trainer it drives stays verl.trainer.rl_trainer.RLTrainer.
+    # trainer it drives stays verl.trainer.ppo_trainer.PPOTrainer.
     if name == "RLTrainer":
         return _importlib.import_module("verl.trainer.api").RLTrainer
     raise AttributeError(f"module 'verl.trainer' has no attribute {name!r}")

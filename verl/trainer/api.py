@@ -1,4 +1,4 @@
-"""``verl.RLTrainer``: the keyword-argument facade over :class:`verl.trainer.rl_trainer.RLTrainer`.
+"""``verl.RLTrainer``: the keyword-argument facade over :class:`verl.trainer.ppo_trainer.PPOTrainer`.
 
 It only builds a ``PPOConfig`` (from a YAML file under configs/, then its arguments, then
 ``overrides``) and calls the trainer's ``fit`` — the loop ``python -m verl.trainer.main_ppo``

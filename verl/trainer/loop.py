@@ -1,7 +1,7 @@
 """The one RL loop: a thin driver of the step with callbacks (validation, checkpoint, loggers,
 report, export) and stop signals.
 
-``RLTrainer.fit`` runs it to the end; ``verl.DataStream.step`` advances it one step at a time,
+``PPOTrainer.fit`` runs it to the end; ``verl.DataStream.step`` advances it one step at a time,
 so a stream stepped by hand gets what ``fit`` gets:
 
 - before the first step: resume from the checkpoint ``trainer.resume_mode`` selects, and
@@ -29,7 +29,7 @@ from verl.trainer.tracking import progress_bar
 from verl.utils.logging import log_rank0
 
 if TYPE_CHECKING:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ValidationCallback(Callback):
 
     def on_train_begin(self, loop: "Loop") -> None:
         trainer, t = loop.trainer, loop.trainer.cfg.trainer
-        if t.val_before_train and trainer.global_step == 0 and trainer.val_loader is not None:
+        if t.val_before_train and trainer.global_step == 0 and trainer.data.val_loader is not None:
             loop.val = trainer.validate()
             trainer.tracking.log(loop.val, trainer.global_step)
             log_rank0(logger, logging.INFO, "validation before training: %s", core_metrics(loop.val))
@@ -79,7 +79,7 @@ class ValidationCallback(Callback):
 
     def on_train_end(self, loop: "Loop") -> None:
         trainer, t = loop.trainer, loop.trainer.cfg.trainer
-        if t.test_freq > 0 and trainer.val_loader is not None and not (loop.last and _due(t.test_freq, trainer.global_step)):
+        if t.test_freq > 0 and trainer.data.val_loader is not None and not (loop.last and _due(t.test_freq, trainer.global_step)):
             loop.val = trainer.validate()
             trainer.tracking.log(loop.val, trainer.global_step)
         if loop.val:
@@ -112,7 +112,7 @@ class ExportCallback(Callback):
     def on_train_end(self, loop: "Loop") -> None:
         trainer = loop.trainer
         if trainer.cfg.trainer.save_hf:
-            trainer.board.post("export_hf", trainer.global_step)
+            trainer.post_phase("export_hf")
             trainer.export_actor_hf(hf_export_dir(trainer.cfg.trainer))
 
 
@@ -162,12 +162,12 @@ def default_callbacks() -> list[Callback]:
 class Loop:
     """Runs ``step_fn`` (one step's metrics, or None when the data is used up) on ``trainer``
     with ``callbacks`` (module docstring). :meth:`step` advances one step; :meth:`close` removes
-    the signal handlers and the progress bar (``RLTrainer.fit`` and ``DataStream.close`` call it).
+    the signal handlers and the progress bar (``PPOTrainer.fit`` and ``DataStream.close`` call it).
     """
 
     def __init__(
         self,
-        trainer: "RLTrainer",
+        trainer: "PPOTrainer",
         step_fn: Callable[[], dict[str, float] | None],
         callbacks: Sequence[Callback] | None = None,
     ) -> None:
@@ -216,7 +216,7 @@ class Loop:
             return self._finish()
         self._run("on_step_end", metrics)
         self.last = metrics
-        trainer.board.post("end_of_step", trainer.global_step)
+        trainer.post_phase("end_of_step")
         stop = self._signals.agreed()
         if stop is not None:
             self._run("on_stop")

@@ -1,4 +1,4 @@
-"""PPO / GRPO entry point: a thin command line over :class:`verl.trainer.rl_trainer.RLTrainer`.
+"""PPO / GRPO entry point: a thin command line over :class:`verl.trainer.ppo_trainer.PPOTrainer`.
 
     torchrun --nproc_per_node=2 -m verl.trainer.main_ppo --config grpo_tiny_cpu key=value ...
     python -m verl.trainer.main_ppo --config ppo_tiny_cpu actor_rollout_ref.model.path=DIR ...
@@ -72,10 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_run(cfg.trainer)  # before the trainer's imports: they bring Megatron-core, which probes for W&B
     from verl.trainer.entry import run_trainer
     from verl.trainer.ppo_checks import check_ppo_inputs
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
     return run_trainer(
-        cfg, prog=PROG, check=check_ppo_inputs, make_trainer=RLTrainer, summary=lambda _, m: _summary(m)
+        cfg, prog=PROG, check=check_ppo_inputs, make_trainer=PPOTrainer, summary=lambda _, m: _summary(m)
     )
 
 

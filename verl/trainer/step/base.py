@@ -27,31 +27,31 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 __all__ = ["Operator", "declared", "operator_name"]
 
 
 class Operator:
-    """Base of the built-in operators: one step piece of :class:`verl.trainer.rl_trainer.RLTrainer`."""
+    """Base of the built-in operators: one step piece of :class:`verl.trainer.ppo_trainer.PPOTrainer`."""
 
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
 
     def __init__(self) -> None:
-        self._trainer: "RLTrainer | None" = None
+        self._trainer: "PPOTrainer | None" = None
 
     def config_overrides(self) -> dict[str, Any]:
         """Config keys (dotted) this operator's arguments set; a stream that builds its trainer
         applies them, one given a trainer checks them."""
         return {}
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         """Attach the trainer whose roles this operator calls (the stream does this)."""
         self._trainer = trainer
 
     @property
-    def trainer(self) -> "RLTrainer":
+    def trainer(self) -> "PPOTrainer":
         if self._trainer is None:
             raise ValueError(f"{type(self).__name__} is not in a DataStream yet: add it with stream.add_operator(op)")
         return self._trainer

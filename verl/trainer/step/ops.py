@@ -1,4 +1,4 @@
-"""The built-in operators: each wraps step pieces of :class:`verl.trainer.rl_trainer.RLTrainer`;
+"""The built-in operators: each wraps step pieces of :class:`verl.trainer.ppo_trainer.PPOTrainer`;
 ``verl.trainer.step.build_step`` composes the config's step from them.
 
 | operator | trainer pieces | adds |
@@ -8,7 +8,7 @@
 | :class:`MultiRewardScorer` | several reward operators, weighted sum | ``token_level_scores`` |
 | :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
 | :class:`WeightedFilterOperator` | the actor loss's per-sample weight (``verl.roles.actor.SAMPLE_WEIGHT``) | ``sample_weight`` |
-| :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``RLTrainer.filter_metric`` | nothing: drops groups |
+| :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``PPOTrainer.filter_metric`` | nothing: drops groups |
 | :class:`DynamicSamplingOperator` | ``prompt_batch``, ``generate``, the reward, ``filter_groups``, redrawn until the batch is full | ``responses``, ..., ``token_level_scores`` |
 | :class:`PreferenceOperator` | ``preference_batch`` (``data.pairs``) | ``responses``, ``response_mask``, ``pair_side``, ... |
 | :class:`DPOUpdateOperator` | ``update_preference``: reference log-probs, ``Actor.update_preference`` | ``ref_log_prob`` |
@@ -28,7 +28,7 @@ from verl.trainer.step.base import Operator
 
 if TYPE_CHECKING:
     from verl.protocol import Batch
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 __all__ = [
     "ConditionalUpdateOperator",
@@ -58,7 +58,7 @@ ROLLOUT_FIELDS = (
 
 
 class RolloutOperator(Operator):
-    """The step's prompts from the trainer's data loader, ``n`` samples each (``RLTrainer.generate``:
+    """The step's prompts from the trainer's data loader, ``n`` samples each (``PPOTrainer.generate``:
     the actor's weights pushed into the engine first). Makes the step's batch; None when the
     data is used up.
 
@@ -79,7 +79,7 @@ class RolloutOperator(Operator):
             the engine reports (``kv_token_budget``: vLLM's KV cache capacity; for the transformers
             engine the free device memory over its KV bytes per token): as many sequences per call
             as fit, within ``[min_batch_size, max_batch_size]``, whole prompts each
-            (``RLTrainer.generate(call_sizes=...)``); logs ``rollout/batch_size``,
+            (``PPOTrainer.generate(call_sizes=...)``); logs ``rollout/batch_size``,
             ``rollout/num_calls`` and ``rollout/kv_token_budget``. Greedy samples are unchanged;
             sampled ones differ from one call's (each call has its own seeded stream).
         min_batch_size / max_batch_size: the sequences (prompt x sample rows) per call; only with
@@ -171,7 +171,7 @@ class RewardOperator(Operator):
 
     Args:
         scorer: None: the config's rule-based scorers by each sample's ``data_source``
-            (the trainer's reward role, as ``RLTrainer.compute_reward``); a registered scorer name (``"verl/arithmetic"``,
+            (the trainer's reward role, as ``PPOTrainer.compute_reward``); a registered scorer name (``"verl/arithmetic"``,
             ``"openai/gsm8k"``: ``verl.rewards.known_data_sources()``) applied to every sample; or
             a Python function ``f(data_source, solution_str, ground_truth, extra_info) -> float``
             (the ``custom_reward_function`` contract; a dict with a ``"score"`` key also works).
@@ -201,7 +201,7 @@ class RewardOperator(Operator):
         self.name = name or _scorer_name(scorer)
         self._role = None
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         super().bind(trainer)
         if self.scorer is None:
             return
@@ -302,7 +302,7 @@ class RewardModelScorer(RewardOperator):
             return {}
         return {"reward_model.enable": True, "reward_model.model.path": self.model_path}
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         if self.model_path is None:
             super().bind(trainer)
             return
@@ -355,7 +355,7 @@ class MultiRewardScorer(Operator):
                 out[key] = value
         return out
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         super().bind(trainer)
         for op, _ in self.parts:
             op.bind(trainer)
@@ -513,7 +513,7 @@ class GroupFilterOperator(Operator):
     """DAPO's group filter (dynamic sampling's drop, arXiv:2503.14476): removes every prompt group
     (samples of one ``uid``) whose ``metric`` is the same for all its samples, since GRPO gives
     them zero advantage. The trainer's own pieces: ``verl.algos.filter_groups`` on
-    ``RLTrainer.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
+    ``PPOTrainer.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
     scorer returns, e.g. ``acc``). Unlike ``algorithm.filter_groups`` in the trainer's own step it
     does not draw more prompts to refill the batch: the step trains on the groups left. Fails when
     no group is left. Logs ``filter/kept_groups`` and ``filter/dropped_groups``.
@@ -545,7 +545,7 @@ class GroupFilterOperator(Operator):
 class DynamicSamplingOperator(Operator):
     """DAPO's dynamic sampling (arXiv:2503.14476; ``algorithm.filter_groups``): draws prompt
     batches (rollout, then the config's reward) and keeps the prompt groups whose ``metric``
-    (``RLTrainer.filter_metric``) has a spread, until ``data.train_batch_size`` groups are kept;
+    (``PPOTrainer.filter_metric``) has a spread, until ``data.train_batch_size`` groups are kept;
     the step trains on exactly that many groups. Draw ``d`` samples with the step's seed + ``d``.
     Makes the step's batch; None when the data is used up. Fails after ``max_num_gen_batches``
     draws (0: no limit) with fewer groups. Logs ``dapo/num_gen_batches`` and ``dapo/num_kept_groups``.
@@ -562,7 +562,7 @@ class DynamicSamplingOperator(Operator):
         self.max_num_gen_batches = max_num_gen_batches
         self.reward = RewardOperator(summary=False)
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         super().bind(trainer)
         self.reward.bind(trainer)
 
@@ -607,7 +607,7 @@ class DynamicSamplingOperator(Operator):
 
 class PPOUpdateOperator(Operator):
     """The rest of the step: old and reference log-probs, values, advantages, the critic and
-    actor updates and the step's metrics (``RLTrainer.update_step``; advances the global step).
+    actor updates and the step's metrics (``PPOTrainer.update_step``; advances the global step).
 
     Args (None: the config's value):
         actor: the policy it trains, as :class:`RolloutOperator`'s ``model=`` takes it (the same
@@ -687,7 +687,7 @@ PAIR_FIELDS = ("responses", "response_mask", "input_ids", "attention_mask", "pos
 
 
 class PreferenceOperator(Operator):
-    """The step's preference pairs from the trainer's loader (``RLTrainer.preference_batch``: the
+    """The step's preference pairs from the trainer's loader (``PPOTrainer.preference_batch``: the
     trainer built with ``data.pairs=true`` on prompt/chosen/rejected files). Makes the step's batch:
     pair i's chosen response at row 2i, its rejected one at 2i + 1; None when the data is used up."""
 
@@ -704,7 +704,7 @@ class PreferenceOperator(Operator):
 
 class DPOUpdateOperator(Operator):
     """DPO's update (arXiv:2305.18290) on the step's pairs: the reference role's log-probs, then one
-    optimizer step of the actor on the preference loss (``RLTrainer.update_preference``;
+    optimizer step of the actor on the preference loss (``PPOTrainer.update_preference``;
     advances the global step). The loss is ``verl.algos.preference``'s: ``sigmoid`` (DPO,
     -log sigmoid(beta * margin)) or ``ipo``, on per-response log-prob sums at temperature 1.
 
@@ -744,7 +744,7 @@ class DPOUpdateOperator(Operator):
     def config_overrides(self) -> dict[str, Any]:
         return {"data.pairs": True, **({"actor_rollout_ref.actor.optim.lr": self.lr} if self.lr is not None else {})}
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         for name, given, own in (("actor", self.actor, trainer.actor), ("reference", self.reference, trainer.reference)):
             if given is not None and given is not own:
                 raise ValueError(
@@ -802,7 +802,7 @@ class ConditionalUpdateOperator(Operator):
             out.update({k: v for k, v in branch.config_overrides().items() if k != "data.pairs"})
         return out
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         super().bind(trainer)
         self.true_branch.bind(trainer)
         self.false_branch.bind(trainer)

@@ -9,9 +9,9 @@ Every algorithm's step is a :class:`StepPipeline`; :func:`build_step` makes the 
 | DPO on preference pairs (``data.pairs``) | ``PreferenceOperator`` -> ``DPOUpdateOperator`` (``algorithm.dpo.*``) |
 | the hybrid PPO/DPO step (``algorithm.hybrid.enable``) | ``RolloutOperator`` -> ``RewardOperator`` -> ``ConditionalUpdateOperator`` |
 
-The trainer's loop runs the pipeline (``RLTrainer.fit``); ``verl.DataStream`` is the same
+The trainer's loop runs the pipeline (``PPOTrainer.fit``); ``verl.DataStream`` is the same
 class with the user's operators in it, so ``main_ppo``, the Python API and the benchmarks all
-run one kind of step. ReMax's greedy baseline is part of the rollout (``RLTrainer.generate``).
+run one kind of step. ReMax's greedy baseline is part of the rollout (``PPOTrainer.generate``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from verl.trainer.step.base import Operator, declared, operator_name
 if TYPE_CHECKING:
     from verl.config import PPOConfig
     from verl.protocol import Batch
-    from verl.trainer.rl_trainer import RLTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 __all__ = ["StepPipeline", "build_step", "step_kind"]
 
@@ -82,13 +82,13 @@ class StepPipeline:
         """The operators' classes in order: ``RolloutOperator -> RewardOperator -> PPOUpdateOperator``."""
         return " -> ".join(type(op).__name__ for op in self.operators)
 
-    def bind(self, trainer: "RLTrainer") -> None:
+    def bind(self, trainer: "PPOTrainer") -> None:
         """Give every built-in operator the trainer whose roles it calls."""
         for op in self.operators:
             if isinstance(op, Operator):
                 op.bind(trainer)
 
-    def run(self, trainer: "RLTrainer") -> dict[str, float] | None:
+    def run(self, trainer: "PPOTrainer") -> dict[str, float] | None:
         """One step: every operator in order on the step's batch; the step's metrics (the
         operators' and the trainer's phase timings, ``timing_s/step``), or None when the first
         operator found no more data."""

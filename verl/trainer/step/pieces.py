@@ -1,0 +1,440 @@
+"""The step's pieces on the trainer's roles: rollout, reward, log-probs, values, advantages and
+the updates, each a method that takes and returns a ``Batch`` (and metrics).
+
+The operators of :mod:`verl.trainer.step.ops` call these; :class:`StepPieces` is the base of
+``verl.trainer.ppo_trainer.PPOTrainer``, which builds the state they use (``cfg``, ``world``,
+``data``, the roles ``rollout``/``actor``/``reference``/``critic``/``reward``, ``kl_ctrl``,
+``skipped``, ``board``, ``global_step``, the run report's files).
+
+One step (shared/DESIGN.md), as ``verl.trainer.step.build_step`` composes it:
+
+1. :meth:`StepPieces.generate` — the actor's weights pushed into the engine, ``n`` samples per
+   prompt; ReMax adds a greedy baseline (DAPO's dynamic sampling redraws: ``DynamicSamplingOperator``);
+2. the reward (``RewardOperator``: :meth:`compute_reward`) — rule-based and/or reward-model scores;
+3. :meth:`update_step`: the actor's old log-probabilities (only with ``actor.old_log_prob``
+   resolving to ``recompute``: when the batch is one optimizer step the update's own forward
+   gives the same numbers, and with ``rollout`` the engine's are used), the reference's, the
+   critic's values; the in-reward KL penalty and the advantages; the critic's and the actor's
+   updates (after ``trainer.critic_warmup`` steps); the step's metrics;
+4. or DPO's :meth:`update_preference` on preference pairs.
+
+Departures from the reference verl: mini-batches are cut from the global batch before it is
+split over data-parallel ranks (so DP=2 takes the same optimizer steps as DP=1); the actor
+waits ``critic_warmup`` full steps (the reference starts it at step ``critic_warmup``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl.algos import apply_kl_penalty, compute_advantage, masked_mean
+from verl.protocol import Batch
+from verl.rollout.base import merge_rollout_metrics
+from verl.roles.dispatch import share_batch, share_object
+from verl.roles.reward_model import DATA_SOURCE_COLUMN
+from verl.trainer.ppo_metrics import data_metrics, rollout_agreement_metrics, throughput_metrics
+from verl.trainer.resilience import check_finite_rewards
+
+__all__ = ["PhaseTimer", "StepPieces"]
+
+# Per-call sampling seeds: rollout.seed + step * _STEP_STRIDE + draw; validation is offset by VAL_SEED_OFFSET.
+_STEP_STRIDE = 1000
+VAL_SEED_OFFSET = 10**9
+_REMAX_OFFSET = 500
+# Call i > 0 of a step's generation split into calls (generate(call_sizes=...)) samples with
+# seed + i * _CALL_STRIDE: its own stream, apart from the step's draws and ReMax's baseline.
+_CALL_STRIDE = 100_003
+
+
+class PhaseTimer:
+    """``with timer("gen"):`` adds the block's seconds to ``timing_s/gen`` (and tells ``on_enter``
+    the phase's name)."""
+
+    def __init__(self, on_enter: Callable[[str], None] | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.on_enter = on_enter
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.on_enter is not None:
+            self.on_enter(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+class StepPieces:
+    """The step's pieces (module docstring); ``PPOTrainer`` builds the state they use."""
+
+    step_timer: PhaseTimer | None = None  # the current step's phases (begin_step)
+    step_start = 0.0
+
+    def runs(self, role: str) -> bool:
+        """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
+        return self.world.runs(role)
+
+    def prompt_batch(self, draw: int = 0) -> Batch | None:
+        """The step's next prompts (``uid`` ``step/draw/i``); None when the epochs are used up."""
+        return self.data.prompt_batch(self.global_step, draw)
+
+    def preference_batch(self) -> Batch | None:
+        """The step's next preference pairs (``verl.trainer.rl_data.RLData.preference_batch``)."""
+        return self.data.preference_batch(self.global_step)
+
+    def _exchange_phase(self, timer: PhaseTimer) -> contextlib.AbstractContextManager:
+        """The ``exchange`` phase's timer when some role is apart; nothing to time otherwise (no
+        collective: :meth:`_exchange` only merges the metrics)."""
+        return timer("exchange") if self.world.apart else contextlib.nullcontext()
+
+    def update_preference(
+        self,
+        batch: Batch,
+        *,
+        beta: float,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        advance_step: bool = True,
+    ) -> dict[str, float]:
+        """DPO's step on :meth:`preference_batch`'s pairs: the reference's log-probs, then
+        ``Actor.update_preference``; advances :attr:`global_step` (unless ``advance_step=False``: a
+        second update within a step that already advanced it) and returns the step's metrics."""
+        if not self.use_reference:
+            raise ValueError(
+                "DPO needs the frozen reference policy, which this trainer does not build: train on "
+                "data.pairs=true, or turn on actor_rollout_ref.actor.use_kl_loss (e.g. PPOUpdateOperator(kl_coef=0.001))"
+            )
+        timer = PhaseTimer(self.post_phase)
+        start = time.perf_counter()
+        if advance_step:
+            self.global_step += 1
+        with timer("ref"):
+            if self.runs("ref"):
+                batch["ref_log_prob"] = self.reference.compute_log_prob(batch, temperature=1.0)
+        if "ref" in self.world.apart:
+            with timer("exchange"):
+                batch, _ = self.world.exchange(batch, [("ref", ["ref_log_prob"], {})])
+        with timer("update_actor"):
+            metrics = {}
+            if self.runs("actor"):
+                metrics = self.actor.update_preference(
+                    batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
+                )
+        if "actor" in self.world.apart:
+            with timer("exchange"):
+                _, metrics = self.world.exchange(None, [("actor", [], metrics)])
+        metrics.update(
+            self.skipped.record(
+                self.global_step, metrics.get("actor/num_skipped_updates", 0) > 0, last_checkpoint=self._last_checkpoint
+            )
+        )
+        timer.seconds["step"] = time.perf_counter() - start
+        metrics.update(timer.metrics())
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.data.epoch)
+        return metrics
+
+    def _seed(self, draw: int) -> int:
+        return self.cfg.actor_rollout_ref.rollout.seed + self.global_step * _STEP_STRIDE + draw
+
+    def sampling_seed(self, draw: int = 0) -> int:
+        """The rollout seed of this step's ``draw``-th generation batch (what :meth:`train_step` uses)."""
+        return self._seed(draw)
+
+    # -- the step's pieces ----------------------------------------------------------------
+
+    def generate(
+        self, prompts: Batch, *, seed: int, call_sizes: tuple[int, int] | None = None
+    ) -> tuple[Batch, dict[str, float]]:
+        """Rollout (weights pushed first): ``n`` samples per prompt; ReMax adds ``reward_baselines`` [B*n].
+
+        ``call_sizes=(min, max)`` splits the generation into engine calls of whole prompts, each of
+        ``min .. max`` sequences (prompt x sample rows), as many as the memory the engine reports
+        holds (:meth:`_call_size`); call ``i > 0`` samples with ``seed + i * _CALL_STRIDE``, so with
+        one call the samples are those of an unsplit call, and greedy samples never change. Adds
+        ``rollout/batch_size`` (sequences per call), ``rollout/num_calls`` and ``rollout/kv_token_budget``.
+        """
+        batch: Batch | None = None
+        greedy: Batch | None = None
+        metrics: dict[str, float] = {}
+        remax = self.cfg.algorithm.adv_estimator == "remax"
+        with self.world.rollout_phase() as push:
+            if self.rollout is not None:  # the rollout's ranks
+                if call_sizes is None:
+                    batch = self.rollout.generate(prompts, seed=seed)
+                    metrics = {**push, **self.rollout.last_metrics}
+                else:
+                    batch, calls = self._generate_in_calls(prompts, seed=seed, call_sizes=call_sizes)
+                    metrics = {**push, **calls}
+                if remax:
+                    greedy = self.rollout.generate(prompts, seed=seed + _REMAX_OFFSET, greedy=True)
+        if "rollout" in self.world.apart:  # the samples reach every rank
+            src = self.world.source["rollout"]
+            batch = share_batch(batch, src)
+            metrics = share_object(metrics, src)
+            if remax:
+                greedy = share_batch(greedy, src)
+        if remax:
+            baseline = self.reward.score(greedy).scores  # [B]
+            batch["reward_baselines"] = baseline.repeat_interleave(self.n)
+        batch["response_mask"] = batch["response_mask"].to(torch.float32)
+        return batch, metrics
+
+    def _call_size(self, prompts: Batch, call_sizes: tuple[int, int]) -> tuple[int, int]:
+        """(prompts per engine call, at most all of them; the KV token budget it came from). The engine's budget (the least
+        over the world's ranks, so that every rank makes the same calls) over the tokens of one
+        sequence (prompt width + the engine's ``response_length``) is the sequences a rank can hold; times
+        the rollout's data-parallel size, clamped to ``call_sizes``, whole prompts (``n`` sequences each)."""
+        low, high = call_sizes
+        if high < self.n:
+            raise ValueError(
+                f"RolloutOperator(max_batch_size={high}) is below actor_rollout_ref.rollout.n={self.n}: an engine "
+                f"call holds every sample of its prompts; raise max_batch_size to at least {self.n}"
+            )
+        budget = self.rollout.engine.kv_token_budget()
+        if budget is None:
+            from verl.rollout.module_engine import ModuleRollout
+
+            if isinstance(self.rollout.engine, ModuleRollout):
+                raise ValueError(
+                    "dynamic_batch_size: a plain nn.Module generates with its own generate(), whose memory verl "
+                    "cannot see (no kv_token_budget); use dynamic_batch_size=False"
+                )
+            raise ValueError(
+                f"dynamic_batch_size: the {self.cfg.actor_rollout_ref.rollout.name!r} rollout engine reports no "
+                "memory to size its calls by (kv_token_budget); use the 'hf' or 'vllm' engine, or "
+                "dynamic_batch_size=False"
+            )
+        if dist.get_world_size() > 1:
+            from verl.protocol.collectives import comm_device
+
+            least = torch.tensor([budget], dtype=torch.int64, device=comm_device(None))
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            budget = int(least.item())
+        tokens = prompts["input_ids"].shape[1] + self.rollout.engine.cfg.response_length
+        dp = dist.get_world_size(self.rollout.dp_group) if self.rollout.dp_group is not None else 1
+        sequences = min(max(budget // tokens * dp, low), high)
+        return min(max(sequences // self.n, 1), len(prompts)), budget
+
+    def _generate_in_calls(
+        self, prompts: Batch, *, seed: int, call_sizes: tuple[int, int]
+    ) -> tuple[Batch, dict[str, float]]:
+        per_call, budget = self._call_size(prompts, call_sizes)
+        pieces, calls, seconds = [], [], 0.0
+        for i, start in enumerate(range(0, len(prompts), per_call)):
+            pieces.append(self.rollout.generate(prompts[start : start + per_call], seed=seed + i * _CALL_STRIDE))
+            calls.append(self.rollout.last_metrics)
+            seconds += self.rollout.last_metrics["timing_s/gen"]
+        metrics = merge_rollout_metrics(calls)
+        metrics.update({
+            "timing_s/gen": seconds,
+            "rollout/batch_size": float(per_call * self.n),
+            "rollout/num_calls": float(len(pieces)),
+            "rollout/kv_token_budget": float(budget),
+        })
+        return Batch.concat(pieces), metrics
+
+    def compute_reward(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_scores`` [B, R] and the scorers' per-sample extras (``acc`` ...) as columns."""
+        result = self.reward.score(batch)
+        batch["token_level_scores"] = result.token_level_scores
+        for key, values in result.extra.items():
+            if key not in batch:
+                batch[key] = values
+        return batch, result.metrics
+
+    def compute_old_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``old_log_probs`` [B, R] from the actor, ``actor/entropy`` and the rollout agreement metrics."""
+        log_probs, entropy = self.actor.compute_log_prob(batch)
+        batch["old_log_probs"] = log_probs
+        mask = batch["response_mask"]
+        metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
+        if "rollout_log_probs" in batch:
+            metrics.update(rollout_agreement_metrics(batch["rollout_log_probs"], log_probs, mask))
+        return batch, metrics
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """``ref_log_prob`` [B, R] from the frozen reference."""
+        batch["ref_log_prob"] = self.reference.compute_log_prob(batch)
+        return batch
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values`` [B, R] from the critic."""
+        batch["values"] = self.critic.compute_values(batch)
+        return batch
+
+    def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_rewards`` (minus the in-reward KL penalty), then ``advantages`` and
+        ``returns`` [B, R]."""
+        a = self.cfg.algorithm
+        mask = batch["response_mask"]
+        metrics: dict[str, float] = {}
+        if a.use_kl_in_reward:
+            rewards, kl = apply_kl_penalty(
+                token_level_scores=batch["token_level_scores"],
+                old_log_prob=batch["old_log_probs"],
+                ref_log_prob=batch["ref_log_prob"],
+                response_mask=mask,
+                kl_ctrl=self.kl_ctrl,
+                kl_penalty=a.kl_penalty,
+            )
+            metrics = {
+                "actor/reward_kl_penalty": kl["reward_kl_penalty"],
+                "actor/reward_kl_penalty_coeff": kl["reward_kl_penalty_coeff"],
+            }
+        else:
+            rewards = batch["token_level_scores"]
+        batch["token_level_rewards"] = rewards
+        inputs: dict[str, Any] = dict(
+            token_level_rewards=rewards,
+            response_mask=mask,
+            index=batch.non_tensors["uid"],
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        )
+        if "values" in batch:
+            inputs["values"] = batch["values"]
+        if "reward_baselines" in batch:
+            inputs["reward_baselines"] = batch["reward_baselines"]
+        advantages, returns = compute_advantage(a.adv_estimator, **inputs)
+        batch["advantages"], batch["returns"] = advantages.float(), returns.float()
+        return batch, metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """One critic update on the step's batch; ``critic/*`` metrics."""
+        return self.critic.update(batch, shuffle_seed=self._shuffle_seed(1), rollout_n=self.n)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """One actor update on the step's batch; ``actor/*`` metrics."""
+        return self.actor.update(batch, shuffle_seed=self._shuffle_seed(0), rollout_n=self.n)
+
+    def _shuffle_seed(self, role: int) -> int:
+        return (self.cfg.trainer.seed * 1_000_003 + self.global_step) * 2 + role
+
+    # -- a whole step ---------------------------------------------------------------------
+
+    def filter_metric(self, batch: Batch, name: str) -> Any:
+        """The per-sample values [B] that DAPO's group filter compares (``algorithm.filter_groups.metric``)."""
+        if name == "seq_reward":
+            return batch["token_level_scores"].sum(-1)
+        if name == "seq_final_reward":
+            return (
+                batch["token_level_rewards"].sum(-1)
+                if "token_level_rewards" in batch
+                else batch["token_level_scores"].sum(-1)
+            )
+        if name == "score":
+            return batch["token_level_scores"].sum(-1)
+        if name in batch:
+            return batch[name]
+        raise ValueError(
+            f"algorithm.filter_groups.metric={name!r} is neither seq_reward, seq_final_reward, score "
+            f"nor a field the reward function returns (the batch has {sorted(batch.non_tensors)})"
+        )
+
+    def post_phase(self, phase: str) -> None:
+        """Post the phase this rank enters (``verl.trainer.resilience.PhaseBoard``): a failed
+        collective's report names the phase each rank was in."""
+        self.board.post(phase, self.global_step)
+
+    def train_step(self) -> dict[str, float] | None:
+        """One step of the config's pipeline (:attr:`pipeline`, ``verl.trainer.step.build_step``);
+        its metrics, or None when the data is used up."""
+        return self.pipeline.run(self)
+
+    def begin_step(self) -> PhaseTimer:
+        """Start a step's clock and phase timer (the pipeline calls it first); returns the timer."""
+        self.step_timer = PhaseTimer(self.post_phase)
+        self.step_start = time.perf_counter()
+        return self.step_timer
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        """``with trainer.phase("gen"):`` adds the block's seconds to the step's ``timing_s/gen``
+        (and posts the phase for failure reports); outside a step it only posts the phase."""
+        if self.step_timer is None:
+            self.post_phase(name)
+            return contextlib.nullcontext()
+        return self.step_timer(name)
+
+    def update_step(self, batch: Batch, metrics: dict[str, float] | None = None) -> dict[str, float]:
+        """The step after rollout and reward (``batch`` has ``token_level_scores``): old, reference
+        log-probs and values, advantages, the critic and actor updates; returns ``metrics`` with the
+        step's added. Advances :attr:`global_step`. Inside a step (:meth:`begin_step`) its phases
+        and throughput count from the step's start."""
+        timer = self.step_timer or PhaseTimer(self.post_phase)
+        start = self.step_start if self.step_timer is not None else time.perf_counter()
+        metrics = dict(metrics or {})
+        self.global_step += 1
+        source = self.cfg.old_log_prob_source
+        shares: list[tuple[str, list[str], dict[str, float]]] = []  # what roles apart hand to every rank
+        if source == "recompute":
+            with timer("old_log_prob"):
+                more = {}
+                if self.runs("actor"):
+                    batch, more = self.compute_old_log_prob(batch)
+                shares.append(("actor", ["old_log_probs"], more))
+        elif source == "rollout":
+            if "rollout_log_probs" not in batch:
+                raise ValueError(
+                    "actor_rollout_ref.actor.old_log_prob=rollout, but the batch has no rollout_log_probs "
+                    "(the rollout engine did not return them); use old_log_prob=recompute"
+                )
+            batch["old_log_probs"] = batch["rollout_log_probs"].float()
+        # source == "current": the actor's update takes them from its own forward
+        if self.use_reference:
+            with timer("ref"):
+                if self.runs("ref"):
+                    batch = self.compute_ref_log_prob(batch)
+                shares.append(("ref", ["ref_log_prob"], {}))
+        if self.use_critic:
+            with timer("values"):
+                if self.runs("critic"):
+                    batch = self.compute_values(batch)
+                shares.append(("critic", ["values"], {}))
+        with self._exchange_phase(timer):
+            batch, more = self.world.exchange(batch, shares)
+            metrics.update(more)
+        with timer("adv"):
+            batch, more = self.compute_advantage(batch)
+            metrics.update(more)
+            check_finite_rewards(
+                self.global_step,
+                {"token_level_rewards": batch["token_level_rewards"], "advantages": batch["advantages"]},
+                batch["response_mask"],
+                batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
+            )
+        updates: list[tuple[str, list[str], dict[str, float]]] = []
+        if self.use_critic:
+            with timer("update_critic"):
+                updates.append(("critic", [], self.update_critic(batch) if self.runs("critic") else {}))
+        if self.global_step > self.cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                updates.append(("actor", [], self.update_actor(batch) if self.runs("actor") else {}))
+        with self._exchange_phase(timer):
+            metrics.update(self.world.exchange(None, updates)[1])
+        with timer("records"):  # the skip count, the run report's per-sample scores
+            skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
+            metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
+            if self.reporting and self.is_rank0:
+                self.scores_file.append(
+                    self.global_step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}]
+                )
+        seconds = time.perf_counter() - start
+        timer.seconds["step"] = seconds
+        metrics.update(data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(throughput_metrics(batch, step_seconds=seconds, world_size=self.world_size))
+        metrics.update(timer.metrics())
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.data.epoch)
+        return metrics
