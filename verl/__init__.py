@@ -1,8 +1,8 @@
 """verl: reinforcement-learning post-training for LLMs on Megatron-core and vLLM.
 
-The Python API (docs/python_api.md) is imported on first use, so ``import verl`` stays light:
-``verl.DataStream`` and the operators (``verl.RolloutOperator`` ...) from :mod:`verl.operator`,
-``verl.RLTrainer`` from :mod:`verl.trainer.api`, ``verl.VerlMonitor`` from :mod:`verl.monitor`.
+The Python API (docs/python_api.md, the package :mod:`verl.api`) is imported on first use, so
+``import verl`` stays light: ``verl.RLTrainer``, ``verl.DataStream`` and the operators
+(``verl.RolloutOperator`` ...), ``verl.VerlMonitor``, ``verl.export_as_api``.
 """
 
 import importlib
@@ -10,24 +10,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "DataStream": "verl.operator",
-    "Operator": "verl.operator",
-    "RolloutOperator": "verl.operator",
-    "RewardOperator": "verl.operator",
-    "RewardModelScorer": "verl.operator",
-    "MultiRewardScorer": "verl.operator",
-    "FilterOperator": "verl.operator",
-    "WeightedFilterOperator": "verl.operator",
-    "GroupFilterOperator": "verl.operator",
-    "PPOUpdateOperator": "verl.operator",
-    "PreferenceOperator": "verl.operator",
-    "DPOUpdateOperator": "verl.operator",
-    "ConditionalUpdateOperator": "verl.operator",
-    "HumanReviewOperator": "verl.operator",
-    "RLTrainer": "verl.trainer.api",
-    "VerlMonitor": "verl.monitor",
-}
+_LAZY = {name: "verl.api" for name in (
+    "DataStream", "Operator", "RolloutOperator", "RewardOperator", "RewardModelScorer", "MultiRewardScorer",
+    "FilterOperator", "WeightedFilterOperator", "GroupFilterOperator", "DynamicSamplingOperator",
+    "PPOUpdateOperator", "PreferenceOperator", "DPOUpdateOperator", "ConditionalUpdateOperator",
+    "HumanReviewOperator", "RLTrainer", "VerlMonitor", "export_as_api",
+)}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ from verl.operator import (  # noqa: E402
     build_config,
     build_trainer,
 )
-from verl.operator.review import REVIEW_DB_FILE  # noqa: E402
+from verl.api.review import REVIEW_DB_FILE  # noqa: E402
 
 FAST = [
     "trainer.device=cpu",

@@ -1,41 +1,8 @@
-"""The Python API's dataflow: ``DataStream`` and its operators (see docs/python_api.md).
+"""``verl.operator``: the tutorials' import path of ``DataStream`` and its operators; the code
+lives in the API package (``verl.api.stream``, ``verl.api.operators``)."""
 
-Each built-in operator wraps step pieces of :class:`verl.trainer.ppo_trainer.PPOTrainer`; the stream
-runs them in order and ``DataStream.fit`` runs its step inside ``PPOTrainer.fit`` (one loop).
-"""
+from verl.api.operators import *  # noqa: F403
+from verl.api.operators import __all__ as _operators
+from verl.api.stream import DataStream, build_config, build_trainer
 
-from verl.trainer.step.base import Operator
-from verl.trainer.step.ops import (
-    ConditionalUpdateOperator,
-    DPOUpdateOperator,
-    FilterOperator,
-    GroupFilterOperator,
-    MultiRewardScorer,
-    PPOUpdateOperator,
-    PreferenceOperator,
-    RewardModelScorer,
-    RewardOperator,
-    RolloutOperator,
-    WeightedFilterOperator,
-)
-from verl.operator.review import HumanReviewOperator
-from verl.operator.stream import DataStream, build_config, build_trainer
-
-__all__ = [
-    "ConditionalUpdateOperator",
-    "DPOUpdateOperator",
-    "DataStream",
-    "FilterOperator",
-    "GroupFilterOperator",
-    "HumanReviewOperator",
-    "MultiRewardScorer",
-    "Operator",
-    "PPOUpdateOperator",
-    "PreferenceOperator",
-    "RewardModelScorer",
-    "RewardOperator",
-    "RolloutOperator",
-    "WeightedFilterOperator",
-    "build_config",
-    "build_trainer",
-]
+__all__ = [*_operators, "DataStream", "build_config", "build_trainer"]

@@ -2,9 +2,9 @@
 
 - :func:`create_app` (``verl.serving.app``): the app of a Hugging Face checkpoint directory;
   ``python -m verl.serving --model DIR`` runs it under uvicorn; ``DataStream.export_as_api()``
-  exports a stream's actor and returns its app (:func:`export_as_api`).
+  exports a stream's actor and returns its app (``verl.export_as_api``, the Python API's).
 - :mod:`verl.serving.review`: the SQLite review queue and the page of
-  :class:`verl.operator.HumanReviewOperator`.
+  :class:`verl.HumanReviewOperator`.
 
 See docs/serving.md. FastAPI and uvicorn are the ``serve`` extra (``pip install -e ".[serve]"``).
 """
@@ -18,7 +18,6 @@ _LAZY = {
     "RequestError": "verl.serving.app",
     "ServeLimits": "verl.serving.engine",
     "ServedModel": "verl.serving.engine",
-    "export_as_api": "verl.serving.export",
     "BackgroundServer": "verl.serving.server",
     "run": "verl.serving.server",
     "ReviewStore": "verl.serving.review",

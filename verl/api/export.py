@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from verl.serving.engine import EXPORT_INFO_FILE
 
 if TYPE_CHECKING:
-    from verl.operator.stream import DataStream
+    from verl.api.stream import DataStream
 
 __all__ = ["export_as_api", "export_policy"]
 

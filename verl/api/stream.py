@@ -37,7 +37,7 @@ from verl.trainer.model_objects import is_model_object
 
 if TYPE_CHECKING:
     from verl.config import PPOConfig
-    from verl.monitor import VerlMonitor
+    from verl.api.monitor import VerlMonitor
     from verl.trainer.ppo_trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class DataStream:
         """Watch the run with ``monitor`` (``verl.monitor.VerlMonitor``): the trainer logs to its
         ``log_dir`` and rewrites ``report.html`` every ``report_interval`` steps. A stream that builds
         its trainer configures it so; a given trainer must already agree. Returns the stream."""
-        from verl.monitor import VerlMonitor
+        from verl.api.monitor import VerlMonitor
 
         if not isinstance(monitor, VerlMonitor):
             raise TypeError(f"with_monitor takes a verl.monitor.VerlMonitor, got {type(monitor).__name__}")
@@ -367,8 +367,8 @@ class DataStream:
 
     def export_as_api(self, out_dir: str | None = None, **app_kwargs: Any) -> Any:
         """The actor's current weights as a Hugging Face checkpoint, served: a FastAPI app with the
-        OpenAI-compatible routes (``verl.serving.export_as_api``; docs/serving.md)."""
-        from verl.serving.export import export_as_api
+        OpenAI-compatible routes (``verl.api.export.export_as_api``; docs/serving.md)."""
+        from verl.api.export import export_as_api
 
         return export_as_api(self, out_dir, **app_kwargs)
 
@@ -377,7 +377,7 @@ class DataStream:
         ``model=``, ``RolloutOperator(model=)``, ``PPOUpdateOperator(actor=)``), through the
         trainer's Hugging Face export to ``<trainer.default_local_dir>/model_objects/global_step_N``
         (collective: every rank calls it; each rank loads its own objects). :meth:`close` does this."""
-        from verl.serving.export import export_policy
+        from verl.api.export import export_policy
         from verl.trainer.model_objects import write_back
 
         if not self._model_objects:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from verl.config import PPOConfig
-    from verl.monitor import VerlMonitor
+    from verl.api.monitor import VerlMonitor
 
 __all__ = ["ALGORITHMS", "RLTrainer"]
 
@@ -259,7 +259,7 @@ class RLTrainer:
         monitor: "VerlMonitor | None" = None,
     ) -> "PPOConfig":
         """The ``PPOConfig`` :meth:`fit` trains with these arguments (see :meth:`fit`)."""
-        from verl.operator.stream import build_config
+        from verl.api.stream import build_config
 
         if self.actor_model is None:
             raise ValueError(
@@ -337,7 +337,7 @@ class RLTrainer:
         response tokens per second of generation, ``rollout/tokens_per_s``), ``global_step`` and
         ``checkpoint`` (the newest checkpoint directory, or None).
         """
-        from verl.operator.stream import build_trainer
+        from verl.api.stream import build_trainer
         from verl.trainer import report
         from verl.trainer.run_checks import hf_export_dir
 
