@@ -186,11 +186,12 @@ def _reference_logprobs(kind: str, model: str, out: Any, response_length: int, t
         )
     import torch.distributed as dist
 
+    from verl.parallel.bootstrap import init_distributed
     from verl.rollout.checks import megatron_response_logprobs
 
     own_world = not dist.is_initialized()
     if own_world:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        init_distributed(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         return megatron_response_logprobs(
             model, out["input_ids"], out["attention_mask"], response_length=response_length, temperature=temperature
@@ -748,7 +749,7 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+    from verl.parallel.bootstrap import destroy_distributed, start_world
     from verl.trainer.ppo_trainer import PPOTrainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -761,10 +762,8 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
             overrides = [f"actor_rollout_ref.model.path={made['model']}", f"data.train_files={made['train']}",
                          *overrides]
         cfg = _rl_config(args.config, overrides, root, world)
-        if cfg.trainer.device == "cpu":
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as main_ppo: Megatron picks CUDA whenever it sees one
         torch.set_num_threads(args.threads)  # before the engine: vLLM's CPU worker pins the setting
-        init_distributed(device=cfg.trainer.device)
+        start_world(cfg.trainer)  # as main_ppo: the config's device and collective timeout
         try:
             steps, peaks = [], {}
             sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n

@@ -81,3 +81,47 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", port))
+
+
+_WORLD_OF_A_CONFIG = """
+import datetime, os
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from verl.config import PPOConfig, load_config
+from verl.parallel.bootstrap import distributed_world, start_world
+cfg = load_config(PPOConfig, overrides=["trainer.device=cpu", "trainer.collective_timeout_s=37",
+                                        "trainer.n_gpus_per_node=1"], world_size=1)
+with distributed_world(cfg.trainer) as started:
+    timeout = c10d._get_default_group()._get_backend(c10d.torch.device("cpu")).options._timeout
+    print(started, dist.get_backend(), timeout == datetime.timedelta(seconds=37), os.environ["CUDA_VISIBLE_DEVICES"] == "")
+    with distributed_world(cfg.trainer) as again:  # a world already up: used, not torn down
+        print(again)
+    print(dist.is_initialized(), start_world(cfg.trainer))
+print(dist.is_initialized())
+"""
+
+
+def test_a_world_from_the_trainer_config_is_started_once_and_torn_down_by_its_starter():
+    out = _python(_WORLD_OF_A_CONFIG, {})
+    assert out.returncode == 0, out.stderr
+    # started, gloo, the config's collective timeout, CUDA hidden on cpu; the nested block found
+    # the world up; the world is gone after the block that started it.
+    assert out.stdout.splitlines() == ["True gloo True True", "False", "True False", "False"]
+
+
+def test_verl_and_tools_start_worlds_in_one_place():
+    """One ``init_process_group`` call in verl/ and tools/ (``init_distributed``); every other
+    start goes through it."""
+    import re
+
+    calls = []
+    for top in ("verl", "tools"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        for number, line in enumerate(f, 1):
+                            if re.search(r"\binit_process_group\(", line) and not line.lstrip().startswith("#"):
+                                calls.append(f"{os.path.relpath(path, ROOT)}:{number}")
+    assert calls == ["verl/parallel/bootstrap.py:" + calls[0].split(":")[1]] and len(calls) == 1, calls

@@ -17,7 +17,7 @@ import pytest
 from tests.trainer.test_checkpoint_manager import each_file_flipped, flip_one_byte
 from tests.trainer.test_sft_trainer import _sft_config as sft_config
 from verl.testing.distributed import run_distributed
-from verl.trainer.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager
+from verl.utils.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager
 
 pytestmark = pytest.mark.distributed
 
@@ -53,7 +53,7 @@ def _sft_body(model_dir: str, files: dict[str, str], run_dir: str, resume_only: 
     from verl.trainer.sft_trainer import SFTTrainer
 
     records = _Records()
-    logging.getLogger("verl.trainer.checkpoint").addHandler(records)
+    logging.getLogger("verl.utils.checkpoint").addHandler(records)
     try:
         with SFTTrainer(_sft_config(model_dir, files, run_dir)) as trainer:
             resumed = trainer.resume()
@@ -61,7 +61,7 @@ def _sft_body(model_dir: str, files: dict[str, str], run_dir: str, resume_only: 
                 trainer.fit()
             step = trainer.global_step
     finally:
-        logging.getLogger("verl.trainer.checkpoint").removeHandler(records)
+        logging.getLogger("verl.utils.checkpoint").removeHandler(records)
     return {"rank": dist.get_rank(), "resumed": resumed, "step": step, "warnings": records.messages}
 
 

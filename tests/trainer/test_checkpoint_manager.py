@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import xxhash
 
-from verl.trainer.checkpoint import (
+from verl.utils.checkpoint import (
     MANIFEST_FILE,
     TRACKER_FILE,
     TRAINER_STATE_FILE,
@@ -92,7 +92,7 @@ def test_killed_process_loses_nothing(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, sys, time
-        from verl.trainer.checkpoint import CheckpointManager
+        from verl.utils.checkpoint import CheckpointManager
         mgr = CheckpointManager({str(root)!r})
         def write(payload, hang):
             def fn(tmp):
@@ -143,7 +143,7 @@ def test_corrupt_checkpoint_is_named_and_resume_falls_back(tmp_path, caplog):
         CheckpointError, match=r"global_step_2 is corrupt: actor/weights.bin has 2 bytes, the manifest says 3"
     ):
         mgr.validate(str(tmp_path / "global_step_2"))
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="verl.utils.checkpoint"):
         assert mgr.latest().step == 1
     assert re.search(
         r"names step 2, which cannot be used .*global_step_2 is corrupt: actor/weights.bin has 2 bytes.*"
@@ -297,7 +297,7 @@ def test_one_flipped_byte_in_any_file_is_refused_and_resume_falls_back(tmp_path,
         with pytest.raises(CheckpointError, match=rf"global_step_2.* {re.escape(rel)}"):
             mgr.validate(str(path))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="verl.utils.checkpoint"):
             found = mgr.resolve_resume("auto", None)
         assert found.step == 1, rel
         assert "names step 2, which cannot be used" in caplog.text and rel in caplog.text, caplog.text
@@ -354,7 +354,7 @@ def test_size_only_manifest_of_an_older_verl_is_accepted_with_a_warning(tmp_path
     files = json.loads(open(manifest_path).read())["files"]
     with open(manifest_path, "w") as f:
         json.dump({"global_step": 1, "files": {rel: e["size"] for rel, e in files.items()}}, f)
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="verl.utils.checkpoint"):
         assert mgr.validate(path) == 1
     assert "without checksums" in caplog.text
     with open(os.path.join(path, "actor", "engine.json"), "a") as f:
@@ -393,7 +393,7 @@ def test_unusable_tracker_falls_back(tmp_path, caplog):
     for step in (1, 2):
         mgr.save(step, _writer(str(step)), {})
     (tmp_path / TRACKER_FILE).write_text("2\x01\n")  # not a number: ignored, newest complete used
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="verl.utils.checkpoint"):
         assert mgr.latest().step == 2
     assert "not a step number" in caplog.text
     (tmp_path / TRACKER_FILE).write_text("3\n")  # names a step that is not there: the previous one

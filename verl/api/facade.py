@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from verl.config import PPOConfig
     from verl.api.monitor import VerlMonitor
+    from verl.config import PPOConfig
 
 __all__ = ["ALGORITHMS", "RLTrainer"]
 
@@ -171,7 +171,7 @@ class RLTrainer:
         a = "actor_rollout_ref"
         self._settings = [
             *(
-                ["data.pairs=true", "data.val_files=null"]
+                ["data.pairs=true", "data.val_files=null", f"algorithm.dpo.beta={float(beta)}"]
                 if algorithm in PREFERENCE_ALGORITHMS
                 else [f"algorithm.adv_estimator={ALGORITHMS.get(algorithm, 'grpo')}"]
             ),
@@ -214,7 +214,7 @@ class RLTrainer:
         ``path`` is ``output_dir/global_step_N`` (the trainer's checkpoint folder, as ``main_ppo``
         writes it), ``output_dir/checkpoint-N`` (the same checkpoint under the Hugging Face
         Trainer's name), or ``output_dir`` itself (its newest checkpoint)."""
-        from verl.trainer.checkpoint import CheckpointManager, step_dir_name
+        from verl.utils.checkpoint import CheckpointManager, step_dir_name
 
         path = os.path.abspath(os.fspath(path))
         name = os.path.basename(path)
@@ -425,29 +425,26 @@ class RLTrainer:
         write_back(self._actor_object, export_dir)
 
     def _step_fn(self, trainer: Any) -> Any:
-        """The loop's step: the trainer's own (None), or for DPO a stream of the pairs and the update."""
-        from verl.operator import (
+        """The loop's step: the config's own (None: the RL step, or DPO's with ``data.pairs``), or
+        for ``hybrid_ppo`` a stream whose condition is the Python function given."""
+        if self.algorithm not in HYBRID_ALGORITHMS:
+            return None
+        from verl.api.operators import (
             ConditionalUpdateOperator,
-            DataStream,
             DPOUpdateOperator,
             PPOUpdateOperator,
-            PreferenceOperator,
             RewardOperator,
             RolloutOperator,
         )
+        from verl.api.stream import DataStream
 
-        if self.algorithm in PREFERENCE_ALGORITHMS:
-            stream = DataStream(trainer=trainer).add_operator(PreferenceOperator())
-            return stream.add_operator(DPOUpdateOperator(beta=self.beta)).run_operators
-        if self.algorithm in HYBRID_ALGORITHMS:
-            hybrid = ConditionalUpdateOperator(
-                condition=self.hybrid_condition,
-                true_branch=PPOUpdateOperator(),
-                false_branch=DPOUpdateOperator(beta=self.beta),
-            )
-            stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
-            return stream.add_operator(hybrid).run_operators
-        return None
+        hybrid = ConditionalUpdateOperator(
+            condition=self.hybrid_condition,
+            true_branch=PPOUpdateOperator(),
+            false_branch=DPOUpdateOperator(beta=self.beta),
+        )
+        stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
+        return stream.add_operator(hybrid).run_operators
 
     def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
         """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``

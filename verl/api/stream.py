@@ -31,13 +31,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from verl.trainer.model_objects import is_model_object
 from verl.trainer.step.base import Operator
 from verl.trainer.step.pipeline import StepPipeline
-from verl.trainer.model_objects import is_model_object
 
 if TYPE_CHECKING:
-    from verl.config import PPOConfig
     from verl.api.monitor import VerlMonitor
+    from verl.config import PPOConfig
     from verl.trainer.ppo_trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -67,26 +67,17 @@ def build_config(
 
 
 def build_trainer(cfg: "PPOConfig") -> tuple["PPOTrainer", bool]:
-    """``PPOTrainer(cfg)`` on the current torch.distributed world, or on a world of one that this
-    call starts; returns the trainer and whether the world was started here."""
-    import torch.distributed as dist
-
-    from verl.parallel.bootstrap import init_distributed
+    """``PPOTrainer(cfg)`` on the current torch.distributed world, or on the world of one that this
+    call starts (``verl.parallel.bootstrap.start_world``: ``trainer.device``, the collective
+    timeout); returns the trainer and whether the world was started here."""
+    from verl.parallel.bootstrap import destroy_distributed, start_world
     from verl.trainer.ppo_trainer import PPOTrainer
 
-    started = False
-    if not dist.is_initialized():
-        if cfg.trainer.device == "cpu":
-            # Megatron chooses CUDA whenever it is visible (as main_ppo does: verl.trainer.entry).
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        init_distributed(device=cfg.trainer.device)
-        started = True
+    started = start_world(cfg.trainer)
     try:
         return PPOTrainer(cfg), started
     except BaseException:
         if started:
-            from verl.parallel.bootstrap import destroy_distributed
-
             destroy_distributed()
         raise
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from verl.models.checkpoint import load_checkpoint, model_sharded_state_dict, save_checkpoint
+from verl.utils.checkpoint import ENGINE_META, EXTRA_SUBDIR, MODEL_SUBDIR, OPTIM_SUBDIR
 from verl.utils.logging import warn_once
 
 if TYPE_CHECKING:
@@ -34,10 +35,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINE_META", "EngineState", "load_engine_state", "save_engine_state"]
 
-MODEL_SUBDIR = "model"
-OPTIM_SUBDIR = "optim"
-EXTRA_SUBDIR = "extra"
-ENGINE_META = "engine.json"
 
 
 @dataclass(kw_only=True)

@@ -37,11 +37,12 @@ from verl.models.weight_mapping import (
     ParamMapping,
     hf_param_names,
     load_shard,
-    merge_pieces,
     megatron_param_names,
+    merge_pieces,
     param_mapping,
     split_shard,
 )
+from verl.utils.checkpoint import HF_SUBDIR
 from verl.utils.logging import log_rank0
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 META_FILE = "verl_model.json"
-HF_SUBDIR = "hf"
 FORMAT = "verl-megatron-gpt"
 FORMAT_VERSION = 1
 

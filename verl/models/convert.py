@@ -277,8 +277,6 @@ def _check_storage_files(ckpt_dir: str) -> None:
         raise ValueError(f"{ckpt_dir}: data files {', '.join(missing)} are missing (an interrupted copy?)")
 
 
-TRAINED_MODEL_ROLE = "actor"
-"""The role whose model a trainer checkpoint's ``global_step_N/`` stands for (SFT's model, RL's policy)."""
 
 
 def find_megatron_model(path: str) -> str:
@@ -290,9 +288,8 @@ def find_megatron_model(path: str) -> str:
     ``global_step_*`` folders, or a step with several roles and no actor, is a ValueError naming the
     exact folder to pass; anything else is returned as given, for :func:`read_checkpoint_meta` to judge.
     """
-    from verl.engine.state import MODEL_SUBDIR
     from verl.models.checkpoint import META_FILE
-    from verl.trainer.checkpoint import step_of_dir_name
+    from verl.utils.checkpoint import MODEL_SUBDIR, TRAINED_MODEL_ROLE, step_of_dir_name
 
     given = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(given) or os.path.isfile(os.path.join(given, META_FILE)):
@@ -336,7 +333,7 @@ def megatron_to_hf(
     keeps the stored dtype (the round trip HF -> Megatron -> HF is then bit-exact).
     """
     from verl.models.checkpoint import HF_SUBDIR, iter_checkpoint_hf_weights, read_checkpoint_meta
-    from verl.trainer.checkpoint import validate_enclosing_checkpoint
+    from verl.utils.checkpoint import validate_enclosing_checkpoint
 
     megatron_dir = find_megatron_model(megatron_dir)
 

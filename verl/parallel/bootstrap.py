@@ -6,21 +6,27 @@
   from an explicit store, rank and world size (the test harness), or as a world of one (a
   plain ``python -m ...``). It returns the rank's device.
 - :func:`destroy_distributed` undoes it: Megatron's parallel state first, then the group.
+- :func:`start_world` / :func:`distributed_world` (a context manager) start the world a trainer
+  config describes (``trainer.device``: on ``cpu`` CUDA is hidden from Megatron first;
+  ``trainer.collective_timeout_s``) unless one is already up, and tear down only what they
+  started: every entry point (``main_ppo``, ``main_sft``, the Python API, the launcher, the
+  benchmarks) starts its world through them.
 - :func:`run_on_ranks` runs a function on N ranks: the ranks of an enclosing torchrun, or N
   spawned processes that each call :func:`init_distributed`.
 
-The trainers (``main_sft``, and ``main_ppo`` to come), the conversion tools and
-``verl.testing.run_distributed`` all start their worlds here; the code is the same on gloo
-and NCCL.
+The trainers, the Python API, the conversion tools, the benchmarks, the dry run's simulated
+ranks (backend ``fake``) and ``verl.testing.run_distributed`` all start their worlds here: this
+module holds verl's one ``init_process_group`` call. The code is the same on gloo and NCCL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -29,10 +35,12 @@ import torch.distributed as dist
 __all__ = [
     "DEFAULT_TIMEOUT",
     "destroy_distributed",
+    "distributed_world",
     "free_port",
     "init_distributed",
     "resolve_backend",
     "run_on_ranks",
+    "start_world",
     "under_torchrun",
 ]
 
@@ -66,6 +74,8 @@ def resolve_backend(local_world_size: int, backend: str | None = None, *, device
     decides: ``cpu`` is gloo, ``cuda`` is NCCL (which needs one visible GPU per local rank),
     ``auto`` is NCCL when there are enough GPUs, else gloo. Raises ValueError naming the fix.
     """
+    if backend == "fake":  # the dry run's simulated ranks (torch's FakeProcessGroup): no devices
+        return backend
     if backend is not None and backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}; use 'gloo', 'nccl' or None (auto)")
     if device not in ("auto", "cpu", "cuda"):
@@ -126,15 +136,43 @@ def init_distributed(
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         chosen = resolve_backend(local_world, backend, device=device)
+        if chosen == "fake" and store is None:
+            raise ValueError("init_distributed: backend='fake' joins a FakeStore (the dry run's simulated ranks)")
         if chosen == "nccl":
             torch.cuda.set_device(local_rank)
-        if store is not None:
-            dist.init_process_group(backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            dist.init_process_group(backend=chosen, timeout=timeout)  # env://
+        joined = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}  # else env://
+        dist.init_process_group(backend=chosen, timeout=timeout, **joined)
+        if chosen == "fake":
+            return torch.device("meta")
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def start_world(trainer: Any) -> bool:
+    """Start the world ``trainer`` (a ``TrainerConfig``/``RunConfig``) describes, unless one is
+    already initialised: its ``device`` (``cpu`` hides CUDA first: Megatron chooses CUDA whenever
+    it sees one) and ``collective_timeout_s``. Returns whether this call started it (then the
+    caller tears it down with :func:`destroy_distributed`). ValueError names a device that cannot
+    serve the launch."""
+    if dist.is_initialized():
+        return False
+    if trainer.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    init_distributed(device=trainer.device, timeout=datetime.timedelta(seconds=trainer.collective_timeout_s))
+    return True
+
+
+@contextlib.contextmanager
+def distributed_world(trainer: Any) -> Iterator[bool]:
+    """``with distributed_world(cfg.trainer) as started:``: :func:`start_world` on entry, and on
+    exit :func:`destroy_distributed` when this block started the world."""
+    started = start_world(trainer)
+    try:
+        yield started
+    finally:
+        if started:
+            destroy_distributed()
 
 
 def destroy_distributed() -> None:

@@ -50,6 +50,7 @@ def measure_stage_params(inputs: PlanInputs) -> dict[str, list[StageParams]]:
 
     from verl.models.builder import ModelBuildConfig, build_model_chunks
     from verl.parallel import megatron_state
+    from verl.parallel.bootstrap import init_distributed
 
     if dist.is_initialized():
         raise RuntimeError("dry run: torch.distributed is already initialised in this process; run it alone")
@@ -63,7 +64,7 @@ def measure_stage_params(inputs: PlanInputs) -> dict[str, list[StageParams]]:
                 if topo.coords(r.name, rank).tp == 0} & todo
         if not here:
             continue
-        dist.init_process_group("fake", rank=rank, world_size=inputs.world_size, store=FakeStore())
+        init_distributed(backend="fake", store=FakeStore(), rank=rank, world_size=inputs.world_size)
         try:
             groups = topo.build_groups()
             for role in inputs.roles:

@@ -182,7 +182,7 @@ def _run_call(
     faulthandler.dump_traceback_later(timeout, exit=False, file=sys.stderr)
     try:
         fn, args, kwargs = pickle.loads(payload)
-        _init_process_group(store, call_id, rank, world_size, backend, timeout)
+        _join_world(store, call_id, rank, world_size, backend, timeout)
         result = fn(*args, **kwargs)
         return True, pickle.dumps(result)
     except BaseException:
@@ -192,7 +192,7 @@ def _run_call(
         _teardown()
 
 
-def _init_process_group(store: Any, call_id: int, rank: int, world_size: int, backend: str, timeout: float) -> None:
+def _join_world(store: Any, call_id: int, rank: int, world_size: int, backend: str, timeout: float) -> None:
     """Initialise this call's process group; all ranks retry together if any rank's init failed.
 
     Under load, gloo's full-mesh connect occasionally fails on one rank ("Connection closed by

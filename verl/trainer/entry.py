@@ -8,7 +8,6 @@ checks can see it.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import sys
@@ -37,15 +36,10 @@ def run_trainer(
     tear the world down; returns the exit status."""
     with user_errors(prog):
         check(cfg)
-    if cfg.trainer.device == "cpu":
-        # Megatron chooses CUDA whenever it is visible; hide it before anything initialises it.
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from verl.parallel.bootstrap import destroy_distributed, init_distributed
+    from verl.parallel.bootstrap import destroy_distributed, start_world
 
     try:
-        init_distributed(
-            device=cfg.trainer.device, timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
-        )
+        start_world(cfg.trainer)
     except ValueError as exc:
         fail(prog, f"trainer.device={cfg.trainer.device}: {exc}")
     try:

@@ -71,11 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     prepare_run(cfg.trainer)  # before the trainer's imports: they bring Megatron-core, which probes for W&B
     from verl.trainer.entry import run_trainer
-    from verl.trainer.ppo_checks import check_ppo_inputs
+    from verl.trainer.ppo_checks import preflight
     from verl.trainer.ppo_trainer import PPOTrainer
 
     return run_trainer(
-        cfg, prog=PROG, check=check_ppo_inputs, make_trainer=PPOTrainer, summary=lambda _, m: _summary(m)
+        cfg,
+        prog=PROG,
+        check=lambda c: preflight(c, world_size),  # once: the trainer finds this config checked
+        make_trainer=PPOTrainer,
+        summary=lambda _, m: _summary(m),
     )
 
 

@@ -18,6 +18,11 @@ divide. :func:`check_ppo_inputs` adds what needs files or the algorithm registri
 - the output locations can be written (``verl.trainer.run_checks``).
 
 Every problem found is reported at once, each naming the setting at fault.
+
+:func:`preflight` is the one entry: the config's validation against the launched world and
+these checks, once per config and world size (``main_ppo`` runs it before the world starts, the
+trainer again when the Python API built the config: each start checks, and scans the data
+files, once).
 """
 
 from __future__ import annotations
@@ -37,7 +42,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_dataset_scorers", "check_ppo_inputs", "data_sources", "needs_values", "preference_pairs_problem"]
+__all__ = [
+    "check_dataset_scorers",
+    "check_ppo_inputs",
+    "data_sources",
+    "needs_values",
+    "preference_pairs_problem",
+    "preflight",
+]
+
+# The world size a config passed preflight() for (an attribute of the config object).
+_PASSED = "_verl_preflight_world_size"
 
 # Data sources listed in a message at most.
 _SHOWN = 5
@@ -311,6 +326,18 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
             "supported)"
         ]
     return problems
+
+
+def preflight(cfg: PPOConfig, world_size: int | None = None) -> None:
+    """Every check of ``cfg`` and its inputs before any model is built: ``cfg.validate`` against
+    ``world_size`` (the launched world; None: ``trainer.nnodes x n_gpus_per_node``), then
+    :func:`check_ppo_inputs`. Runs once per config object and world size; a later call returns
+    at once. Raises ``ConfigError``/``ValueError`` listing every problem."""
+    if getattr(cfg, _PASSED, object()) == world_size:
+        return
+    cfg.validate(world_size=world_size)
+    check_ppo_inputs(cfg)
+    setattr(cfg, _PASSED, world_size)
 
 
 def check_ppo_inputs(cfg: PPOConfig) -> None:

@@ -11,7 +11,7 @@ each with one job and a module of its own:
 | the step as operators, one per algorithm, built from the config | ``verl.trainer.step`` (``build_step``) |
 | the loop and its callbacks (validation, checkpoint, export, loggers, report, signals) | ``verl.trainer.loop`` (``Loop``) |
 | validation | ``verl.trainer.validation`` |
-| checkpoint folders (atomic, kept, resolved for resume) | ``verl.trainer.checkpoint`` (``CheckpointManager``) |
+| checkpoint folders (atomic, kept, resolved for resume) | ``verl.utils.checkpoint`` (``CheckpointManager``) |
 
 This class holds the run's state (the step, the KL controller, the loggers, the checkpoints) and
 saves and restores it. ``main_ppo``, ``verl.RLTrainer`` (the Python facade) and ``verl.DataStream``
@@ -45,9 +45,8 @@ import torch.distributed as dist
 from verl.algos import make_kl_controller
 from verl.config import PPOConfig, to_dict
 from verl.trainer import report
-from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.loop import Loop
-from verl.trainer.ppo_checks import check_ppo_inputs
+from verl.trainer.ppo_checks import preflight
 from verl.trainer.resilience import PhaseBoard, SkippedSteps
 from verl.trainer.rl_data import RLData
 from verl.trainer.run_checks import show_files
@@ -57,14 +56,12 @@ from verl.trainer.step.pieces import StepPieces
 from verl.trainer.tracking import Tracking
 from verl.trainer.validation import validate
 from verl.trainer.world import build_rl_world
+from verl.utils.checkpoint import ACTOR_SUBDIR, CRITIC_SUBDIR, CheckpointManager
 from verl.utils.logging import log_rank0
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACTOR_SUBDIR", "CRITIC_SUBDIR", "PPOTrainer"]
-
-ACTOR_SUBDIR = "actor"
-CRITIC_SUBDIR = "critic"
+__all__ = ["PPOTrainer"]
 
 
 class PPOTrainer(StepPieces):
@@ -78,8 +75,7 @@ class PPOTrainer(StepPieces):
         if not dist.is_initialized():
             raise RuntimeError("PPOTrainer needs torch.distributed initialised (python -m verl.trainer.main_ppo does it)")
         self.world_size = dist.get_world_size()
-        cfg.validate(world_size=self.world_size)
-        check_ppo_inputs(cfg)
+        preflight(cfg, self.world_size)  # done already when main_ppo checked this config
         self.cfg = cfg
         t = cfg.trainer
         # Loggers first: one that cannot start fails before any model is built.

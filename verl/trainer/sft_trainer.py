@@ -36,18 +36,17 @@ from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
 from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.parallel import megatron_state
-from verl.trainer.checkpoint import CheckpointManager
 from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs, show_files
 from verl.trainer.run_checks import hf_export_dir as run_hf_export_dir
 from verl.trainer.startup import run_outputs
 from verl.trainer.tracking import Tracking, progress_bar
+from verl.utils.checkpoint import ACTOR_SUBDIR, CheckpointManager
 from verl.utils.logging import log_rank0
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SFTTrainer", "check_sft_outputs", "check_sft_paths", "hf_export_dir", "sft_loss_sums"]
 
-ACTOR_SUBDIR = "actor"
 
 
 def check_sft_paths(cfg: SFTConfig) -> None:

@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from verl.algos import apply_kl_penalty, compute_advantage, masked_mean
 from verl.protocol import Batch
-from verl.rollout.base import merge_rollout_metrics
 from verl.roles.dispatch import share_batch, share_object
 from verl.roles.reward_model import DATA_SOURCE_COLUMN
+from verl.rollout.base import merge_rollout_metrics
 from verl.trainer.ppo_metrics import data_metrics, rollout_agreement_metrics, throughput_metrics
 from verl.trainer.resilience import check_finite_rewards
 

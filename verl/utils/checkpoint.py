@@ -1,13 +1,18 @@
-"""Trainer checkpoints: ``global_step_N/`` directories, written atomically, with a tracker file.
+"""Checkpoint folders: their layout (the one place its names live: the trainers, the engines and
+the model converters import them from here) and ``global_step_N/`` directories written
+atomically, with a tracker file.
 
 Layout under the run's checkpoint root (``trainer.default_local_dir``)::
 
-    global_step_20/
-        actor/                      # MegatronEngine.save (model/, optim/, extra/, engine.json)
-        critic/                     # (PPO with a critic)
-        trainer_state.json          # global step, data-loader position, anything the trainer adds
-        checkpoint_complete.json    # manifest: every file with its size and checksum, written last
-    latest_checkpointed_iteration.txt   # "20", rewritten after the directory is in place
+    global_step_20/                 # step_dir_name(20)
+        actor/                      # ACTOR_SUBDIR: the engine's save (EngineState below)
+            model/                  # MODEL_SUBDIR: Megatron dist checkpoint (+ hf/: HF_SUBDIR)
+            optim/  extra/          # OPTIM_SUBDIR, EXTRA_SUBDIR
+            engine.json             # ENGINE_META
+        critic/                     # CRITIC_SUBDIR (PPO with a critic)
+        trainer_state.json          # TRAINER_STATE_FILE: global step, data-loader position, ...
+        checkpoint_complete.json    # MANIFEST_FILE: every file with its size and checksum, written last
+    latest_checkpointed_iteration.txt   # TRACKER_FILE: "20", rewritten after the directory is in place
 
 How a save survives being killed at any moment:
 
@@ -57,9 +62,17 @@ from verl.utils.logging import log_rank0, warn_once
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ACTOR_SUBDIR",
+    "CRITIC_SUBDIR",
     "CheckpointError",
     "CheckpointManager",
+    "ENGINE_META",
+    "EXTRA_SUBDIR",
+    "HF_SUBDIR",
     "MANIFEST_FILE",
+    "MODEL_SUBDIR",
+    "OPTIM_SUBDIR",
+    "TRAINED_MODEL_ROLE",
     "TRACKER_FILE",
     "TRAINER_STATE_FILE",
     "step_dir_name",
@@ -67,6 +80,16 @@ __all__ = [
     "validate_enclosing_checkpoint",
 ]
 
+# The layout's names (module docstring).
+ACTOR_SUBDIR = "actor"
+CRITIC_SUBDIR = "critic"
+TRAINED_MODEL_ROLE = ACTOR_SUBDIR
+"""The role whose model a trainer checkpoint's ``global_step_N/`` stands for (SFT's model, RL's policy)."""
+MODEL_SUBDIR = "model"
+OPTIM_SUBDIR = "optim"
+EXTRA_SUBDIR = "extra"
+ENGINE_META = "engine.json"
+HF_SUBDIR = "hf"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checkpoint_complete.json"
 TRAINER_STATE_FILE = "trainer_state.json"
