@@ -42,11 +42,10 @@ def export_as_api(stream: "DataStream", out_dir: str | None = None, **app_kwargs
     """:func:`export_policy`, then :func:`verl.serving.create_app` on the export (``app_kwargs``:
     ``engine``, ``limits``, ``api_key``, ``name``, ``device``, ``seed``). Returns the FastAPI app;
     serve it with ``verl.serving.run(app)`` or ``BackgroundServer(app)``."""
-    from verl.engine.torch_engine import TorchEngine
     from verl.serving.app import create_app
 
     actor = stream.trainer.actor  # None on ranks the actor is not placed on (trainer.placement)
-    if actor is not None and isinstance(actor.engine, TorchEngine):
+    if actor is not None and not actor.engine.capabilities.hf_checkpoint:
         raise ValueError(
             f"export_as_api: the actor is a plain nn.Module ({type(actor.engine.module).__name__}) on the plain PyTorch "
             "engine; the serving app runs Hugging Face checkpoints (vLLM or transformers), not arbitrary modules. "

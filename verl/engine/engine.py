@@ -32,6 +32,7 @@ from verl.engine.build import (
     load_model_spec,
     resolve_dtype,
 )
+from verl.engine.contract import EngineCapabilities
 from verl.engine.export import export_hf_checkpoint
 from verl.engine.state import EngineState, load_engine_state, save_engine_state
 from verl.engine.step import optimizer_step, reduce_step_metrics
@@ -81,6 +82,8 @@ class MegatronEngine:
         head: ``lm`` (policy), ``value`` (critic) or ``reward``.
         max_sequence_length: longest sequence the model will see; None: the HF config's maximum.
     """
+
+    capabilities = EngineCapabilities(megatron_layout=True, hf_checkpoint=True, packed_sequences=True, head_columns=True)
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl.config.schema import OptimConfig
+from verl.engine.contract import EngineCapabilities
 from verl.engine.engine import EngineStepResult
 from verl.engine.step import reduce_step_metrics
 from verl.models.forward import ForwardResult, LossShare, LossShareFn, OutputKind
@@ -156,6 +157,10 @@ class TorchEngine:
         hf_dir: the directory standing for the module (its tokenizer; the export copies it).
         name: the role's name in messages.
     """
+
+    # A plain module: no Megatron shards (the rollout shares the module itself), its own
+    # state_dict as the export, padded rows, every column through the head.
+    capabilities = EngineCapabilities(megatron_layout=False, hf_checkpoint=False, packed_sequences=False, head_columns=False)
 
     def __init__(
         self,
