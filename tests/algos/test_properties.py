@@ -13,6 +13,7 @@ the gradient is the plain policy gradient.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import numpy as np
 import pytest
@@ -22,12 +23,12 @@ from hypothesis import strategies as st
 
 from verl.algos import (
     GlobalBatchInfo,
-    get_policy_loss,
     agg_loss,
     compute_advantage,
     compute_kl_loss,
     compute_policy_loss,
     compute_value_loss,
+    get_policy_loss,
     kl_penalty,
     list_adv_estimators,
     list_kl_estimators,
@@ -179,8 +180,7 @@ SEQUENCE_MEAN = {"gspo", "sapo", "geo_mean"}
 def _cuts(data, lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous non-empty row ranges covering [lo, hi), cut at drawn points."""
     points = sorted(data.draw(st.sets(st.integers(lo + 1, hi - 1), min_size=parts - 1, max_size=parts - 1))) if parts > 1 else []
-    bounds = [lo, *points, hi]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise([lo, *points, hi]))
 
 
 # every (loss, mode) pair each run: a few drawn batches per pair

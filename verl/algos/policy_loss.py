@@ -290,7 +290,7 @@ def sapo(
     rollout_is_weights: torch.Tensor | None = None,
     sample_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv:2511.20347): a smooth gate, no hard clip.
+    """Soft Adaptive Policy Optimization, SAPO (arXiv:2511.20347): a smooth gate instead of a hard clip.
 
     ratio r = exp(clamp(log_prob - old_log_prob, -20, 20)) [B, T]; loss_t = -f(r_t; tau_t) * A_t with
     f(r; tau) = sigmoid(tau * (r - 1)) * 4 / tau, tau_t = ``tau_pos`` where A_t > 0 and ``tau_neg``
@@ -482,7 +482,7 @@ def kl_cov(
     positions = torch.nonzero(valid.flatten()).flatten()  # row-major, the order of cov[valid]
     if positions.numel() > 0:
         cov = _centred_product(advantages, log_prob, mask)[valid]
-        count = max(1, int(positions.numel() * ratio_share))
+        count = min(max(1, int(positions.numel() * ratio_share)), positions.numel())
         chosen = positions[torch.topk(cov, count).indices]
         penalised = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
         penalised[chosen] = True

@@ -173,10 +173,11 @@ class RolloutCorrectionConfig(ConfigBase):
 
     loss_type: Literal["ppo_clip", "reinforce"] = option("ppo_clip", "bypass_mode's loss: ppo_clip (vanilla PPO on the rollout ratio; IS weights only measured) or reinforce (-A log pi times the IS weights).")
     rollout_is: Literal["token", "sequence"] | None = option(None, "IS weights pi_train / pi_rollout per token or per sequence (product over its tokens); null: none.")
-    rollout_is_threshold: float | str = option(2.0, "IS weight bound: a number truncates above it (TIS); 'lower_upper' (e.g. '0.5_2.0') zeroes weights outside the band (IcePop).")
+    # str, not float | str: a float field would read the band "1_2" as 12 (Python accepts "1_2" as a number)
+    rollout_is_threshold: str = option("2.0", "IS weight bound: a number truncates above it (TIS); 'lower_upper' (e.g. '0.5_2.0') zeroes weights outside the band (IcePop).")
     rollout_is_batch_normalize: bool = option(False, "Divide the IS weights by their mean over the micro-batch (depends on the micro-batch size, as in the reference).")
     rollout_rs: str | None = option(None, "Rejection tests, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3): tokens or sequences failing any leave the loss; null: none.")
-    rollout_rs_threshold: float | str | None = option(None, "Bounds of rollout_rs: one shared or one per option, comma-separated; k1 options take ratio bounds 'lower_upper' (or u for [1/u, u]), k2/k3 an upper bound.")
+    rollout_rs_threshold: str | None = option(None, "Bounds of rollout_rs: one shared or one per option, comma-separated; k1 options take ratio bounds 'lower_upper' (or u for [1/u, u]), k2/k3 an upper bound.")
 
 
 @dataclass(kw_only=True)
@@ -184,10 +185,10 @@ class PolicyLossConfig(ConfigBase):
     """Which policy loss the actor minimises, and the hyper-parameters of the losses that have them."""
 
     loss_mode: str = option("vanilla", "Policy-loss function by its registry name in verl.algos (vanilla: PPO clip with dual clip).")
-    clip_cov_ratio: float = option(0.0002, "clip_cov: share of valid tokens whose gradient is dropped (drawn among those with covariance in (clip_cov_lb, clip_cov_ub)).", gt=0.0)
+    clip_cov_ratio: float = option(0.0002, "clip_cov: share of valid tokens whose gradient is dropped (drawn among those with covariance in (clip_cov_lb, clip_cov_ub)).", gt=0.0, le=1.0)
     clip_cov_lb: float = option(1.0, "clip_cov: lower bound of the token covariance (A - mean A)(log pi - mean log pi) for a token to be eligible.")
     clip_cov_ub: float = option(5.0, "clip_cov: upper bound of that covariance.")
-    kl_cov_ratio: float = option(0.0002, "kl_cov: share of valid tokens (largest covariance first) that get the |log ratio| penalty.", gt=0.0)
+    kl_cov_ratio: float = option(0.0002, "kl_cov: share of valid tokens (largest covariance first) that get the |log ratio| penalty.", gt=0.0, le=1.0)
     ppo_kl_coef: float = option(0.1, "kl_cov: weight of the |log ratio| penalty on the selected tokens.", ge=0.0)
     dro_beta: float | None = option(None, "dro: weight of the quadratic log-ratio penalty beta/2 (log pi - log pi_old)^2; required (> 0) with loss_mode=dro.", gt=0.0)
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "bypass_mode's rollout correction (IS weights, rejection sampling, loss type).")
