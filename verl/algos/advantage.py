@@ -375,13 +375,15 @@ def gdpo(
     reward_components: dict[str, torch.Tensor] | None = None,
     gdpo_reward_weights: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group reward-Decoupled normalisation Policy Optimization, GDPO (arXiv:2601.05242).
+    """Group reward-Decoupled normalisation Policy Optimization, GDPO (Liu et al. 2026, arXiv:2601.05242).
 
-    With several rewards per response (format, accuracy, ...), summing them before GRPO's group
-    normalisation lets the widest-spread one drown the others; GDPO normalises each separately:
-    A = whiten(sum_k w_k * GRPO_k), where GRPO_k is ``grpo``'s advantage of reward k alone (its own
-    group mean and std, ``epsilon``, ``norm_adv_by_std_in_grpo``), w_k = ``gdpo_reward_weights``
-    (default all 1) and whiten is over all valid tokens of the batch (masked_whiten).
+    With several rewards per response (format, accuracy, ...), normalising their sum in the group
+    maps different reward combinations to the same advantage; GDPO normalises each separately and
+    then the batch: A = whiten(sum_k w_k * GRPO_k), where GRPO_k is ``grpo``'s advantage of reward k
+    alone (its own group mean and std, ``epsilon``, ``norm_adv_by_std_in_grpo``), w_k =
+    ``gdpo_reward_weights`` (default all 1). The paper's batch-wise normalisation is, in the
+    reference and here, ``masked_whiten`` over all valid TOKENS of the batch, so a longer response
+    weighs more in the batch mean and std than a short one.
 
     reward_components: {name: [B] per-response score} (the reference reads them from the batch's
     non-tensor fields named by ``algorithm.gdpo_reward_keys``); None: the single reward

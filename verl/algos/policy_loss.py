@@ -569,9 +569,10 @@ def dppo_tv(
     grad log pi. pg_clipfrac = share of valid tokens dropped; pg_clipfrac_lower = share of kept
     tokens whose ratio exceeded ``clip_ratio_c``.
 
-    The truncation cap: the paper (its Section 5.4) and the reference's code default it to 20, but
-    the reference reads it from ``actor.clip_ratio_c``, which always exists there with default 3.0,
-    so 3.0 is what a reference run uses unless set; we read the same key (default 3.0).
+    The truncation cap: the paper (its Section 5.4, as the reference's comment cites it) recommends a
+    large cap, and the reference's code falls back to 20, but it reads ``actor.clip_ratio_c``, which
+    always exists there with default 3.0, so 3.0 is what a reference run uses unless set. We read
+    the same key with the same default (set ``clip_ratio_c`` high to follow the paper).
     """
     return _dppo(
         "tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio, clip_ratio_low,
