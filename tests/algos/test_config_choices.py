@@ -95,3 +95,43 @@ def test_preflight_names_the_inputs_an_estimator_lacks():
     assert missing_advantage_inputs("optimal_token_baseline") == ["old_log_probs", "sum_pi_squared"]
     assert missing_advantage_inputs("tir_optimal_token_baseline") == ["old_log_probs", "sum_pi_squared"]
     assert missing_advantage_inputs("gdpo") == [] and missing_advantage_inputs("gae") == []
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_mode", ["sapo", "geo_mean", "dppo_tv", "dppo_kl", "dro", "bypass_mode"])
+def test_actor_loss_is_the_same_on_one_or_four_micro_batches(loss_mode, agg):
+    """The actor's own loss_fn (config -> hyper-parameters -> registered loss -> aggregation), fed as
+    the engine feeds it: one micro-batch of 8 rows, or 4 of 2 rows, over the same GlobalBatchInfo."""
+    import torch
+
+    from verl.algos import GlobalBatchInfo, compute_policy_loss
+    from verl.config.schema import ActorConfig, PolicyLossConfig, RolloutCorrectionConfig
+    from verl.roles.actor import Actor
+
+    rc = RolloutCorrectionConfig(loss_type="reinforce", rollout_is="token", rollout_is_threshold="1.2",
+                                 rollout_rs="token_k2", rollout_rs_threshold="0.02")
+    cfg = ActorConfig(loss_agg_mode=agg, clip_ratio_c=1.3, tau_pos=1.5,
+                      policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.2, rollout_correction=rc))
+    actor = Actor.__new__(Actor)  # the loss function reads only the config and the old-log-prob source
+    actor.cfg, actor.old_log_prob = cfg, "recompute"
+    g = torch.Generator().manual_seed(5)
+    mask = (torch.rand(8, 5, generator=g) < 0.8).double()
+    old = -torch.rand(8, 5, generator=g, dtype=torch.float64) * 2
+    new = (old + 0.3 * torch.randn(8, 5, generator=g, dtype=torch.float64)).requires_grad_()
+    micro = {"response_mask": mask, "old_log_probs": old, "advantages": torch.randn(8, 5, generator=g, dtype=torch.float64)}
+    info = GlobalBatchInfo.from_masks(list(mask.split(2)))
+
+    whole = actor._loss_builder(5)(info, 1)({"logprobs": new}, micro).loss
+    (expected,) = torch.autograd.grad(whole, new)
+    loss_fn = actor._loss_builder(5)(info, 4)
+    parts = [loss_fn({"logprobs": new[i : i + 2]}, {k: v[i : i + 2] for k, v in micro.items()}).loss for i in range(0, 8, 2)]
+    (actual,) = torch.autograd.grad(sum(parts), new)
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12)  # float64: summation order only
+    # and it is the registered loss with the config's hyper-parameters
+    direct, _ = compute_policy_loss(
+        loss_mode, old_log_prob=old, log_prob=new, advantages=micro["advantages"], response_mask=mask,
+        loss_agg_mode=agg, clip_ratio_c=1.3, tau_pos=1.5, dro_beta=0.2, loss_type="reinforce", rollout_is="token",
+        rollout_is_threshold="1.2", rollout_rs="token_k2", rollout_rs_threshold="0.02", global_batch_info=info,
+    )
+    torch.testing.assert_close(whole, direct, rtol=0, atol=0)
+    assert float(whole) != 0.0
