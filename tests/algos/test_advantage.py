@@ -42,6 +42,9 @@ def test_registry_lists_every_estimator():
         "opo",
         "grpo_passk",
         "gpg",
+        "gdpo",
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
     }
     assert set(list_adv_estimators()) == expected
 

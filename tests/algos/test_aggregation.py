@@ -18,13 +18,14 @@ MODES = list_loss_agg_modes()
 
 
 def test_modes():
-    assert MODES == ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    assert MODES == ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 @pytest.mark.parametrize(
     "mode, expected",
     [
         ("token-mean", (1 + 2 + 4) / 3),
+        ("token-sum", 1.0 + 2 + 4),
         ("seq-mean-token-sum", ((1 + 2) + 4) / 2),
         ("seq-mean-token-mean", ((1 + 2) / 2 + 4 / 1) / 2),
         ("seq-mean-token-sum-norm", ((1 + 2) + 4) / 2 / 3),  # constant normaliser T = 3

@@ -23,8 +23,11 @@ TOL = dict(rtol=0, atol=1e-6)
 
 
 def test_registry_lists_every_policy_loss():
-    assert set(list_policy_losses()) == {"vanilla", "gspo", "cispo", "gpg"}
-    with pytest.raises(ValueError, match="actor.policy_loss.loss_mode.*registered: \\['cispo', 'gpg', 'gspo', 'vanilla'\\]"):
+    assert set(list_policy_losses()) == {
+        "vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro",
+        "bypass_mode",
+    }
+    with pytest.raises(ValueError, match="actor.policy_loss.loss_mode.*registered: \\['bypass_mode', 'cispo'"):
         get_policy_loss("ppo")
 
 
@@ -161,7 +164,8 @@ def test_padding_with_minus_inf_log_probs_does_not_poison_the_loss():
     mask = torch.tensor([[1.0, 0.0]])
     for name in list_policy_losses():
         loss, metrics = compute_policy_loss(
-            name, old_log_prob=old, log_prob=log_prob, advantages=torch.ones(1, 2), response_mask=mask
+            name, old_log_prob=old, log_prob=log_prob, advantages=torch.ones(1, 2), response_mask=mask,
+            dro_beta=0.1,  # dro's has no default; the other losses do not take it
         )
         assert torch.isfinite(loss), name
         assert all(torch.isfinite(v) for v in metrics.values()), name
@@ -277,3 +281,76 @@ def test_value_loss_inside_the_clip_range_is_not_clipped():
     )
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.16 + 0.16 + 0.04) / 3), **TOL)
     assert clipfrac.item() == 0.0
+
+
+def test_new_losses_refuse_bad_hyperparameters():
+    x = torch.zeros(2, 3)
+    kwargs = dict(old_log_prob=x, log_prob=x, advantages=x, response_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="dro needs actor_rollout_ref.actor.policy_loss.dro_beta"):
+        compute_policy_loss("dro", **kwargs)
+    with pytest.raises(ValueError, match="dro_beta must be finite and > 0"):
+        compute_policy_loss("dro", **kwargs, dro_beta=0.0)
+    with pytest.raises(ValueError, match="actor.tau_neg must be finite and > 0"):
+        compute_policy_loss("sapo", **kwargs, tau_neg=-1.0)
+    with pytest.raises(ValueError, match="clip_cov_ratio must be finite and > 0"):
+        compute_policy_loss("clip_cov", **kwargs, clip_cov_ratio=0.0)
+    with pytest.raises(ValueError, match="loss_type='ppo'; expected ppo_clip or reinforce"):
+        compute_policy_loss("bypass_mode", **kwargs, loss_type="ppo")
+    with pytest.raises(ValueError, match="rollout_is='seq'"):
+        compute_policy_loss("bypass_mode", **kwargs, rollout_is="seq")
+    with pytest.raises(ValueError, match="rollout_rs option 'token_k4' is unknown"):
+        compute_policy_loss("bypass_mode", **kwargs, rollout_rs="token_k4", rollout_rs_threshold=2.0)
+    with pytest.raises(ValueError, match="needs rollout_rs_threshold"):
+        compute_policy_loss("bypass_mode", **kwargs, rollout_rs="token_k2")
+    with pytest.raises(ValueError, match="gives 2 bounds for 1 rollout_rs options"):
+        compute_policy_loss("bypass_mode", **kwargs, rollout_rs="token_k2", rollout_rs_threshold="0.1,0.2")
+    with pytest.raises(ValueError, match="0 < lower <= upper"):
+        compute_policy_loss("bypass_mode", **kwargs, rollout_is="token", rollout_is_threshold="2.0_0.5")
+
+
+def test_clip_cov_drops_the_gradient_of_exactly_its_share_of_eligible_tokens():
+    # 100 valid tokens, ratio 1 (nothing PPO-clipped); advantages and log-probs both +-1 around 0, so
+    # every token's centred product is 1.5 * 1.5 = 2.25, inside (lb 1, ub 5): all are eligible.
+    sign = torch.tensor([1.0, -1.0]).repeat(50).view(4, 25)
+    log_prob = (sign * 1.5 - 3.0).requires_grad_()
+    old = log_prob.detach().clone()
+    adv = sign * 1.5
+    torch.manual_seed(0)
+    loss, metrics = compute_policy_loss(
+        "clip_cov", old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=torch.ones(4, 25),
+        clip_cov_ratio=0.05,
+    )
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert int((grad == 0).sum()) == 5  # int(0.05 * 100)
+    torch.testing.assert_close(metrics["pg_clipfrac"], torch.tensor(0.05), **TOL)
+    # the others keep the plain policy gradient -A / N
+    torch.testing.assert_close(grad[grad != 0], (-adv / 100)[grad != 0], **TOL)
+
+
+def test_kl_cov_penalises_the_largest_covariance_tokens():
+    # covariance (A - mean A)(lp - mean lp) is largest at token 2; ratio 0.3 of 4 valid tokens -> 1 token
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    log_prob = torch.tensor([[-1.2, -0.9, -0.2, -1.5]], requires_grad=True)
+    adv = torch.tensor([[0.0, 0.5, 2.0, -1.0]])
+    loss, metrics = compute_policy_loss(
+        "kl_cov", old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=torch.ones(1, 4),
+        kl_cov_ratio=0.3, ppo_kl_coef=0.5,
+    )
+    ratio = torch.exp(log_prob.detach() - old)
+    expected = (-adv * ratio).sum() + 0.5 * 0.8  # |log r| of token 2 is 0.8
+    torch.testing.assert_close(loss, expected / 4, **TOL)
+    torch.testing.assert_close(metrics["ppo_kl"], torch.tensor((0.2 + 0.1 + 0.8 + 0.5) / 4), **TOL)
+
+
+def test_sapo_gate_has_the_policy_gradient_slope_at_ratio_one():
+    # f(r) = sigmoid(tau (r - 1)) 4 / tau: f(1) = 2 / tau, f'(1) = 1 for any tau
+    old = torch.full((1, 2), -1.0)
+    log_prob = old.clone().requires_grad_()
+    adv = torch.tensor([[1.0, -2.0]])
+    loss, _ = compute_policy_loss(
+        "sapo", old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=torch.ones(1, 2),
+        tau_pos=2.0, tau_neg=5.0,
+    )
+    torch.testing.assert_close(loss, torch.tensor((-1.0 * 2 / 2.0 + 2.0 * 2 / 5.0) / 2), **TOL)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    torch.testing.assert_close(grad, -adv / 2, **TOL)

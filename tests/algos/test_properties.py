@@ -2,14 +2,23 @@
 
 Every function must return finite numbers for any mask, including all-masked rows and fully
 masked batches, with padding that holds -inf log-probs; estimators must be exactly 0 on masked
-tokens; GRPO must sum to zero per group; aggregation must be invariant to how a batch is split.
+tokens; GRPO must sum to zero per group; aggregation must be invariant to how a batch is split;
+every policy loss's gradient must be the same whether a mini-batch runs as one micro-batch on
+one rank or cut into micro-batches over two data-parallel ranks (except the two losses that
+choose tokens by the statistics of each micro-batch, as the reference does); and at the first
+step (old = new log-probs) every loss's ratio is 1: nothing is clipped, the KL metrics are 0 and
+the gradient is the plain policy gradient.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
+
 import numpy as np
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from verl.algos import (
@@ -19,6 +28,7 @@ from verl.algos import (
     compute_kl_loss,
     compute_policy_loss,
     compute_value_loss,
+    get_policy_loss,
     kl_penalty,
     list_adv_estimators,
     list_kl_estimators,
@@ -27,6 +37,10 @@ from verl.algos import (
 )
 
 SETTINGS = settings(max_examples=40, deadline=None)  # deadline off: the CPU is shared by many jobs
+
+# Hyper-parameters for the losses that need some (each loss takes only the ones it names): dro has no
+# default beta; bypass_mode with its IS weights and a rejection test on, so they are exercised too.
+HYPER = dict(dro_beta=0.1, rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
 
 
 @st.composite
@@ -61,6 +75,8 @@ def test_estimators_finite_and_zero_on_masked_tokens(batch, name):
         response_mask=mask,
         index=uids,
         reward_baselines=torch.randn(B, generator=g),
+        old_log_probs=-torch.rand(B, T, generator=g) * 5,  # the optimal-token-baseline estimators
+        sum_pi_squared=torch.rand(B, T, generator=g),
         gamma=float(torch.rand((), generator=g)),
         lam=float(torch.rand((), generator=g)),
         norm_adv_by_std_in_grpo=bool(seed % 2),
@@ -99,7 +115,7 @@ def test_policy_losses_finite_with_inf_padding(batch, name, mode):
     log_prob = torch.where(mask.bool(), new, pad).requires_grad_()
     adv = torch.randn(B, T, generator=g) * 10
     loss, metrics = compute_policy_loss(
-        name, old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask, loss_agg_mode=mode
+        name, old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask, loss_agg_mode=mode, **HYPER
     )
     (grad,) = torch.autograd.grad(loss, log_prob)
     assert _finite(loss, grad, *metrics.values())
@@ -152,3 +168,94 @@ def test_aggregation_is_invariant_to_any_split(batch, mode, data):
     actual = sum(agg_loss(loss_mat[s], mask[s], mode, global_batch_info=info) for s in pieces)
     # different float32 summation order over <= 36 N(0,1) terms
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+# clip_cov and kl_cov pick tokens by the covariance and token count of each micro-batch (as the
+# reference does): their gradient depends on the cut by design (their docstrings say so).
+PER_MICRO_BATCH = {"clip_cov", "kl_cov"}
+# losses that aggregate per sequence whatever loss_agg_mode says
+SEQUENCE_MEAN = {"gspo", "sapo", "geo_mean"}
+
+
+def _cuts(data, lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous non-empty row ranges covering [lo, hi), cut at drawn points."""
+    points = sorted(data.draw(st.sets(st.integers(lo + 1, hi - 1), min_size=parts - 1, max_size=parts - 1))) if parts > 1 else []
+    return list(itertools.pairwise([lo, *points, hi]))
+
+
+# every (loss, mode) pair each run: a few drawn batches per pair
+PAIR_SETTINGS = settings(max_examples=8, deadline=None)
+
+
+@pytest.mark.parametrize("mode", list_loss_agg_modes())
+@pytest.mark.parametrize("name", sorted(set(list_policy_losses()) - PER_MICRO_BATCH))
+@PAIR_SETTINGS
+@given(batch=batches(), dp=st.integers(1, 2), data=st.data())
+def test_policy_loss_gradient_is_invariant_to_micro_batches_and_data_parallel(name, mode, batch, dp, data):
+    B, T, mask, _, seed = batch
+    assume(B >= dp)
+    g = torch.Generator().manual_seed(seed)
+    mask = mask.double()
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    new = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+
+    whole = new.clone().requires_grad_()
+    expected, _ = compute_policy_loss(
+        name, old_log_prob=old, log_prob=whole, advantages=adv, response_mask=mask, loss_agg_mode=mode, **HYPER
+    )
+    (expected_grad,) = torch.autograd.grad(expected, whole)
+
+    # rows dealt to dp ranks, each rank's rows cut into micro-batches; the engine's denominators are the
+    # whole mini-batch's (GlobalBatchInfo over every rank), and DDP averages the ranks' gradients
+    pieces = []
+    for lo, hi in _cuts(data, 0, B, dp):
+        pieces += _cuts(data, lo, hi, data.draw(st.integers(1, hi - lo)))
+    counts = GlobalBatchInfo.from_masks([mask[a:b] for a, b in pieces])
+    info = GlobalBatchInfo(batch_num_tokens=counts.batch_num_tokens, global_batch_size=counts.global_batch_size, dp_size=dp)
+    split = new.clone().requires_grad_()
+    total = sum(
+        compute_policy_loss(
+            name, old_log_prob=old[a:b], log_prob=split[a:b], advantages=adv[a:b], response_mask=mask[a:b],
+            loss_agg_mode=mode, global_batch_info=info, **HYPER,
+        )[0]
+        for a, b in pieces
+    )
+    (actual_grad,) = torch.autograd.grad(total / dp, split)  # DDP: the mean over ranks
+    # float64; only the summation order differs
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(total / dp, expected.detach(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", list_loss_agg_modes())
+@pytest.mark.parametrize("name", list_policy_losses())
+@PAIR_SETTINGS
+@given(batch=batches())
+def test_first_step_ratio_is_one_for_every_loss(name, mode, batch):
+    B, T, mask, _, seed = batch
+    g = torch.Generator().manual_seed(seed)
+    log_prob = (-torch.rand(B, T, generator=g) * 5).requires_grad_()
+    old = log_prob.detach().clone()  # the first update: the same weights gave both
+    adv = (torch.randn(B, 1, generator=g) * 2).expand(B, T)  # one advantage per sequence (GRPO's case)
+    loss, metrics = compute_policy_loss(
+        name, old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask, loss_agg_mode=mode, **HYPER
+    )
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert _finite(loss, grad)
+    assert float(metrics["ppo_kl"]) == 0.0
+    if name != "clip_cov":  # clip_cov's pg_clipfrac is its share of covariance-chosen tokens, not a ratio clip
+        assert float(metrics["pg_clipfrac"]) == 0.0
+    assert float(metrics["pg_clipfrac_lower"]) == 0.0
+    if name == "bypass_mode":
+        assert float(metrics["rollout_corr/kl"]) == 0.0 and float(metrics["rollout_corr/k3_kl"]) == 0.0
+        assert float(metrics["rollout_corr/rollout_rs_masked_fraction"]) == 0.0
+        assert float(metrics["rollout_corr/rollout_is_mean"]) == (1.0 if mask.any() else 0.0)
+    if name == "clip_cov":
+        return  # it drops the gradient of its chosen tokens at any ratio
+    # ratio 1: each loss's gradient is the plain policy gradient -A grad log pi, aggregated its way
+    pg_mode = "seq-mean-token-mean" if name in SEQUENCE_MEAN else mode
+    log_prob_pg = log_prob.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(agg_loss(-adv * log_prob_pg, mask, pg_mode), log_prob_pg)
+    # float32: the ratio's exp/log round trips and the per-sequence sums round at ~1e-7 of values <= ~10
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    assert "sample_weight" in inspect.signature(get_policy_loss(name)).parameters  # the actor's weighted filter

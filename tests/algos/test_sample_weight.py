@@ -41,8 +41,9 @@ def test_every_policy_loss_takes_the_weights(name):
     logp = torch.randn(2, 3) * 0.1 - 1.0
     inputs = dict(old_log_prob=logp - 0.05, log_prob=logp, advantages=torch.tensor([[1.0] * 3, [-2.0] * 3]),
                   response_mask=torch.ones(2, 3))
-    one, _ = compute_policy_loss(name, **inputs, sample_weight=torch.tensor([1.0, 0.0]))
-    only_first, _ = compute_policy_loss(name, **{k: v[:1] for k, v in inputs.items()},
+    hyper = dict(dro_beta=0.1)  # dro's has no default; the other losses do not take it
+    one, _ = compute_policy_loss(name, **inputs, **hyper, sample_weight=torch.tensor([1.0, 0.0]))
+    only_first, _ = compute_policy_loss(name, **{k: v[:1] for k, v in inputs.items()}, **hyper,
                                         global_batch_info=GlobalBatchInfo(batch_num_tokens=6, global_batch_size=2))
     # Weight 0 removes the second sample's share; the denominators still count it (6 tokens, 2 sequences).
     assert float(one) == pytest.approx(float(only_first), rel=1e-5)

@@ -1,8 +1,9 @@
 """Every advantage estimator and policy loss in the registries runs one step through ``main_ppo``.
 
 One process runs ``main_ppo.main`` once per case (a world of one, the transformers rollout engine,
-the raw tiny model): each registered estimator once, the policy losses dealt round-robin over
-them, Dr. GRPO, both KL paths (a KL loss; a KL penalty in the reward with the adaptive
+the raw tiny model): each registered estimator and each policy loss at least once (dealt
+round-robin; the two optimal-token-baseline estimators must be refused by the pre-flight, the step
+does not compute their inputs yet), ``token-sum`` aggregation with ``dro``, Dr. GRPO, both KL paths (a KL loss; a KL penalty in the reward with the adaptive
 controller), a reward model beside the rule-based scorer, prompts and data sources read from
 other columns (``data.prompt_key``, ``data.reward_fn_key``), and DAPO's dynamic sampling, which on
 a model that never scores must stop after ``max_num_gen_batches`` draws with its message.
@@ -49,17 +50,40 @@ FAST = [
 ]
 
 
+# Estimators that need inputs the step does not compute yet (the old policy's sum of squared
+# probabilities): main_ppo's pre-flight refuses them with exit code 2, naming what is missing.
+REFUSED = ("optimal_token_baseline", "tir_optimal_token_baseline")
+_PL = "actor_rollout_ref.actor.policy_loss"
+# Hyper-parameters a loss needs (dro), or that make it do something at the first step (the
+# covariance losses choose tokens; bypass_mode weighs and tests them); token-sum rides along.
+LOSS_EXTRA = {
+    "dro": [f"{_PL}.dro_beta=0.1", "actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+    "clip_cov": [f"{_PL}.clip_cov_ratio=0.2", f"{_PL}.clip_cov_lb=0.0"],
+    "kl_cov": [f"{_PL}.kl_cov_ratio=0.2"],
+    "bypass_mode": [
+        f"{_PL}.rollout_correction.loss_type=reinforce",
+        f"{_PL}.rollout_correction.rollout_is=token",
+        f"{_PL}.rollout_correction.rollout_rs=token_k1",
+        f"{_PL}.rollout_correction.rollout_rs_threshold=0.5_2.0",
+    ],
+}
+
+
 def _cases(model_dir: str, root: str) -> dict[str, list[str]]:
     from verl.algos import list_adv_estimators, list_policy_losses
 
     losses = list_policy_losses()
+    runnable = [e for e in list_adv_estimators() if e not in REFUSED]
     cases = {}
-    for i, estimator in enumerate(list_adv_estimators()):
-        loss = losses[i % len(losses)]
+    for i in range(max(len(runnable), len(losses))):  # every estimator and every loss at least once
+        estimator, loss = runnable[i % len(runnable)], losses[i % len(losses)]
         cases[f"{estimator}+{loss}"] = [
             f"algorithm.adv_estimator={estimator}",
             f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
+            *LOSS_EXTRA.get(loss, []),
         ]
+    for estimator in REFUSED:
+        cases[f"refused:{estimator}"] = [f"algorithm.adv_estimator={estimator}"]
     cases["dr_grpo"] = [
         "algorithm.adv_estimator=grpo",
         "algorithm.norm_adv_by_std_in_grpo=false",
@@ -162,9 +186,13 @@ def test_every_estimator_and_policy_loss_runs_a_step(tiny_model_dir, arithmetic_
     from verl.algos import list_adv_estimators, list_policy_losses
 
     ran = set(results)
-    assert {name.split("+")[0] for name in ran if "+" in name} == set(list_adv_estimators())
+    assert {name.split("+")[0] for name in ran if "+" in name} | set(REFUSED) == set(list_adv_estimators())
     assert {name.split("+")[1] for name in ran if "+" in name} == set(list_policy_losses())
     for name, result in results.items():
+        if name.startswith("refused:"):
+            assert result["code"] == 2, result
+            assert "needs ['old_log_probs', 'sum_pi_squared'], which the PPO step does not compute" in result["error"]
+            continue
         if name == "dapo_dynamic_sampling":
             # The raw model never answers right: every group scores the same, none is kept.
             assert result["code"] == 2 and "after 2 generation batches" in result["error"], result
@@ -185,3 +213,6 @@ def test_every_estimator_and_policy_loss_runs_a_step(tiny_model_dir, arithmetic_
             assert abs(step["actor/kl_loss"]) <= 1e-6  # two engines: rounding (test_rl_trainer's docstring)
         if name == "reward_model":
             assert "reward/model_score_mean" in step
+        if name.endswith("+bypass_mode"):  # the ratio is 1: the rollout correction has nothing to correct
+            assert step["rollout_corr/kl"] == 0.0 and step["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+            assert step["rollout_corr/rollout_is_mean"] == 1.0

@@ -8,6 +8,8 @@ registries, looked up by name (an unknown name is a ValueError listing the regis
 - ``agg_loss(loss_mat, response_mask, loss_agg_mode, global_batch_info=...)``
 - ``kl_penalty(log_prob, ref_log_prob, kind)`` (``algorithm.kl_penalty``, ``actor.kl_loss_type``)
 - ``get_preference_loss("sigmoid" | "ipo")``
+- ``verl.algos.rollout_correction``: IS weights and rejection masks between the trainer's and the
+  rollout engine's log-probabilities (``bypass_mode``'s)
 
 Register your own with ``@register_adv_estimator("name")`` / ``@register_policy_loss("name")``.
 The config checks names against these registries itself (``verl.config.validation.NAME_REGISTRIES``),

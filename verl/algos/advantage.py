@@ -361,3 +361,207 @@ def gpg(
     adv = alpha * (scores.to(torch.float64) - means) / f_norm
     out = _broadcast(adv, mask, token_level_rewards.dtype)
     return out, out.clone()
+
+
+@register_adv_estimator("gdpo")
+@torch.no_grad()
+def gdpo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_components: dict[str, torch.Tensor] | None = None,
+    gdpo_reward_weights: list[float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group reward-Decoupled normalisation Policy Optimization, GDPO (Liu et al. 2026, arXiv:2601.05242).
+
+    With several rewards per response (format, accuracy, ...), normalising their sum in the group
+    maps different reward combinations to the same advantage; GDPO normalises each separately and
+    then the batch: A = whiten(sum_k w_k * GRPO_k), where GRPO_k is ``grpo``'s advantage of reward k
+    alone (its own group mean and std, ``epsilon``, ``norm_adv_by_std_in_grpo``), w_k =
+    ``gdpo_reward_weights`` (default all 1). The paper's batch-wise normalisation is, in the
+    reference and here, ``masked_whiten`` over all valid TOKENS of the batch, so a longer response
+    weighs more in the batch mean and std than a short one.
+
+    reward_components: {name: [B] per-response score} (the reference reads them from the batch's
+    non-tensor fields named by ``algorithm.gdpo_reward_keys``); None: the single reward
+    ``token_level_rewards`` [B, T], when GDPO is GRPO followed by a batch whitening (which is what
+    the reference does without those keys). We follow the reference's definition.
+    Returns (advantages, returns), equal, [B, T].
+    """
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    batch = token_level_rewards.shape[0]
+    if reward_components is None:
+        components = [token_level_rewards]
+    else:
+        if not reward_components:
+            raise ValueError("gdpo: reward_components is empty; give at least one per-response reward [B]")
+        components = []
+        for name, scores in reward_components.items():
+            scores = check_seq_level(f"reward_components[{name!r}]", torch.as_tensor(scores), batch)
+            # grpo sums each row, so the score may sit on any token of the row: the first column
+            column = torch.zeros_like(token_level_rewards)
+            column[:, 0] = scores.to(column.dtype)
+            components.append(column)
+    weights = [1.0] * len(components) if gdpo_reward_weights is None else [float(w) for w in gdpo_reward_weights]
+    if len(weights) != len(components):
+        raise ValueError(
+            f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(components)} reward components"
+        )
+    total = torch.zeros_like(token_level_rewards, dtype=torch.float64)
+    for w, rewards in zip(weights, components):
+        adv, _ = grpo(
+            token_level_rewards=rewards,
+            response_mask=torch.ones_like(mask),  # every row gets its score; the final mask applies below
+            index=index,
+            epsilon=epsilon,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        )
+        total += w * adv.to(torch.float64)
+    out = _zero_masked(masked_whiten(total, mask), mask).to(token_level_rewards.dtype)
+    return out, out.clone()
+
+
+def _otb_inputs(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask [B, T] bool, returns G_t [B, T] float64, cumulative path weight W_t [B, T] float64)."""
+    mask = _rewards_and_mask(token_level_rewards, response_mask)
+    check_token_level("old_log_probs", old_log_probs, like=token_level_rewards)
+    check_token_level("sum_pi_squared", sum_pi_squared, like=token_level_rewards)
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    rewards = torch.where(mask, token_level_rewards.to(torch.float64), zero)
+    returns = rewards.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])  # reward-to-go
+    pi = torch.exp(torch.where(mask, old_log_probs.to(torch.float64), zero))
+    # ||grad log pi(y_t)||^2 w.r.t. the logits = 1 - 2 pi(y_t) + sum_v pi_v^2
+    w = 1.0 - 2.0 * pi + sum_pi_squared.to(torch.float64)
+    if rollout_is_weights is not None:
+        check_token_level("rollout_is_weights", rollout_is_weights, like=token_level_rewards)
+        w = w * rollout_is_weights.to(torch.float64) ** 2
+    w_cum = torch.where(mask, w, zero).cumsum(dim=-1)
+    return mask, returns, w_cum
+
+
+def _otb_baseline(returns: torch.Tensor, w_cum: torch.Tensor, valid: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """One group's baseline per position: sum_i G_i,t W_i,t / (sum_i W_i,t + epsilon) over valid (i, t); [N, L] -> [L]."""
+    zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
+    num = torch.where(valid, returns * w_cum, zero).sum(dim=0)
+    den = torch.where(valid, w_cum, zero).sum(dim=0) + epsilon
+    return num / den
+
+
+def _zero_tail(baseline: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Zero [N, L] ``baseline`` of a group's unique longest member beyond the second-longest length."""
+    ordered = torch.sort(lengths).values
+    longest, second = int(ordered[-1]), int(ordered[-2])
+    at_max = torch.nonzero(lengths == longest).flatten()
+    if at_max.numel() == 1 and longest > second:
+        baseline[int(at_max[0]), second:] = 0.0
+    return baseline
+
+
+@register_adv_estimator("optimal_token_baseline")
+@torch.no_grad()
+def optimal_token_baseline(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline, OTB: a per-position baseline weighted by each path's gradient energy.
+
+    The variance-minimising baseline of a score-function estimator weights each sample's return
+    by the squared norm of its score (Greensmith et al. 2004, JMLR 5, "Variance Reduction Techniques
+    for Gradient Estimates in RL"); OTB applies it per token position with the logit-space norm as
+    the proxy. With pi_t = exp(old_log_probs) and s_t = ``sum_pi_squared`` (sum over the vocabulary
+    of pi^2 at position t, from the old policy's forward), w_t = 1 - 2 pi_t + s_t, W_t = sum_{j<=t}
+    w_j over valid tokens, and G_t the reward-to-go. In each group (same ``index``) of >= 2
+    responses, b_t = sum_i G_i,t W_i,t / (sum_i W_i,t + ``epsilon``) over the members valid at t;
+    A_t = G_t - b_t on valid tokens. A singleton group has b = 0. With ``rollout_is_weights`` rho
+    [B, T], w_t is scaled by rho_t^2. ``handle_zero_tail``: where a group's longest response is
+    unique, its positions beyond the second-longest length get b = 0 (nobody else to compare with).
+    Positions are raw columns (see ``tir_optimal_token_baseline`` for masked tool turns).
+
+    Shapes: token_level_rewards, response_mask, old_log_probs, sum_pi_squared: [B, T]; index [B].
+    Returns (advantages, returns = G), [B, T]. Follows the reference verl 0.9.1 (no paper of its
+    own there); departures: sums in float64, outputs exactly 0 on masked tokens.
+    """
+    mask, returns, w_cum = _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights)
+    gid, num_groups, _ = group_ids(index, mask.shape[0])
+    baselines = torch.zeros_like(returns)
+    lengths = mask.sum(dim=-1)
+    for g in range(num_groups):
+        members = torch.nonzero(gid == g).flatten().to(mask.device)
+        if members.numel() < 2:
+            continue
+        b = _otb_baseline(returns[members], w_cum[members], mask[members], epsilon)
+        group_b = b.unsqueeze(0).expand(members.numel(), -1).clone()
+        if handle_zero_tail:
+            group_b = _zero_tail(group_b, lengths[members])
+        baselines[members] = group_b
+    dtype = token_level_rewards.dtype
+    return _zero_masked((returns - baselines).to(dtype), mask), _zero_masked(returns.to(dtype), mask)
+
+
+@register_adv_estimator("tir_optimal_token_baseline")
+@torch.no_grad()
+def tir_optimal_token_baseline(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline for tool-integrated (multi-turn) responses.
+
+    As ``optimal_token_baseline``, but a "position" is the k-th VALID token of a response, not its
+    column: in a multi-turn trajectory the tool's output tokens are masked, so the model's k-th
+    own token sits at a different column in each response, and the baseline compares like with
+    like. Responses without a valid token join no group. G_t and W_t are computed over the full
+    row (masked tokens add nothing) and then read at the valid tokens. Shapes and returns as
+    ``optimal_token_baseline`` (returns are the uncompacted G [B, T], as in the reference verl 0.9.1).
+    """
+    mask, returns, w_cum = _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights)
+    batch = mask.shape[0]
+    lengths = mask.sum(dim=-1)  # [B]
+    width = int(lengths.max()) if batch else 0
+    # compact: row i's valid tokens moved to columns 0..len_i - 1, in order
+    slot = mask.to(torch.int64).cumsum(dim=-1) - 1  # [B, T] column of each valid token
+    compact_g = torch.zeros(batch, width, dtype=torch.float64, device=mask.device)
+    compact_w = torch.zeros_like(compact_g)
+    rows = torch.arange(batch, device=mask.device).unsqueeze(-1).expand_as(mask)
+    compact_g[rows[mask], slot[mask]] = returns[mask]
+    compact_w[rows[mask], slot[mask]] = w_cum[mask]
+    compact_valid = torch.arange(width, device=mask.device).unsqueeze(0) < lengths.unsqueeze(-1)
+    gid, num_groups, _ = group_ids(index, batch)
+    gid = gid.to(mask.device)
+    baselines = torch.zeros_like(compact_g)
+    for g in range(num_groups):
+        members = torch.nonzero((gid == g) & (lengths > 0)).flatten()
+        if members.numel() < 2:
+            continue
+        b = _otb_baseline(compact_g[members], compact_w[members], compact_valid[members], epsilon)
+        group_b = b.unsqueeze(0).expand(members.numel(), -1).clone()
+        if handle_zero_tail:
+            group_b = _zero_tail(group_b, lengths[members])
+        baselines[members] = group_b
+    compact_adv = compact_g - baselines
+    advantages = torch.zeros_like(returns)
+    advantages[mask] = compact_adv[rows[mask], slot[mask]]
+    dtype = token_level_rewards.dtype
+    return _zero_masked(advantages.to(dtype), mask), _zero_masked(returns.to(dtype), mask)

@@ -11,6 +11,10 @@ Modes, with M the mask, L the loss matrix, S the number of sequences with at lea
 token and N the number of valid tokens (global when given, local otherwise):
 
 - ``token-mean``:              sum(L * M) / N * dp_size
+- ``token-sum``:               sum(L * M) * dp_size
+  (no denominator at all, so no count has to be shared: the sum over micro-batches and the
+  average over DP ranks times dp_size are the sum over the whole mini-batch, whatever the cut;
+  the loss's scale grows with the batch's tokens, so the learning rate must account for it)
 - ``seq-mean-token-sum``:      sum_i sum_t L*M / S * dp_size
 - ``seq-mean-token-mean``:     sum_i (sum_t L*M / sum_t M) / S * dp_size
 - ``seq-mean-token-sum-norm``: sum_i sum_t L*M / S * dp_size / loss_scale_factor (default T)
@@ -36,6 +40,7 @@ from verl.algos.masked import masked_sum
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -157,6 +162,8 @@ def agg_loss(
             batch_num_tokens = token_counts.sum()
         denom = torch.as_tensor(batch_num_tokens, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
         return masked_sum(loss_mat, mask) / denom * dp_size
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp_size
 
     if global_batch_size is None:
         if dp_size > 1:

@@ -23,7 +23,7 @@ import torch
 
 from verl.algos.aggregation import GlobalBatchInfo, agg_loss
 from verl.algos.checks import check_mask, check_positive, check_token_level
-from verl.algos.masked import masked_mean
+from verl.algos.masked import masked_mean, masked_sum
 from verl.algos.registry import Registry, call_with_accepted
 from verl.utils.logging import warn_once
 
@@ -270,6 +270,467 @@ def gpg(
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     ppo_kl = masked_mean((old_log_prob - log_prob).detach(), mask)
     return loss, _metrics(zero, ppo_kl, zero)
+
+
+def _zero_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype, device=t.device)
+
+
+@register_policy_loss("sapo")
+def sapo(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    global_batch_info: GlobalBatchInfo | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Soft Adaptive Policy Optimization, SAPO (arXiv:2511.20347): a smooth gate instead of a hard clip.
+
+    ratio r = exp(clamp(log_prob - old_log_prob, -20, 20)) [B, T]; loss_t = -f(r_t; tau_t) * A_t with
+    f(r; tau) = sigmoid(tau * (r - 1)) * 4 / tau, tau_t = ``tau_pos`` where A_t > 0 and ``tau_neg``
+    otherwise (``actor.tau_pos`` / ``actor.tau_neg``). f(1) = 2 / tau and f'(1) = 1, so near r = 1 the
+    gradient is the policy gradient's, and it fades smoothly as r leaves 1 instead of dropping to 0
+    at a clip edge. Aggregated with ``seq-mean-token-mean`` always, as the paper's objective and the
+    reference do (another ``loss_agg_mode`` is ignored with a warning). Reference and paper agree
+    except for the reference's clamp of log r at +-20, which we keep. pg_clipfrac and
+    pg_clipfrac_lower are 0 (nothing is clipped).
+    """
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    tau_pos = check_positive("actor.tau_pos", tau_pos)
+    tau_neg = check_positive("actor.tau_neg", tau_neg)
+    if loss_agg_mode != "seq-mean-token-mean":
+        warn_once(logger, "sapo always aggregates with seq-mean-token-mean; loss_agg_mode=%s is ignored", loss_agg_mode)
+    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    ratio = torch.exp(neg_kl)
+    tau = torch.where(
+        advantages > 0,
+        torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    pg_losses = _weighted(-gate * advantages, rollout_is_weights, mask)
+    loss = agg_loss(
+        pg_losses, mask, "seq-mean-token-mean", global_batch_info=global_batch_info, sample_weight=sample_weight
+    )
+    zero = _zero_like(log_prob)
+    return loss, _metrics(zero, masked_mean(-neg_kl, mask), zero)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Geometric-Mean Policy Optimization, GMPO (Zhao et al. 2025, arXiv:2507.20673).
+
+    Per token, d_t = log_prob - old_log_prob (clamped at +-20) is clipped in LOG space to
+    [-clip_ratio_low, clip_ratio_high] on the side that PPO would clip (the upper side where
+    A_t > 0, the lower side where A_t < 0): d'_t = sign(A) * min(sign(A) * d_t, sign(A) * clip(d_t)).
+    Each sequence's ratio is the geometric mean of its token ratios, R_i = exp(mean_t d'_t), its
+    advantage the mean of its token advantages A_i, and loss_i = -A_i * R_i [B]; the loss is the
+    mean of loss_i over the sequences of the mini-batch (``loss_agg_mode`` is ignored with a
+    warning). ``rollout_is_weights`` enter per sequence as the geometric mean of the token weights.
+
+    The paper clips the ratio to (e^-eps_low, e^eps_high) with eps = 0.4; as in the reference, the
+    clip ranges here are those log-space bounds, so ``clip_ratio=0.4`` is the paper's setting (the
+    default 0.2 is narrower). Departure from the reference: it averages loss_i over the rows of each
+    micro-batch (empty rows included) without the global batch's denominators, so its gradient
+    changes with the micro-batch size; here the denominator is the number of non-empty sequences
+    of the whole mini-batch (``global_batch_info``), the same number for one micro-batch without
+    empty rows. Metrics: pg_clipfrac / pg_clipfrac_lower = share of valid tokens whose d_t was
+    clipped with A_t > 0 / A_t < 0.
+    """
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    if loss_agg_mode != "seq-mean-token-mean":
+        warn_once(logger, "geo_mean always averages per sequence; loss_agg_mode=%s is ignored", loss_agg_mode)
+    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)  # [B, T]
+    sign = torch.sign(advantages)
+    clipped_kl = torch.clamp(neg_kl, -low, high)
+    kept_kl = sign * torch.minimum(sign * neg_kl, sign * clipped_kl)
+    lengths = mask.sum(dim=-1).clamp(min=1)  # [B]
+    seq_ratio = torch.exp(masked_sum(kept_kl, mask, dim=-1) / lengths)  # [B]
+    seq_adv = masked_sum(advantages, mask, dim=-1) / lengths  # [B]
+    seq_loss = -seq_adv * seq_ratio  # [B]
+    if rollout_is_weights is not None:
+        check_token_level("rollout_is_weights", rollout_is_weights, like=log_prob)
+        log_w = torch.log(rollout_is_weights.detach() + 1e-10)
+        seq_loss = seq_loss * torch.exp(masked_sum(log_w, mask, dim=-1) / lengths)
+    # each sequence's loss on every one of its valid tokens: the token mean is loss_i again
+    loss_mat = seq_loss.unsqueeze(-1).expand_as(log_prob)
+    loss = agg_loss(
+        loss_mat, mask, "seq-mean-token-mean", global_batch_info=global_batch_info, sample_weight=sample_weight
+    )
+    clipped = (neg_kl != clipped_kl).to(log_prob.dtype)
+    clipfrac = masked_mean(clipped * (advantages > 0).to(log_prob.dtype), mask)
+    clipfrac_lower = masked_mean(clipped * (advantages < 0).to(log_prob.dtype), mask)
+    return loss, _metrics(clipfrac, masked_mean(-neg_kl, mask), clipfrac_lower)
+
+
+def _centred_product(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean A) * (log_prob - mean log_prob) [B, T], means over the valid tokens, detached."""
+    adv, lp = advantages.detach(), log_prob.detach()
+    return (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))
+
+
+@register_policy_loss("clip_cov")
+def clip_cov(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    global_batch_info: GlobalBatchInfo | None = None,
+    loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617).
+
+    The PPO clipped surrogate (no dual clip) max(-A r, -A clip(r, 1 - low, 1 + high)) [B, T], except
+    that a few tokens get no gradient: among the valid tokens that PPO did not clip and whose
+    centred product c_t = (A_t - mean A) * (log_prob_t - mean log_prob) lies strictly between
+    ``clip_cov_lb`` and ``clip_cov_ub`` (means over this call's valid tokens), max(1,
+    int(``clip_cov_ratio`` x valid tokens)) are drawn at random (torch's global generator) and their
+    loss is set to 0. Those high-covariance tokens are what drives entropy collapse (the paper).
+
+    The paper detaches the chosen tokens; the reference (followed here) zeroes their loss, which has
+    the same gradient and a smaller loss value. Like the reference, the means and the count are
+    those of the micro-batch, so which tokens are chosen depends on how the mini-batch is cut (the
+    loss is not micro-batch invariant). log r is clamped at +-20 as in ``vanilla`` (the reference does
+    not clamp here). pg_clipfrac = share of valid tokens chosen; pg_clipfrac_lower = 0.
+    """
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    ratio_share = check_positive("actor.policy_loss.clip_cov_ratio", clip_cov_ratio)
+    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    ratio = torch.exp(neg_kl)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    valid = mask != 0
+    cov = _centred_product(advantages, log_prob, mask)
+    candidates = torch.nonzero(valid & ~(loss2 > loss1) & (cov > clip_cov_lb) & (cov < clip_cov_ub))  # [K, 2]
+    keep = torch.ones_like(log_prob)
+    if candidates.shape[0] > 0:
+        count = max(int(ratio_share * float(mask.sum())), 1)
+        chosen = candidates[torch.randperm(candidates.shape[0])[:count].to(candidates.device)]
+        keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    pg_losses = _weighted(torch.maximum(loss1, loss2) * keep, rollout_is_weights, mask)
+    loss = agg_loss(
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
+    )
+    clipfrac = masked_mean(1.0 - keep, mask)
+    return loss, _metrics(clipfrac, masked_mean(-neg_kl, mask), _zero_like(log_prob))
+
+
+@register_policy_loss("kl_cov")
+def kl_cov(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
+    global_batch_info: GlobalBatchInfo | None = None,
+    loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617): a KL penalty on the highest-covariance tokens only.
+
+    loss_t = -A_t * r_t (unclipped; r = exp(clamp(log_prob - old_log_prob, -20, 20))) [B, T], plus
+    ``ppo_kl_coef`` * |log r_t| on the max(1, int(``kl_cov_ratio`` x valid tokens)) valid tokens
+    with the largest centred product (A_t - mean A) * (log_prob_t - mean log_prob) (means over this
+    call's valid tokens). The paper writes the penalty as a KL between the old and the current
+    policy; the reference, followed here, uses |log r| per token. As in the reference the selection
+    is per micro-batch (not micro-batch invariant). Metrics: ppo_kl is the masked mean of |log r|
+    (the reference's choice for this loss), pg_clipfrac and pg_clipfrac_lower are 0.
+    """
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    ratio_share = check_positive("actor.policy_loss.kl_cov_ratio", kl_cov_ratio)
+    coef = check_positive("actor.policy_loss.ppo_kl_coef", ppo_kl_coef, allow_zero=True)
+    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    abs_kl = neg_kl.abs()
+    pg_losses = -advantages * torch.exp(neg_kl)
+    valid = mask != 0
+    positions = torch.nonzero(valid.flatten()).flatten()  # row-major, the order of cov[valid]
+    if positions.numel() > 0:
+        cov = _centred_product(advantages, log_prob, mask)[valid]
+        count = min(max(1, int(positions.numel() * ratio_share)), positions.numel())
+        chosen = positions[torch.topk(cov, count).indices]
+        penalised = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+        penalised[chosen] = True
+        pg_losses = torch.where(penalised.view_as(valid), pg_losses + coef * abs_kl, pg_losses)
+    pg_losses = _weighted(pg_losses, rollout_is_weights, mask)
+    loss = agg_loss(
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
+    )
+    zero = _zero_like(log_prob)
+    return loss, _metrics(zero, masked_mean(abs_kl, mask), zero)
+
+
+def _dppo(
+    kind: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    clip_ratio: float,
+    clip_ratio_low: float | None,
+    clip_ratio_high: float | None,
+    clip_ratio_c: float,
+    global_batch_info: GlobalBatchInfo | None,
+    loss_scale_factor: float | None,
+    rollout_is_weights: torch.Tensor | None,
+    sample_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    cap = check_positive("actor.clip_ratio_c", clip_ratio_c)
+    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    ratio = torch.exp(neg_kl)
+    with torch.no_grad():
+        prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+        if kind == "tv":
+            up_ok = prob - old_prob <= high
+            down_ok = prob - old_prob >= -low
+        else:
+            # KL between the two Bernoulli distributions "this token / any other token"
+            binary_kl = old_prob * (old_log_prob - log_prob) + (1.0 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+            )
+            up_ok = (binary_kl <= high) | (prob <= old_prob)
+            down_ok = (binary_kl <= low) | (prob >= old_prob)
+        keep = torch.where(advantages > 0, up_ok, down_ok).to(log_prob.dtype)
+        weight = torch.clamp(ratio, max=cap)
+    pg_losses = _weighted(-advantages * weight * log_prob * keep, rollout_is_weights, mask)
+    loss = agg_loss(
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
+    )
+    clipfrac = masked_mean(1.0 - keep, mask)
+    clipfrac_lower = masked_mean((ratio > cap).to(log_prob.dtype) * keep, mask)
+    return loss, _metrics(clipfrac, masked_mean(-neg_kl, mask), clipfrac_lower)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    global_batch_info: GlobalBatchInfo | None = None,
+    loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO with a binary total-variation trust region (arXiv:2602.04879).
+
+    Instead of clipping the ratio, a token leaves the gradient when the probability of its sampled
+    token moved too far in the direction its advantage pushes: with p = exp(log_prob),
+    p_old = exp(old_log_prob), a token with A > 0 is kept while p - p_old <= ``clip_ratio_high``
+    and one with A <= 0 while p - p_old >= -``clip_ratio_low`` (here the clip ranges are
+    probability differences, not ratio ranges). Kept tokens get the truncated-IS policy gradient
+    loss_t = -A_t * sg[min(r_t, clip_ratio_c)] * log_prob_t, whose gradient is -A * min(r, c) *
+    grad log pi. pg_clipfrac = share of valid tokens dropped; pg_clipfrac_lower = share of kept
+    tokens whose ratio exceeded ``clip_ratio_c``.
+
+    The truncation cap: the paper (its Section 5.4, as the reference's comment cites it) recommends a
+    large cap, and the reference's code falls back to 20, but it reads ``actor.clip_ratio_c``, which
+    always exists there with default 3.0, so 3.0 is what a reference run uses unless set. We read
+    the same key with the same default (set ``clip_ratio_c`` high to follow the paper).
+    """
+    return _dppo(
+        "tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio, clip_ratio_low,
+        clip_ratio_high, clip_ratio_c, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight,
+    )
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    global_batch_info: GlobalBatchInfo | None = None,
+    loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO with a binary KL trust region (arXiv:2602.04879); as ``dppo_tv`` with another test.
+
+    The divergence is the KL between the Bernoulli distributions "the sampled token / any other"
+    under the old and the new policy, D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8)
+    / (1 - p + 1e-8)) [B, T]. A token with A > 0 is kept while D <= ``clip_ratio_high`` or p <= p_old
+    (it moved against its advantage), one with A <= 0 while D <= ``clip_ratio_low`` or p >= p_old.
+    Same loss, metrics and truncation cap (``clip_ratio_c``, see ``dppo_tv``) as ``dppo_tv``.
+    """
+    return _dppo(
+        "kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio, clip_ratio_low,
+        clip_ratio_high, clip_ratio_c, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight,
+    )
+
+
+@register_policy_loss("dro")
+def dro(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    dro_beta: float | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
+    loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy gradient with a quadratic log-ratio penalty, the reference's ``dro``.
+
+    loss_t = -(A_t * log_prob_t - ``dro_beta`` / 2 * (log_prob_t - old_log_prob_t)^2) [B, T]: the
+    REINFORCE term plus a proximal penalty on the squared log-ratio to the old policy (its
+    gradient is 0 at r = 1 and grows with the drift), in place of PPO's clip. The name follows
+    Direct Reward Optimisation (Richemond et al. 2024, arXiv:2405.19107), whose loss is a squared
+    regression of the reward on a log-ratio with a learnt value baseline; the reference keeps only
+    the quadratic log-ratio term, against the rollout policy rather than a reference policy, and
+    we follow the reference. ``dro_beta`` (``actor.policy_loss.dro_beta``) has no default and must
+    be > 0. No clamp of log r (as in the reference). pg_clipfrac and pg_clipfrac_lower are 0.
+    """
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    if dro_beta is None:
+        raise ValueError("loss_mode=dro needs actor_rollout_ref.actor.policy_loss.dro_beta (> 0); it has no default")
+    beta = check_positive("actor_rollout_ref.actor.policy_loss.dro_beta", dro_beta)
+    log_ratio = log_prob - old_log_prob
+    pg_losses = _weighted(-(advantages * log_prob - 0.5 * beta * log_ratio * log_ratio), rollout_is_weights, mask)
+    loss = agg_loss(
+        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+        sample_weight=sample_weight,
+    )
+    zero = _zero_like(log_prob)
+    return loss, _metrics(zero, masked_mean(-log_ratio, mask), zero)
+
+
+@register_policy_loss("bypass_mode")
+def bypass_mode(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_type: str = "ppo_clip",
+    rollout_is: str | None = None,
+    rollout_is_threshold: float | str = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | str | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
+    loss_scale_factor: float | None = None,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode: ``old_log_prob`` are the ROLLOUT engine's log-probabilities (no recompute pass).
+
+    Two policies instead of three (Liu et al. 2025, "When Speed Kills Stability"): the ratio is taken
+    against the engine's own log-probabilities (``actor.old_log_prob=rollout``). From d = log_prob -
+    old_log_prob (detached) it computes the rollout-correction IS weights (``rollout_is``: token or
+    sequence, truncated at ``rollout_is_threshold``, ``verl.algos.rollout_correction``) and drops
+    tokens or sequences that fail the rejection tests (``rollout_rs``, ``rollout_rs_threshold``), then:
+
+    - ``loss_type="ppo_clip"``: ``vanilla`` (clip, dual clip) on the kept tokens; the IS weights are
+      only measured, since the clipped ratio already is the IS correction;
+    - ``loss_type="reinforce"``: loss_t = -A_t * log_prob_t * w_t on the kept tokens (no ratio, no clip).
+
+    Rejected tokens leave the numerator but keep counting in the denominators (those of the whole
+    mini-batch, ``global_batch_info``, or of this call's unrejected ``response_mask`` when it is
+    None), as in the reference's trainer; a standalone call of the reference's function instead
+    divides by the kept tokens. Metrics: the loss's own plus ``rollout_corr/kl``,
+    ``rollout_corr/k3_kl``, ``rollout_corr/rollout_is_mean``, ``rollout_corr/rollout_rs_masked_fraction``.
+    Keys are ``actor_rollout_ref.actor.policy_loss.rollout_correction.*`` (the reference reads them there).
+    """
+    from verl.algos.rollout_correction import is_weights, offpolicy_metrics, rejection_mask
+
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type={loss_type!r}; expected ppo_clip or reinforce"
+        )
+    if global_batch_info is None:
+        global_batch_info = GlobalBatchInfo.from_masks([mask])
+    log_ratio = (log_prob - old_log_prob).detach()
+    extra: dict[str, torch.Tensor] = dict(offpolicy_metrics(log_ratio, mask))
+    weights = None
+    if rollout_is is not None:
+        weights, more = is_weights(
+            log_ratio, mask, level=rollout_is, threshold=rollout_is_threshold, batch_normalize=rollout_is_batch_normalize
+        )
+        extra.update(more)
+    kept = mask
+    if rollout_rs is not None:
+        kept, more = rejection_mask(log_ratio, mask, options=rollout_rs, threshold=rollout_rs_threshold)
+        extra.update(more)
+    if loss_type == "ppo_clip":
+        loss, metrics = vanilla(
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=kept,
+            loss_agg_mode=loss_agg_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, global_batch_info=global_batch_info,
+            loss_scale_factor=loss_scale_factor, sample_weight=sample_weight,
+        )
+    else:
+        pg_losses = -advantages * log_prob
+        if weights is not None:
+            pg_losses = pg_losses * weights
+        loss = agg_loss(
+            pg_losses, kept, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
+            sample_weight=sample_weight,
+        )
+        zero = _zero_like(log_prob)
+        metrics = _metrics(zero, masked_mean(-log_ratio, kept), zero)
+    metrics.update({f"rollout_corr/{k}": v.detach() for k, v in extra.items()})
+    return loss, metrics
 
 
 # ----------------------------------------------------------------------------------------------

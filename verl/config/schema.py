@@ -45,6 +45,7 @@ __all__ = [
     "RewardModelConfig",
     "RewardModelModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SFTConfig",
     "SFTDataConfig",
     "SFTTrainerConfig",
@@ -55,7 +56,7 @@ __all__ = [
 LoggerName = Literal["console", "tensorboard", "jsonl", "wandb", "mlflow"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 
 
@@ -169,10 +170,30 @@ class CheckpointConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
+class RolloutCorrectionConfig(ConfigBase):
+    """Rollout correction of loss_mode=bypass_mode: IS weights and rejection against the engine's log-probs."""
+
+    loss_type: Literal["ppo_clip", "reinforce"] = option("ppo_clip", "bypass_mode's loss: ppo_clip (vanilla PPO on the rollout ratio; IS weights only measured) or reinforce (-A log pi times the IS weights).")
+    rollout_is: Literal["token", "sequence"] | None = option(None, "IS weights pi_train / pi_rollout per token or per sequence (product over its tokens); null: none.")
+    # str, not float | str: a float field would read the band "1_2" as 12 (Python accepts "1_2" as a number)
+    rollout_is_threshold: str = option("2.0", "IS weight bound: a number truncates above it (TIS); 'lower_upper' (e.g. '0.5_2.0') zeroes weights outside the band (IcePop).")
+    rollout_is_batch_normalize: bool = option(False, "Divide the IS weights by their mean over the micro-batch (depends on the micro-batch size, as in the reference).")
+    rollout_rs: str | None = option(None, "Rejection tests, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3): tokens or sequences failing any leave the loss; null: none.")
+    rollout_rs_threshold: str | None = option(None, "Bounds of rollout_rs: one shared or one per option, comma-separated; k1 options take ratio bounds 'lower_upper' (or u for [1/u, u]), k2/k3 an upper bound.")
+
+
+@dataclass(kw_only=True)
 class PolicyLossConfig(ConfigBase):
-    """Which policy loss the actor minimises."""
+    """Which policy loss the actor minimises, and the hyper-parameters of the losses that have them."""
 
     loss_mode: str = option("vanilla", "Policy-loss function by its registry name in verl.algos (vanilla: PPO clip with dual clip).")
+    clip_cov_ratio: float = option(0.0002, "clip_cov: share of valid tokens whose gradient is dropped (drawn among those with covariance in (clip_cov_lb, clip_cov_ub)).", gt=0.0, le=1.0)
+    clip_cov_lb: float = option(1.0, "clip_cov: lower bound of the token covariance (A - mean A)(log pi - mean log pi) for a token to be eligible.")
+    clip_cov_ub: float = option(5.0, "clip_cov: upper bound of that covariance.")
+    kl_cov_ratio: float = option(0.0002, "kl_cov: share of valid tokens (largest covariance first) that get the |log ratio| penalty.", gt=0.0, le=1.0)
+    ppo_kl_coef: float = option(0.1, "kl_cov: weight of the |log ratio| penalty on the selected tokens.", ge=0.0)
+    dro_beta: float | None = option(None, "dro: weight of the quadratic log-ratio penalty beta/2 (log pi - log pi_old)^2; required (> 0) with loss_mode=dro.", gt=0.0)
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "bypass_mode's rollout correction (IS weights, rejection sampling, loss type).")
 
 
 @dataclass(kw_only=True)
@@ -203,7 +224,9 @@ class ActorConfig(ConfigBase):
     use_kl_loss: bool = option(False, "Add a KL(actor || reference) term to the loss (GRPO style).")
     kl_loss_coef: float = option(0.001, "Weight of the KL loss.", ge=0.0)
     kl_loss_type: str = option("low_var_kl", "KL estimator by its registry name in verl.algos (kl, abs, mse, low_var_kl, full).")
-    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy-loss choice.")
+    tau_pos: float = option(1.0, "sapo: gate temperature for tokens with positive advantage (the gate is sigmoid(tau (r - 1)) 4 / tau).", gt=0.0)
+    tau_neg: float = option(1.05, "sapo: gate temperature for tokens with zero or negative advantage (larger: the gate fades faster).", gt=0.0)
+    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy-loss choice and its hyper-parameters.")
     grad_clip: float | None = option(None, "Alias of optim.clip_grad for scripts written for the reference's FSDP actor: when set it replaces optim.clip_grad and reads back as null.", ge=0.0)
     optim: OptimConfig = section(OptimConfig, "Actor optimizer (reference default lr 1e-6).")
     megatron: MegatronConfig = section(MegatronConfig, "Actor Megatron layout.")

@@ -292,6 +292,7 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
             f"the ratio is clipped at 1 - clip_ratio_low"
         )
     _old_log_prob(cfg, problems)
+    _policy_loss(cfg, problems)
     _token_budgets(cfg, problems)
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:
         problems.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
@@ -362,6 +363,30 @@ def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:
                 f"{key}={budget} is smaller than the longest sequence ({longest_text}); a micro-batch must "
                 f"hold one whole sequence: raise {key} to at least {longest}"
             )
+
+
+def _policy_loss(cfg: PPOConfig, problems: list[str]) -> None:
+    """The hyper-parameters the chosen policy loss needs are set and consistent."""
+    loss = cfg.actor_rollout_ref.actor.policy_loss
+    key = "actor_rollout_ref.actor.policy_loss"
+    if loss.loss_mode == "dro" and loss.dro_beta is None:
+        problems.append(f"{key}.loss_mode=dro needs {key}.dro_beta (> 0, e.g. 0.1); it has no default")
+    if loss.loss_mode == "clip_cov" and not loss.clip_cov_lb < loss.clip_cov_ub:
+        problems.append(
+            f"{key}.clip_cov_lb={loss.clip_cov_lb} must be below {key}.clip_cov_ub={loss.clip_cov_ub}: "
+            "no token's covariance could fall between them"
+        )
+    if loss.loss_mode == "bypass_mode":
+        from verl.algos.rollout_correction import parse_is_threshold, parse_rs
+
+        rc = loss.rollout_correction
+        try:
+            if rc.rollout_is is not None:
+                parse_is_threshold(rc.rollout_is_threshold, f"{key}.rollout_correction.rollout_is_threshold")
+            if rc.rollout_rs is not None:
+                parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as exc:
+            problems.append(f"{key}.rollout_correction: {exc}")
 
 
 def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:

@@ -11,7 +11,8 @@ With a ``sample_weight`` [B] field in the batch (``verl.WeightedFilterOperator``
 scales each sample's losses by its weight, over the unweighted token/sequence denominators.
 
 ``policy_loss`` is the registered function ``policy_loss.loss_mode`` (vanilla PPO clip with DAPO's
-clip-higher and dual clip, GSPO, CISPO, GPG, ...), aggregated with ``loss_agg_mode``; the KL term
+clip-higher and dual clip, GSPO, CISPO, GPG, SAPO, GMPO, ...), aggregated with ``loss_agg_mode``, with
+its hyper-parameters from the config (:func:`loss_hyperparameters`); the KL term
 is there only with ``use_kl_loss`` (estimator ``kl_loss_type``). Log-probabilities are those of
 the sampling temperature (the rollout's), as the engine drew them.
 """
@@ -55,6 +56,11 @@ _METRICS = {
     "kl_loss": "actor/kl_loss",
     "kl_coef": "actor/kl_coef",
     "entropy": "actor/entropy_loss",
+    # bypass_mode's rollout correction (the reference logs these keys as they are)
+    "rollout_corr/kl": "rollout_corr/kl",
+    "rollout_corr/k3_kl": "rollout_corr/k3_kl",
+    "rollout_corr/rollout_is_mean": "rollout_corr/rollout_is_mean",
+    "rollout_corr/rollout_rs_masked_fraction": "rollout_corr/rollout_rs_masked_fraction",
 }
 
 
@@ -145,6 +151,7 @@ class Actor:
     def _loss_builder(self, response_length: int):
         cfg = self.cfg
         measure = self.measures_in_update
+        hyper = loss_hyperparameters(cfg)
 
         def make_loss(info: GlobalBatchInfo, num_micro: int):
             def loss_fn(outputs, micro) -> LossShare:
@@ -165,6 +172,7 @@ class Actor:
                     clip_ratio_c=cfg.clip_ratio_c,
                     global_batch_info=info,
                     sample_weight=weight,
+                    **hyper,
                 )
                 loss = pg_loss
                 metrics = {**pg_metrics, "pg_loss": pg_loss.detach() * num_micro}
@@ -304,6 +312,29 @@ class Actor:
         metrics["dpo/loss"] = float(loss)
         metrics.update({f"dpo/{k}": float(v) for k, v in pref_metrics.items()})
         return metrics
+
+
+def loss_hyperparameters(cfg: "ActorConfig") -> dict[str, object]:
+    """The policy losses' own hyper-parameters, under the reference verl's key names (each registered
+    loss takes the ones it names: ``compute_policy_loss`` passes only those)."""
+    pl = cfg.policy_loss
+    rc = pl.rollout_correction
+    return {
+        "tau_pos": cfg.tau_pos,
+        "tau_neg": cfg.tau_neg,
+        "clip_cov_ratio": pl.clip_cov_ratio,
+        "clip_cov_lb": pl.clip_cov_lb,
+        "clip_cov_ub": pl.clip_cov_ub,
+        "kl_cov_ratio": pl.kl_cov_ratio,
+        "ppo_kl_coef": pl.ppo_kl_coef,
+        "dro_beta": pl.dro_beta,
+        "loss_type": rc.loss_type,
+        "rollout_is": rc.rollout_is,
+        "rollout_is_threshold": rc.rollout_is_threshold,
+        "rollout_is_batch_normalize": rc.rollout_is_batch_normalize,
+        "rollout_rs": rc.rollout_rs,
+        "rollout_rs_threshold": rc.rollout_rs_threshold,
+    }
 
 
 # What the update measures per micro-batch when no separate pass gave old log-probabilities: sums

@@ -46,6 +46,7 @@ __all__ = [
     "check_dataset_scorers",
     "check_ppo_inputs",
     "data_sources",
+    "missing_advantage_inputs",
     "needs_values",
     "preference_pairs_problem",
     "preflight",
@@ -56,6 +57,21 @@ _PASSED = "_verl_preflight_world_size"
 
 # Data sources listed in a message at most.
 _SHOWN = 5
+
+
+# What the step hands every advantage estimator (``RLTrainer.compute_advantage``); an estimator
+# whose required arguments are not all here cannot run in main_ppo yet.
+STEP_ADVANTAGE_INPUTS = frozenset(
+    {"token_level_rewards", "response_mask", "index", "gamma", "lam", "norm_adv_by_std_in_grpo", "values", "reward_baselines"}
+)
+
+
+def missing_advantage_inputs(adv_estimator: str) -> list[str]:
+    """The required arguments of the registered estimator that the step does not supply."""
+    from verl.algos import get_adv_estimator
+
+    params = inspect.signature(get_adv_estimator(adv_estimator)).parameters.values()
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STEP_ADVANTAGE_INPUTS]
 
 
 def needs_values(adv_estimator: str) -> bool:
@@ -127,6 +143,13 @@ def _algorithm_problems(cfg: PPOConfig) -> list[str]:
             f"algorithm.adv_estimator={algo.adv_estimator} reads critic values, but critic.enable=false; "
             "enable the critic (critic.enable=true, or leave it null) or choose an estimator without one "
             "(grpo, rloo, reinforce_plus_plus, ...)"
+        )
+    missing = [] if cfg.data.pairs else missing_advantage_inputs(algo.adv_estimator)
+    if missing:
+        problems.append(
+            f"algorithm.adv_estimator={algo.adv_estimator} needs {missing}, which the PPO step does not compute "
+            "yet (the actor's forward does not keep sum_pi_squared, nor hand old log-probabilities to the "
+            "estimator); call verl.algos.compute_advantage yourself, or choose grpo, rloo, opo, ..."
         )
     if algo.use_kl_in_reward and algo.kl_penalty.startswith("full"):
         problems.append(
