@@ -60,7 +60,8 @@ def _cfg(*overrides: str) -> PPOConfig:
         ),
         (["data.pairs=true", "data.val_files=null", "algorithm.adv_estimator=grpo"], ["PreferenceOperator", "DPOUpdateOperator"]),
         (
-            ["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true", "actor_rollout_ref.actor.use_kl_loss=true"],
+            ["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true", "actor_rollout_ref.actor.use_kl_loss=true",
+             "actor_rollout_ref.rollout.n=4"],
             ["RolloutOperator", "RewardOperator", "ConditionalUpdateOperator"],
         ),
     ],
@@ -78,7 +79,8 @@ def test_the_configs_dpo_and_hybrid_settings_reach_the_operators():
                           "algorithm.dpo.beta=0.3", "algorithm.dpo.loss_type=ipo")).operators[1]
     assert (dpo.beta, dpo.loss_type) == (0.3, "ipo")
     hybrid = build_step(_cfg("algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true",
-                             "algorithm.hybrid.reward_threshold=0.25", "actor_rollout_ref.actor.use_kl_loss=true")).operators[2]
+                             "algorithm.hybrid.reward_threshold=0.25", "actor_rollout_ref.actor.use_kl_loss=true",
+                             "actor_rollout_ref.rollout.n=4")).operators[2]
     assert hybrid.condition({"reward": 0.25}) and not hybrid.condition({"reward": 0.2})
 
 
@@ -88,7 +90,10 @@ def test_the_configs_dpo_and_hybrid_settings_reach_the_operators():
         (["data.pairs=true", "data.val_files=null", "algorithm.hybrid.enable=true"], "are different steps; choose one"),
         (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "algorithm.hybrid.enable=true",
           "actor_rollout_ref.actor.use_kl_loss=true"], "are different steps; choose one"),
-        (["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true"], "the DPO half needs the reference policy"),
+        (["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true", "actor_rollout_ref.rollout.n=4"],
+         "the DPO half needs the reference policy"),
+        (["algorithm.adv_estimator=grpo", "algorithm.hybrid.enable=true", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.rollout.n=1"], r"actor_rollout_ref.rollout.n=1; sample several"),
         (["algorithm.dpo.loss_type=nope"], "algorithm.dpo.loss_type"),
     ],
 )

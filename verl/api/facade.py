@@ -56,6 +56,13 @@ _FIT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def reward_change(rewards: Sequence[float]) -> float:
+    """The mean of the last quarter of ``rewards`` (one per step, in order) minus the mean of the
+    first quarter (at least one step each; one step: 0.0)."""
+    quarter = max(1, len(rewards) // 4)
+    return sum(rewards[-quarter:]) / quarter - sum(rewards[:quarter]) / quarter
+
+
 def _files_setting(files: str | Sequence[str]) -> str:
     if isinstance(files, (str, os.PathLike)):
         return os.fspath(files)
@@ -70,6 +77,7 @@ class RLTrainer:
         actor_model: Any,
         *,
         tokenizer: Any = None,
+        reward_model: Any = None,
         algorithm: str = "grpo",
         use_vllm: bool = True,
         rollout_batch_size: int = 32,
@@ -81,6 +89,7 @@ class RLTrainer:
         clip_range: float = 0.2,
         beta: float = 0.1,
         hybrid_condition: Callable[[dict[str, Any]], bool] | None = None,
+        preference_dataset_path: str | Sequence[str] | None = None,
         max_prompt_length: int = 512,
         max_response_length: int = 256,
         temperature: float = 1.0,
@@ -101,6 +110,12 @@ class RLTrainer:
                 log line says which engine was chosen and why.
             tokenizer: the tokenizer of an ``actor_model`` object (an object or its directory); None:
                 read from the object's ``name_or_path`` directory. Unused for a directory.
+            reward_model: a trained reward model that scores every response: a Hugging Face checkpoint
+                directory, or a ``...ForSequenceClassification`` object with ``num_labels=1`` (Llama,
+                Qwen2, Mistral families; written to ``output_dir/reward_model_init/`` by :meth:`fit`).
+                It is the trainer's reward-model role (``reward_model.enable``, a frozen Megatron engine
+                scoring each sequence at its last real token) and reads the policy's token ids, so it
+                must share the policy's tokenizer. None: the rule-based scorers by ``data_source``.
             algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),
                 or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop),
                 or ``"hybrid_ppo"``: GRPO and DPO in one step, by ``hybrid_condition``.
@@ -118,6 +133,11 @@ class RLTrainer:
                 ``FilterOperator``'s predicate sees it, with ``reward``); true: the sample trains with
                 GRPO, false: its group's best and worst such samples make a DPO pair
                 (``verl.ConditionalUpdateOperator``). Not saved for :meth:`from_checkpoint`: pass it again.
+            preference_dataset_path: preference pairs (``prompt``, ``chosen``, ``rejected`` columns;
+                parquet/jsonl/json, or ``verl.utils.load_hf_dataset``'s result) for
+                ``algorithm="dpo"``: the data :meth:`fit` trains on when it is given no ``dataset``.
+                Reward-based algorithms (``grpo``, ``ppo``, ...) cannot learn from pairs: refused,
+                pointing to ``algorithm="dpo"``.
             max_prompt_length: prompt tokens kept (``data.max_prompt_length``).
             max_response_length: new tokens per response (``data.max_response_length``).
             temperature: rollout sampling temperature.
@@ -129,6 +149,36 @@ class RLTrainer:
         self._init_args = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "hybrid_condition", "tokenizer")
         }
+        self._reward_object = None
+        self.reward_model: str | None = None
+        if reward_model is not None:
+            from verl.trainer.model_objects import _check_object, is_model_object
+
+            if is_model_object(reward_model):
+                _check_object(reward_model, "RLTrainer(reward_model=...)", "reward")
+                self._reward_object = reward_model
+                self._init_args["reward_model"] = None  # the directory fit() writes it to
+            elif isinstance(reward_model, (str, os.PathLike)):
+                from verl.trainer.model_objects import model_directory
+
+                self.reward_model = model_directory(reward_model, what="RLTrainer(reward_model=...)", head="reward")
+                self._init_args["reward_model"] = self.reward_model
+            else:
+                raise TypeError(
+                    "RLTrainer(reward_model=...) takes a Hugging Face reward model directory or a "
+                    f"...ForSequenceClassification object, got {type(reward_model).__name__}"
+                )
+        if preference_dataset_path is not None and algorithm != "dpo":
+            raise ValueError(
+                f"RLTrainer(preference_dataset_path=...) gives preference pairs (prompt, chosen, rejected), but "
+                f"algorithm={algorithm!r} learns from a reward, which pairs do not give. Train on pairs with DPO: "
+                "RLTrainer(..., algorithm=\"dpo\", preference_dataset_path=..., beta=0.1); or give "
+                f"{algorithm} prompts to score: fit(dataset=...)"
+            )
+        if isinstance(preference_dataset_path, (str, os.PathLike)):
+            preference_dataset_path = os.path.abspath(os.fspath(preference_dataset_path))
+            self._init_args["preference_dataset_path"] = preference_dataset_path
+        self.preference_dataset_path = preference_dataset_path
         from verl.trainer.model_objects import _check_object, is_model_object
 
         self._init_args["overrides"] = list(overrides)
@@ -286,6 +336,13 @@ class RLTrainer:
         ]
         if monitor is not None:
             run += [f"{k}={v}" for k, v in monitor.config_overrides().items()]
+        if self.reward_model is not None:
+            run += ["reward_model.enable=true", f"reward_model.model.path={self.reward_model}"]
+        elif self._reward_object is not None:
+            raise ValueError(
+                "RLTrainer.build_config: reward_model is a model object, written to output_dir/reward_model_init/ by "
+                "fit(); call fit(), or give reward_model= a checkpoint directory"
+            )
         return build_config(
             model=self.actor_model,
             train_files=dataset_path,
@@ -331,8 +388,11 @@ class RLTrainer:
                 sends it every step's metrics.
 
         Returns the last step's metrics (the trainer's keys) plus ``reward_mean``
-        (``critic/score/mean``), ``reward_delta`` (the last minus the first step's ``reward_mean`` in
-        the run's ``metrics.jsonl``), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss``
+        (``critic/score/mean``), ``reward_delta`` (the change of the training reward over the run:
+        the mean ``critic/score/mean`` of the last quarter of the run's logged steps minus that of
+        the first quarter, at least one step each, from ``metrics.jsonl``: one step's reward is one
+        noisy batch; with validation, ``val_reward_delta`` is the last validation's
+        ``val-core/*/reward/mean@*`` minus the first's), ``loss`` (``actor/pg_loss``), ``final_kl`` (``actor/kl_loss``
         with a KL loss, else ``actor/ppo_kl``), ``rollout_tokens_per_second`` (the last step's
         response tokens per second of generation, ``rollout/tokens_per_s``), ``global_step`` and
         ``checkpoint`` (the newest checkpoint directory, or None).
@@ -353,6 +413,8 @@ class RLTrainer:
             save_hf=save_hf,
         )
         args = {**_FIT_DEFAULTS, **self._fit_defaults, **{k: v for k, v in given.items() if v is not None}}
+        if args.get("dataset_path") is None and self.preference_dataset_path is not None:
+            args["dataset_path"] = self.preference_dataset_path
         if args.get("dataset_path") is None:
             raise ValueError("RLTrainer.fit needs dataset= (prompt files, or verl.utils.load_hf_dataset(...))")
         if args.get("max_steps") is None:
@@ -369,6 +431,16 @@ class RLTrainer:
             )
             self._init_args["actor_model"] = self.actor_model
             args["save_hf"] = True  # the export is what goes back into the object
+        if self._reward_object is not None:
+            from verl.trainer.model_objects import model_directory
+
+            self.reward_model = model_directory(
+                self._reward_object,
+                what="RLTrainer(reward_model=...)",
+                head="reward",
+                out_dir=os.path.join(args["output_dir"], "reward_model_init"),
+            )
+            self._init_args["reward_model"] = self.reward_model
         args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
         if args["val_dataset_path"] is not None:
             args["val_dataset_path"] = self._data_files(args["val_dataset_path"], args["output_dir"], "val")
@@ -394,9 +466,15 @@ class RLTrainer:
                 destroy_distributed()
         if "critic/score/mean" in metrics and "reward_mean" not in metrics:  # a stream's is of all its samples
             metrics["reward_mean"] = metrics["critic/score/mean"]
-        _, rewards = report.load_run(cfg.trainer.log_dir).series("critic/score/mean")
+        run = report.load_run(cfg.trainer.log_dir)
+        _, rewards = run.series("critic/score/mean")
         if rewards:
-            metrics["reward_delta"] = rewards[-1] - rewards[0]
+            metrics["reward_delta"] = reward_change(rewards)
+        val_keys = sorted(k for k in run.keys() if k.startswith("val-core/") and "/reward/mean@" in k)
+        if val_keys:
+            _, val = run.series(val_keys[0])
+            if len(val) >= 2:
+                metrics["val_reward_delta"] = val[-1] - val[0]
         if "actor/pg_loss" in metrics:
             metrics["loss"] = metrics["actor/pg_loss"]
         elif "dpo/loss" in metrics:

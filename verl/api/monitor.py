@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -55,9 +55,14 @@ class VerlMonitor:
         """The summary of every ``report_interval``-th step seen, oldest first."""
         self._trainer: "PPOTrainer | None" = None
 
-    def config_overrides(self) -> dict[str, Any]:
-        """The trainer settings the monitor needs (dotted keys)."""
-        return {"trainer.log_dir": self.log_dir, "trainer.report_freq": self.report_interval}
+    def config_overrides(self, logger: Sequence[str] = ("console", "jsonl")) -> dict[str, Any]:
+        """The trainer settings the monitor needs (dotted keys): its log folder, its report
+        interval, and the ``jsonl`` logger the report is built from, added to ``logger`` (the
+        loggers the config has) when it is not there."""
+        out: dict[str, Any] = {"trainer.log_dir": self.log_dir, "trainer.report_freq": self.report_interval}
+        if "jsonl" not in logger:
+            out["trainer.logger"] = "[" + ",".join([*logger, "jsonl"]) + "]"
+        return out
 
     def attach(self, trainer: "PPOTrainer") -> None:
         """Join ``trainer``'s metric fan-out; its log folder and report frequency must be this

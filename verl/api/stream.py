@@ -31,6 +31,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from verl.config.schema import DataConfig
 from verl.trainer.model_objects import is_model_object
 from verl.trainer.step.base import Operator
 from verl.trainer.step.pipeline import StepPipeline
@@ -71,6 +72,13 @@ def build_trainer(cfg: "PPOConfig") -> tuple["PPOTrainer", bool]:
     call starts (``verl.parallel.bootstrap.start_world``: ``trainer.device``, the collective
     timeout); returns the trainer and whether the world was started here."""
     from verl.parallel.bootstrap import destroy_distributed, start_world
+    from verl.trainer.startup import prepare_run
+    from verl.utils.logging import ensure_logging
+
+    # The command line's quiet start: verl's log lines (what is built, where the outputs go), the
+    # dependencies' chatter filtered, progress bars on a terminal only; before the trainer's imports.
+    ensure_logging()
+    prepare_run(cfg.trainer)
     from verl.trainer.ppo_trainer import PPOTrainer
 
     started = start_world(cfg.trainer)
@@ -80,6 +88,17 @@ def build_trainer(cfg: "PPOConfig") -> tuple["PPOTrainer", bool]:
         if started:
             destroy_distributed()
         raise
+
+
+def _sets(overrides: Sequence[str], key: str) -> bool:
+    """Whether ``key=value`` is among ``overrides``."""
+    return any(o.split("=", 1)[0].strip() == key for o in overrides)
+
+
+def _files_setting(files: Any) -> str:
+    if isinstance(files, (str, os.PathLike)):
+        return os.fspath(files)
+    return "[" + ",".join(os.fspath(f) for f in files) + "]"
 
 
 def _config_value(cfg: Any, key: str) -> Any:
@@ -101,6 +120,8 @@ class DataStream:
             are loaded back into a model object by :meth:`close`.
         tokenizer: the tokenizer of a ``model`` object (an object or its directory).
         train_files: parquet/jsonl/json prompt files (``data.train_files``).
+        val_files: validation prompt files (``data.val_files``); without them (and without a
+            ``data.val_files=`` override or a validation file in ``config``) the stream does not validate.
         config: the YAML config the trainer starts from (a name under configs/ or a path).
         overrides: ``key=value`` settings applied after ``config`` (``data.train_batch_size=8``).
         device_map: role -> devices (``{"actor": [0, 1], "rollout_sampler": [0, 1]}``; roles left
@@ -114,14 +135,15 @@ class DataStream:
         model: Any = None,
         tokenizer: Any = None,
         train_files: str | Sequence[str] | None = None,
+        val_files: str | Sequence[str] | None = None,
         config: str = "ppo_trainer",
         overrides: Sequence[str] = (),
         device_map: Mapping[str, Any] | None = None,
     ) -> None:
         from verl.trainer.model_objects import is_model_object, model_directory
 
-        if trainer is not None and (model is not None or train_files is not None or overrides):
-            raise ValueError("DataStream: pass either trainer= or model=/train_files=/overrides=, not both")
+        if trainer is not None and (model is not None or train_files is not None or val_files is not None or overrides):
+            raise ValueError("DataStream: pass either trainer= or model=/train_files=/val_files=/overrides=, not both")
         # Model objects whose trained weights close() loads back (the stream's, its operators').
         self._model_objects: list[Any] = []
         if is_model_object(model):
@@ -132,7 +154,9 @@ class DataStream:
         self._trainer = trainer
         self._owns_trainer = trainer is None
         self._started_world = False
-        self._build_args = dict(model=model, train_files=train_files, config=config, overrides=tuple(overrides))
+        self._build_args = dict(
+            model=model, train_files=train_files, val_files=val_files, config=config, overrides=tuple(overrides)
+        )
         # The stream's step: the trainer's kind of pipeline, with the user's operators in it.
         self._pipeline = StepPipeline(time_operators=True)
         self._loop: Any = None  # the trainer's loop that step() advances (verl.trainer.loop.Loop)
@@ -268,19 +292,30 @@ class DataStream:
         for op in self.operators:
             if isinstance(op, Operator):
                 overrides += [f"{k}={v}" for k, v in op.config_overrides().items()]
-        if self.monitor is not None:
-            overrides += [f"{k}={v}" for k, v in self.monitor.config_overrides().items()]
-        if self._build_args["model"] is None and not any(o.startswith("actor_rollout_ref.model.path=") for o in overrides):
+        if self._build_args["model"] is None and not _sets(overrides, "actor_rollout_ref.model.path"):
             raise ValueError(
                 "DataStream has no actor model: give DataStream(model=...), RolloutOperator(model=...) or "
                 "PPOUpdateOperator(actor=...) (a Hugging Face model directory or object)"
             )
-        return build_config(
-            model=self._build_args["model"],
-            train_files=self._build_args["train_files"],
-            config=self._build_args["config"],
-            overrides=overrides,
-        )
+        if self._build_args["val_files"] is not None:
+            overrides.append(f"data.val_files={_files_setting(self._build_args['val_files'])}")
+        build = dict(model=self._build_args["model"], train_files=self._build_args["train_files"], config=self._build_args["config"])
+        cfg = build_config(**build, overrides=overrides)
+        unset = DataConfig()  # the schema's defaults: example paths, not this user's files
+        if cfg.data.train_files == unset.train_files and not os.path.exists(os.path.expanduser(unset.train_files)):
+            raise ValueError(
+                "DataStream has no prompts: give DataStream(train_files=...) (parquet, jsonl or json files with a "
+                "prompt column), or DataStream(trainer=...) built on your config"
+            )
+        if cfg.data.val_files == unset.val_files and not _sets(overrides, "data.val_files"):
+            overrides.append("data.val_files=null")  # given training files only, a stream does not validate
+            cfg = build_config(**build, overrides=overrides)
+        if self.monitor is not None:  # its settings, with the jsonl logger the report reads added to the config's
+            cfg = build_config(
+                **build,
+                overrides=[*overrides, *(f"{k}={v}" for k, v in self.monitor.config_overrides(cfg.trainer.logger).items())],
+            )
+        return cfg
 
     @property
     def trainer(self) -> "PPOTrainer":

@@ -318,11 +318,17 @@ def _step_kind(cfg: PPOConfig, problems: list[str]) -> None:
     ]
     if len(kinds) > 1:
         problems.append(f"{' and '.join(kinds)} are different steps; choose one of them")
-    elif a.hybrid.enable and not cfg.use_reference:
-        problems.append(
-            "algorithm.hybrid.enable=true: the DPO half needs the reference policy; set "
-            "actor_rollout_ref.actor.use_kl_loss=true (or algorithm.use_kl_in_reward=true)"
-        )
+    elif a.hybrid.enable:
+        if not cfg.use_reference:
+            problems.append(
+                "algorithm.hybrid.enable=true: the DPO half needs the reference policy; set "
+                "actor_rollout_ref.actor.use_kl_loss=true (or algorithm.use_kl_in_reward=true)"
+            )
+        if cfg.actor_rollout_ref.rollout.n < 2:
+            problems.append(
+                f"algorithm.hybrid.enable=true pairs the best and worst sample of each prompt for DPO, but "
+                f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n}; sample several (e.g. rollout.n=4)"
+            )
 
 
 def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:

@@ -52,6 +52,16 @@ def warn_once(logger: logging.Logger, msg: str, *args) -> None:
     logger.warning(text)
 
 
+def ensure_logging(level: int | str = logging.INFO) -> bool:
+    """:func:`setup_logging` for a Python script that configured no logging (the root logger has
+    no handler): the Python API then starts as quietly and informatively as the command line.
+    A script's own logging configuration is left alone. Returns whether it set logging up."""
+    if logging.getLogger().handlers:
+        return False
+    setup_logging(level)
+    return True
+
+
 def setup_logging(level: int | str = logging.INFO) -> None:
     """Configure the root logger for command-line entry points (never called by library code).
 

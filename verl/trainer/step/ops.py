@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,8 @@ from verl.trainer.step.base import Operator
 if TYPE_CHECKING:
     from verl.protocol import Batch
     from verl.trainer.ppo_trainer import PPOTrainer
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ConditionalUpdateOperator",
@@ -774,7 +777,9 @@ class ConditionalUpdateOperator(Operator):
 
     Logs the PPO branch's metrics as they are, the DPO branch's under ``dpo/`` (``dpo/loss``,
     ``dpo/actor/grad_norm``, ``timing_s/dpo_*``), and ``conditional/true_samples``,
-    ``conditional/false_samples``, ``conditional/dpo_pairs``. :attr:`last_routes` holds the last
+    ``conditional/false_samples``, ``conditional/dpo_pairs`` and ``conditional/skipped`` (1 for a
+    step in which neither branch had anything to train: counted and skipped, the run goes on); the
+    rollout must sample ``n >= 2`` per prompt (checked when the stream gets its trainer). :attr:`last_routes` holds the last
     step's row indices: ``true``, ``false`` and ``pairs`` ((chosen, rejected) tuples).
     """
 
@@ -803,6 +808,12 @@ class ConditionalUpdateOperator(Operator):
         return out
 
     def bind(self, trainer: "PPOTrainer") -> None:
+        if trainer.n < 2:
+            raise ValueError(
+                f"ConditionalUpdateOperator: its DPO branch pairs the best and the worst sample of each prompt, but the "
+                f"rollout samples actor_rollout_ref.rollout.n={trainer.n} response per prompt, so no pair can form; "
+                "sample several: RolloutOperator(n=4) (or actor_rollout_ref.rollout.n=4)"
+            )
         super().bind(trainer)
         self.true_branch.bind(trainer)
         self.false_branch.bind(trainer)
@@ -832,16 +843,24 @@ class ConditionalUpdateOperator(Operator):
             ppo, dpo = dpo, ppo
         pairs = self.best_vs_worst(list(batch.non_tensors["uid"]), reward, dpo_rows)
         self.last_routes = {"true": true_rows, "false": false_rows, "pairs": pairs}
-        if not ppo_rows and not pairs:
-            raise ValueError(
-                f"ConditionalUpdateOperator: no sample went to the PPO branch and the DPO branch's "
-                f"{len(dpo_rows)} samples make no pair (each needs a group with a reward spread); loosen the condition"
-            )
         metrics: dict[str, float] = {
             "conditional/true_samples": float(len(true_rows)),
             "conditional/false_samples": float(len(false_rows)),
             "conditional/dpo_pairs": float(len(pairs)),
+            "conditional/skipped": 0.0,
         }
+        if not ppo_rows and not pairs:
+            # Nothing to train this step (every sample went to DPO, and no group has a reward
+            # spread): the step is counted and skipped, the run goes on.
+            trainer = self.trainer
+            trainer.global_step += 1
+            logger.warning(
+                "step %d: ConditionalUpdateOperator had nothing to train (no sample for the PPO branch; the DPO "
+                "branch's %d samples make no pair: no prompt group has a reward spread); the step is skipped",
+                trainer.global_step, len(dpo_rows),
+            )
+            metrics.update({"conditional/skipped": 1.0, "training/global_step": float(trainer.global_step)})
+            return batch, metrics
         out = batch
         if ppo_rows:
             out = batch if len(ppo_rows) == len(batch) else batch[ppo_rows]
