@@ -1,0 +1,67 @@
+"""Fixtures of the sandbox tests: a confined sandbox with small limits, and a check that nothing is left."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from verl.config.schema import SandboxConfig, SandboxLimitsConfig
+from verl.sandbox import Sandbox, SandboxUnavailable
+from verl.sandbox.runner import MAIN_FILE
+
+# Small limits so each hostile program is stopped within a second or two.
+TEST_LIMITS = SandboxLimitsConfig(
+    wall_time_s=2.0, cpu_time_s=1.0, memory_mb=256, max_processes=16, output_bytes=64 * 1024, tmp_size_mb=8
+)
+# The same with a long wall limit, for programs that must end by another limit or by themselves:
+# on a loaded machine (the test suite's workers, other jobs) start-up alone can take a second.
+ROOMY_LIMITS = SandboxLimitsConfig(**{**TEST_LIMITS.__dict__, "wall_time_s": 30.0})
+
+
+@pytest.fixture(scope="session")
+def sandbox(tmp_path_factory) -> Sandbox:
+    box = Sandbox(SandboxConfig(limits=TEST_LIMITS, slots_dir=str(tmp_path_factory.mktemp("slots"))))
+    try:
+        if not box.confined:
+            pytest.skip("bubblewrap cannot confine here")
+    except SandboxUnavailable as exc:
+        pytest.skip(f"no confinement on this machine ({exc}); tools/setup_env.sh --test installs bubblewrap as root")
+    return box
+
+
+def sandbox_processes(since: float) -> list[psutil.Process]:
+    """Processes of sandboxes started after ``since``: this process's descendants, and any process
+    (reparented or not) running the sandbox's boot code."""
+    me = psutil.Process()
+    found = {p.pid: p for p in me.children(recursive=True)}
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        try:
+            if p.info["create_time"] >= since - 1 and any(f"run_path({MAIN_FILE!r}" in a for a in p.info["cmdline"] or []):
+                found[p.pid] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    alive = []
+    for p in found.values():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture
+def no_leftovers():
+    """Asserts after the test that no sandbox process outlived its run."""
+    start = time.time()
+    yield
+    # The kernel tears a pid namespace down asynchronously after its init dies: allow it a moment.
+    deadline = time.monotonic() + 2.0
+    left = sandbox_processes(start)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = sandbox_processes(start)
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
