@@ -3,11 +3,13 @@
 ``run(code, stdin=..., files=..., limits=...) -> RunResult`` runs a Python program in its own
 bubblewrap sandbox (no network, a private tmpfs, read-only system files, CPU/wall/memory/
 process/output limits, the whole process tree killed at the end); ``Sandbox(config)`` holds a
-``SandboxConfig`` of its own; ``configure(config)`` sets the process-wide default. See
-docs/sandbox.md.
+``SandboxConfig`` of its own; ``configure(config)`` sets the process-wide default. ``PythonInterpreter`` is the agent
+loop's stateful Python tool; ``python -m verl.sandbox.server`` serves SandboxFusion's
+``run_code`` API. See docs/sandbox.md.
 """
 
 from verl.config.schema import SandboxConfig, SandboxLimitsConfig
+from verl.sandbox.interpreter import PythonInterpreter, ToolOutput
 from verl.sandbox.runner import (
     RunResult,
     Sandbox,
@@ -19,6 +21,8 @@ from verl.sandbox.runner import (
 )
 
 __all__ = [
+    "PythonInterpreter",
+    "ToolOutput",
     "RunResult",
     "Sandbox",
     "SandboxConfig",
