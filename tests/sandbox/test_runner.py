@@ -111,3 +111,9 @@ def test_configure_reaches_new_processes(monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "_default", None)
     monkeypatch.setattr(runner, "_default_key", None)
     assert runner.default_sandbox().config.max_concurrent == 3
+
+
+def test_a_bad_interpreter_fails_at_first_use_naming_the_key(tmp_path):
+    box = Sandbox(SandboxConfig(python=str(tmp_path / "no-python"), slots_dir=str(tmp_path)))  # constructing is free
+    with pytest.raises(ValueError, match="sandbox.python="):
+        box.run("print(1)")

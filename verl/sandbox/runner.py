@@ -427,9 +427,18 @@ class Sandbox:
 
     def __init__(self, config: SandboxConfig | None = None):
         self.config = config or SandboxConfig()
-        self.python = choose_python(self.config.python)
-        self._slots = _Slots(self.config.max_concurrent or os.cpu_count() or 1, self.config.slots_dir or _default_slots_dir())
+        # The interpreter, the slots and the backend are found on first use, so that a trainer
+        # without code tasks never fails on them.
+        self._python: str | None = None
+        self._slots: _Slots | None = None
         self._backend: _Backend | None = None
+
+    @property
+    def python(self) -> str:
+        """The interpreter the programs run with (``choose_python``)."""
+        if self._python is None:
+            self._python = choose_python(self.config.python)
+        return self._python
 
     @property
     def confined(self) -> bool:
@@ -466,6 +475,8 @@ class Sandbox:
         """
         limits = limits or self.config.limits
         backend = self._get_backend()
+        if self._slots is None:
+            self._slots = _Slots(self.config.max_concurrent or os.cpu_count() or 1, self.config.slots_dir or _default_slots_dir())
         slot = self._slots.acquire()
         try:
             return self._run_in_slot(backend, code, stdin, files, limits)
