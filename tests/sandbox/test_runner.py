@@ -50,6 +50,7 @@ def test_no_bubblewrap_is_refused_unless_allowed(monkeypatch, tmp_path):
         box.run("print(1)")
 
 
+@pytest.mark.usefixtures("no_leftovers")
 def test_the_unconfined_fallback_warns_once_and_keeps_the_limits(monkeypatch, tmp_path, caplog):
     _without_bwrap(monkeypatch)
     monkeypatch.setattr(runner, "_warned", set())
@@ -62,6 +63,10 @@ def test_the_unconfined_fallback_warns_once_and_keeps_the_limits(monkeypatch, tm
     assert sum("UNCONFINED" in r.message for r in caplog.records) == 1
     mem = box.run("x = []\nwhile True:\n    x.append(bytearray(16 << 20))\n")
     assert mem.reason == "memory"
+    # A child left behind keeps the output pipes open: the run still ends with its main process,
+    # and the child is killed with the run's session.
+    daemon = box.run("import os, time\nif os.fork() == 0:\n    time.sleep(1000)\nprint('main done')\n")
+    assert (daemon.reason, daemon.stdout) == ("ok", "main done\n")
 
 
 @pytest.mark.parametrize("max_concurrent", [1, 2])
@@ -117,3 +122,13 @@ def test_a_bad_interpreter_fails_at_first_use_naming_the_key(tmp_path):
     box = Sandbox(SandboxConfig(python=str(tmp_path / "no-python"), slots_dir=str(tmp_path)))  # constructing is free
     with pytest.raises(ValueError, match="sandbox.python="):
         box.run("print(1)")
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_scorers_time_limit_ends_the_run_and_its_processes(sandbox):
+    """The reward manager's per-sample limit (a SIGALRM exception) unwinds through run() and kills the tree."""
+    from verl.rewards.timeout import time_limit
+
+    with time_limit(0.5) as limit:
+        sandbox.run("import os, time\nos.fork()\ntime.sleep(30)\n", limits=ROOMY_LIMITS)
+    assert limit.expired

@@ -564,7 +564,12 @@ class Sandbox:
                 if left <= 0:
                     killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
                     break
-                for key, _ in sel.select(min(left, _POLL_S * 20)):
+                events = sel.select(min(left, _POLL_S))
+                if not events and proc.poll() is not None:
+                    # The main process is gone and its pipes are quiet: whatever still holds them (a
+                    # child left behind, outside a sandbox) is not waited for.
+                    break
+                for key, _ in events:
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)
