@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +136,22 @@ def test_a_scorers_time_limit_ends_the_run_and_its_processes(sandbox):
     with time_limit(0.5) as limit:
         sandbox.run("import os, time\nos.fork()\ntime.sleep(30)\n", limits=ROOMY_LIMITS)
     assert limit.expired
+
+
+def test_a_bwrap_that_cannot_create_namespaces_counts_as_missing(monkeypatch, tmp_path):
+    # Some containers forbid user namespaces: bwrap is there but every start fails. (The fake lives
+    # where the sandbox user can run it: as root, pytest's tmp_path is root's alone.)
+    fake_dir = tempfile.mkdtemp(prefix="verl-fake-bwrap-")
+    os.chmod(fake_dir, 0o755)
+    fake = Path(fake_dir) / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    real_which = runner.shutil.which
+    monkeypatch.setattr(runner.shutil, "which", lambda name: str(fake) if name == "bwrap" else real_which(name))
+    monkeypatch.setattr(runner, "_backend_cache", {})
+    box = Sandbox(SandboxConfig(slots_dir=str(tmp_path / "slots")))
+    try:
+        with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
+            box.run("print(1)")
+    finally:
+        shutil.rmtree(fake_dir)

@@ -165,29 +165,14 @@ def _python_prefix(python: str) -> str:
     return os.path.dirname(os.path.dirname(python))
 
 
-def _probe(python: str) -> _Backend:
-    """Find bwrap and prlimit and check that a trivial confined run works here (cached per interpreter)."""
-    if python in _backend_cache:
-        return _backend_cache[python]
+def _find_tools() -> _Backend:
+    """bwrap and prlimit on PATH; ``why_not`` says what is missing."""
     bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
-    backend = _Backend(bwrap, prlimit)
     if bwrap is None:
-        backend = _Backend(None, prlimit, "bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-    elif prlimit is None:
-        backend = _Backend(None, None, "prlimit (util-linux) is not installed")
-    else:
-        with tempfile.TemporaryDirectory(prefix="verl-sbx-probe-") as tmp:
-            cmd = _bwrap_argv(bwrap, prlimit, python, SandboxLimitsConfig(), ["-c", "print('ok')"], tmp)
-            try:
-                proc = subprocess.run(cmd, capture_output=True, timeout=30, **_popen_user_kwargs())
-                if proc.returncode != 0 or proc.stdout.strip() != b"ok":
-                    backend = _Backend(
-                        None, prlimit, f"bwrap failed to start a sandbox here: {proc.stderr.decode(errors='replace')[-500:]}"
-                    )
-            except (OSError, subprocess.SubprocessError) as exc:
-                backend = _Backend(None, prlimit, f"bwrap failed to start a sandbox here: {exc}")
-    _backend_cache[python] = backend
-    return backend
+        return _Backend(None, prlimit, "bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+    if prlimit is None:
+        return _Backend(None, None, "prlimit (util-linux) is not installed")
+    return _Backend(bwrap, prlimit)
 
 
 def _popen_user_kwargs() -> dict:
@@ -445,9 +430,27 @@ class Sandbox:
         """Whether executions are confined by bubblewrap (probed once)."""
         return self._get_backend().bwrap is not None
 
+    def _probe(self) -> _Backend:
+        """The tools, and a trial run of the real path (cached per interpreter): namespaces may be
+        forbidden here (some containers), or the sandbox user unable to read what it needs."""
+        if self.python in _backend_cache:
+            return _backend_cache[self.python]
+        backend = _find_tools()
+        if backend.bwrap is not None:
+            trial_limits = SandboxLimitsConfig(wall_time_s=60.0, cpu_time_s=30.0)
+            trial = self._run_in_slot(backend, "print(open('probe.txt').read())", None, {"probe.txt": "ok"}, trial_limits)
+            if trial.reason != "ok" or trial.stdout != "ok\n":
+                backend = _Backend(
+                    None,
+                    backend.prlimit,
+                    f"bwrap failed to run a program here ({trial.reason}): {(trial.detail + ' ' + trial.stderr)[-500:]}",
+                )
+        _backend_cache[self.python] = backend
+        return backend
+
     def _get_backend(self) -> _Backend:
         if self._backend is None:
-            self._backend = _probe(self.python)
+            self._backend = self._probe()
             if self._backend.bwrap is None:
                 if not self.config.allow_unconfined:
                     raise SandboxUnavailable(
