@@ -89,8 +89,12 @@ _verl_call()
 """
 
 
-def extract_code(completion: str) -> str:
+def extract_code(completion: Any) -> str:
     """The program in a response: after the last "```python" fence up to the next fence, else all of it."""
+    if isinstance(completion, bytes):
+        completion = completion.decode("utf-8", errors="replace")
+    elif not isinstance(completion, str):
+        completion = "" if completion is None else str(completion)
     return completion.split("```python")[-1].split("```")[0]
 
 

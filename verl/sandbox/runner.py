@@ -349,6 +349,13 @@ def _read_init_pid(fd: int, deadline: float) -> int | None:
         return None
 
 
+def _to_bytes(text: str | bytes | None) -> bytes:
+    """UTF-8 bytes; what cannot be encoded (a lone surrogate in model output) becomes "?"."""
+    if text is None:
+        return b""
+    return text if isinstance(text, bytes) else text.encode("utf-8", errors="replace")
+
+
 def _write_inputs(directory: str, code: str, files: Mapping[str, str | bytes] | None) -> None:
     for name, content in (files or {}).items():
         norm = os.path.normpath(name)
@@ -357,9 +364,9 @@ def _write_inputs(directory: str, code: str, files: Mapping[str, str | bytes] | 
         path = os.path.join(directory, norm)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(content.encode() if isinstance(content, str) else content)
-    with open(os.path.join(directory, MAIN_FILE), "w", encoding="utf-8") as f:
-        f.write(code)
+            f.write(_to_bytes(content))
+    with open(os.path.join(directory, MAIN_FILE), "wb") as f:
+        f.write(_to_bytes(code))
 
 
 def _classify(
@@ -501,7 +508,7 @@ class Sandbox:
             _write_inputs(in_dir, code, files)
             stdin_path = os.path.join(host_dir, "stdin")
             with open(stdin_path, "wb") as f:
-                f.write(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
+                f.write(_to_bytes(stdin))
             if confined:
                 if _is_root():
                     # nobody must read the inputs (bwrap binds them as that user).
