@@ -24,10 +24,12 @@ from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from verl.config.schema import SandboxConfig  # noqa: E402
-from verl.rewards.code import _PRELUDE  # noqa: E402
-from verl.sandbox import Sandbox  # noqa: E402
-from verl.sandbox import runner  # noqa: E402
+from verl.config.schema import SandboxConfig
+from verl.rewards.code import _PRELUDE
+from verl.sandbox import (
+    Sandbox,
+    runner,
+)
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 PROGRAMS = {"add": ADD, "prelude": _PRELUDE + ADD, "noop": "pass\n"}
@@ -88,9 +90,13 @@ def bench(runs: int, threads: int, program: str, unconfined: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="executions in all (default 200)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="caller threads (default: CPUs)")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="caller threads (default: CPUs)"
+    )
     parser.add_argument("--program", choices=sorted(PROGRAMS), default="add", help="what each execution runs")
-    parser.add_argument("--unconfined", action="store_true", help="the rlimits-only fallback instead of bubblewrap")
+    parser.add_argument(
+        "--unconfined", action="store_true", help="the rlimits-only fallback instead of bubblewrap"
+    )
     args = parser.parse_args()
     print(json.dumps(bench(args.runs, args.threads, args.program, args.unconfined)))
 

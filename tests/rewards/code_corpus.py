@@ -8,7 +8,10 @@ import json
 
 ADD = {"inputs": ["1 2\n", "5 0\n", "10 20\n"], "outputs": ["3\n", "5\n", "30\n"]}
 # Twelve tests; the last one only is failed by OFF_AT_12: the score counts the first ten.
-TWELVE = {"inputs": [f"{i}\n" for i in range(1, 13)], "outputs": [f"{i * i}\n" for i in range(1, 12)] + ["0\n"]}
+TWELVE = {
+    "inputs": [f"{i}\n" for i in range(1, 13)],
+    "outputs": [f"{i * i}\n" for i in range(1, 12)] + ["0\n"],
+}
 THIRD = {"inputs": ["3\n", "7\n"], "outputs": ["0.3333333\n", "0.1428571\n"]}
 CALL = {"fn_name": "add_up", "inputs": ["1\n2", "[1]\n[2]", "-5\n5"], "outputs": ["3", "[[1, 2]]", "0"]}
 
@@ -18,7 +21,9 @@ SUM_CRASH = "a, b = map(int, input().split())\nprint(a // 0)\n"
 SUM_CRASH_ON_10 = "a, b = map(int, input().split())\nif a == 10:\n    raise ValueError(a)\nprint(a + b)\n"
 SUM_SLOW = "a, b = map(int, input().split())\nwhile True:\n    a += 1\n"
 SUM_SPACED = "a, b = map(int, input().split())\nprint()\nprint(' ', a + b, '  ')\nprint()\n"
-SUM_NO_IMPORT = "a, b = map(int, stdin.readline().split())\nprint(int(fsum([a, b])))\n"  # names of the prelude
+SUM_NO_IMPORT = (
+    "a, b = map(int, stdin.readline().split())\nprint(int(fsum([a, b])))\n"  # names of the prelude
+)
 SUM_FENCED = "Here is my solution:\n```python\n" + SUM_RIGHT + "```\nIt adds the numbers."
 SUM_SYNTAX = "```python\ndef f(:\n    pass\n```"
 
@@ -45,5 +50,10 @@ CASES = [
     ("apps", "def add_up(a, b):\n    raise RuntimeError('no')\n", CALL, 0.0),
     ("taco", "def add_up(a, b):\n    while True:\n        pass\n", CALL, 0.0),
     ("taco", "def plus(a, b):\n    return a + b\n", CALL, 0.0),
-    ("taco", "def add_up(a, b):\n    return (a + b, )[0]\n", {**CALL, "outputs": ["[3]", "[[1, 2]]", "[0]"]}, 1.0),
+    (
+        "taco",
+        "def add_up(a, b):\n    return (a + b, )[0]\n",
+        {**CALL, "outputs": ["[3]", "[[1, 2]]", "[0]"]},
+        1.0,
+    ),
 ]

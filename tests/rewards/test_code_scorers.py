@@ -88,7 +88,9 @@ def test_scoring_in_the_reward_managers_process_pool():
     try:
         right, wrong = CASES[0], CASES[2]
         results = manager.score_texts(
-            [right[1], wrong[1]], [json.dumps(right[2]), json.dumps(wrong[2])], ["codecontests", "codecontests"]
+            [right[1], wrong[1]],
+            [json.dumps(right[2]), json.dumps(wrong[2])],
+            ["codecontests", "codecontests"],
         )
     finally:
         manager.close()

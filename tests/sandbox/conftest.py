@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
@@ -28,7 +27,9 @@ def sandbox(tmp_path_factory) -> Sandbox:
         if not box.confined:
             pytest.skip("bubblewrap cannot confine here")
     except (SandboxUnavailable, ValueError) as exc:  # no bwrap, or no interpreter nobody can read
-        pytest.skip(f"no confinement on this machine ({exc}); tools/setup_env.sh --test installs bubblewrap as root")
+        pytest.skip(
+            f"no confinement on this machine ({exc}); tools/setup_env.sh --test installs bubblewrap as root"
+        )
     return box
 
 
@@ -39,7 +40,9 @@ def sandbox_processes(since: float) -> list[psutil.Process]:
     found = {p.pid: p for p in me.children(recursive=True)}
     for p in psutil.process_iter(["cmdline", "create_time"]):
         try:
-            if p.info["create_time"] >= since - 1 and any(f"run_path({MAIN_FILE!r}" in a for a in p.info["cmdline"] or []):
+            if p.info["create_time"] >= since - 1 and any(
+                f"run_path({MAIN_FILE!r}" in a for a in p.info["cmdline"] or []
+            ):
                 found[p.pid] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -19,7 +19,9 @@ from verl.sandbox import Sandbox, SandboxUnavailable, runner
 
 
 def test_stdin_files_and_exit_status(sandbox):
-    code = "import sys\nprint(sum(map(int, sys.stdin.read().split())), open('data/x.txt').read())\nsys.exit(3)\n"
+    code = (
+        "import sys\nprint(sum(map(int, sys.stdin.read().split())), open('data/x.txt').read())\nsys.exit(3)\n"
+    )
     result = sandbox.run(code, stdin="1 2 3", files={"data/x.txt": "hi"}, limits=ROOMY_LIMITS)
     assert (result.stdout, result.exit_code, result.reason) == ("6 hi\n", 3, "error")
     assert result.confined
@@ -87,7 +89,6 @@ def test_concurrency_limit(monkeypatch, tmp_path, max_concurrent):
         time.sleep(0.2)
         with lock:
             state["now"] -= 1
-        return None
 
     monkeypatch.setattr(Sandbox, "_run_in_slot", fake_run)
     threads = [threading.Thread(target=box.run, args=("print(1)",)) for _ in range(4)]
@@ -103,7 +104,11 @@ def test_concurrency_limit(monkeypatch, tmp_path, max_concurrent):
 def test_config_section_and_overrides():
     cfg = load_config(
         PPOConfig,
-        overrides=["sandbox.allow_unconfined=true", "sandbox.limits.wall_time_s=3", "sandbox.max_concurrent=2"],
+        overrides=[
+            "sandbox.allow_unconfined=true",
+            "sandbox.limits.wall_time_s=3",
+            "sandbox.max_concurrent=2",
+        ],
     )
     assert cfg.sandbox.allow_unconfined is True
     assert cfg.sandbox.limits.wall_time_s == 3.0 and cfg.sandbox.max_concurrent == 2
@@ -123,7 +128,9 @@ def test_configure_reaches_new_processes(monkeypatch, tmp_path):
 
 
 def test_a_bad_interpreter_fails_at_first_use_naming_the_key(tmp_path):
-    box = Sandbox(SandboxConfig(python=str(tmp_path / "no-python"), slots_dir=str(tmp_path)))  # constructing is free
+    box = Sandbox(
+        SandboxConfig(python=str(tmp_path / "no-python"), slots_dir=str(tmp_path))
+    )  # constructing is free
     with pytest.raises(ValueError, match="sandbox.python="):
         box.run("print(1)")
 
@@ -147,7 +154,9 @@ def test_a_bwrap_that_cannot_create_namespaces_counts_as_missing(monkeypatch, tm
     fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
     fake.chmod(0o755)
     real_which = runner.shutil.which
-    monkeypatch.setattr(runner.shutil, "which", lambda name: str(fake) if name == "bwrap" else real_which(name))
+    monkeypatch.setattr(
+        runner.shutil, "which", lambda name: str(fake) if name == "bwrap" else real_which(name)
+    )
     monkeypatch.setattr(runner, "_backend_cache", {})
     box = Sandbox(SandboxConfig(slots_dir=str(tmp_path / "slots")))
     try:

@@ -44,7 +44,7 @@ print(sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") el
         conn, _ = server.accept()
         conn.close()
         reached = True
-    except socket.timeout:
+    except TimeoutError:
         reached = False
     finally:
         server.close()
@@ -63,12 +63,11 @@ while True:
     except OSError:
         pass
 """
-    before = len(psutil.pids())
     result = sandbox.run(code)
     assert result.reason == "timeout", result
     assert result.exit_code is None
-    # The process count of the machine is back (other jobs may come and go: allow some slack).
-    assert len(psutil.pids()) < before + 16
+    # no_leftovers checks that none of the forked processes outlived the run. (The machine's process
+    # count is not compared: other jobs start and end processes meanwhile.)
 
 
 def test_allocating_without_end_hits_the_memory_limit(sandbox):
@@ -194,7 +193,9 @@ for pid in (os.getppid(), 1, {os.getpid()}, {os.getppid()}, -1):  # its parent, 
     # The sandbox's init ignores SIGKILL from inside its namespace (kill returns 0, nothing happens),
     # the trainer's pids do not exist there (ESRCH = 3), and kill(-1) finds nothing else to kill.
     assert result.reason == "ok", result
-    assert f"refused {os.getpid()} 3" in result.stdout and f"refused {os.getppid()} 3" in result.stdout, result.stdout
+    assert f"refused {os.getpid()} 3" in result.stdout and f"refused {os.getppid()} 3" in result.stdout, (
+        result.stdout
+    )
 
 
 def test_printing_gigabytes_stops_at_the_output_limit(sandbox):
@@ -232,7 +233,9 @@ def test_concurrent_hostile_runs_do_not_disturb_each_other(sandbox):
         results[name] = sandbox.run(code, limits=limits)
 
     threads = [
-        threading.Thread(target=go, args=("bomb", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass\n")),
+        threading.Thread(
+            target=go, args=("bomb", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass\n")
+        ),
         threading.Thread(target=go, args=("good", "print(sum(range(10)))", ROOMY_LIMITS)),
     ]
     for t in threads:

@@ -105,9 +105,13 @@ def parse_tests(ground_truth: Any) -> dict[str, Any]:
         try:
             tests = json.loads(tests)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"code ground truth is not JSON ({exc}); expected {{'inputs': [...], 'outputs': [...]}}") from exc
+            raise ValueError(
+                f"code ground truth is not JSON ({exc}); expected {{'inputs': [...], 'outputs': [...]}}"
+            ) from exc
     if not isinstance(tests, Mapping) or "inputs" not in tests or "outputs" not in tests:
-        raise ValueError("code ground truth needs 'inputs' and 'outputs' lists (and 'fn_name' for function-call tests)")
+        raise ValueError(
+            "code ground truth needs 'inputs' and 'outputs' lists (and 'fn_name' for function-call tests)"
+        )
     inputs, outputs = list(tests["inputs"]), list(tests["outputs"])
     if len(inputs) != len(outputs):
         raise ValueError(f"code ground truth has {len(inputs)} inputs but {len(outputs)} outputs")
@@ -144,7 +148,8 @@ def outputs_match(actual: str, expected: Any) -> bool:
     if got_f is None or want_f is None or len(got_f) != len(want_f) or not got_f:
         return False
     return all(
-        math.isfinite(a) and math.isfinite(b) and abs(a - b) <= _ATOL + _RTOL * abs(b) for a, b in zip(got_f, want_f)
+        math.isfinite(a) and math.isfinite(b) and abs(a - b) <= _ATOL + _RTOL * abs(b)
+        for a, b in zip(got_f, want_f)
     )
 
 
@@ -159,7 +164,9 @@ def call_result_matches(returned: Any, expected_json: Any) -> bool:
 # ---- running ----
 
 
-def _record(index: int, status: str, result: RunResult | None, shown: str = "", expected: Any = "") -> dict[str, Any]:
+def _record(
+    index: int, status: str, result: RunResult | None, shown: str = "", expected: Any = ""
+) -> dict[str, Any]:
     return {
         "index": index,
         "status": status,
@@ -177,7 +184,9 @@ def _failure_status(result: RunResult) -> str:
     return {"error": "runtime_error"}.get(result.reason, result.reason)
 
 
-def _run_stdin_test(program: str, stdin: Any, expected: Any, index: int, limits: SandboxLimitsConfig | None) -> dict:
+def _run_stdin_test(
+    program: str, stdin: Any, expected: Any, index: int, limits: SandboxLimitsConfig | None
+) -> dict:
     result = default_sandbox().run(program, stdin=_as_text(stdin), limits=limits)
     if result.reason != "ok":
         return _record(index, _failure_status(result), result, result.stdout, expected)
@@ -238,7 +247,11 @@ def run_tests(
 
 
 def compute_score(
-    solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None, *, continuous: bool = True
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Mapping[str, Any] | None = None,
+    *,
+    continuous: bool = True,
 ) -> dict[str, Any]:
     """Score a response to a code task (see the module doc); ``continuous=False``: 1.0 only if every test passes."""
     code = extract_code(solution_str)
@@ -254,4 +267,10 @@ def compute_score(
         score = 1.0 if all_passed else 0.0
     else:
         score = passed / total if total else 0.0
-    return {"score": score, "acc": 1.0 if all_passed else 0.0, "passed": passed, "num_tests": total, "tests": records}
+    return {
+        "score": score,
+        "acc": 1.0 if all_passed else 0.0,
+        "passed": passed,
+        "num_tests": total,
+        "tests": records,
+    }

@@ -22,12 +22,12 @@ from verl.sandbox.runner import (
 
 __all__ = [
     "PythonInterpreter",
-    "ToolOutput",
     "RunResult",
     "Sandbox",
     "SandboxConfig",
     "SandboxLimitsConfig",
     "SandboxUnavailable",
+    "ToolOutput",
     "choose_python",
     "configure",
     "default_sandbox",

@@ -106,7 +106,9 @@ class PythonInterpreter:
 
     def _text(self, result: RunResult) -> str:
         stderr = "".join(
-            line for line in result.stderr.splitlines(keepends=True) if not line.startswith(_REPLAY_FAILED_MARK)
+            line
+            for line in result.stderr.splitlines(keepends=True)
+            if not line.startswith(_REPLAY_FAILED_MARK)
         )
         # The driver's own frames are noise to the model: keep the traceback from the cell on.
         cut = stderr.find('  File "<cell ')

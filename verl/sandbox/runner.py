@@ -221,10 +221,15 @@ def _bwrap_argv(
         "--disable-userns",
         "--die-with-parent",
         "--new-session",
-        "--cap-drop", "ALL",
-        "--uid", str(NOBODY_UID),
-        "--gid", str(NOBODY_UID),
-        "--ro-bind", "/usr", "/usr",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(NOBODY_UID),
+        "--gid",
+        str(NOBODY_UID),
+        "--ro-bind",
+        "/usr",
+        "/usr",
     ]
     for name in ("lib", "lib32", "lib64", "libx32", "bin", "sbin"):
         target = os.readlink(f"/{name}") if os.path.islink(f"/{name}") else None
@@ -235,11 +240,22 @@ def _bwrap_argv(
     if not prefix.startswith("/usr/") and prefix != "/usr":
         argv += ["--ro-bind", prefix, prefix]
     argv += [
-        "--proc", "/proc",
-        "--dev", "/dev",
-        "--size", tmp_bytes, "--tmpfs", "/dev/shm",
-        "--size", tmp_bytes, "--tmpfs", "/tmp",
-        "--size", tmp_bytes, "--tmpfs", WORKDIR,
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        tmp_bytes,
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        tmp_bytes,
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        tmp_bytes,
+        "--tmpfs",
+        WORKDIR,
     ]
     if workdir_src is not None:
         # The program's files arrive as a read-only bind of the host dir, copied into the tmpfs at start.
@@ -247,14 +263,27 @@ def _bwrap_argv(
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
     argv += [
-        "--chdir", WORKDIR,
+        "--chdir",
+        WORKDIR,
         "--clearenv",
-        "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-        "--setenv", "HOME", WORKDIR,
-        "--setenv", "TMPDIR", "/tmp",
-        "--setenv", "LANG", "C.UTF-8",
-        "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-        "--setenv", "PYTHONHASHSEED", "0",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        WORKDIR,
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--setenv",
+        "PYTHONDONTWRITEBYTECODE",
+        "1",
+        "--setenv",
+        "PYTHONHASHSEED",
+        "0",
         "--",
     ]
     return argv + _rlimit_args(prlimit, limits) + [python, "-I", *program_args]
@@ -445,7 +474,9 @@ class Sandbox:
         backend = _find_tools()
         if backend.bwrap is not None:
             trial_limits = SandboxLimitsConfig(wall_time_s=60.0, cpu_time_s=30.0)
-            trial = self._run_in_slot(backend, "print(open('probe.txt').read())", None, {"probe.txt": "ok"}, trial_limits)
+            trial = self._run_in_slot(
+                backend, "print(open('probe.txt').read())", None, {"probe.txt": "ok"}, trial_limits
+            )
             if trial.reason != "ok" or trial.stdout != "ok\n":
                 backend = _Backend(
                     None,
@@ -486,7 +517,10 @@ class Sandbox:
         limits = limits or self.config.limits
         backend = self._get_backend()
         if self._slots is None:
-            self._slots = _Slots(self.config.max_concurrent or os.cpu_count() or 1, self.config.slots_dir or _default_slots_dir())
+            self._slots = _Slots(
+                self.config.max_concurrent or os.cpu_count() or 1,
+                self.config.slots_dir or _default_slots_dir(),
+            )
         slot = self._slots.acquire()
         try:
             return self._run_in_slot(backend, code, stdin, files, limits)
@@ -520,7 +554,9 @@ class Sandbox:
                         for name in filenames:
                             os.chmod(os.path.join(dirpath, name), 0o644)
                 info_r, info_w = os.pipe()
-                argv = _bwrap_argv(backend.bwrap, backend.prlimit, self.python, limits, ["-c", _BOOT], in_dir, info_w)
+                argv = _bwrap_argv(
+                    backend.bwrap, backend.prlimit, self.python, limits, ["-c", _BOOT], in_dir, info_w
+                )
                 kwargs = {**_popen_user_kwargs(), "pass_fds": [info_w]}
                 cwd = host_dir
             else:
@@ -528,7 +564,12 @@ class Sandbox:
                 argv = [self.python, "-I", MAIN_FILE]
                 kwargs = {"preexec_fn": _preexec_unconfined(limits)}
                 cwd = in_dir
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "HOME": cwd}
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "LANG": "C.UTF-8",
+                "PYTHONHASHSEED": "0",
+                "HOME": cwd,
+            }
             try:
                 with open(stdin_path, "rb") as stdin_file:
                     return self._supervise(argv, stdin_file, cwd, env, kwargs, limits, info_r, info_w)
@@ -537,7 +578,15 @@ class Sandbox:
                     os.close(info_r)
 
     def _supervise(
-        self, argv, stdin_file, cwd, env, kwargs, limits: SandboxLimitsConfig, info_r: int | None, info_w: int | None
+        self,
+        argv,
+        stdin_file,
+        cwd,
+        env,
+        kwargs,
+        limits: SandboxLimitsConfig,
+        info_r: int | None,
+        info_w: int | None,
     ) -> RunResult:
         confined = info_r is not None
         start = time.monotonic()
@@ -558,7 +607,9 @@ class Sandbox:
                 if info_w is not None:
                     os.close(info_w)  # bwrap holds its own copy; EOF on info_r once it has written
         except OSError as exc:
-            return RunResult("", "", None, "sandbox_error", 0.0, confined=confined, detail=f"could not start: {exc}")
+            return RunResult(
+                "", "", None, "sandbox_error", 0.0, confined=confined, detail=f"could not start: {exc}"
+            )
         init_pid = _read_init_pid(info_r, start + limits.wall_time_s) if confined else None
         out, err = bytearray(), bytearray()
         killed_for: Reason | None = None
@@ -613,11 +664,17 @@ class Sandbox:
             if not confined:
                 _kill_tree(proc, None)  # anything left in the program's session
         wall = time.monotonic() - start
-        reason, exit_code, sig = _classify(proc.returncode if killed_for is None else None, killed_for, bytes(err), confined)
+        reason, exit_code, sig = _classify(
+            proc.returncode if killed_for is None else None, killed_for, bytes(err), confined
+        )
         if reason == "timeout" and not detail:
             detail = f"CPU time over {limits.cpu_time_s:g} s"
         if sig is not None and not detail:
-            detail = f"killed by signal {sig} ({signal.Signals(sig).name})" if sig in signal.valid_signals() else f"signal {sig}"
+            detail = (
+                f"killed by signal {sig} ({signal.Signals(sig).name})"
+                if sig in signal.valid_signals()
+                else f"signal {sig}"
+            )
         return RunResult(
             out.decode("utf-8", errors="replace"),
             err.decode("utf-8", errors="replace"),
@@ -641,9 +698,9 @@ ENV_CONFIG = "VERL_SANDBOX_CONFIG"
 
 
 def _config_key(config: SandboxConfig) -> str:
-    from verl.config.loader import to_dict
-
     import json
+
+    from verl.config.loader import to_dict
 
     return json.dumps(to_dict(config), sort_keys=True)
 

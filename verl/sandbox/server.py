@@ -49,7 +49,13 @@ def _run_status(result: RunResult) -> str:
 def response_body(result: RunResult) -> dict[str, Any]:
     """SandboxFusion's answer for one run."""
     if result.reason == "sandbox_error":
-        return {"status": "SandboxError", "message": result.detail, "compile_result": None, "run_result": None, "files": {}}
+        return {
+            "status": "SandboxError",
+            "message": result.detail,
+            "compile_result": None,
+            "run_result": None,
+            "files": {},
+        }
     return {
         "status": "Success" if result.reason == "ok" else "Failed",
         "message": result.detail,
@@ -84,7 +90,9 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None) -> Any:
     @app.post("/run_code")
     def run_code(body: dict[str, Any] = Body(...)) -> Any:  # noqa: B008 - FastAPI's idiom
         def bad(message: str) -> Any:
-            return JSONResponse({"status": "SandboxError", "message": message, "run_result": None}, status_code=400)
+            return JSONResponse(
+                {"status": "SandboxError", "message": message, "run_result": None}, status_code=400
+            )
 
         code = body.get("code")
         if not isinstance(code, str):
@@ -123,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     from verl.config.loader import load_config
     from verl.serving.server import run
 
-    parser = argparse.ArgumentParser(prog="python -m verl.sandbox.server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m verl.sandbox.server", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--host", default="127.0.0.1", help=f"bind address (others need {API_KEY_ENV})")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("overrides", nargs="*", help="SandboxConfig overrides, key=value")
@@ -137,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         run(create_app(sandbox, api_key=api_key), host=args.host, port=args.port)
     except (ValueError, SandboxUnavailable) as exc:
         # check_bind names the serving module's key variable; this server reads its own.
-        print(f"python -m verl.sandbox.server: {str(exc).replace('VERL_SERVING_API_KEY', API_KEY_ENV)}", file=sys.stderr)
+        print(
+            f"python -m verl.sandbox.server: {str(exc).replace('VERL_SERVING_API_KEY', API_KEY_ENV)}",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
