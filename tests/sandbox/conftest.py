@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -33,26 +34,35 @@ def sandbox(tmp_path_factory) -> Sandbox:
     return box
 
 
+def _is_sandbox_process(p: psutil.Process) -> bool:
+    """bwrap, or a process still running the sandbox's boot code (a fork keeps its parent's command line)."""
+    cmdline = p.cmdline()
+    return bool(cmdline) and (
+        os.path.basename(cmdline[0]) == "bwrap" or any(f"run_path({MAIN_FILE!r}" in a for a in cmdline)
+    )
+
+
 def sandbox_processes(since: float) -> list[psutil.Process]:
-    """Processes of sandboxes started after ``since``: this process's descendants, and any process
-    (reparented or not) running the sandbox's boot code."""
-    me = psutil.Process()
-    found = {p.pid: p for p in me.children(recursive=True)}
-    for p in psutil.process_iter(["cmdline", "create_time"]):
+    """Live sandbox processes started after ``since`` that belong to this test process: its
+    descendants, and orphans (a chain of sandbox processes up to pid 1: nothing else owns them).
+    Sandboxes of other processes (parallel test workers) are not counted."""
+    me = os.getpid()
+    alive = []
+    for p in psutil.process_iter():
         try:
-            if p.info["create_time"] >= since - 1 and any(
-                f"run_path({MAIN_FILE!r}" in a for a in p.info["cmdline"] or []
+            if (
+                p.create_time() < since - 1
+                or p.status() == psutil.STATUS_ZOMBIE
+                or not _is_sandbox_process(p)
             ):
-                found[p.pid] = p
+                continue
+            ancestor = p.parent()
+            while ancestor is not None and ancestor.pid not in (me, 1) and _is_sandbox_process(ancestor):
+                ancestor = ancestor.parent()
+            if ancestor is None or ancestor.pid in (me, 1):
+                alive.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    alive = []
-    for p in found.values():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.NoSuchProcess:
-            pass
     return alive
 
 

@@ -344,15 +344,46 @@ def _default_slots_dir() -> str:
 # running
 
 
-def _kill_tree(proc: subprocess.Popen, init_pid: int | None) -> None:
-    """SIGKILL the sandbox's init (the kernel then kills its whole pid namespace) and the runner's group.
+def _children(pid: int) -> set[int]:
+    """Direct children of ``pid`` (``/proc/PID/task/*/children``, else a scan of ``/proc/*/stat``)."""
+    found: set[int] = set()
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.update(int(c) for c in f.read().split())
+        return found
+    except OSError:
+        pass
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # the fields after the command name, which may hold spaces and parentheses
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
-    Killing bwrap's outer process alone would orphan the init, which dies by its parent-death
-    signal but is then left for the host's pid 1 to reap.
+
+def _kill_tree(proc: subprocess.Popen, init_pid: int | None) -> None:
+    """SIGKILL the sandbox's init (the kernel then kills its whole pid namespace) and bwrap itself.
+
+    bwrap's outer process is stopped first so that it cannot start an init we would miss, then
+    its children (the init, also when it was still being set up and ``init_pid`` is unknown)
+    are killed, then its group. Killing the outer process alone could leave the init behind:
+    during set-up it has no parent-death signal yet and waits forever for its parent.
     """
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+    except (ProcessLookupError, PermissionError):
+        pass
+    targets = _children(proc.pid)
     if init_pid is not None:
+        targets.add(init_pid)
+    for pid in targets:
         try:
-            os.kill(init_pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     try:
@@ -662,7 +693,12 @@ class Sandbox:
             proc.stdout.close()
             proc.stderr.close()
             if not confined:
-                _kill_tree(proc, None)  # anything left in the program's session
+                # Anything left in the program's session (a child that kept running). The group
+                # outlives its leader while members remain, so this reaches them after the wait.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         wall = time.monotonic() - start
         reason, exit_code, sig = _classify(
             proc.returncode if killed_for is None else None, killed_for, bytes(err), confined
