@@ -164,3 +164,36 @@ def test_a_bwrap_that_cannot_create_namespaces_counts_as_missing(monkeypatch, tm
             box.run("print(1)")
     finally:
         shutil.rmtree(fake_dir)
+
+
+def test_kill_tree_reaches_a_child_outside_the_group():
+    """An init still in set-up sits in a session of its own, out of reach of the group kill: the
+    runner kills bwrap's children by pid (here: a shell standing in for bwrap, a setsid child for the init)."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    proc = subprocess.Popen(["sh", "-c", "setsid sleep 300 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (kids := psutil.Process(proc.pid).children()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kids, "the stand-in init did not start"
+        child = kids[0]
+        runner._kill_tree(proc, None)
+        proc.wait(timeout=10)
+        try:
+            gone = child.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
+        assert gone, "the child outside the runner's process group survived"
+    finally:
+        for kid in kids:
+            try:
+                kid.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

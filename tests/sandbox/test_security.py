@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ try:
     print("RESOLVED")
 except OSError:
     print("no dns")
+import dataclasses
 import os
 print(sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else "no sysfs")
 """
@@ -56,6 +58,7 @@ print(sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") el
 
 def test_fork_bomb_is_contained(sandbox):
     code = """
+import dataclasses
 import os
 while True:
     try:
@@ -113,6 +116,7 @@ def test_sleeping_forever_is_stopped_by_the_wall_limit(sandbox):
 def test_writing_outside_its_dir_changes_nothing_on_the_host(sandbox, tmp_path):
     target = tmp_path / "planted.txt"
     code = f"""
+import dataclasses
 import os
 for path in ({str(target)!r}, "/usr/planted.txt", "/planted.txt", "/etc/planted.txt", "/proc/planted.txt"):
     try:
@@ -137,6 +141,7 @@ def test_the_runs_checkpoints_cannot_be_read(sandbox, tmp_path):
     ckpt.write_text("SECRET-CHECKPOINT-BYTES")
     # The needle is assembled at run time so that the program's own source does not contain it.
     code = f"""
+import dataclasses
 import os
 needle = "SECRET-" + "CHECKPOINT"
 try:
@@ -163,6 +168,7 @@ for root, dirs, files in os.walk("/"):
 def test_the_trainers_environment_is_not_visible(sandbox, monkeypatch):
     monkeypatch.setenv("VERL_TEST_SECRET_TOKEN", "hunter2-secret")
     code = """
+import dataclasses
 import os
 print(sorted(os.environ))
 for pid in os.listdir("/proc"):
@@ -244,3 +250,11 @@ def test_concurrent_hostile_runs_do_not_disturb_each_other(sandbox):
         t.join()
     assert results["good"].reason == "ok" and results["good"].stdout == "45\n", results["good"]
     assert results["bomb"].reason == "timeout"
+
+
+def test_a_run_killed_while_bwrap_sets_up_leaves_nothing(sandbox):
+    # Wall limits shorter than bwrap's set-up: the kill lands before the program (or the sandbox's
+    # init) is ready. An init killed then must not be left waiting for a parent that is gone.
+    for wall in (0.001, 0.003, 0.01, 0.03) * 3:
+        result = sandbox.run("print(1)", limits=dataclasses.replace(ROOMY_LIMITS, wall_time_s=wall))
+        assert result.reason in ("timeout", "ok"), result

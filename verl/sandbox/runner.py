@@ -61,6 +61,8 @@ MAIN_FILE = "main.py"
 _SIGNAL_BASE = 128
 # How often the runner wakes to check the deadline while waiting on output.
 _POLL_S = 0.05
+# How long bwrap may take to reap its killed init and exit before it is killed too.
+_REAP_WAIT_S = 5.0
 
 
 class SandboxUnavailable(RuntimeError):
@@ -367,12 +369,15 @@ def _children(pid: int) -> set[int]:
 
 
 def _kill_tree(proc: subprocess.Popen, init_pid: int | None) -> None:
-    """SIGKILL the sandbox's init (the kernel then kills its whole pid namespace) and bwrap itself.
+    """Kill a confined run: the sandbox's init (the kernel then kills its whole pid namespace), and
+    bwrap itself; returns once bwrap has exited.
 
-    bwrap's outer process is stopped first so that it cannot start an init we would miss, then
-    its children (the init, also when it was still being set up and ``init_pid`` is unknown)
-    are killed, then its group. Killing the outer process alone could leave the init behind:
-    during set-up it has no parent-death signal yet and waits forever for its parent.
+    bwrap's outer process is stopped first so that it cannot start an init we would miss; its
+    children (the init, also one still being set up, when ``init_pid`` is not known yet) are
+    killed; then it is let go on, so that it reaps the init and exits by itself (killed only if it
+    does not). Killing the outer process first could leave the init behind: during set-up it has
+    no parent-death signal yet and waits forever, and even a dead init would be left to pid 1 to
+    reap.
     """
     try:
         os.kill(proc.pid, signal.SIGSTOP)
@@ -387,9 +392,15 @@ def _kill_tree(proc: subprocess.Popen, init_pid: int | None) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(timeout=_REAP_WAIT_S)
     except (ProcessLookupError, PermissionError):
         pass
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _read_init_pid(fd: int, deadline: float) -> int | None:
