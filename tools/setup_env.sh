@@ -28,6 +28,18 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -U pip "setuptools<80" wheel pybind11 ninja
+# Code rewards and the agent's Python tool run the model's programs confined by bubblewrap
+# (verl/sandbox, docs/sandbox.md); without it they refuse unless sandbox.allow_unconfined=true.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup_env.sh: installing Debian's bubblewrap for the code sandbox"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
+  else
+    echo "setup_env.sh: bubblewrap (bwrap) is not installed and cannot be installed here (needs root and apt-get);" \
+      "code rewards will refuse to run and the sandbox tests will be skipped: apt-get install bubblewrap" >&2
+  fi
+fi
 # The test suite also builds csrc/ with CMake and runs its C++ tests under CTest, and opens the
 # run report in a real browser: Debian's chromium (headless), driven by playwright.
 if [[ "$extras" == *test* ]]; then

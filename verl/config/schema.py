@@ -47,6 +47,8 @@ __all__ = [
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "SFTConfig",
+    "SandboxConfig",
+    "SandboxLimitsConfig",
     "SFTDataConfig",
     "SFTTrainerConfig",
     "TrainerConfig",
@@ -377,6 +379,31 @@ class CustomRewardFunctionConfig(ConfigBase):
     name: str = option("compute_score", "Function name inside `path`.")
 
 
+@dataclass(kw_only=True)
+class SandboxLimitsConfig(ConfigBase):
+    """Resource limits of one confined execution (verl.sandbox.run); each one ends the run when reached."""
+
+    wall_time_s: float = option(10.0, "Wall-clock seconds before the whole process tree is killed (reason timeout).", gt=0.0)
+    cpu_time_s: float = option(10.0, "CPU seconds per process (RLIMIT_CPU; rounded up to whole seconds; reason timeout).", gt=0.0)
+    memory_mb: int = option(1024, "Address space per process in MiB (RLIMIT_AS; reason memory).", ge=16)
+    max_processes: int = option(32, "Processes and threads the program may run at once (RLIMIT_NPROC in its own user namespace).", ge=1)
+    output_bytes: int = option(1 << 20, "Bytes of stdout and of stderr kept; more ends the run (reason output_limit).", ge=1)
+    file_size_mb: int = option(16, "Largest file the program may write (RLIMIT_FSIZE), in MiB.", ge=0)
+    tmp_size_mb: int = option(64, "Size of the private writable tmpfs (/tmp, /dev/shm, the working dir) in MiB; counts toward the host's memory.", ge=1)
+    open_files: int = option(256, "Open file descriptors per process (RLIMIT_NOFILE).", ge=16)
+
+
+@dataclass(kw_only=True)
+class SandboxConfig(ConfigBase):
+    """Confined execution of untrusted code: the code scorers' tests and the agent's Python tool (docs/sandbox.md)."""
+
+    python: str | None = option(None, "Interpreter that runs the programs; None: this Python's base interpreter if the sandbox user can read it, else /usr/bin/python3.")
+    max_concurrent: int | None = option(None, "Executions at once on this machine (all processes of the run together); None: the number of CPUs.", ge=1)
+    allow_unconfined: bool = option(False, "Where bubblewrap is missing or cannot start, run programs with rlimits only (no namespaces: network, files and processes of the host are reachable). Refused unless true.")
+    slots_dir: str | None = option(None, "Directory of the lock files that count concurrent executions across processes; None: a per-user directory under the system temp dir.")
+    limits: SandboxLimitsConfig = section(SandboxLimitsConfig, "Default limits of one execution (a call may pass its own).")
+
+
 # ----------------------------------------------------------------------------------------------
 # algorithm / trainer
 
@@ -528,6 +555,7 @@ class PPOConfig(ConfigBase):
     critic: CriticConfig = section(CriticConfig, "Value model.")
     reward_model: RewardModelConfig = section(RewardModelConfig, "Reward model and reward manager.")
     custom_reward_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig, "User reward function.")
+    sandbox: SandboxConfig = section(SandboxConfig, "Confined execution of the model's code (code scorers, Python tool).")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantages and KL.")
     trainer: TrainerConfig = section(TrainerConfig, "Run control.")
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl import sandbox
 from verl.rewards.registry import default_compute_score, get_scorer, load_custom_reward_fn
 from verl.rewards.scoring import SampleScore, score_chunk
 
@@ -361,6 +362,9 @@ def reward_manager_from_config(config: Any, tokenizer: Any) -> RewardManager:
     if name not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={name!r} is not one of {sorted(REWARD_MANAGERS)}")
     custom = config.custom_reward_function
+    # The code scorers run programs through the process-wide sandbox; the pool's spawned
+    # workers inherit this config through the environment (verl.sandbox.configure).
+    sandbox.configure(config.sandbox)
     buffer_cfg = config.reward_model.overlong_buffer
     overlong = None
     if buffer_cfg.enable:

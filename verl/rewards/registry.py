@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from verl.rewards import arithmetic, countdown, gsm8k, math_answer
+from verl.rewards import arithmetic, code, countdown, gsm8k, math_answer
 from verl.rewards.extract import last_boxed
 from verl.rewards.format_reward import format_reward
 
@@ -107,6 +107,8 @@ register_scorer("math_dapo", "math", "math_dapo_reasoning")(math_answer.compute_
 register_scorer("aime", prefix=True)(math_answer.compute_score_dapo)
 register_scorer("countdown")(countdown.compute_score)
 register_scorer(arithmetic.DATA_SOURCE)(arithmetic.compute_score)
+# Programs run against the task's tests in the sandbox (verl.sandbox): stdin/stdout or function calls.
+register_scorer(*code.DATA_SOURCES)(code.compute_score)
 
 # Geometry3K answers in a box after a <think> block; 10% of the score is for that layout.
 GEOMETRY3K_FORMAT_PATTERN = r"\s*<think>.*</think>.*\\boxed\{.*\}.*"

@@ -1,0 +1,791 @@
+"""Run one untrusted program in a confined process and report how it ended.
+
+Confinement (bubblewrap, Debian's ``bubblewrap`` package; see docs/sandbox.md):
+
+- new user, pid, network, ipc, uts and cgroup namespaces (``--unshare-all``), all capabilities
+  dropped, no further user namespaces (``--disable-userns``): no network at all (the
+  sandbox's own loopback has nothing on it; the host's 127.0.0.1 is another namespace), no
+  process of the host visible or signalable;
+- a fresh root holding only ``/usr`` (and the ``/lib*``, ``/bin`` links) and the interpreter's
+  prefix, read-only; a size-limited tmpfs as the working directory, ``/tmp`` and ``/dev/shm``;
+  a minimal ``/dev`` and the namespace's own ``/proc``; an empty environment;
+- rlimits set inside by ``prlimit``: CPU seconds, address space, processes (counted in the
+  sandbox's own user namespace, so concurrent sandboxes do not share the count), file size,
+  open files, no core files;
+- the sandbox's init process dies with the runner (``--die-with-parent``) and the kernel kills
+  everything else in the pid namespace with it, so killing the runner at a limit, or the
+  program's main process exiting, leaves no process behind.
+
+As root, bubblewrap is started as ``nobody`` (uid 65534), an unprivileged user: as root the
+kernel exempts the user's processes from RLIMIT_NPROC, and a root sandbox could read every file
+it is given. The interpreter must then be readable by ``nobody`` (see ``choose_python``).
+
+Without bubblewrap (or when it cannot start) ``run`` refuses, unless the config allows the
+unconfined fallback: the same rlimits, a new session killed as a group, an empty environment
+and a private working directory, but the host's network, files and processes stay reachable.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import select
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from verl.config.schema import SandboxConfig, SandboxLimitsConfig
+
+logger = logging.getLogger(__name__)
+
+Reason = Literal["ok", "error", "timeout", "memory", "output_limit", "killed", "sandbox_error"]
+
+NOBODY_UID = 65534
+# Where the program runs inside the sandbox (a private tmpfs).
+WORKDIR = "/sandbox"
+MAIN_FILE = "main.py"
+# Exit status of ``prlimit``/``bwrap`` that means the child was killed by signal N: 128 + N.
+_SIGNAL_BASE = 128
+# How often the runner wakes to check the deadline while waiting on output.
+_POLL_S = 0.05
+# How long bwrap may take to reap its killed init and exit before it is killed too.
+_REAP_WAIT_S = 5.0
+
+
+class SandboxUnavailable(RuntimeError):
+    """Confinement is not possible here and the unconfined fallback was not allowed."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one execution ended.
+
+    ``reason``: ok (exit status 0), error (another exit status), timeout (wall or CPU time),
+    memory (the address-space limit: a MemoryError or an allocation failure), output_limit
+    (stdout or stderr over ``output_bytes``), killed (a signal not sent by a limit),
+    sandbox_error (the sandbox itself failed to start). ``exit_code`` is the program's status
+    (None when it was killed by the runner), ``signal`` the signal that ended it, if any.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    reason: Reason
+    wall_time_s: float
+    signal: int | None = None
+    confined: bool = True
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "ok"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# which confinement is available
+
+
+@dataclass(frozen=True)
+class _Backend:
+    bwrap: str | None
+    prlimit: str | None
+    why_not: str = ""
+
+
+_backend_cache: dict[str, _Backend] = {}
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(msg: str) -> None:
+    with _warn_lock:
+        if msg in _warned:
+            return
+        _warned.add(msg)
+    logger.warning(msg)
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _accessible_to_nobody(path: str) -> bool:
+    """Whether uid ``nobody`` can reach and read ``path`` through "other" permission bits."""
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    for i in range(2, len(parts) + 1):
+        part = os.sep.join(parts[:i]) or os.sep
+        try:
+            st = os.stat(part)
+        except OSError:
+            return False
+        need = stat.S_IXOTH if stat.S_ISDIR(st.st_mode) else stat.S_IROTH
+        if not st.st_mode & need:
+            return False
+    return True
+
+
+def choose_python(configured: str | None) -> str:
+    """The interpreter path the sandbox runs (resolved, absolute).
+
+    ``configured`` wins; else this Python's base interpreter (outside any virtualenv), if the
+    sandbox user can read it; else ``/usr/bin/python3``.
+    """
+    if configured:
+        path = shutil.which(configured) or configured
+        if not os.path.isfile(path):
+            raise ValueError(f"sandbox.python={configured!r}: no such interpreter; give a path to python3")
+        return os.path.realpath(path)
+    candidates = [getattr(sys, "_base_executable", None) or sys.executable, "/usr/bin/python3"]
+    for cand in candidates:
+        if cand and os.path.isfile(cand) and (not _is_root() or _accessible_to_nobody(cand)):
+            return os.path.realpath(cand)
+    raise ValueError(
+        f"sandbox: no interpreter the sandbox user can read among {candidates}; set sandbox.python to a python3 "
+        "that every user can read (e.g. /usr/bin/python3)"
+    )
+
+
+def _python_prefix(python: str) -> str:
+    """The directory tree an interpreter needs (``<prefix>`` of ``<prefix>/bin/python3``)."""
+    return os.path.dirname(os.path.dirname(python))
+
+
+def _find_tools() -> _Backend:
+    """bwrap and prlimit on PATH; ``why_not`` says what is missing."""
+    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
+    if bwrap is None:
+        return _Backend(None, prlimit, "bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+    if prlimit is None:
+        return _Backend(None, None, "prlimit (util-linux) is not installed")
+    return _Backend(bwrap, prlimit)
+
+
+def _popen_user_kwargs() -> dict:
+    """As root, start the sandbox as ``nobody`` with no supplementary groups."""
+    if _is_root():
+        return {"user": NOBODY_UID, "group": NOBODY_UID, "extra_groups": []}
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def _rlimit_args(prlimit: str, limits: SandboxLimitsConfig) -> list[str]:
+    mem = limits.memory_mb << 20
+    cpu = max(1, math.ceil(limits.cpu_time_s))
+    return [
+        prlimit,
+        # soft:hard; the hard CPU limit one second later turns SIGXCPU into SIGKILL for a program that catches it.
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--as={mem}:{mem}",
+        f"--nproc={limits.max_processes}:{limits.max_processes}",
+        f"--fsize={limits.file_size_mb << 20}:{limits.file_size_mb << 20}",
+        f"--nofile={limits.open_files}:{limits.open_files}",
+        "--core=0:0",
+        "--",
+    ]
+
+
+def _bwrap_argv(
+    bwrap: str,
+    prlimit: str,
+    python: str,
+    limits: SandboxLimitsConfig,
+    program_args: list[str],
+    workdir_src: str | None,
+    info_fd: int | None = None,
+) -> list[str]:
+    """``bwrap ... prlimit ... python -I ...``; the work dir is a tmpfs filled from ``workdir_src`` by copy."""
+    prefix = _python_prefix(python)
+    tmp_bytes = str(limits.tmp_size_mb << 20)
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(NOBODY_UID),
+        "--gid",
+        str(NOBODY_UID),
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
+    for name in ("lib", "lib32", "lib64", "libx32", "bin", "sbin"):
+        target = os.readlink(f"/{name}") if os.path.islink(f"/{name}") else None
+        if target is not None:
+            argv += ["--symlink", target, f"/{name}"]
+        elif os.path.isdir(f"/{name}"):
+            argv += ["--ro-bind", f"/{name}", f"/{name}"]
+    if not prefix.startswith("/usr/") and prefix != "/usr":
+        argv += ["--ro-bind", prefix, prefix]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        tmp_bytes,
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        tmp_bytes,
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        tmp_bytes,
+        "--tmpfs",
+        WORKDIR,
+    ]
+    if workdir_src is not None:
+        # The program's files arrive as a read-only bind of the host dir, copied into the tmpfs at start.
+        argv += ["--ro-bind", workdir_src, "/.in"]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
+    argv += [
+        "--chdir",
+        WORKDIR,
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        WORKDIR,
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--setenv",
+        "PYTHONDONTWRITEBYTECODE",
+        "1",
+        "--setenv",
+        "PYTHONHASHSEED",
+        "0",
+        "--",
+    ]
+    return argv + _rlimit_args(prlimit, limits) + [python, "-I", *program_args]
+
+
+# The sandboxed entry point: copy the inputs into the writable work dir, then run main.py as
+# __main__ in this same interpreter (one interpreter start per execution).
+_BOOT = (
+    "import os,shutil,runpy,sys\n"
+    "shutil.copytree('/.in','.',dirs_exist_ok=True)\n"
+    f"sys.argv=[{MAIN_FILE!r}]\n"
+    "sys.path.insert(0,os.getcwd())\n"
+    f"runpy.run_path({MAIN_FILE!r},run_name='__main__')\n"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# concurrency: lock files shared by every process of the machine
+
+
+class _Slots:
+    """At most ``n`` executions at once on the machine: one flock'd file per running execution.
+
+    Locks are per open file, so threads of one process and separate processes (reward pool
+    workers) count alike; a crashed holder's lock is released by the kernel.
+    """
+
+    def __init__(self, n: int, directory: str):
+        self.n = n
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+
+    def acquire(self) -> int:
+        delay = 0.005
+        while True:
+            for i in range(self.n):
+                fd = os.open(os.path.join(self.directory, f"slot{i}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except OSError as exc:
+                    os.close(fd)
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)  # closing drops the flock
+
+
+def _default_slots_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"verl-sandbox-slots-{os.getuid()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def _children(pid: int) -> set[int]:
+    """Direct children of ``pid`` (``/proc/PID/task/*/children``, else a scan of ``/proc/*/stat``)."""
+    found: set[int] = set()
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.update(int(c) for c in f.read().split())
+        return found
+    except OSError:
+        pass
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # the fields after the command name, which may hold spaces and parentheses
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen, init_pid: int | None) -> None:
+    """Kill a confined run: the sandbox's init (the kernel then kills its whole pid namespace), and
+    bwrap itself; returns once bwrap has exited.
+
+    bwrap's outer process is stopped first so that it cannot start an init we would miss; its
+    children (the init, also one still being set up, when ``init_pid`` is not known yet) are
+    killed; then it is let go on, so that it reaps the init and exits by itself (killed only if it
+    does not). Killing the outer process first could leave the init behind: during set-up it has
+    no parent-death signal yet and waits forever, and even a dead init would be left to pid 1 to
+    reap.
+    """
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+    except (ProcessLookupError, PermissionError):
+        pass
+    targets = _children(proc.pid)
+    if init_pid is not None:
+        targets.add(init_pid)
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(timeout=_REAP_WAIT_S)
+    except (ProcessLookupError, PermissionError):
+        pass
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _read_init_pid(fd: int, deadline: float) -> int | None:
+    """The sandbox init's host pid from bwrap's ``--info-fd`` JSON (written once at start, then closed)."""
+    data = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return int(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _to_bytes(text: str | bytes | None) -> bytes:
+    """UTF-8 bytes; what cannot be encoded (a lone surrogate in model output) becomes "?"."""
+    if text is None:
+        return b""
+    return text if isinstance(text, bytes) else text.encode("utf-8", errors="replace")
+
+
+def _write_inputs(directory: str, code: str, files: Mapping[str, str | bytes] | None) -> None:
+    for name, content in (files or {}).items():
+        norm = os.path.normpath(name)
+        if os.path.isabs(norm) or norm.startswith(".."):
+            raise ValueError(f"sandbox file name {name!r} must be a relative path inside the work dir")
+        path = os.path.join(directory, norm)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(_to_bytes(content))
+    with open(os.path.join(directory, MAIN_FILE), "wb") as f:
+        f.write(_to_bytes(code))
+
+
+def _classify(
+    exit_code: int | None, killed_for: Reason | None, stderr: bytes, confined: bool
+) -> tuple[Reason, int | None, int | None]:
+    """(reason, exit code, signal) from the raw status."""
+    if killed_for is not None:
+        return killed_for, None, signal.SIGKILL
+    assert exit_code is not None
+    sig = None
+    if exit_code < 0:  # unconfined: Popen reports a signal as -N
+        sig = -exit_code
+    elif confined and exit_code > _SIGNAL_BASE and exit_code <= _SIGNAL_BASE + 64:
+        # bwrap's init exits 128 + N when the program died of signal N.
+        sig = exit_code - _SIGNAL_BASE
+    if sig is not None:
+        if sig == signal.SIGXCPU:
+            return "timeout", None, sig
+        if sig == signal.SIGKILL and b"MemoryError" in stderr[-4096:]:
+            return "memory", None, sig
+        return "killed", None, sig
+    if exit_code == 0:
+        return "ok", 0, None
+    tail = stderr[-4096:]
+    if b"MemoryError" in tail or b"Cannot allocate memory" in tail or b"std::bad_alloc" in tail:
+        return "memory", exit_code, None
+    return "error", exit_code, None
+
+
+def _preexec_unconfined(limits: SandboxLimitsConfig):
+    import resource
+
+    mem = limits.memory_mb << 20
+    cpu = max(1, math.ceil(limits.cpu_time_s))
+    fsize = limits.file_size_mb << 20
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        # RLIMIT_NPROC counts every process of this user, not of this program: not set here.
+
+    return apply
+
+
+class Sandbox:
+    """Runs programs under one ``SandboxConfig`` (interpreter, default limits, concurrency)."""
+
+    def __init__(self, config: SandboxConfig | None = None):
+        self.config = config or SandboxConfig()
+        # The interpreter, the slots and the backend are found on first use, so that a trainer
+        # without code tasks never fails on them.
+        self._python: str | None = None
+        self._slots: _Slots | None = None
+        self._backend: _Backend | None = None
+
+    @property
+    def python(self) -> str:
+        """The interpreter the programs run with (``choose_python``)."""
+        if self._python is None:
+            self._python = choose_python(self.config.python)
+        return self._python
+
+    @property
+    def confined(self) -> bool:
+        """Whether executions are confined by bubblewrap (probed once)."""
+        return self._get_backend().bwrap is not None
+
+    def _probe(self) -> _Backend:
+        """The tools, and a trial run of the real path (cached per interpreter): namespaces may be
+        forbidden here (some containers), or the sandbox user unable to read what it needs."""
+        if self.python in _backend_cache:
+            return _backend_cache[self.python]
+        backend = _find_tools()
+        if backend.bwrap is not None:
+            trial_limits = SandboxLimitsConfig(wall_time_s=60.0, cpu_time_s=30.0)
+            trial = self._run_in_slot(
+                backend, "print(open('probe.txt').read())", None, {"probe.txt": "ok"}, trial_limits
+            )
+            if trial.reason != "ok" or trial.stdout != "ok\n":
+                backend = _Backend(
+                    None,
+                    backend.prlimit,
+                    f"bwrap failed to run a program here ({trial.reason}): {(trial.detail + ' ' + trial.stderr)[-500:]}",
+                )
+        _backend_cache[self.python] = backend
+        return backend
+
+    def _get_backend(self) -> _Backend:
+        if self._backend is None:
+            self._backend = self._probe()
+            if self._backend.bwrap is None:
+                if not self.config.allow_unconfined:
+                    raise SandboxUnavailable(
+                        f"cannot confine untrusted code: {self._backend.why_not}. Install bubblewrap "
+                        "(tools/setup_env.sh does as root), or set sandbox.allow_unconfined=true to run it with "
+                        "rlimits only (the program can then reach the network and the host's files)"
+                    )
+                _warn_once(
+                    f"sandbox: running untrusted code UNCONFINED (rlimits only; network, files and processes of "
+                    f"the host are reachable) because {self._backend.why_not}; sandbox.allow_unconfined=true allows it"
+                )
+        return self._backend
+
+    def run(
+        self,
+        code: str,
+        stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        limits: SandboxLimitsConfig | None = None,
+    ) -> RunResult:
+        """Run the Python program ``code`` with ``stdin``, the extra ``files`` in its work dir, and ``limits``.
+
+        Never raises for anything the program does; raises ValueError for bad arguments and
+        SandboxUnavailable when confinement is impossible and not waived.
+        """
+        limits = limits or self.config.limits
+        backend = self._get_backend()
+        if self._slots is None:
+            self._slots = _Slots(
+                self.config.max_concurrent or os.cpu_count() or 1,
+                self.config.slots_dir or _default_slots_dir(),
+            )
+        slot = self._slots.acquire()
+        try:
+            return self._run_in_slot(backend, code, stdin, files, limits)
+        finally:
+            self._slots.release(slot)
+
+    def _run_in_slot(
+        self,
+        backend: _Backend,
+        code: str,
+        stdin: str | bytes | None,
+        files: Mapping[str, str | bytes] | None,
+        limits: SandboxLimitsConfig,
+    ) -> RunResult:
+        confined = backend.bwrap is not None
+        with tempfile.TemporaryDirectory(prefix="verl-sbx-") as host_dir:
+            in_dir = os.path.join(host_dir, "in")
+            os.mkdir(in_dir)
+            _write_inputs(in_dir, code, files)
+            stdin_path = os.path.join(host_dir, "stdin")
+            with open(stdin_path, "wb") as f:
+                f.write(_to_bytes(stdin))
+            if confined:
+                if _is_root():
+                    # nobody must read the inputs (bwrap binds them as that user).
+                    for path in (host_dir, in_dir):
+                        os.chmod(path, 0o755)
+                    for dirpath, dirnames, filenames in os.walk(in_dir):
+                        for name in dirnames:
+                            os.chmod(os.path.join(dirpath, name), 0o755)
+                        for name in filenames:
+                            os.chmod(os.path.join(dirpath, name), 0o644)
+                info_r, info_w = os.pipe()
+                argv = _bwrap_argv(
+                    backend.bwrap, backend.prlimit, self.python, limits, ["-c", _BOOT], in_dir, info_w
+                )
+                kwargs = {**_popen_user_kwargs(), "pass_fds": [info_w]}
+                cwd = host_dir
+            else:
+                info_r = info_w = None
+                argv = [self.python, "-I", MAIN_FILE]
+                kwargs = {"preexec_fn": _preexec_unconfined(limits)}
+                cwd = in_dir
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "LANG": "C.UTF-8",
+                "PYTHONHASHSEED": "0",
+                "HOME": cwd,
+            }
+            try:
+                with open(stdin_path, "rb") as stdin_file:
+                    return self._supervise(argv, stdin_file, cwd, env, kwargs, limits, info_r, info_w)
+            finally:
+                if info_r is not None:
+                    os.close(info_r)
+
+    def _supervise(
+        self,
+        argv,
+        stdin_file,
+        cwd,
+        env,
+        kwargs,
+        limits: SandboxLimitsConfig,
+        info_r: int | None,
+        info_w: int | None,
+    ) -> RunResult:
+        confined = info_r is not None
+        start = time.monotonic()
+        try:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                    **kwargs,
+                )
+            finally:
+                if info_w is not None:
+                    os.close(info_w)  # bwrap holds its own copy; EOF on info_r once it has written
+        except OSError as exc:
+            return RunResult(
+                "", "", None, "sandbox_error", 0.0, confined=confined, detail=f"could not start: {exc}"
+            )
+        init_pid = _read_init_pid(info_r, start + limits.wall_time_s) if confined else None
+        out, err = bytearray(), bytearray()
+        killed_for: Reason | None = None
+        detail = ""
+        try:
+            sel = selectors.DefaultSelector()
+            sel.register(proc.stdout, selectors.EVENT_READ, out)
+            sel.register(proc.stderr, selectors.EVENT_READ, err)
+            deadline = start + limits.wall_time_s
+            open_streams = 2
+            while open_streams:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
+                    break
+                events = sel.select(min(left, _POLL_S))
+                if not events and proc.poll() is not None:
+                    # The main process is gone and its pipes are quiet: whatever still holds them (a
+                    # child left behind, outside a sandbox) is not waited for.
+                    break
+                for key, _ in events:
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        open_streams -= 1
+                        continue
+                    buf = key.data
+                    buf += chunk
+                    if len(buf) > limits.output_bytes:
+                        del buf[limits.output_bytes :]
+                        killed_for = "output_limit"
+                        detail = f"{'stdout' if buf is out else 'stderr'} over {limits.output_bytes} bytes"
+                        break
+                if killed_for:
+                    break
+            if killed_for is None:
+                # Output closed: the program is done (or closed its pipes); wait what is left of the wall time.
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.001))
+                except subprocess.TimeoutExpired:
+                    killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
+            sel.close()
+        finally:
+            # Also on an exception in this thread (a scorer's time limit): never leave the tree running.
+            if proc.poll() is None:
+                _kill_tree(proc, init_pid)
+            # bwrap's outer process exits only after its init, and the init only after every process of
+            # its pid namespace: once this returns, nothing of the program is left.
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+            if not confined:
+                # Anything left in the program's session (a child that kept running). The group
+                # outlives its leader while members remain, so this reaches them after the wait.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        wall = time.monotonic() - start
+        reason, exit_code, sig = _classify(
+            proc.returncode if killed_for is None else None, killed_for, bytes(err), confined
+        )
+        if reason == "timeout" and not detail:
+            detail = f"CPU time over {limits.cpu_time_s:g} s"
+        if sig is not None and not detail:
+            detail = (
+                f"killed by signal {sig} ({signal.Signals(sig).name})"
+                if sig in signal.valid_signals()
+                else f"signal {sig}"
+            )
+        return RunResult(
+            out.decode("utf-8", errors="replace"),
+            err.decode("utf-8", errors="replace"),
+            exit_code,
+            reason,
+            wall,
+            signal=sig,
+            confined=confined,
+            detail=detail,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the process-wide default
+
+
+_default: Sandbox | None = None
+_default_key: str | None = None
+_default_lock = threading.Lock()
+ENV_CONFIG = "VERL_SANDBOX_CONFIG"
+
+
+def _config_key(config: SandboxConfig) -> str:
+    import json
+
+    from verl.config.loader import to_dict
+
+    return json.dumps(to_dict(config), sort_keys=True)
+
+
+def configure(config: SandboxConfig) -> None:
+    """Make ``config`` the default of ``run`` in this process and in processes it starts later.
+
+    The config travels to spawned workers (the reward manager's pool) in the environment
+    variable ``VERL_SANDBOX_CONFIG``.
+    """
+    global _default, _default_key
+    key = _config_key(config)
+    with _default_lock:
+        os.environ[ENV_CONFIG] = key
+        if key != _default_key:
+            _default, _default_key = Sandbox(config), key
+
+
+def default_sandbox() -> Sandbox:
+    """The sandbox ``run`` uses: the configured one, else one built from ``VERL_SANDBOX_CONFIG`` or the defaults."""
+    global _default, _default_key
+    with _default_lock:
+        key = os.environ.get(ENV_CONFIG)
+        if _default is None or (key is not None and key != _default_key):
+            import json
+
+            from verl.config.loader import from_dict
+
+            config = from_dict(SandboxConfig, json.loads(key)) if key else SandboxConfig()
+            _default, _default_key = Sandbox(config), key
+        return _default
+
+
+def run(
+    code: str,
+    stdin: str | bytes | None = None,
+    files: Mapping[str, str | bytes] | None = None,
+    limits: SandboxLimitsConfig | None = None,
+) -> RunResult:
+    """Run the Python program ``code`` confined, with the process-wide sandbox (see ``Sandbox.run``)."""
+    return default_sandbox().run(code, stdin=stdin, files=files, limits=limits)
