@@ -11,7 +11,7 @@ import pytest
 
 from tests.sandbox.conftest import ROOMY_LIMITS, TEST_LIMITS
 from verl.sandbox import PythonInterpreter
-from verl.sandbox.server import create_app, main
+from verl.serving.sandbox import create_app, main
 
 
 def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:

@@ -4,7 +4,7 @@
 bubblewrap sandbox (no network, a private tmpfs, read-only system files, CPU/wall/memory/
 process/output limits, the whole process tree killed at the end); ``Sandbox(config)`` holds a
 ``SandboxConfig`` of its own; ``configure(config)`` sets the process-wide default. ``PythonInterpreter`` is the agent
-loop's stateful Python tool; ``python -m verl.sandbox.server`` serves SandboxFusion's
+loop's stateful Python tool; ``python -m verl.serving.sandbox`` serves SandboxFusion's
 ``run_code`` API. See docs/sandbox.md.
 """
 

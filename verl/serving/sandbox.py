@@ -3,7 +3,7 @@
 So configs written for the reference verl's SandboxFusion client (``sandbox_fusion.url=
 http://HOST:PORT/run_code``) work against this machine's sandbox::
 
-    python -m verl.sandbox.server [--host 127.0.0.1] [--port 8080] [key=value ...]
+    python -m verl.serving.sandbox [--host 127.0.0.1] [--port 8080] [key=value ...]
 
 ``key=value`` overrides set the ``SandboxConfig`` (``limits.memory_mb=512``, ``max_concurrent=4``).
 It binds to 127.0.0.1 by default; any other host needs an API key, read from the environment
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     from verl.serving.server import run
 
     parser = argparse.ArgumentParser(
-        prog="python -m verl.sandbox.server", description=__doc__.split("\n\n")[0]
+        prog="python -m verl.serving.sandbox", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--host", default="127.0.0.1", help=f"bind address (others need {API_KEY_ENV})")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, SandboxUnavailable) as exc:
         # check_bind names the serving module's key variable; this server reads its own.
         print(
-            f"python -m verl.sandbox.server: {str(exc).replace('VERL_SERVING_API_KEY', API_KEY_ENV)}",
+            f"python -m verl.serving.sandbox: {str(exc).replace('VERL_SERVING_API_KEY', API_KEY_ENV)}",
             file=sys.stderr,
         )
         sys.exit(2)
