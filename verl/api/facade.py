@@ -63,6 +63,83 @@ def reward_change(rewards: Sequence[float]) -> float:
     return sum(rewards[-quarter:]) / quarter - sum(rewards[:quarter]) / quarter
 
 
+def _summary(metrics: dict[str, Any], log_dir: str) -> dict[str, Any]:
+    """:meth:`RLTrainer.fit`'s summary keys from the last step's ``metrics`` and the run's
+    ``metrics.jsonl`` in ``log_dir`` (see ``fit``'s docstring)."""
+    from verl.trainer import report
+
+    out: dict[str, Any] = {}
+    if "critic/score/mean" in metrics and "reward_mean" not in metrics:  # a stream's is of all its samples
+        out["reward_mean"] = metrics["critic/score/mean"]
+    run = report.load_run(log_dir)
+    _, rewards = run.series("critic/score/mean")
+    if rewards:
+        out["reward_delta"] = reward_change(rewards)
+    val_keys = sorted(k for k in run.keys() if k.startswith("val-core/") and "/reward/mean@" in k)
+    if val_keys:
+        _, val = run.series(val_keys[0])
+        if len(val) >= 2:
+            out["val_reward_delta"] = val[-1] - val[0]
+    loss_key = "actor/pg_loss" if "actor/pg_loss" in metrics else "dpo/loss"
+    if loss_key in metrics:
+        out["loss"] = metrics[loss_key]
+    kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
+    if kl_key in metrics:
+        out["final_kl"] = metrics[kl_key]
+    if "rollout/tokens_per_s" in metrics:
+        out["rollout_tokens_per_second"] = metrics["rollout/tokens_per_s"]
+    return out
+
+
+def _model_source(model: Any, arg: str, head: str) -> tuple[Any, str | None]:
+    """(the model object, None) for an object of a supported family (written by ``fit``), or
+    (None, its directory) for a checkpoint directory; (None, None) for None (a reward model only)."""
+    from verl.trainer.model_objects import _check_object, is_model_object, model_directory
+
+    what = f"RLTrainer({arg}=...)"
+    if model is None and head == "reward":
+        return None, None
+    if is_model_object(model):
+        _check_object(model, what, head)
+        return model, None
+    if isinstance(model, (str, os.PathLike)):
+        if head == "reward":  # checked now: a reward model's head is read before anything is built
+            return None, model_directory(model, what=what, head=head)
+        return None, os.fspath(model)
+    kind = "a Hugging Face reward model directory or a ...ForSequenceClassification object" if head == "reward" else (
+        "a Hugging Face checkpoint directory or a transformers model object")
+    raise TypeError(f"{what} takes {kind}, got {type(model).__name__}")
+
+
+def _check_algorithm(
+    algorithm: str, *, hybrid_condition: Any, kl_coef: float, beta: Any, preference_dataset_path: Any
+) -> None:
+    """The facade's algorithm arguments hold together (ValueError naming the fix otherwise)."""
+    choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS])
+    if algorithm not in choices:
+        raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
+    if algorithm in HYBRID_ALGORITHMS:
+        if not callable(hybrid_condition):
+            raise ValueError(
+                f"algorithm={algorithm!r} routes each sample by hybrid_condition(sample) (true: the PPO/GRPO "
+                "update, false: DPO on the best-vs-worst pair of its group); pass hybrid_condition=, e.g. "
+                "lambda s: s['reward'] > 0"
+            )
+        if not kl_coef > 0:
+            raise ValueError(f"algorithm={algorithm!r}: its DPO half needs the reference policy; give kl_coef > 0")
+    elif hybrid_condition is not None:
+        raise ValueError(f"hybrid_condition= is for algorithm='hybrid_ppo', not {algorithm!r}")
+    if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
+        raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
+    if preference_dataset_path is not None and algorithm not in PREFERENCE_ALGORITHMS:
+        raise ValueError(
+            f"RLTrainer(preference_dataset_path=...) gives preference pairs (prompt, chosen, rejected), but "
+            f"algorithm={algorithm!r} learns from a reward, which pairs do not give. Train on pairs with DPO: "
+            "RLTrainer(..., algorithm=\"dpo\", preference_dataset_path=..., beta=0.1); or give "
+            f"{algorithm} prompts to score: fit(dataset=...)"
+        )
+
+
 def _files_setting(files: str | Sequence[str]) -> str:
     if isinstance(files, (str, os.PathLike)):
         return os.fspath(files)
@@ -149,71 +226,18 @@ class RLTrainer:
         self._init_args = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "hybrid_condition", "tokenizer")
         }
-        self._reward_object = None
-        self.reward_model: str | None = None
-        if reward_model is not None:
-            from verl.trainer.model_objects import _check_object, is_model_object
-
-            if is_model_object(reward_model):
-                _check_object(reward_model, "RLTrainer(reward_model=...)", "reward")
-                self._reward_object = reward_model
-                self._init_args["reward_model"] = None  # the directory fit() writes it to
-            elif isinstance(reward_model, (str, os.PathLike)):
-                from verl.trainer.model_objects import model_directory
-
-                self.reward_model = model_directory(reward_model, what="RLTrainer(reward_model=...)", head="reward")
-                self._init_args["reward_model"] = self.reward_model
-            else:
-                raise TypeError(
-                    "RLTrainer(reward_model=...) takes a Hugging Face reward model directory or a "
-                    f"...ForSequenceClassification object, got {type(reward_model).__name__}"
-                )
-        if preference_dataset_path is not None and algorithm != "dpo":
-            raise ValueError(
-                f"RLTrainer(preference_dataset_path=...) gives preference pairs (prompt, chosen, rejected), but "
-                f"algorithm={algorithm!r} learns from a reward, which pairs do not give. Train on pairs with DPO: "
-                "RLTrainer(..., algorithm=\"dpo\", preference_dataset_path=..., beta=0.1); or give "
-                f"{algorithm} prompts to score: fit(dataset=...)"
-            )
+        self._init_args["overrides"] = list(overrides)
+        _check_algorithm(algorithm, hybrid_condition=hybrid_condition, kl_coef=kl_coef, beta=beta,
+                         preference_dataset_path=preference_dataset_path)
+        self._tokenizer = tokenizer
+        self._actor_object, self.actor_model = _model_source(actor_model, "actor_model", "lm")
+        self._reward_object, self.reward_model = _model_source(reward_model, "reward_model", "reward")
+        # An object is written by fit(): its directory is saved for from_checkpoint then.
+        self._init_args["actor_model"], self._init_args["reward_model"] = self.actor_model, self.reward_model
         if isinstance(preference_dataset_path, (str, os.PathLike)):
             preference_dataset_path = os.path.abspath(os.fspath(preference_dataset_path))
             self._init_args["preference_dataset_path"] = preference_dataset_path
         self.preference_dataset_path = preference_dataset_path
-        from verl.trainer.model_objects import _check_object, is_model_object
-
-        self._init_args["overrides"] = list(overrides)
-        self._actor_object = None
-        self._tokenizer = tokenizer
-        if is_model_object(actor_model):
-            _check_object(actor_model, "RLTrainer(actor_model=...)", "lm")
-            self._actor_object = actor_model
-            self._init_args["actor_model"] = None  # the directory fit() writes it to
-            actor_path = None
-        elif isinstance(actor_model, (str, os.PathLike)):
-            actor_path = os.fspath(actor_model)
-            self._init_args["actor_model"] = actor_path
-        else:
-            raise TypeError(
-                "RLTrainer(actor_model=...) takes a Hugging Face checkpoint directory or a transformers model "
-                f"object, got {type(actor_model).__name__}"
-            )
-        choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS])
-        if algorithm not in choices:
-            raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
-        if algorithm in HYBRID_ALGORITHMS:
-            if not callable(hybrid_condition):
-                raise ValueError(
-                    f"algorithm={algorithm!r} routes each sample by hybrid_condition(sample) (true: the PPO/GRPO "
-                    "update, false: DPO on the best-vs-worst pair of its group); pass hybrid_condition=, e.g. "
-                    "lambda s: s['reward'] > 0"
-                )
-            if not kl_coef > 0:
-                raise ValueError(f"algorithm={algorithm!r}: its DPO half needs the reference policy; give kl_coef > 0")
-        elif hybrid_condition is not None:
-            raise ValueError(f"hybrid_condition= is for algorithm='hybrid_ppo', not {algorithm!r}")
-        if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
-            raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
-        self.actor_model = actor_path
         self.algorithm = algorithm
         self.beta = float(beta)
         self.hybrid_condition = hybrid_condition
@@ -398,7 +422,6 @@ class RLTrainer:
         ``checkpoint`` (the newest checkpoint directory, or None).
         """
         from verl.api.stream import build_trainer
-        from verl.trainer import report
         from verl.trainer.run_checks import hf_export_dir
 
         if dataset is not None and dataset_path is not None:
@@ -420,27 +443,7 @@ class RLTrainer:
         if args.get("max_steps") is None:
             raise ValueError("RLTrainer.fit needs max_steps=")
         args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
-        if self._actor_object is not None:
-            from verl.trainer.model_objects import model_directory
-
-            self.actor_model = model_directory(
-                self._actor_object,
-                what="RLTrainer(actor_model=...)",
-                tokenizer=self._tokenizer,
-                out_dir=os.path.join(args["output_dir"], "model_init"),
-            )
-            self._init_args["actor_model"] = self.actor_model
-            args["save_hf"] = True  # the export is what goes back into the object
-        if self._reward_object is not None:
-            from verl.trainer.model_objects import model_directory
-
-            self.reward_model = model_directory(
-                self._reward_object,
-                what="RLTrainer(reward_model=...)",
-                head="reward",
-                out_dir=os.path.join(args["output_dir"], "reward_model_init"),
-            )
-            self._init_args["reward_model"] = self.reward_model
+        self._write_model_objects(args)
         args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
         if args["val_dataset_path"] is not None:
             args["val_dataset_path"] = self._data_files(args["val_dataset_path"], args["output_dir"], "val")
@@ -464,29 +467,33 @@ class RLTrainer:
                 from verl.parallel.bootstrap import destroy_distributed
 
                 destroy_distributed()
-        if "critic/score/mean" in metrics and "reward_mean" not in metrics:  # a stream's is of all its samples
-            metrics["reward_mean"] = metrics["critic/score/mean"]
-        run = report.load_run(cfg.trainer.log_dir)
-        _, rewards = run.series("critic/score/mean")
-        if rewards:
-            metrics["reward_delta"] = reward_change(rewards)
-        val_keys = sorted(k for k in run.keys() if k.startswith("val-core/") and "/reward/mean@" in k)
-        if val_keys:
-            _, val = run.series(val_keys[0])
-            if len(val) >= 2:
-                metrics["val_reward_delta"] = val[-1] - val[0]
-        if "actor/pg_loss" in metrics:
-            metrics["loss"] = metrics["actor/pg_loss"]
-        elif "dpo/loss" in metrics:
-            metrics["loss"] = metrics["dpo/loss"]
-        kl_key = "actor/kl_loss" if "actor/kl_loss" in metrics else "actor/ppo_kl"
-        if kl_key in metrics:
-            metrics["final_kl"] = metrics[kl_key]
-        if "rollout/tokens_per_s" in metrics:
-            metrics["rollout_tokens_per_second"] = metrics["rollout/tokens_per_s"]
+        metrics.update(_summary(metrics, cfg.trainer.log_dir))
         metrics["global_step"] = step
         metrics["checkpoint"] = self.last_checkpoint
         return metrics
+
+    def _write_model_objects(self, args: dict[str, Any]) -> None:
+        """Model objects given to :meth:`__init__` written under ``output_dir`` (the policy's to
+        ``model_init/``, trained and loaded back; the reward model's to ``reward_model_init/``)."""
+        from verl.trainer.model_objects import model_directory
+
+        if self._actor_object is not None:
+            self.actor_model = model_directory(
+                self._actor_object,
+                what="RLTrainer(actor_model=...)",
+                tokenizer=self._tokenizer,
+                out_dir=os.path.join(args["output_dir"], "model_init"),
+            )
+            self._init_args["actor_model"] = self.actor_model
+            args["save_hf"] = True  # the export is what goes back into the object
+        if self._reward_object is not None:
+            self.reward_model = model_directory(
+                self._reward_object,
+                what="RLTrainer(reward_model=...)",
+                head="reward",
+                out_dir=os.path.join(args["output_dir"], "reward_model_init"),
+            )
+            self._init_args["reward_model"] = self.reward_model
 
     def _write_back(self, export_dir: str) -> None:
         """The trained weights (the run's Hugging Face export) into the ``actor_model`` object."""

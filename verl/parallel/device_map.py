@@ -115,6 +115,9 @@ def resolve_device_map(
     world the stream starts), ``cuda_devices`` ``torch.cuda.device_count()``, ``device`` the
     config's ``trainer.device`` when it is set (``"cpu"``/``"cuda"``; None or ``"auto"``: the map
     decides). Raises ValueError naming the role, its devices and what exists or is supported.
+
+    Longer than most functions: it is one ordered list of checks, each with its own message; the
+    order decides which problem a user is told first, so it stays in one place.
     """
     if device not in (None, "auto", "cpu", "cuda"):
         raise ValueError(f"trainer.device={device!r}; use 'auto', 'cpu' or 'cuda'")

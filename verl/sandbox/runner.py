@@ -630,6 +630,13 @@ class Sandbox:
         info_r: int | None,
         info_w: int | None,
     ) -> RunResult:
+        """Start ``argv`` and watch it to the end: wall time, output size, the confinement's start
+        report; kill the whole tree at a limit; the result with its reason.
+
+        Longer than most functions: one loop over one child's lifetime, whose exits (each limit,
+        the child's end, a failed start) share the same clean-up; split, the clean-up would be
+        repeated per exit.
+        """
         confined = info_r is not None
         start = time.monotonic()
         try:
