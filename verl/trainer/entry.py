@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -33,11 +34,14 @@ def run_trainer(
     """``check(cfg)`` (a user error: exit 2), start torch.distributed on ``cfg.trainer.device``,
     ``make_trainer(cfg)`` and ``fit()`` inside ``with trainer`` (a user error: exit 2), log
     ``summary(trainer, metrics)`` before the trainer closes (its list of outputs comes last) and
-    tear the world down; returns the exit status."""
+    tear the world down; returns the exit status: 0 when the run finished, 128 + the signal's
+    number when a stop signal ended it after a checkpoint (143 for SIGTERM, 130 for SIGINT, 138
+    for SIGUSR1: the shell's convention, so a scheduler tells a preempted run from a finished one)."""
     with user_errors(prog):
         check(cfg)
     from verl.parallel.bootstrap import destroy_distributed, start_world
 
+    trainer = None
     try:
         start_world(cfg.trainer)
     except ValueError as exc:
@@ -68,4 +72,5 @@ def run_trainer(
             os._exit(1)
     finally:
         destroy_distributed()
-    return 0
+    stopped = getattr(trainer, "stopped_by", None)
+    return 128 + int(signal.Signals[stopped]) if stopped else 0
