@@ -53,11 +53,14 @@ __all__ = [
     "REFERENCE_VERSION",
     "dapo_reference_score",
     "gsm8k_reference_score",
+    "hendrycks_equivalent",
     "hendrycks_normalize",
     "latex_to_text",
     "math_reference_score",
     "minerva_normalize",
     "prime_compute_score",
+    "prime_exact_equal",
+    "prime_extract",
     "reference_compute_score",
     "reference_data_source",
 ]
@@ -220,7 +223,9 @@ def _math_last_box(text: str) -> str | None:
     return None if end is None else text[start : end + 1]
 
 
-def _math_equiv(answer: str, ground_truth: Any) -> bool:
+def hendrycks_equivalent(answer: str, ground_truth: Any) -> bool:
+    """The reference MATH scorer's equality: equal Hendrycks normal forms (raw equality where the
+    normaliser gives up)."""
     try:
         return _hendrycks_strip(answer) == _hendrycks_strip(ground_truth)
     except Exception:  # the normaliser gave up (or the ground truth is not a string): compare raw
@@ -239,7 +244,7 @@ def math_reference_score(solution_str: str, ground_truth: Any) -> float:
         answer = _strip_box_command(span)
         if answer is None:  # "\fbox{..}", or a span without its closing brace
             return 0.0
-    return 1.0 if _math_equiv(answer, ground_truth) else 0.0
+    return 1.0 if hendrycks_equivalent(answer, ground_truth) else 0.0
 
 
 # ================================================================= DAPO / AIME (Minerva)
@@ -710,8 +715,15 @@ def _strip_interval_constructor(pred: str) -> str:
     return pred
 
 
-def _grader_equal(prediction: Any, reference: Any, pi: float = math.pi) -> bool:
-    """PRIME's ``math_equal`` without its symbolic stage (in 0.9.1 that stage always says no)."""
+def _grader_equal(
+    prediction: Any, reference: Any, pi: float = math.pi, *, rel_tol: float = 1e-4, percent: bool = True
+) -> bool:
+    """PRIME's ``math_equal`` without its symbolic stage (in 0.9.1 that stage always says no).
+
+    ``rel_tol`` and ``percent`` are the reference's numeric leniency (a relative 1e-4, and the
+    ground truth times or divided by 100); our default scorer calls it with 0 and False.
+    """
+    again = {"rel_tol": rel_tol, "percent": percent}
     prediction = _grader_normalize(prediction, pi)
     reference = _grader_normalize(reference, pi)
     if isinstance(prediction, str) and len(prediction) > 1000:
@@ -724,7 +736,8 @@ def _grader_equal(prediction: Any, reference: Any, pi: float = math.pi) -> bool:
     pred_num, ref_num = _as_number(prediction), _as_number(reference)
     if pred_num is not None and ref_num is not None:
         # The ground truth, or it read as a percentage either way, within a relative 1e-4.
-        return any(math.isclose(c, pred_num, rel_tol=1e-4) for c in (ref_num / 100, ref_num, ref_num * 100))
+        candidates = (ref_num / 100, ref_num, ref_num * 100) if percent else (ref_num,)
+        return any(math.isclose(c, pred_num, rel_tol=rel_tol) for c in candidates)
     if not prediction and prediction not in (0, False):
         return False
     reference, prediction = str(reference).strip(), str(prediction).strip()
@@ -747,20 +760,20 @@ def _grader_equal(prediction: Any, reference: Any, pi: float = math.pi) -> bool:
         and prediction[-1] == reference[-1]
     ):
         pred_parts, ref_parts = prediction[1:-1].split(","), reference[1:-1].split(",")
-        if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r) for p, r in zip(pred_parts, ref_parts)]):
+        if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)]):
             return True
     if "," in prediction and "," in reference:
         pred_parts = [p.strip() for p in prediction.split(",")]
         ref_parts = [r.strip() for r in reference.split(",")]
         if len(pred_parts) == len(ref_parts):
-            return all([_grader_equal(p, r) for p, r in zip(pred_parts, ref_parts)])
+            return all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)])
     if prediction.startswith("Point"):
         if not reference:
             raise _GiveUp
         if reference[0] == "(" and reference[-1] == ")":
             pred_parts = prediction[prediction.find("(") + 1 : -1].split(",")
             ref_parts = reference[1:-1].split(",")
-            if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r) for p, r in zip(pred_parts, ref_parts)]):
+            if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)]):
                 return True
     if "\\begin{pmatrix}" in reference and prediction.startswith("[") and prediction.endswith("]"):
         try:
@@ -775,11 +788,20 @@ def _grader_equal(prediction: Any, reference: Any, pi: float = math.pi) -> bool:
                 body = body.removesuffix(affix)
             ref_rows = [row.split("&") if "&" in row else row for row in body.split("\\")]
             try:
-                if len(rows) == len(ref_rows) and all([_grader_equal(p, r) for r, p in zip(ref_rows, rows)]):
+                if len(rows) == len(ref_rows) and all([_grader_equal(p, r, **again) for r, p in zip(ref_rows, rows)]):
                     return True
             except Exception:
                 pass
     return False
+
+
+def prime_exact_equal(given: str, ground_truth: str) -> bool:
+    """PRIME's verdict without its numeric leniency: equal normal forms, sympy equality, or
+    numerically *equal* (not within 1e-4, and not off by a factor of 100). Never raises."""
+    try:
+        return _prime_grade(given, ground_truth) or _grader_equal(given, ground_truth, rel_tol=0.0, percent=False)
+    except Exception:  # _GiveUp, or an error where the reference's checker errs too
+        return False
 
 
 def prime_compute_score(solution_str: str, ground_truth: Any) -> float:

@@ -92,17 +92,17 @@ def default_compute_score(
 # ---- the built-in table (names as in the reference verl) ----
 
 register_scorer("openai/gsm8k", "gsm8k")(gsm8k.compute_score)
+register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")(
+    math_answer.compute_score
+)
 register_scorer(
-    "lighteval/MATH",
-    "DigitalLearningGmbH/MATH-lighteval",
-    "HuggingFaceH4/MATH-500",
     "numina_aops_forum",
     "numina_synthetic_math",
     "numina_amc_aime",
     "numina_synthetic_amc",
     "numina_cn_k12",
     "numina_olympiads",
-)(math_answer.compute_score)
+)(math_answer.compute_score_numina)
 register_scorer("math_dapo", "math", "math_dapo_reasoning")(math_answer.compute_score_dapo)
 register_scorer("aime", prefix=True)(math_answer.compute_score_dapo)
 register_scorer("countdown")(countdown.compute_score)
