@@ -28,7 +28,8 @@ What the reference does, by ``data_source`` (facts read from its
   normalisation, sympy equality of the difference, and a numeric check within a relative
   1e-4 that also accepts the ground truth times 100 or divided by 100. 1.0 / 0.0.
 - Any other data source has no reference scorer (the reference raises); ours is used
-  (``countdown``, ``verl/arithmetic``, ``gsm8k``, ``hiyouga/geometry3k``).
+  (``countdown``, ``verl/arithmetic``, ``gsm8k``). ``hiyouga/geometry3k`` is graded in the
+  reference by the separate mathruler package, not reproduced: ours is used, with a warning.
 
 Departures, each where the reference would run the model's text as Python: the reference
 ``eval``s an answer holding ``\\pi`` (after substituting a number) and a bracketed answer
@@ -41,13 +42,18 @@ renders the commands that occur in answers the same way (see ``_SYMBOLS``), not 
 from __future__ import annotations
 
 import ast
+import logging
 import math
 import operator
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from verl.rewards.extract import as_text
 from verl.rewards.timeout import time_limit
+from verl.utils.logging import warn_once
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "REFERENCE_VERSION",
@@ -363,14 +369,33 @@ _SHORT_COMMANDS = {",": " ", ";": " ", ":": " ", " ": " ", "!": "", "{": "{", "}
                    "$": "$", "&": "&", "_": "_", "#": "#", "\\": "\n", "(": "", ")": "", "[": "", "]": ""}  # fmt: skip
 
 
+# Groups nested deeper than this are not rendered (the answer then stays as written, as when
+# pylatexenc fails in the reference); it keeps the reader far from Python's recursion limit.
+_MAX_LATEX_DEPTH = 100
+
+
+class _TooDeep(Exception):
+    pass
+
+
 class _LatexReader:
     """A small recursive renderer of LaTeX to text (the subset that shows up in final answers)."""
 
     def __init__(self, text: str) -> None:
         self.s = text
         self.i = 0
+        self.depth = 0
 
     def render(self, stop_at_close: bool = False) -> str:
+        self.depth += 1
+        if self.depth > _MAX_LATEX_DEPTH:
+            raise _TooDeep
+        try:
+            return self._render(stop_at_close)
+        finally:
+            self.depth -= 1
+
+    def _render(self, stop_at_close: bool) -> str:
         out: list[str] = []
         while self.i < len(self.s):
             ch = self.s[self.i]
@@ -426,9 +451,13 @@ class _LatexReader:
         return _SYMBOLS.get(name, "")
 
 
-def latex_to_text(latex: str) -> str:
-    """Plain text of a LaTeX answer, rendered as pylatexenc's ``latex_to_text`` renders it."""
-    return _LatexReader(latex).render()
+def latex_to_text(latex: str) -> str | None:
+    """Plain text of a LaTeX answer, rendered as pylatexenc's ``latex_to_text`` renders it;
+    None when braces nest deeper than ``_MAX_LATEX_DEPTH``."""
+    try:
+        return _LatexReader(latex).render()
+    except _TooDeep:
+        return None
 
 
 # --- the extraction (PRIME's match_answer)
@@ -519,7 +548,7 @@ def _is_float(s: str) -> bool:
 
 def _near_int(x: float) -> bool:
     try:
-        return abs(x - int(round(x))) <= 1e-7
+        return abs(x - round(x)) <= 1e-7
     except (OverflowError, ValueError, TypeError):
         return False
 
@@ -546,13 +575,14 @@ def _prime_normalize(expr: str) -> str:
         expr = expr[1:-1]
     expr = re.sub(r",\\! *", "", expr)
     if _is_float(expr) and _near_int(float(expr)):
-        expr = str(int(round(float(expr))))
+        expr = str(round(float(expr)))
     if "\\" in expr:
         text = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
         text = latex_to_text(text)
-        for char, name in _UNICODE_TO_SYMPY:
-            text = text.replace(char, name)
-        expr = text.strip()
+        if text is not None:  # as the reference, an answer that fails to render stays as it is
+            for char, name in _UNICODE_TO_SYMPY:
+                text = text.replace(char, name)
+            expr = text.strip()
     expr = re.sub("- *", "-", expr)
     expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)  # "7 3/4" is 7+3/4
     expr = expr.lower()
@@ -579,7 +609,7 @@ def _sympy_allowed(expr: str) -> bool:
     return not any(r.search(expr) for r in _SYMPY_REFUSED_RES)
 
 
-def _sympy_difference_is_zero(gold: str, given: str) -> bool:
+def _sympy_difference_is_zero(gold: str, given: str, timeout_s: float | None = _SYMPY_TIMEOUT_S) -> bool:
     """Whether sympy simplifies ``(gold)-(given)`` to 0 (implicit multiplication allowed)."""
     expr = f"({gold})-({given})"
     if not _sympy_allowed(expr):
@@ -588,7 +618,7 @@ def _sympy_difference_is_zero(gold: str, given: str) -> bool:
     from sympy.parsing import sympy_parser
 
     verdict = False
-    with time_limit(_SYMPY_TIMEOUT_S):
+    with time_limit(timeout_s):
         try:
             parsed = sympy_parser.parse_expr(
                 expr.replace("^", "**"),
@@ -601,7 +631,7 @@ def _sympy_difference_is_zero(gold: str, given: str) -> bool:
     return bool(verdict)
 
 
-def _prime_grade(given: str, gold: str) -> bool:
+def _prime_grade(given: str, gold: str, sympy_timeout_s: float | None = _SYMPY_TIMEOUT_S) -> bool:
     """PRIME's ``grade_answer``: equal normal forms, or sympy equality element by element."""
     if _prime_mathd(gold) == _prime_mathd(given):
         return True
@@ -621,7 +651,7 @@ def _prime_grade(given: str, gold: str) -> bool:
         elif _str_near_int(gold_part) != _str_near_int(given_part):
             ok = False  # an integer ground truth needs an integer answer
         else:
-            ok = _sympy_difference_is_zero(gold_part, given_part)
+            ok = _sympy_difference_is_zero(gold_part, given_part, sympy_timeout_s)
         if not ok:
             return False
     return True
@@ -723,6 +753,7 @@ def _grader_equal(
     ``rel_tol`` and ``percent`` are the reference's numeric leniency (a relative 1e-4, and the
     ground truth times or divided by 100); our default scorer calls it with 0 and False.
     """
+    # all([...]) below, not all(...): every element is compared (and may raise), as in the reference.
     again = {"rel_tol": rel_tol, "percent": percent}
     prediction = _grader_normalize(prediction, pi)
     reference = _grader_normalize(reference, pi)
@@ -760,20 +791,20 @@ def _grader_equal(
         and prediction[-1] == reference[-1]
     ):
         pred_parts, ref_parts = prediction[1:-1].split(","), reference[1:-1].split(",")
-        if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)]):
+        if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)]):  # noqa: C419
             return True
     if "," in prediction and "," in reference:
         pred_parts = [p.strip() for p in prediction.split(",")]
         ref_parts = [r.strip() for r in reference.split(",")]
         if len(pred_parts) == len(ref_parts):
-            return all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)])
+            return all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)])  # noqa: C419
     if prediction.startswith("Point"):
         if not reference:
             raise _GiveUp
         if reference[0] == "(" and reference[-1] == ")":
             pred_parts = prediction[prediction.find("(") + 1 : -1].split(",")
             ref_parts = reference[1:-1].split(",")
-            if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)]):
+            if len(pred_parts) == len(ref_parts) and all([_grader_equal(p, r, **again) for p, r in zip(pred_parts, ref_parts)]):  # noqa: C419
                 return True
     if "\\begin{pmatrix}" in reference and prediction.startswith("[") and prediction.endswith("]"):
         try:
@@ -788,18 +819,18 @@ def _grader_equal(
                 body = body.removesuffix(affix)
             ref_rows = [row.split("&") if "&" in row else row for row in body.split("\\")]
             try:
-                if len(rows) == len(ref_rows) and all([_grader_equal(p, r, **again) for r, p in zip(ref_rows, rows)]):
+                if len(rows) == len(ref_rows) and all([_grader_equal(p, r, **again) for r, p in zip(ref_rows, rows)]):  # noqa: C419
                     return True
-            except Exception:
-                pass
+            except Exception:  # as the reference: a row that cannot be compared means "not equal"
+                return False
     return False
 
 
-def prime_exact_equal(given: str, ground_truth: str) -> bool:
+def prime_exact_equal(given: str, ground_truth: str, sympy_timeout_s: float | None = _SYMPY_TIMEOUT_S) -> bool:
     """PRIME's verdict without its numeric leniency: equal normal forms, sympy equality, or
     numerically *equal* (not within 1e-4, and not off by a factor of 100). Never raises."""
     try:
-        return _prime_grade(given, ground_truth) or _grader_equal(given, ground_truth, rel_tol=0.0, percent=False)
+        return _prime_grade(given, ground_truth, sympy_timeout_s) or _grader_equal(given, ground_truth, rel_tol=0.0, percent=False)
     except Exception:  # _GiveUp, or an error where the reference's checker errs too
         return False
 
@@ -812,7 +843,7 @@ def prime_compute_score(solution_str: str, ground_truth: Any) -> float:
         return 1.0
     try:
         if "\\pi" in given or "\\pi" in ground_truth:
-            correct = any([_grader_equal(given, ground_truth, pi=p) for p in (math.pi, 3.14)])
+            correct = any([_grader_equal(given, ground_truth, pi=p) for p in (math.pi, 3.14)])  # noqa: C419
         else:
             correct = _grader_equal(given, ground_truth)
     except Exception:  # _GiveUp, or an error where the reference's checker errs too
@@ -837,6 +868,12 @@ _REFERENCE_TABLE: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
 }
 
 
+# Reference data sources whose scorer lives outside the reference wheel, and is not reproduced.
+_NOT_REPRODUCED = {
+    "hiyouga/geometry3k": "the reference grades it with the mathruler package, which is not reproduced here",
+}
+
+
 def reference_data_source(data_source: str) -> bool:
     """Whether the reference verl has a rule-based scorer of its own for ``data_source``."""
     return data_source in _REFERENCE_TABLE or (isinstance(data_source, str) and data_source.startswith("aime"))
@@ -853,11 +890,19 @@ def reference_compute_score(
     Data sources the reference has no scorer for (``countdown``, ``verl/arithmetic``...) use
     ours, as ``default_compute_score``; an unknown one raises ValueError listing the known ones.
     """
+    solution_str = as_text(solution_str)  # responses are text; None or bytes must not crash a run
     fn = _REFERENCE_TABLE.get(data_source)
     if fn is None and isinstance(data_source, str) and data_source.startswith("aime"):
         fn = dapo_reference_score
     if fn is None:
         from verl.rewards.registry import default_compute_score
 
+        if data_source in _NOT_REPRODUCED:
+            warn_once(
+                logger,
+                "reward_model.rule_scoring=reference: data_source %r is scored by our own scorer; %s",
+                data_source,
+                _NOT_REPRODUCED[data_source],
+            )
         return default_compute_score(data_source, solution_str, ground_truth, extra_info)
     return fn(solution_str, ground_truth)
