@@ -374,6 +374,9 @@ _SHORT_COMMANDS = {",": " ", ";": " ", ":": " ", " ": " ", "!": "", "{": "{", "}
 _MAX_LATEX_DEPTH = 100
 
 
+_COMMAND_RE = re.compile(r"\\([A-Za-z]+)\s*")  # a named command eats the spaces after it
+
+
 class _TooDeep(Exception):
     pass
 
@@ -415,7 +418,7 @@ class _LatexReader:
         if ch == "}":  # a stray closing brace prints nothing
             self.i += 1
             return ""
-        if ch in "$":
+        if ch == "$":  # math-mode delimiters print nothing
             self.i += 1
             return ""
         self.i += 1
@@ -430,7 +433,7 @@ class _LatexReader:
         return self._node()
 
     def _command(self) -> str:
-        m = re.compile(r"\\([A-Za-z]+)\s*").match(self.s, self.i)
+        m = _COMMAND_RE.match(self.s, self.i)
         if m is None:
             nxt = self.s[self.i + 1 : self.i + 2]
             self.i += 1 + len(nxt)
