@@ -35,7 +35,14 @@ from verl.rewards.scoring import SampleScore, score_one
 # workers, which unpickle scorers from this package, start without importing torch.
 _LAZY = {
     name: "verl.rewards.manager"
-    for name in ("OverlongBuffer", "REWARD_MANAGERS", "RULE_SCORING", "RewardManager", "RewardOutput", "reward_manager_from_config")
+    for name in (
+        "OverlongBuffer",
+        "REWARD_MANAGERS",
+        "RULE_SCORING",
+        "RewardManager",
+        "RewardOutput",
+        "reward_manager_from_config",
+    )
 }
 
 
