@@ -276,4 +276,6 @@ def compute_score_numina(
         answer = extracted
     if math_equal(answer, gold, use_math_verify=use_math_verify, timeout_s=timeout_s):
         return 1.0
+    if max(len(extracted), len(gold)) > MAX_ANSWER_CHARS:  # sympy would only spend the time limit on it
+        return 0.0
     return 1.0 if reference.prime_exact_equal(extracted, gold, sympy_timeout_s=timeout_s) else 0.0

@@ -27,9 +27,11 @@ What the reference does, by ``data_source`` (facts read from its
   "answer:"/"answer is", inside the last box, after the last "is "/"="...), then string
   normalisation, sympy equality of the difference, and a numeric check within a relative
   1e-4 that also accepts the ground truth times 100 or divided by 100. 1.0 / 0.0.
+- ``hiyouga/geometry3k``: 0.9 x right + 0.1 x layout; right by the mathruler package's copy of
+  PRIME's ``grade_answer`` on mathruler's box (the string "None" when there is none), layout
+  when the whole response matches ``<think>.*</think>.*\\boxed{.*}.*``.
 - Any other data source has no reference scorer (the reference raises); ours is used
-  (``countdown``, ``verl/arithmetic``, ``gsm8k``). ``hiyouga/geometry3k`` is graded in the
-  reference by the separate mathruler package, not reproduced: ours is used, with a warning.
+  (``countdown``, ``verl/arithmetic``, ``gsm8k``).
 
 Departures, each where the reference would run the model's text as Python: the reference
 ``eval``s an answer holding ``\\pi`` (after substituting a number) and a bracketed answer
@@ -42,7 +44,6 @@ renders the commands that occur in answers the same way (see ``_SYMBOLS``), not 
 from __future__ import annotations
 
 import ast
-import logging
 import math
 import operator
 import re
@@ -51,13 +52,12 @@ from typing import Any
 
 from verl.rewards.extract import as_text
 from verl.rewards.timeout import time_limit
-from verl.utils.logging import warn_once
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "REFERENCE_VERSION",
     "dapo_reference_score",
+    "geo3k_accuracy",
+    "geo3k_reference_score",
     "gsm8k_reference_score",
     "hendrycks_equivalent",
     "hendrycks_normalize",
@@ -178,8 +178,11 @@ def _hendrycks_slash(s: str) -> str:
     return f"\\frac{{{num}}}{{{den}}}" if f"{num}/{den}" == s else s
 
 
-def _hendrycks_strip(s: str) -> str:
-    """The Hendrycks MATH normaliser; raises ``_NormaliseError``/``IndexError`` where it gives up."""
+def _hendrycks_strip(s: str, *, drop_bare_percent: bool = False) -> str:
+    """The Hendrycks MATH normaliser; raises ``_NormaliseError`` where it gives up.
+
+    ``drop_bare_percent``: mathruler's copy (Geometry3K) drops every "%"; the others only "\\%".
+    """
     for old, new in (
         ("\n", ""),
         ("\\!", ""),
@@ -194,7 +197,10 @@ def _hendrycks_strip(s: str) -> str:
     ):
         s = s.replace(old, new)
     s = _hendrycks_units(s)
-    s = s.replace("\\\\%", "").replace("\\%", "")
+    if drop_bare_percent:
+        s = s.replace("\\%", "").replace("%", "")
+    else:
+        s = s.replace("\\\\%", "").replace("\\%", "")
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if not s:
         return s
@@ -511,6 +517,7 @@ def prime_extract(response: str) -> str:
 _UNIT_WORDS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week",
                "month", "year", "foot", "feet", "inch", "yard", "liter")  # fmt: skip
 _UNIT_RES = tuple(re.compile(word + r"(es)?(s)? *(\^[0-9]+)?") for word in _UNIT_WORDS)
+_MATHRULER_UNIT_RES = _UNIT_RES[:-1]  # mathruler's list lacks "liter"
 _WHOLE_TEXT_RE = re.compile(r"^\\text\{(?P<text>.+?)\}$")
 _THOUSANDS_COMMA_RE = re.compile(r"(\d),(\d\d\d)($|\D)")
 _PRIME_FRAC_RE = re.compile(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$")
@@ -521,14 +528,14 @@ _UNICODE_TO_SYMPY = (("\u221a", "sqrt"), ("\u03c0", "pi"), ("\u221e", "inf"), ("
                      ("\u00b7", "*"), ("\u00d7", "*"))  # fmt: skip
 
 
-def _prime_mathd(answer: str) -> str:
+def _prime_mathd(answer: str, mathruler: bool = False) -> str:
     """PRIME's first normal form: a whole ``\\text{..}`` unwrapped, then the Hendrycks normaliser."""
     answer = answer.strip()
     try:
         m = _WHOLE_TEXT_RE.search(answer)
         if m is not None:
             answer = m.group("text").strip()
-        return _hendrycks_strip(answer)
+        return _hendrycks_strip(answer, drop_bare_percent=mathruler)
     except Exception:
         return answer
 
@@ -563,15 +570,19 @@ def _str_near_int(s: str) -> bool:
         return False
 
 
-def _prime_normalize(expr: str) -> str:
-    """PRIME's second normal form (units, ``$``/``%``, LaTeX rendered to text, lower case)."""
+def _prime_normalize(expr: str, mathruler: bool = False) -> str:
+    """PRIME's second normal form (units, ``$``/``%``, LaTeX rendered to text, lower case).
+
+    ``mathruler``: the variant of the mathruler package (Geometry3K), which also drops spaces
+    and braces at the end, and does not know "liter".
+    """
     m = _WHOLE_TEXT_RE.search(expr)
     if m is not None:
         expr = m.group("text")
     expr = expr.replace("\\%", "%").replace("\\$", "$").replace("$", "").replace("%", "")
     expr = expr.replace(" or ", " , ").replace(" and ", " , ")
     expr = expr.replace("million", "*10^6").replace("billion", "*10^9").replace("trillion", "*10^12")
-    for unit_re in _UNIT_RES:
+    for unit_re in _MATHRULER_UNIT_RES if mathruler else _UNIT_RES:
         expr = unit_re.sub("", expr)
     expr = re.sub(r"\^ *\\circ", "", expr)
     if expr and expr[0] == "{" and expr[-1] == "}":
@@ -588,6 +599,8 @@ def _prime_normalize(expr: str) -> str:
             expr = text.strip()
     expr = re.sub("- *", "-", expr)
     expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)  # "7 3/4" is 7+3/4
+    if mathruler:
+        expr = expr.replace(" ", "").replace("{", "").replace("}", "")
     expr = expr.lower()
     if _str_near_int(expr):
         expr = str(int(float(expr.replace(",", ""))))
@@ -634,11 +647,14 @@ def _sympy_difference_is_zero(gold: str, given: str, timeout_s: float | None = _
     return bool(verdict)
 
 
-def _prime_grade(given: str, gold: str, sympy_timeout_s: float | None = _SYMPY_TIMEOUT_S) -> bool:
-    """PRIME's ``grade_answer``: equal normal forms, or sympy equality element by element."""
-    if _prime_mathd(gold) == _prime_mathd(given):
+def _prime_grade(
+    given: str, gold: str, sympy_timeout_s: float | None = _SYMPY_TIMEOUT_S, mathruler: bool = False
+) -> bool:
+    """PRIME's ``grade_answer``: equal normal forms, or sympy equality element by element
+    (``mathruler``: that package's copy of it, which Geometry3K uses)."""
+    if _prime_mathd(gold, mathruler) == _prime_mathd(given, mathruler):
         return True
-    gold_n, given_n = _prime_normalize(gold), _prime_normalize(given)
+    gold_n, given_n = _prime_normalize(gold, mathruler), _prime_normalize(given, mathruler)
     if gold_n == given_n:
         return True
     if not given_n:
@@ -854,6 +870,56 @@ def prime_compute_score(solution_str: str, ground_truth: Any) -> float:
     return 1.0 if correct else 0.0
 
 
+# ================================================================= Geometry3K (mathruler)
+
+_GEO3K_LAYOUT_RE = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+_GEO3K_FORMAT_WEIGHT = 0.1
+
+
+def _mathruler_box(text: str) -> str:
+    """mathruler's box: the content after the last ``\\boxed{`` up to its closing brace,
+    stripped; the *string* "None" when there is none or it never closes."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return "None"
+    depth = 0
+    for i in range(start + len("\\boxed{"), len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth < 0:
+                return text[start + len("\\boxed{") : i].strip()
+    return "None"
+
+
+def geo3k_accuracy(
+    solution_str: str,
+    ground_truth: Any,
+    *,
+    max_answer_chars: int | None = None,
+    sympy_timeout_s: float | None = _SYMPY_TIMEOUT_S,
+) -> bool:
+    """Whether the reference's Geometry3K scorer counts the answer right (mathruler's grader).
+
+    ``max_answer_chars``: a longer boxed answer counts as wrong without grading (None: no limit,
+    as the reference)."""
+    answer = _mathruler_box(solution_str)
+    if max_answer_chars is not None and len(answer) > max_answer_chars:
+        return False
+    try:
+        return _prime_grade(answer, str(ground_truth), sympy_timeout_s, mathruler=True)
+    except Exception:  # an error in the grader means "not right"
+        return False
+
+
+def geo3k_reference_score(solution_str: str, ground_truth: Any) -> float:
+    """The reference's Geometry3K scorer: 0.9 x right + 0.1 x the think-then-box layout."""
+    accuracy = 1.0 if geo3k_accuracy(solution_str, ground_truth) else 0.0
+    layout = 1.0 if _GEO3K_LAYOUT_RE.fullmatch(solution_str) else 0.0
+    return (1.0 - _GEO3K_FORMAT_WEIGHT) * accuracy + _GEO3K_FORMAT_WEIGHT * layout
+
+
 # ================================================================= dispatch
 
 _REFERENCE_TABLE: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
@@ -864,16 +930,11 @@ _REFERENCE_TABLE: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
     "math_dapo": dapo_reference_score,
     "math": dapo_reference_score,
     "math_dapo_reasoning": dapo_reference_score,
+    "hiyouga/geometry3k": geo3k_reference_score,
     **{
         f"numina_{name}": prime_compute_score
         for name in ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12", "olympiads")
     },
-}
-
-
-# Reference data sources whose scorer lives outside the reference wheel, and is not reproduced.
-_NOT_REPRODUCED = {
-    "hiyouga/geometry3k": "the reference grades it with the mathruler package, which is not reproduced here",
 }
 
 
@@ -900,12 +961,5 @@ def reference_compute_score(
     if fn is None:
         from verl.rewards.registry import default_compute_score
 
-        if data_source in _NOT_REPRODUCED:
-            warn_once(
-                logger,
-                "reward_model.rule_scoring=reference: data_source %r is scored by our own scorer; %s",
-                data_source,
-                _NOT_REPRODUCED[data_source],
-            )
         return default_compute_score(data_source, solution_str, ground_truth, extra_info)
     return fn(solution_str, ground_truth)

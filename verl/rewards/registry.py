@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from verl.rewards import arithmetic, countdown, gsm8k, math_answer
+from verl.rewards import arithmetic, countdown, gsm8k, math_answer, reference
 from verl.rewards.extract import last_boxed
 from verl.rewards.format_reward import format_reward
 
@@ -116,8 +116,20 @@ GEOMETRY3K_FORMAT_PATTERN = r"\s*<think>.*</think>.*\\boxed\{.*\}.*"
 def geometry3k_score(
     solution_str: object, ground_truth: object, extra_info: Mapping[str, Any] | None = None, *, format_weight: float = 0.1
 ) -> float:
-    """(1 - format_weight) * accuracy of the last box + format_weight * (think-then-box layout)."""
-    accuracy = 1.0 if math_answer.math_equal(last_boxed(solution_str), ground_truth) else 0.0
+    """(1 - format_weight) * accuracy of the last box + format_weight * (think-then-box layout).
+
+    Accurate means ``math_equal``, or right by the reference verl's own Geometry3K grader
+    (mathruler's), so every answer it accepts is accepted here too.
+    """
+    right = math_answer.math_equal(last_boxed(solution_str), ground_truth)
+    if not right and isinstance(solution_str, str):
+        right = reference.geo3k_accuracy(
+            solution_str,
+            ground_truth,
+            max_answer_chars=math_answer.MAX_ANSWER_CHARS,
+            sympy_timeout_s=math_answer.DEFAULT_MATH_VERIFY_TIMEOUT_S,
+        )
+    accuracy = 1.0 if right else 0.0
     layout = format_reward(solution_str, GEOMETRY3K_FORMAT_PATTERN)
     return (1.0 - format_weight) * accuracy + format_weight * layout
 
