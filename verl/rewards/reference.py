@@ -39,6 +39,8 @@ against a matrix, and hands ``Matrix(...)`` answers to sympy's parser; here only
 number literals is evaluated (``_safe_arith``) and ``Matrix(...)`` answers are not parsed.
 The reference renders LaTeX to text with pylatexenc inside PRIME's normaliser; ``latex_to_text``
 renders the commands that occur in answers the same way (see ``_SYMBOLS``), not every one.
+The sympy check runs under a 10 s limit in-process (the reference: 10 s in a child process for
+PRIME, none for mathruler).
 """
 
 from __future__ import annotations
