@@ -22,6 +22,7 @@ from collections import Counter
 
 import pytest
 
+from tests.rewards.conftest import CharTokenizer, make_batch
 from verl.config import from_dict
 from verl.config.schema import PPOConfig
 from verl.rewards import (
@@ -31,8 +32,6 @@ from verl.rewards import (
     reward_manager_from_config,
 )
 from verl.rewards.reference import prime_compute_score, reference_data_source
-
-from .conftest import CharTokenizer, make_batch
 
 CORPUS_PATH = os.path.join(os.path.dirname(__file__), "data", "reference_scores.json")
 with open(CORPUS_PATH, encoding="utf-8") as _f:
