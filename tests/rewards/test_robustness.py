@@ -8,7 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl.rewards import default_compute_score, format_reward, known_data_sources, math_answer, normalize_math_answer
+from verl.rewards import (
+    default_compute_score,
+    format_reward,
+    known_data_sources,
+    math_answer,
+    normalize_math_answer,
+    reference_compute_score,
+)
 
 # One ground truth per built-in scorer family.
 GROUND_TRUTHS = {
@@ -16,6 +23,7 @@ GROUND_TRUTHS = {
     "lighteval/MATH": r"\frac{1}{2}",
     "math_dapo": "204",
     "aime2024": "33",
+    "numina_olympiads": r"\frac{1}{2}",
     "countdown": {"target": 21, "numbers": [1, 2, 5, 6]},
     "verl/arithmetic": "579",
     "hiyouga/geometry3k": "30",
@@ -55,7 +63,8 @@ def _finite_score(result) -> float:
 def test_every_registered_family_is_covered():
     plain = {name for name in known_data_sources() if not name.endswith("*")}
     covered = {
-        "openai/gsm8k", "lighteval/MATH", "math_dapo", "countdown", "verl/arithmetic", "hiyouga/geometry3k", "codecontests"
+        "openai/gsm8k", "lighteval/MATH", "math_dapo", "countdown", "verl/arithmetic", "hiyouga/geometry3k",
+        "codecontests", "numina_olympiads",
     }  # fmt: skip
     # Every registered name is an alias of one of the covered scorers.
     from verl.rewards import get_scorer
@@ -79,6 +88,14 @@ def test_any_text_gets_a_finite_score(data_source, response):
 def test_any_text_gets_a_finite_code_score(data_source, response):
     _skip_without_sandbox(data_source)
     _finite_score(default_compute_score(data_source, response, GROUND_TRUTHS[data_source]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("data_source", ["openai/gsm8k", "lighteval/MATH", "math_dapo", "aime2024", "numina_olympiads"])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(response=responses)
+def test_reference_mode_gives_any_text_a_finite_score(data_source, response):
+    _finite_score(reference_compute_score(data_source, response, GROUND_TRUTHS[data_source]))
 
 
 ODD_INPUTS = [
@@ -105,6 +122,7 @@ def test_odd_inputs_get_a_finite_score(data_source):
     _skip_without_sandbox(data_source)
     for response in ODD_INPUTS:
         _finite_score(default_compute_score(data_source, response, GROUND_TRUTHS[data_source]))
+        _finite_score(reference_compute_score(data_source, response, GROUND_TRUTHS[data_source]))
         assert isinstance(format_reward(response), float)
         assert isinstance(normalize_math_answer(response), str)
 
@@ -115,3 +133,4 @@ def test_answers_that_stall_sympy_are_cut_off():
     for response in ("\\boxed{10^{10^{10^{10}}}}", "Answer: 10^{10^{10^{10}}}"):
         assert math_answer.compute_score(response, r"\frac{1}{2}", timeout_s=0.5) == 0.0
         assert math_answer.compute_score_dapo(response, r"\frac{1}{2}", timeout_s=0.5)["score"] == -1.0
+        assert math_answer.compute_score_numina(response, r"\frac{1}{2}", timeout_s=0.5) == 0.0

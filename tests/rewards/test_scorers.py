@@ -117,7 +117,12 @@ DAPO_CASES = [
     ("Answer: 1/2", r"\frac{1}{2}", 1.0),
     ("Answer: 7\n...wait.\nAnswer: 204", "204", 1.0),
     ("Answer: 203", "204", -1.0),
-    ("the answer is 204", "204", -1.0),  # no "Answer:" line
+    ("the answer is 204", "204", -1.0),  # no "Answer:" line and no box
+    (r"so the total is $\boxed{204}$.", "204", 1.0),  # no "Answer:" line: the last box (as the reference)
+    (r"first $\boxed{7}$, then $\boxed{204}$", "204", 1.0),
+    (r"so the total is $\boxed{203}$.", "204", -1.0),
+    ("Answer : 204", "204", 1.0),  # spaces and a line break may surround the colon, as in the reference
+    ("Answer:\n204", "204", 1.0),
     ("", "204", -1.0),
 ]
 

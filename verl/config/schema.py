@@ -368,6 +368,7 @@ class RewardModelConfig(ConfigBase):
     micro_batch_size_per_gpu: int = option(4, "Sequences per reward-model forward on one rank.", ge=1)
     max_length: int | None = option(None, "Truncate reward-model inputs to this many tokens; None: no limit.", ge=1)
     reward_manager: str = option("naive", "Reward manager by its registry name in verl.rewards (naive, dapo, ...).")
+    rule_scoring: Literal["lenient", "reference"] = option("lenient", "Built-in rule-based scorers: lenient (ours: equivalent answer forms count, docs/rewards.md) or reference (exactly the reference verl 0.9.1's scores, so a ported run keeps its reward curve).")
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
 
 

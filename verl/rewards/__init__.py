@@ -8,6 +8,8 @@
 - ``RewardManager(tokenizer, compute_score=None, num_workers=0, ...)(batch)``: token-level
   scores for a rollout batch, optionally in a process pool; ``reward_manager_from_config``
   builds one from a PPO config.
+- ``reference_compute_score``: the same call, scoring exactly as the reference verl 0.9.1 does
+  (``reward_model.rule_scoring=reference``; ``verl.rewards.reference``).
 - ``format_reward``: whole-response layout check (``<think>..</think><answer>..</answer>`` by default).
 """
 
@@ -18,6 +20,7 @@ from verl.rewards.arithmetic import ANSWER_PREFIX as ARITHMETIC_ANSWER_PREFIX
 from verl.rewards.arithmetic import format_arithmetic_answer
 from verl.rewards.format_reward import THINK_ANSWER_PATTERN, format_reward
 from verl.rewards.math_answer import math_equal, normalize_math_answer
+from verl.rewards.reference import reference_compute_score
 from verl.rewards.registry import (
     FileRewardFunction,
     default_compute_score,
@@ -32,7 +35,14 @@ from verl.rewards.scoring import SampleScore, score_one
 # workers, which unpickle scorers from this package, start without importing torch.
 _LAZY = {
     name: "verl.rewards.manager"
-    for name in ("OverlongBuffer", "REWARD_MANAGERS", "RewardManager", "RewardOutput", "reward_manager_from_config")
+    for name in (
+        "OverlongBuffer",
+        "REWARD_MANAGERS",
+        "RULE_SCORING",
+        "RewardManager",
+        "RewardOutput",
+        "reward_manager_from_config",
+    )
 }
 
 
@@ -46,6 +56,7 @@ __all__ = [
     "FileRewardFunction",
     "OverlongBuffer",
     "REWARD_MANAGERS",
+    "RULE_SCORING",
     "RewardManager",
     "RewardOutput",
     "SampleScore",
@@ -58,6 +69,7 @@ __all__ = [
     "load_custom_reward_fn",
     "math_equal",
     "normalize_math_answer",
+    "reference_compute_score",
     "register_scorer",
     "reward_manager_from_config",
     "score_one",

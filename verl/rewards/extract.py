@@ -139,13 +139,21 @@ def last_boxed(text: object) -> str | None:
         if content is None:
             break
         # Unwrap only a box that is the whole content ("\boxed{\boxed{5}}", not "\boxed{5}+1").
-        stripped = content.strip()
-        inner = _BOX_COMMAND_RE.match(stripped)
-        brace = stripped.find("{", inner.end()) if inner else -1
-        if brace < 0 or stripped[inner.end() : brace].strip() or _skip_braced(stripped, brace) != len(stripped):
+        inner = whole_box(content)
+        if inner is None:
             break
-        content = stripped[brace + 1 : -1]
+        content = inner
     return content.strip() if content is not None else None
+
+
+def whole_box(text: str) -> str | None:
+    """The content of ``text`` when all of it is one ``\\boxed{...}``/``\\fbox{...}``; else None."""
+    stripped = text.strip()
+    command = _BOX_COMMAND_RE.match(stripped)
+    brace = stripped.find("{", command.end()) if command else -1
+    if brace < 0 or stripped[command.end() : brace].strip() or _skip_braced(stripped, brace) != len(stripped):
+        return None
+    return stripped[brace + 1 : -1]
 
 
 def last_answer_tag(text: object) -> str | None:

@@ -3,13 +3,16 @@
 Ground truths are the number after ``####`` in the dataset's solution ("72", "1,080",
 "-3", "0.5"). Two extraction methods, as in the reference verl:
 
-- ``strict``: the number right after the *last* ``#### `` marker (the reference takes the
-  first; a model that restates the format mid-way and corrects itself is judged on its
-  final marker here). A currency sign and thousands separators are allowed: ``#### $1,080``.
+- ``strict``: the number right after the last ``####`` marker that has one (as the
+  reference, which also takes the last). A currency sign, thousands separators and no space
+  are allowed: ``####$1,080``; the reference needs exactly ``"#### "`` and a number.
 - ``flexible``: the last number anywhere in the response.
 
 Answers are compared as exact decimals, so "72.00" equals "72" (the reference compares
-strings after removing "," and "$", and would count "72.00" wrong).
+strings after removing ",", and counts "72.00" wrong); the whole response is read (the
+reference reads only its last 300 characters). A malformed group such as "10,00" is not
+1000 here (the reference drops every comma). ``rule_scoring=reference`` scores as the
+reference does (``verl.rewards.reference``).
 """
 
 from __future__ import annotations
@@ -30,11 +33,8 @@ def extract_solution(solution_str: object, method: str = "strict") -> str | None
     text = normalize_minus(as_text(solution_str))
     if method == "flexible":
         return last_number(text)
-    marker = text.rfind("####")
-    if marker < 0:
-        return None
-    match = _STRICT_RE.match(text, marker)
-    return match.group(1) if match else None
+    found = _STRICT_RE.findall(text)
+    return found[-1] if found else None
 
 
 def compute_score(

@@ -38,10 +38,18 @@ import numpy as np
 import torch
 
 from verl import sandbox
+from verl.rewards.reference import reference_compute_score
 from verl.rewards.registry import default_compute_score, get_scorer, load_custom_reward_fn
 from verl.rewards.scoring import SampleScore, score_chunk
 
 logger = logging.getLogger(__name__)
+
+# The built-in scorer tables by ``reward_model.rule_scoring``: ours, or the reference verl's exact
+# scores (data sources it has no scorer for use ours in both).
+RULE_SCORING: dict[str, Callable[..., Any]] = {
+    "lenient": default_compute_score,
+    "reference": reference_compute_score,
+}
 
 # Slack on top of timeout_s * ceil(samples / workers) for the whole pool batch: worker
 # start-up (spawn + import, a few seconds on a loaded machine) and result transfer.
@@ -113,6 +121,9 @@ class RewardManager:
         overlong_buffer: DAPO overlong punishment added to each score, or None.
         skip_special_tokens: passed to the tokenizer when decoding responses.
         reward_fn_key: the non-tensor column whose value picks the scorer (``data.reward_fn_key``).
+        rule_scoring: which built-in scorers serve when ``compute_score`` is None: "lenient"
+            (``default_compute_score``) or "reference" (``reference_compute_score``: the
+            reference verl's exact scores; ``reward_model.rule_scoring``).
     """
 
     def __init__(
@@ -125,13 +136,19 @@ class RewardManager:
         overlong_buffer: OverlongBuffer | None = None,
         skip_special_tokens: bool = True,
         reward_fn_key: str = "data_source",
+        rule_scoring: str = "lenient",
     ) -> None:
+        if rule_scoring not in RULE_SCORING:
+            raise ValueError(
+                f"reward_model.rule_scoring={rule_scoring!r} is not one of {sorted(RULE_SCORING)}"
+            )
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"reward num_workers must be an int >= 0, got {num_workers!r}")
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0 or None, got {timeout_s!r}")
         self.tokenizer = tokenizer
-        self.compute_score = compute_score if compute_score is not None else default_compute_score
+        self.compute_score = compute_score if compute_score is not None else RULE_SCORING[rule_scoring]
+        self.rule_scoring = rule_scoring
         self.uses_registry = compute_score is None
         self.num_workers = num_workers
         self.timeout_s = timeout_s
@@ -356,8 +373,9 @@ REWARD_MANAGERS: dict[str, Callable[[], int]] = {
 
 
 def reward_manager_from_config(config: Any, tokenizer: Any) -> RewardManager:
-    """The ``RewardManager`` a PPO config asks for (``verl.config.PPOConfig``: reward_model,
-    custom_reward_function, data.max_response_length, data.reward_fn_key)."""
+    """The ``RewardManager`` a PPO config asks for (``verl.config.PPOConfig``: reward_model
+    (reward_manager, overlong_buffer, rule_scoring), custom_reward_function,
+    data.max_response_length, data.reward_fn_key)."""
     name = config.reward_model.reward_manager
     if name not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={name!r} is not one of {sorted(REWARD_MANAGERS)}")
@@ -365,6 +383,14 @@ def reward_manager_from_config(config: Any, tokenizer: Any) -> RewardManager:
     # The code scorers run programs through the process-wide sandbox; the pool's spawned
     # workers inherit this config through the environment (verl.sandbox.configure).
     sandbox.configure(config.sandbox)
+    if custom.path and config.reward_model.rule_scoring != "lenient":
+        logger.info(
+            "reward_model.rule_scoring=%s applies to the built-in scorers; custom_reward_function %s:%s "
+            "scores on its own (it can call verl.rewards.reference_compute_score)",
+            config.reward_model.rule_scoring,
+            custom.path,
+            custom.name,
+        )
     buffer_cfg = config.reward_model.overlong_buffer
     overlong = None
     if buffer_cfg.enable:
@@ -379,4 +405,5 @@ def reward_manager_from_config(config: Any, tokenizer: Any) -> RewardManager:
         num_workers=REWARD_MANAGERS[name](),
         overlong_buffer=overlong,
         reward_fn_key=config.data.reward_fn_key,
+        rule_scoring=config.reward_model.rule_scoring,
     )

@@ -11,7 +11,7 @@ Equivalence (``math_equal``) is decided in two stages:
 
 The normaliser (documented here because a reward depends on it):
 
-- unwrap ``\\boxed{..}``/``\\fbox{..}``; drop ``$``, ``\\(``, ``\\)``, ``\\[``, ``\\]``, line breaks;
+- unwrap an answer that is all one ``\\boxed{..}``/``\\fbox{..}``; drop ``$``, ``\\(``, ``\\)``, ``\\[``, ``\\]``, line breaks;
 - drop spacing commands (``\\!``, ``\\,``, ``\\;``, ``\\:``, ``\\quad``, ``~``, ``\\ ``) and
   ``\\displaystyle``, ``\\left``/``\\right``;
 - ``\\dfrac``/``\\tfrac`` -> ``\\frac``; ``\\frac12`` -> ``\\frac{1}{2}``; ``\\sqrt2`` -> ``\\sqrt{2}``;
@@ -33,7 +33,8 @@ import logging
 import re
 from fractions import Fraction
 
-from verl.rewards.extract import answer_after_marker, as_text, last_boxed, normalize_minus
+from verl.rewards import reference
+from verl.rewards.extract import as_text, last_boxed, normalize_minus, whole_box
 from verl.rewards.timeout import time_limit
 from verl.utils.logging import warn_once
 
@@ -61,6 +62,7 @@ _LEADING_VAR_RE = re.compile(r"^\s*[A-Za-z][A-Za-z0-9_]{0,2}\s*=\s*(?=\S)")
 _THOUSANDS_RE = re.compile(r"^-?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?$")
 _DECIMAL_RE = re.compile(r"^-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$")
 _SLASH_FRAC_RE = re.compile(r"^(-?[0-9]+)/([0-9]+)$")
+_BOX_FRAME_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _TEX_FRAC_RE = re.compile(r"^(-?)\\frac\{(-?[0-9]+)\}\{(-?[0-9]+)\}$")
 
 
@@ -84,9 +86,8 @@ def _canonical_number(s: str) -> str | None:
 def normalize_math_answer(answer: object) -> str:
     """A canonical string for a final math answer (rules in the module docstring); never raises."""
     s = normalize_minus(as_text(answer))
-    boxed = last_boxed(s)
-    if boxed is not None:
-        s = boxed
+    if whole_box(s) is not None:  # "\boxed{5}" is 5; "\boxed{5}+1" is not
+        s = last_boxed(s) or ""
     if len(s) > MAX_ANSWER_CHARS:
         return "".join(s.split())
     s = s.replace("\n", " ").replace("\\(", "").replace("\\)", "").replace("\\[", "").replace("\\]", "")
@@ -133,8 +134,10 @@ def _math_verify():
 def _parse_for_verify(answer: str) -> tuple:
     """math-verify's parse of one answer (cached: a GRPO group shares its ground truth)."""
     mv = _math_verify()
+    # A box inside an answer is only a frame ("\boxed{5}+1" is 6): math-verify, handed a box
+    # within our box, would read the inner one as the answer.
     parsed = mv.parse(
-        "\\boxed{" + answer + "}",
+        "\\boxed{" + _BOX_FRAME_RE.sub("", answer) + "}",
         extraction_config=[mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()],
         parsing_timeout=None,
     )
@@ -197,23 +200,35 @@ def compute_score(
     timeout_s: float | None = DEFAULT_MATH_VERIFY_TIMEOUT_S,
 ) -> float:
     """MATH / MATH-500: 1.0 if the last ``\\boxed{}`` answer equals ``ground_truth``, else 0.0
-    (also 0.0 with no box, or when the last box is unclosed)."""
+    (also 0.0 with no box, or when the last box is unclosed).
+
+    Equal means ``math_equal``, or equal under the Hendrycks normaliser the reference verl uses
+    (so every answer the reference accepts from that box is accepted here too).
+    """
     answer = last_boxed(solution_str)
     if answer is None:
         return 0.0
-    return 1.0 if math_equal(answer, ground_truth, use_math_verify=use_math_verify, timeout_s=timeout_s) else 0.0
+    if math_equal(answer, ground_truth, use_math_verify=use_math_verify, timeout_s=timeout_s):
+        return 1.0
+    return 1.0 if reference.hendrycks_equivalent(answer, as_text(ground_truth)) else 0.0
+
+
+# "Answer:" as DAPO's prompt asks for it; spaces and line breaks may surround the colon.
+_DAPO_ANSWER_RE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
 
 def extract_dapo_answer(solution_str: object) -> str | None:
-    """The DAPO-style final answer: the rest of the line after the last "Answer:", or None.
-
-    A ``\\boxed{}`` on that line is unwrapped ("Answer: \\boxed{5}" reads "5").
-    """
-    answer = answer_after_marker(solution_str, "Answer:")
-    if answer is None:
-        return None
-    boxed = last_boxed(answer)
-    return boxed if boxed is not None else answer
+    """The DAPO-style final answer, or None: the rest of the line after the last "Answer:" (a
+    ``\\boxed{}`` there is unwrapped, a final period dropped), else the last ``\\boxed{}``."""
+    text = as_text(solution_str)
+    lines = _DAPO_ANSWER_RE.findall(text)
+    if not lines:
+        return last_boxed(text)
+    line = lines[-1].strip()
+    if line.endswith("."):
+        line = line[:-1].rstrip()
+    boxed = last_boxed(line)
+    return boxed if boxed is not None else (line or None)
 
 
 def compute_score_dapo(
@@ -224,8 +239,43 @@ def compute_score_dapo(
     use_math_verify: bool = True,
     timeout_s: float | None = DEFAULT_MATH_VERIFY_TIMEOUT_S,
 ) -> dict:
-    """DAPO-Math / AIME: the answer after the last "Answer:" line; score +1.0 if correct, -1.0
-    otherwise (no answer included), as in DAPO. Returns ``{"score", "acc", "pred"}``."""
+    """DAPO-Math / AIME: +1.0 if the final answer (``extract_dapo_answer``) is correct, -1.0
+    otherwise (no answer included), as in DAPO. Returns ``{"score", "acc", "pred"}``.
+
+    Correct means ``math_equal``, or correct by the reference verl's own DAPO scorer (which reads
+    only the last 300 characters, Minerva-normalises the "Answer:" line, and compares a box as a
+    raw string), so every answer it accepts is accepted here too.
+    """
     pred = extract_dapo_answer(solution_str)
     correct = pred is not None and math_equal(pred, ground_truth, use_math_verify=use_math_verify, timeout_s=timeout_s)
+    if not correct and isinstance(solution_str, str) and isinstance(ground_truth, str):
+        correct = bool(reference.dapo_reference_score(solution_str, ground_truth)["acc"])
     return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": "" if pred is None else pred[:200]}
+
+
+def compute_score_numina(
+    solution_str: object,
+    ground_truth: object,
+    extra_info: dict | None = None,
+    *,
+    use_math_verify: bool = True,
+    timeout_s: float | None = DEFAULT_MATH_VERIFY_TIMEOUT_S,
+) -> float:
+    """NuminaMath sources: 1.0 if the final answer is correct, else 0.0.
+
+    The answer is the last closed ``\\boxed{}``, else what PRIME's extraction (which the
+    reference verl uses for these sources) finds: the text after the last "answer is"/"Answer:",
+    "=", "is "... Correct means ``math_equal``, or PRIME's grader without its numeric leniency
+    (``reference.prime_exact_equal``): the reference also counts 0.5 right for 50 and 3.1416 for
+    ``\\pi`` (within 1e-4, or off by a factor of 100); that we do not.
+    """
+    text, gold = as_text(solution_str), as_text(ground_truth)
+    extracted = reference.prime_extract(text)
+    answer = last_boxed(text)
+    if answer is None:
+        answer = extracted
+    if math_equal(answer, gold, use_math_verify=use_math_verify, timeout_s=timeout_s):
+        return 1.0
+    if max(len(extracted), len(gold)) > MAX_ANSWER_CHARS:  # sympy would only spend the time limit on it
+        return 0.0
+    return 1.0 if reference.prime_exact_equal(extracted, gold, sympy_timeout_s=timeout_s) else 0.0

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from verl.rewards import arithmetic, code, countdown, gsm8k, math_answer
+from verl.rewards import arithmetic, code, countdown, gsm8k, math_answer, reference
 from verl.rewards.extract import last_boxed
 from verl.rewards.format_reward import format_reward
 
@@ -92,17 +92,17 @@ def default_compute_score(
 # ---- the built-in table (names as in the reference verl) ----
 
 register_scorer("openai/gsm8k", "gsm8k")(gsm8k.compute_score)
+register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")(
+    math_answer.compute_score
+)
 register_scorer(
-    "lighteval/MATH",
-    "DigitalLearningGmbH/MATH-lighteval",
-    "HuggingFaceH4/MATH-500",
     "numina_aops_forum",
     "numina_synthetic_math",
     "numina_amc_aime",
     "numina_synthetic_amc",
     "numina_cn_k12",
     "numina_olympiads",
-)(math_answer.compute_score)
+)(math_answer.compute_score_numina)
 register_scorer("math_dapo", "math", "math_dapo_reasoning")(math_answer.compute_score_dapo)
 register_scorer("aime", prefix=True)(math_answer.compute_score_dapo)
 register_scorer("countdown")(countdown.compute_score)
@@ -118,8 +118,20 @@ GEOMETRY3K_FORMAT_PATTERN = r"\s*<think>.*</think>.*\\boxed\{.*\}.*"
 def geometry3k_score(
     solution_str: object, ground_truth: object, extra_info: Mapping[str, Any] | None = None, *, format_weight: float = 0.1
 ) -> float:
-    """(1 - format_weight) * accuracy of the last box + format_weight * (think-then-box layout)."""
-    accuracy = 1.0 if math_answer.math_equal(last_boxed(solution_str), ground_truth) else 0.0
+    """(1 - format_weight) * accuracy of the last box + format_weight * (think-then-box layout).
+
+    Accurate means ``math_equal``, or right by the reference verl's own Geometry3K grader
+    (mathruler's), so every answer it accepts is accepted here too.
+    """
+    right = math_answer.math_equal(last_boxed(solution_str), ground_truth)
+    if not right and isinstance(solution_str, str):
+        right = reference.geo3k_accuracy(
+            solution_str,
+            ground_truth,
+            max_answer_chars=math_answer.MAX_ANSWER_CHARS,
+            sympy_timeout_s=math_answer.DEFAULT_MATH_VERIFY_TIMEOUT_S,
+        )
+    accuracy = 1.0 if right else 0.0
     layout = format_reward(solution_str, GEOMETRY3K_FORMAT_PATTERN)
     return (1.0 - format_weight) * accuracy + format_weight * layout
 
