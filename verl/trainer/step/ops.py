@@ -208,14 +208,17 @@ class RewardOperator(Operator):
         super().bind(trainer)
         if self.scorer is None:
             return
-        from verl.rewards import RewardManager, default_compute_score
+        from verl.rewards import RewardManager
+        from verl.rewards.manager import RULE_SCORING
         from verl.roles import RewardModel
 
         if isinstance(self.scorer, str):
             source = self.scorer
+            # The config's built-in scorers: ours, or the reference verl's exact ones (reward_model.rule_scoring).
+            builtin = RULE_SCORING[trainer.cfg.reward_model.rule_scoring]
 
             def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-                return default_compute_score(source, solution_str, ground_truth, extra_info)
+                return builtin(source, solution_str, ground_truth, extra_info)
 
         else:
             compute_score = self.scorer
