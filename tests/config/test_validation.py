@@ -336,3 +336,11 @@ def test_a_placement_gives_each_role_its_ranks_and_checks_its_layout_there():
 def test_a_placement_that_cannot_run_names_the_cause(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _load(*_PLACED, *overrides, world_size=4)
+
+
+@pytest.mark.parametrize("root", [PPOConfig, SFTConfig])
+@pytest.mark.parametrize("key, says", [("save_freq", "saves no checkpoint, not even at the end"), ("test_freq", "never validates")])
+def test_a_frequency_of_zero_is_refused_naming_never(root, key, says):
+    with pytest.raises(ConfigError, match=rf"trainer.{key}=0 {says}; use -1 for never, or a number of steps >= 1"):
+        _load(f"trainer.{key}=0", root=root)
+    assert getattr(_load(f"trainer.{key}=-1", root=root).trainer, key) == -1

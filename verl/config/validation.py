@@ -232,6 +232,10 @@ def _mini_batches(
 
 
 def _resume(trainer: Any, problems: list[str]) -> None:
+    for key in ("save_freq", "test_freq"):  # 0 would silently mean never, even at the end
+        if getattr(trainer, key) == 0:
+            what = "saves no checkpoint, not even at the end" if key == "save_freq" else "never validates"
+            problems.append(f"trainer.{key}=0 {what}; use -1 for never, or a number of steps >= 1")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     elif trainer.resume_mode != "resume_path" and trainer.resume_from_path:

@@ -213,6 +213,10 @@ class Loop:
             return self._finish()
         metrics = self.step_fn()
         if metrics is None:
+            log_rank0(
+                logger, logging.INFO, "the data is used up after step %d (trainer.total_epochs=%d); ending the run",
+                trainer.global_step, trainer.cfg.trainer.total_epochs,
+            )
             return self._finish()
         self._run("on_step_end", metrics)
         self.last = metrics

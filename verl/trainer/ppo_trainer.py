@@ -122,6 +122,15 @@ class PPOTrainer(StepPieces):
         self.stopped_by: str | None = None  # the signal that stopped fit(), if one did
         self.pipeline = build_step(cfg)  # the config's step; fit() runs it
         self.pipeline.bind(self)
+        available = t.total_epochs * self.data.steps_per_epoch
+        if t.total_training_steps and t.total_training_steps > available:
+            log_rank0(
+                logger, logging.WARNING,
+                "trainer.total_training_steps=%d but the data gives %d steps (trainer.total_epochs=%d x %d steps per "
+                "epoch): the run stops at step %d; raise trainer.total_epochs to %d to train %d steps",
+                t.total_training_steps, available, t.total_epochs, self.data.steps_per_epoch, available,
+                -(-t.total_training_steps // self.data.steps_per_epoch), t.total_training_steps,
+            )
         log_rank0(
             logger,
             logging.INFO,
