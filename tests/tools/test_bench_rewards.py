@@ -9,6 +9,9 @@ import os
 
 import pytest
 
+from tools.benchmarks import compare_trl as bench
+from tools.benchmarks.harness import rl_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -19,7 +22,6 @@ def _load(name: str, file: str):
     return module
 
 
-bench = _load("verl_tools_bench", "bench.py")
 rewards = _load("verl_tools_bench_rewards", "bench_rewards.py")
 
 
@@ -62,7 +64,7 @@ def test_our_side_config_per_reward():
 
 def test_the_config_loads_with_the_words_reward(tmp_path):
     overrides = bench._compare_trl_overrides(_args(reward="words"), "/m", "/t.parquet", HF, "fp32")
-    cfg = bench._rl_config("grpo_tiny_cpu", overrides, str(tmp_path), 1)
+    cfg = rl_config("grpo_tiny_cpu", overrides, str(tmp_path), 1)
     assert cfg.custom_reward_function.path == bench.BENCH_REWARDS
     assert cfg.custom_reward_function.name == "compute_score"
     # What our reward manager then calls is the function TRL's side calls.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tools.bench_run import BENCH, run_bench
+from tests.tools.bench_run import run_bench
 
 # 8 prompts x 4 samples of up to 12 tokens, one mini-batch and one micro-batch per step.
 SMALL = [
@@ -55,12 +55,9 @@ def test_rl_step_phases_add_up(tmp_path):
 
 
 def _bench_module():
-    import importlib.util
+    from tools.benchmarks import rl_step
 
-    spec = importlib.util.spec_from_file_location("verl_tools_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return rl_step
 
 
 def test_median_table_unaccounted_is_the_steps_own_over_an_odd_count():

@@ -16,19 +16,17 @@ the field at fault: 400 for a body that is not JSON, a missing or unknown field,
 range or above the server's limits; 401 without the API key (when one is set); 404 for a
 ``model`` that is not the served one. Streaming sends the whole response as per-token chunks once
 it is generated (the engines return finished samples), then ``data: [DONE]``.
+
+The routes are ``APIRouter`` groups in :mod:`verl.serving.routes`; this module holds what the app
+and the review page share (errors, the API key) and composes the app.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-from verl.rollout.base import Sample, SamplingSpec
 from verl.serving.engine import ServedModel, ServeLimits
 from verl.serving.schema import ChatRequest, CompletionRequest, GenerateRequest
 
@@ -143,15 +141,32 @@ def create_app(
 
 
 def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
-    """The app of :func:`create_app` on an already loaded :class:`ServedModel`."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    """The app of :func:`create_app` on an already loaded :class:`ServedModel`: OpenAI-shaped
+    errors, the API key, the body-size limit, then the routers of :mod:`verl.serving.routes`."""
+    from fastapi import FastAPI
+
+    from verl.serving.routes.completions import completions_router
+    from verl.serving.routes.generate import generate_router
+    from verl.serving.routes.info import info_router
 
     app = FastAPI(title=f"verl serving: {model.name}", version="1")
     app.state.model = model
     app.state.api_key = api_key
-    limits = model.limits
+    _install_error_handlers(app)
+    require_api_key(app, api_key, open_paths=_OPEN_ROUTES)
+    _limit_body_size(app, model.limits)
+    app.include_router(info_router(model))
+    app.include_router(generate_router(model))
+    app.include_router(completions_router(model))
+    return app
+
+
+def _install_error_handlers(app: Any) -> None:
+    """Every error as OpenAI's body: a :class:`RequestError` with its status, a body pydantic refuses
+    as 400 naming every field at fault, anything else as 500 (logged)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -173,7 +188,11 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
             _error_body(f"the server failed on this request: {exc!r}", None, "server_error"), status_code=500
         )
 
-    require_api_key(app, api_key, open_paths=_OPEN_ROUTES)
+
+def _limit_body_size(app: Any, limits: ServeLimits) -> None:
+    """413 for a request whose ``Content-Length`` is above ``limits.max_body_bytes``."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
     @app.middleware("http")
     async def _body_size(request: Request, call_next: Any) -> Any:
@@ -188,268 +207,3 @@ def create_model_app(model: ServedModel, *, api_key: str | None = None) -> Any:
                 status_code=413,
             )
         return await call_next(request)
-
-    # -- helpers --------------------------------------------------------------------------
-
-    def check_model(requested: str) -> None:
-        if requested != model.name:
-            raise RequestError(
-                404,
-                f"model {requested!r} is not served here; this server serves {model.name!r}",
-                param="model",
-                kind="not_found_error",
-            )
-
-    def spec_of(
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_tokens: int,
-        stop: list[str],
-        max_param: str = "max_tokens",
-    ) -> SamplingSpec:
-        if max_tokens > limits.max_tokens:
-            raise RequestError(
-                400,
-                f"{max_param}={max_tokens} is above this server's limit of {limits.max_tokens}",
-                param=max_param,
-            )
-        if n > limits.max_n:
-            raise RequestError(400, f"n={n} is above this server's limit of {limits.max_n}", param="n")
-        if temperature == 0.0:  # greedy: the other knobs do not apply
-            top_p, top_k = 1.0, -1
-        return SamplingSpec(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, stop=tuple(stop)
-        )
-
-    def check_count(count: int, param: str) -> None:
-        if count == 0:
-            raise RequestError(400, f"{param} is empty; send at least one", param=param)
-        if count > limits.max_prompts:
-            raise RequestError(
-                400,
-                f"{count} {param} in one request; this server takes at most {limits.max_prompts}",
-                param=param,
-            )
-
-    def check_tokens(ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise RequestError(400, f"{param} is empty after tokenization", param=param)
-        if len(ids) > limits.max_prompt_tokens:
-            raise RequestError(
-                400,
-                f"{param} is {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens}",
-                param=param,
-            )
-        return ids
-
-    def chat_ids(messages: list[Any], param: str) -> tuple[list[int], str]:
-        try:
-            ids, text = model.encode_chat([{"role": m.role, "content": m.text()} for m in messages])
-        except ValueError as exc:
-            raise RequestError(400, str(exc), param=param) from None
-        return check_tokens(ids, param), text
-
-    def usage(prompt_ids: list[list[int]], samples: list[Sample]) -> dict[str, int]:
-        p = sum(len(i) for i in prompt_ids)
-        c = sum(len(s.token_ids) for s in samples)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def sse(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
-        def body() -> Iterator[str]:
-            for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-
-    # -- routes ---------------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "model": model.name,
-            "engine": model.engine_name,
-            "stats": dict(model.batcher.stats),
-        }
-
-    @app.get("/model")
-    async def model_info() -> dict[str, Any]:
-        return model.summary()
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "verl"}],
-        }
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest) -> dict[str, Any]:
-        if (req.prompts is None) == (req.messages is None):
-            raise RequestError(
-                400, "send exactly one of 'prompts' (texts) and 'messages' (conversations)", param="prompts"
-            )
-        if req.prompts is not None:
-            check_count(len(req.prompts), "prompts")
-            prompt_ids = [check_tokens(model.encode(p), f"prompts.{i}") for i, p in enumerate(req.prompts)]
-            texts = list(req.prompts)
-        else:
-            check_count(len(req.messages), "messages")
-            for i, conv in enumerate(req.messages):
-                if not conv:
-                    raise RequestError(400, f"messages.{i} is an empty conversation", param=f"messages.{i}")
-            pairs = [chat_ids(conv, f"messages.{i}") for i, conv in enumerate(req.messages)]
-            prompt_ids, texts = [p[0] for p in pairs], [p[1] for p in pairs]
-        s = req.sampling
-        spec = spec_of(
-            n=s.n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens or limits.max_tokens,
-            stop=s.stop,
-            max_param="sampling.max_tokens",
-        )
-        samples = await model.batcher.submit(prompt_ids, spec, s.seed)
-        outputs = []
-        for i, (ids, text) in enumerate(zip(prompt_ids, texts)):
-            responses = []
-            for sample in samples[i * spec.n : (i + 1) * spec.n]:
-                out_text, finish = model.response_text(sample, s.stop)
-                responses.append(
-                    {
-                        "text": out_text,
-                        "token_ids": sample.token_ids,
-                        "logprobs": sample.logprobs,
-                        "finish_reason": finish,
-                    }
-                )
-            outputs.append({"prompt": text, "prompt_tokens": len(ids), "responses": responses})
-        return {
-            "model": model.name,
-            "step": model.step,
-            "outputs": outputs,
-            "usage": usage(prompt_ids, samples),
-        }
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        check_model(req.model)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        check_count(len(prompts), "prompt")
-        prompt_ids = [check_tokens(model.encode(p), "prompt") for p in prompts]
-        spec = spec_of(
-            n=req.n or 1,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=req.top_p or 1.0,
-            top_k=-1 if req.top_k is None else req.top_k,
-            max_tokens=req.max_tokens or limits.default_completion_tokens,
-            stop=req.stop_list(),
-        )
-        samples = await model.batcher.submit(prompt_ids, spec, req.seed)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        finals = [model.response_text(s, req.stop_list()) for s in samples]
-        if not req.stream:
-            choices = [
-                {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
-                for k, (text, finish) in enumerate(finals)
-            ]
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model.name,
-                "choices": choices,
-                "usage": usage(prompt_ids, samples),
-            }
-
-        def chunks() -> Iterator[dict[str, Any]]:
-            head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
-            for k, (sample, (text, finish)) in enumerate(zip(samples, finals)):
-                for piece in model.text_pieces(sample, text):
-                    yield {
-                        **head,
-                        "choices": [{"index": k, "text": piece, "logprobs": None, "finish_reason": None}],
-                    }
-                yield {
-                    **head,
-                    "choices": [{"index": k, "text": "", "logprobs": None, "finish_reason": finish}],
-                }
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield {**head, "choices": [], "usage": usage(prompt_ids, samples)}
-
-        return sse(chunks())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest) -> Any:
-        check_model(req.model)
-        if req.max_tokens is not None and req.max_completion_tokens is not None:
-            raise RequestError(
-                400, "send max_tokens or max_completion_tokens, not both", param="max_completion_tokens"
-            )
-        ids, _ = chat_ids(req.messages, "messages")
-        wanted = req.max_completion_tokens or req.max_tokens
-        spec = spec_of(
-            n=req.n or 1,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=req.top_p or 1.0,
-            top_k=-1 if req.top_k is None else req.top_k,
-            max_tokens=wanted or limits.max_tokens,
-            stop=req.stop_list(),
-            max_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-        )
-        samples = await model.batcher.submit([ids], spec, req.seed)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        finals = [model.response_text(s, req.stop_list()) for s in samples]
-        if not req.stream:
-            choices = [
-                {
-                    "index": k,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-                for k, (text, finish) in enumerate(finals)
-            ]
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model.name,
-                "choices": choices,
-                "usage": usage([ids], samples),
-            }
-
-        def chunks() -> Iterator[dict[str, Any]]:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name}
-            for k, (sample, (text, finish)) in enumerate(zip(samples, finals)):
-                first = {
-                    "index": k,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield {**head, "choices": [first]}
-                for piece in model.text_pieces(sample, text):
-                    yield {
-                        **head,
-                        "choices": [
-                            {"index": k, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
-                        ],
-                    }
-                yield {
-                    **head,
-                    "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish}],
-                }
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield {**head, "choices": [], "usage": usage([ids], samples)}
-
-        return sse(chunks())
-
-    return app
