@@ -105,7 +105,8 @@ def test_tutorial_dataset_class_trains_a_grpo_step(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"using custom dataset class ArrowRLHFDataset from {user_file}" in proc.stderr, proc.stderr[-4000:]
     # The prompts are the class's: its filter dropped the long ones.
-    assert re.search(rf"RL trainer: grpo on .*\({fitting} prompts,", proc.stderr), proc.stderr[-4000:]
+    step = "RolloutOperator -> RewardOperator -> PPOUpdateOperator"
+    assert re.search(rf"RL trainer: grpo; step {step} on .*\({fitting} prompts,", proc.stderr), proc.stderr[-4000:]
     with open(tmp_path / "run" / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         [step] = [json.loads(line) for line in f]
     assert step["step"] == 1
