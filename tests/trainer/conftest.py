@@ -41,3 +41,22 @@ def arithmetic_files(tmp_path_factory) -> dict[str, str]:
     write_parquet(train, str(out / "train.parquet"))
     write_parquet(train[:64], str(out / "val.parquet"))
     return {"train": str(out / "train.parquet"), "val": str(out / "val.parquet")}
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A reward model on the policy's tokenizer: the tiny Qwen2's body with a score head."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    out = str(tmp_path_factory.mktemp("reward-model"))
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+    for name in os.listdir(tiny_model_dir):
+        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
+            shutil.copy(os.path.join(tiny_model_dir, name), out)
+    return out

@@ -11,25 +11,6 @@ import pytest
 CPU = ["trainer.device=cpu", "trainer.n_gpus_per_node=1"]
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A reward model on the policy's tokenizer: the tiny Qwen2's body with a score head."""
-    import shutil
-
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    out = str(tmp_path_factory.mktemp("reward-model"))
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    config.num_labels = 1
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
-    for name in os.listdir(tiny_model_dir):
-        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
-            shutil.copy(os.path.join(tiny_model_dir, name), out)
-    return out
-
-
 def test_the_facade_takes_a_reward_model_directory(tiny_model_dir, reward_model_dir, arithmetic_files, tmp_path):
     import verl
 
@@ -114,3 +95,19 @@ def test_reward_delta_compares_the_last_quarter_with_the_first():
     assert reward_change([0.0, 0.2, 0.9, 0.0, 0.5, 0.1, 0.5, 0.7]) == pytest.approx(0.6 - 0.1)
     assert reward_change([0.3]) == 0.0
     assert reward_change([0.2, 0.4, 0.6]) == pytest.approx(0.6 - 0.2)
+
+
+def test_the_conditional_stream_says_so_when_its_config_is_built(tiny_model_dir, arithmetic_files):
+    """With the config's default one sample per prompt the stream fails as it builds its config,
+    before any model: one line naming the fix."""
+    from verl import (
+        ConditionalUpdateOperator, DataStream, DPOUpdateOperator, PPOUpdateOperator, RewardOperator, RolloutOperator,
+    )
+
+    stream = DataStream(model=tiny_model_dir, train_files=arithmetic_files["train"], overrides=CPU)
+    stream.add_operator(RolloutOperator()).add_operator(RewardOperator())
+    stream.add_operator(ConditionalUpdateOperator(condition=lambda s: s["reward"] > 0, true_branch=PPOUpdateOperator(),
+                                                  false_branch=DPOUpdateOperator()))
+    with pytest.raises(ValueError, match=r"^ConditionalUpdateOperator: .*rollout.n=1 .*RolloutOperator\(n=4\)") as exc:
+        stream.config()
+    assert "\n" not in str(exc.value)

@@ -315,6 +315,9 @@ class DataStream:
                 **build,
                 overrides=[*overrides, *(f"{k}={v}" for k, v in self.monitor.config_overrides(cfg.trainer.logger).items())],
             )
+        for op in self.operators:  # what an operator cannot train with, before any model is built
+            if isinstance(op, Operator):
+                op.check_config(cfg)
         return cfg
 
     @property

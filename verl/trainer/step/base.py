@@ -46,6 +46,10 @@ class Operator:
         applies them, one given a trainer checks them."""
         return {}
 
+    def check_config(self, cfg: Any) -> None:
+        """Refuse (ValueError naming the fix) a config this operator cannot train with; a stream
+        calls it when it builds its config, before any model is built."""
+
     def bind(self, trainer: "PPOTrainer") -> None:
         """Attach the trainer whose roles this operator calls (the stream does this)."""
         self._trainer = trainer

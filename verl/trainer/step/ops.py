@@ -810,13 +810,20 @@ class ConditionalUpdateOperator(Operator):
             out.update({k: v for k, v in branch.config_overrides().items() if k != "data.pairs"})
         return out
 
-    def bind(self, trainer: "PPOTrainer") -> None:
-        if trainer.n < 2:
+    @staticmethod
+    def _check_samples(n: int) -> None:
+        if n < 2:
             raise ValueError(
                 f"ConditionalUpdateOperator: its DPO branch pairs the best and the worst sample of each prompt, but the "
-                f"rollout samples actor_rollout_ref.rollout.n={trainer.n} response per prompt, so no pair can form; "
+                f"rollout samples actor_rollout_ref.rollout.n={n} response per prompt, so no pair can form; "
                 "sample several: RolloutOperator(n=4) (or actor_rollout_ref.rollout.n=4)"
             )
+
+    def check_config(self, cfg: Any) -> None:
+        self._check_samples(cfg.actor_rollout_ref.rollout.n)
+
+    def bind(self, trainer: "PPOTrainer") -> None:
+        self._check_samples(trainer.n)
         super().bind(trainer)
         self.true_branch.bind(trainer)
         self.false_branch.bind(trainer)
