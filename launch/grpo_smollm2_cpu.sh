@@ -71,7 +71,7 @@ def main() -> int:
     out = os.path.abspath(os.environ.get("OUT", os.path.join(root, "outputs", "grpo_smollm2_cpu")))
     cpu_recipe_environment(out)  # one thread per rank, no hub, vLLM's caches inside $OUT
 
-    from verl.trainer.launcher import launched_world_overrides, run_recipe, validation_change
+    from verl.trainer.launcher import launched_world_overrides, recipe_summary, run_recipe
 
     overrides = [
         f"actor_rollout_ref.model.path={out}/model",
@@ -83,18 +83,12 @@ def main() -> int:
     os.environ["VERL_LAUNCH_STAGE"] = "prepare"
     os.environ.setdefault("PYTHON", sys.executable)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    status = run_recipe("grpo_smollm2_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu")
-    if status == 0 and "--dry-run" not in sys.argv and os.environ.get("RANK", "0") == "0":
-        line, records = validation_change(os.path.join(out, "logs"), "held-out accuracy", ", greedy")
-        if line:
-            print(line)
-        times = [r["timing_s/step"] for r in records if "timing_s/step" in r]
-        if times:
-            print(f"== time per step: {sum(times) / len(times):.1f} s mean over {len(times)} steps "
-                  f"(min {min(times):.1f}, max {max(times):.1f})")
-        print(f"== metrics:      {os.path.join(out, 'logs', 'metrics.jsonl')}")
-        print(f"== HF export:    {os.path.join(out, 'grpo_model')}")
-    return status
+    # The closing lines come from the folders this run used (the user's overrides win over the ones above).
+    return run_recipe(
+        "grpo_smollm2_cpu", sys.argv[1:], overrides=overrides, prepare=prepare, device="cpu",
+        summary=lambda cfg, started: recipe_summary(
+            cfg, started, label="held-out accuracy", key_note=", greedy", step_times=True),
+    )
 
 
 launcher_entry(__name__, main)

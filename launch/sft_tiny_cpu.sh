@@ -36,11 +36,26 @@ if [ "$nproc" -gt 1 ]; then
 else
   launcher=("$python" -m verl.trainer.main_sft)
 fi
-"${launcher[@]}" --config sft_tiny_cpu \
-  model.path="$out/model" \
-  data.train_files="$out/data/train.parquet" data.val_files="$out/data/test.parquet" \
-  trainer.default_local_dir="$out/checkpoints" trainer.log_dir="$out/logs" \
+settings=(
+  model.path="$out/model"
+  data.train_files="$out/data/train.parquet" data.val_files="$out/data/test.parquet"
+  trainer.default_local_dir="$out/checkpoints" trainer.log_dir="$out/logs"
   trainer.hf_export_dir="$out/sft_model" "$@"
+)
+"${launcher[@]}" --config sft_tiny_cpu "${settings[@]}"
 
-echo "== accuracy after SFT"
-"$python" -m verl.trainer.eval_generation --model "$out/sft_model" --data "$out/data/test.parquet"
+# The model this run exported, from its own settings (an override of trainer.hf_export_dir or
+# trainer.save_hf wins over the defaults above): never an older run's folder.
+exported="$("$python" -c '
+import sys
+from verl.config import SFTConfig, load_config
+from verl.trainer.run_checks import hf_export_dir
+cfg = load_config(SFTConfig, config_file="sft_tiny_cpu", overrides=sys.argv[1:])
+print(hf_export_dir(cfg.trainer) if cfg.trainer.save_hf else "")
+' "${settings[@]}")"
+if [ -n "$exported" ]; then
+  echo "== accuracy after SFT ($exported)"
+  "$python" -m verl.trainer.eval_generation --model "$exported" --data "$out/data/test.parquet"
+else
+  echo "== no accuracy after SFT: trainer.save_hf=false exported no model"
+fi

@@ -131,3 +131,46 @@ def test_option_docs_are_plain_records():
         "path": "actor_rollout_ref.rollout.n", "section": "actor_rollout_ref.rollout", "type": "int", "default": 1,
         "help": "Responses sampled per prompt (the GRPO group size).", "bounds": ">= 1", "follows": None,
     }
+
+
+TUTORIAL_SETTINGS = ["model.pretrained_model_name_or_path=/models/qwen", "data.train_files=/data/train.parquet",
+                     "data.val_files=/data/test.parquet", "trainer.num_epochs=1", "trainer.batch_size_per_device=8"]
+
+
+@pytest.mark.parametrize("where", ["repository root", "another folder"])
+def test_the_tutorials_config_path_is_main_ppos_default_ppo_config(where, tmp_path, monkeypatch):
+    """`--config-path="configs/ppo/default.yaml"` (the tutorials' line) is PPO with a critic: main_ppo's
+    default config under its own experiment name, found from the repository root and from elsewhere."""
+    monkeypatch.chdir(REPO if where == "repository root" else tmp_path)
+    actual = parse_cli(PPOConfig, ["--config-path=configs/ppo/default.yaml", *TUTORIAL_SETTINGS], prog="p",
+                       default_config_file=CONFIG_DIR / "ppo_trainer.yaml")
+    expected = load_config(PPOConfig, config_file=CONFIG_DIR / "ppo_trainer.yaml",
+                           overrides=[*TUTORIAL_SETTINGS, "trainer.experiment_name=ppo_default"])
+    assert actual == expected
+    assert actual.algorithm.adv_estimator == "gae"  # PPO: advantages from a critic
+    assert actual.actor_rollout_ref.model.path == "/models/qwen"
+    assert actual.trainer.default_local_dir == "checkpoints/verl/ppo_default"
+
+
+def _run_module(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=120)
+
+
+def test_main_fastrl_runs_main_ppo_with_the_same_arguments(tmp_path):
+    """The tutorials' `python3 -m verl.trainer.main_fastrl data.train_files=... data.val_files=...` is
+    main_ppo under another name: one line says so, then main_ppo's own checks and exit status."""
+    missing = [f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet"]
+    proc = _run_module("verl.trainer.main_fastrl", "--config-path=configs/ppo/default.yaml", *missing, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert ("python -m verl.trainer.main_fastrl is an alias of python -m verl.trainer.main_ppo: running it with "
+            "the same arguments") in proc.stderr
+    assert "python -m verl.trainer.main_ppo: error:" in proc.stderr
+    assert f"data.train_files: {tmp_path}/train.parquet does not exist" in proc.stderr
+    assert f"data.val_files: {tmp_path}/test.parquet does not exist" in proc.stderr
+    proc = _run_module("verl.trainer.main_fastrl", "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: python -m verl.trainer.main_ppo" in proc.stdout

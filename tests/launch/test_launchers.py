@@ -31,8 +31,8 @@ def test_launcher_is_bash_and_python(path):
 
 @pytest.mark.parametrize("path", LAUNCHERS)
 def test_a_multiprocessing_child_does_not_start_another_run(path, monkeypatch):
-    """Run by torchrun, the launcher is ``__main__``; a spawned child (Megatron's checkpoint writer)
-    imports it as ``__mp_main__``: that must only tie the child to its parent, never start a run."""
+    """Run by torchrun, the launcher is ``__main__``; a spawned child (a reward worker of
+    ``reward_model.reward_manager=prime``) imports it as ``__mp_main__``: that must only tie the child to its parent, never start a run."""
     import runpy
 
     from verl.trainer import launcher
@@ -54,7 +54,7 @@ def test_two_nodes_on_localhost(tmp_path):
         "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2", "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.n=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        # A checkpoint: Megatron's writer is a spawned child, which imports the launcher again.
+        # A checkpoint: Megatron's writer forks workers (verl.models.dist_save: nothing imports the launcher again).
         "trainer.save_freq=2", "trainer.save_hf=false",
     ]
     env = {
@@ -117,3 +117,116 @@ def test_slurm_and_nccl_settings_reach_torchrun(tmp_path):
     nccl = (tmp_path / "record.json.env").read_text()
     assert "NCCL_IB_TIMEOUT=20" in nccl  # the user's value
     assert "NCCL_DEBUG=WARN" in nccl and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in nccl and "CUDA_DEVICE_MAX_CONNECTIONS=1" in nccl
+
+
+def _recipe_config(*overrides: str):
+    from verl.config import PPOConfig, load_config
+
+    return load_config(PPOConfig, config_file="grpo_tiny_cpu", overrides=list(overrides))
+
+
+def _write_run(log_dir, ckpt_dir, export_dir, values: list[tuple[int, float]], newest_step: int) -> None:
+    """What a run leaves: metrics.jsonl with validation points, a checkpoint tracker, a marked HF export."""
+    from verl.trainer.checkpoint import TRACKER_FILE
+    from verl.utils.outputs import MARKER_FILE
+
+    for folder in (log_dir, ckpt_dir, export_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for step, value in values:
+            f.write(json.dumps({"step": step, "val-core/arith/acc/mean@4": value, "timing_s/step": 1.0}) + "\n")
+    (ckpt_dir / TRACKER_FILE).write_text(str(newest_step))
+    (export_dir / MARKER_FILE).write_text("{}")
+
+
+def test_recipe_summary_reads_the_folders_of_this_run_not_the_defaults(tmp_path):
+    """A run with trainer.log_dir/default_local_dir/hf_export_dir overrides: the summary names its own
+    folders and figures; an earlier run's outputs in the launcher's default folders are not shown."""
+    import time
+
+    from verl.trainer.launcher import recipe_summary
+
+    old = tmp_path / "default"
+    _write_run(old / "logs", old / "checkpoints", old / "grpo_model", [(0, 0.552), (60, 0.606)], 60)
+    past = time.time() - 3600
+    for path in (old / "logs" / "metrics.jsonl", old / "checkpoints" / "latest_checkpointed_iteration.txt",
+                 old / "grpo_model" / ".verl_output.json"):
+        os.utime(path, (past, past))  # an hour ago: an earlier run
+    started = time.time()
+    new = tmp_path / "mine"
+    _write_run(new / "logs", new / "ckpt", new / "hf", [(0, 0.55), (20, 0.61), (40, 0.824)], 40)
+    # The launcher's defaults first, then the user's overrides (last wins), as run_recipe orders them.
+    cfg = _recipe_config(f"trainer.log_dir={old}/logs", f"trainer.default_local_dir={old}/checkpoints",
+                         f"trainer.hf_export_dir={old}/grpo_model", f"trainer.log_dir={new}/logs",
+                         f"trainer.default_local_dir={new}/ckpt", f"trainer.hf_export_dir={new}/hf")
+    lines = recipe_summary(cfg, started, label="validation reward")
+    text = "\n".join(lines)
+    assert lines[0] == "== validation reward (val-core/arith/acc/mean@4): 0.550 before GRPO (step 0) -> 0.824 after (step 40)"
+    assert lines[1] == "== every validation: 0.550 (step 0), 0.610 (step 20), 0.824 (step 40)"
+    assert f"== metrics:      {new / 'logs' / 'metrics.jsonl'}" in lines
+    assert f"== checkpoints:  {new / 'ckpt'} (newest: {new / 'ckpt' / 'global_step_40'})" in lines
+    assert f"== HF export:    {new / 'hf'}" in lines
+    assert "0.606" not in text and str(old) not in text
+
+    # The same folders, but this run wrote none of it (an earlier run's files, its own settings off):
+    # no line claims them.
+    cfg = _recipe_config(f"trainer.log_dir={old}/logs", f"trainer.default_local_dir={old}/checkpoints",
+                         f"trainer.hf_export_dir={old}/grpo_model")
+    assert recipe_summary(cfg, started, label="validation reward") == []
+    cfg = _recipe_config(f"trainer.log_dir={new}/logs", f"trainer.default_local_dir={new}/ckpt",
+                         f"trainer.hf_export_dir={new}/hf", "trainer.logger=[console]", "trainer.save_freq=-1",
+                         "trainer.save_hf=false")
+    assert recipe_summary(cfg, started, label="validation reward") == []
+
+
+def test_recipe_summary_without_validation_before_training(tmp_path):
+    """The first validation point after step 0 is not called "before GRPO"; step times when asked."""
+    import time
+
+    from verl.trainer.launcher import recipe_summary
+
+    started = time.time()
+    _write_run(tmp_path / "logs", tmp_path / "ckpt", tmp_path / "hf", [(15, 0.6), (30, 0.7)], 30)
+    cfg = _recipe_config(f"trainer.log_dir={tmp_path}/logs", f"trainer.default_local_dir={tmp_path}/ckpt",
+                         f"trainer.hf_export_dir={tmp_path}/hf")
+    lines = recipe_summary(cfg, started, label="held-out accuracy", key_note=", greedy", step_times=True)
+    assert lines[0] == "== held-out accuracy (val-core/arith/acc/mean@4, greedy): 0.600 at step 15 -> 0.700 after (step 30)"
+    assert "== time per step: 1.0 s mean over 2 steps (min 1.0, max 1.0)" in lines
+
+
+@pytest.mark.slow
+def test_the_launchers_summary_is_this_runs_with_folder_overrides(tmp_path):
+    """`bash launch/grpo_tiny_cpu.sh trainer.log_dir=... trainer.default_local_dir=...` after an
+    earlier run in $OUT: the closing lines name the overridden folders and this run's figures."""
+    out = tmp_path / "out"
+    stale = out / "logs"
+    stale.mkdir(parents=True)
+    # An earlier run's figures in the launcher's default log folder.
+    (stale / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "val-core/arith/acc/mean@4": 0.552}) + "\n"
+        + json.dumps({"step": 60, "val-core/arith/acc/mean@4": 0.606}) + "\n"
+    )
+    mine = tmp_path / "elsewhere"
+    overrides = [
+        "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.val_kwargs.n=1", "data.val_batch_size=16",
+        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.save_hf=false",
+        f"trainer.log_dir={mine}/logs", f"trainer.default_local_dir={mine}/ckpt",
+    ]
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "OUT": str(out), "SFT_STEPS": "0",
+           "TRAIN": "200", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "grpo_tiny_cpu.sh"), *overrides], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(mine / "logs" / "metrics.jsonl", encoding="utf-8") as f:
+        val = [v for r in map(json.loads, f) for k, v in r.items() if k.startswith("val-core/")]
+    assert len(val) == 2  # before training and at step 2
+    closing = proc.stdout.splitlines()
+    closing = closing[next(i for i, line in enumerate(closing) if line.startswith("== validation reward")):]
+    assert f"{val[0]:.3f} before GRPO (step 0) -> {val[1]:.3f} after (step 2)" in closing[0], closing
+    assert f"== metrics:      {mine / 'logs' / 'metrics.jsonl'}" in closing
+    assert f"== checkpoints:  {mine / 'ckpt'} (newest: {mine / 'ckpt' / 'global_step_2'})" in closing
+    assert not any("0.606" in line or "HF export" in line for line in closing), closing

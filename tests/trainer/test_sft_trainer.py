@@ -234,9 +234,9 @@ def _alive(pid: int) -> bool:
 def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_once(
     tiny_model_dir, arithmetic_files, tmp_path
 ):
-    """SIGKILL of `main_sft` after a checkpoint: the children it started (Megatron's checkpoint-writer
-    manager, the resource tracker) go with it; the restarted run resumes and metrics.jsonl holds
-    every step once."""
+    """SIGKILL of `main_sft` after a checkpoint: any child it started goes with it; the restarted run
+    resumes and metrics.jsonl holds every step once. (Megatron's checkpoint writer no longer leaves
+    a spawned Manager process behind — verl.models.dist_save — so there may be no child at all.)"""
     import time
 
     run = tmp_path / "run"
@@ -258,7 +258,6 @@ def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_onc
             assert time.monotonic() < deadline, "no checkpoint within 200 s"
             time.sleep(0.2)
         children = _descendants(proc.pid)
-        assert children, "the trainer started no child process (Megatron's checkpoint writer starts one)"
         proc.kill()  # SIGKILL of the trainer only, as an OOM killer or a user would
         proc.wait()
         deadline = time.monotonic() + 15

@@ -124,11 +124,15 @@ def _read_yaml(path: Path, shown: str) -> dict[str, Any]:
 
 
 def resolve_config_path(name: str | Path) -> Path:
-    """Find a config file: the path as given, else under :data:`CONFIG_DIR` (``.yaml`` may be omitted)."""
+    """Find a config file: the path as given, else under :data:`CONFIG_DIR`, else (``configs/...``) under
+    the folder that holds :data:`CONFIG_DIR`; ``.yaml`` may be omitted."""
     given = Path(name).expanduser()
     candidates = [given]
     if not given.is_absolute():
         candidates.append(CONFIG_DIR / given)
+        if given.parts[:1] == (CONFIG_DIR.name,):
+            # "configs/ppo/default.yaml", as tutorials write it from the repository root: found from any folder.
+            candidates.append(CONFIG_DIR.parent / given)
     if given.suffix not in (".yaml", ".yml"):
         candidates += [c.with_name(c.name + ".yaml") for c in list(candidates)]
     for candidate in candidates:

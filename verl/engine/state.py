@@ -81,7 +81,7 @@ def save_engine_state(state: EngineState, ckpt_dir: str, *, hf_dir: str | None) 
 
     ``hf_dir``'s tokenizer and generation files travel with the model.
     """
-    from megatron.core import dist_checkpointing
+    from verl.models.dist_save import save_sharded
 
     save_checkpoint(state.chunks, os.path.join(ckpt_dir, MODEL_SUBDIR), pg=state.pg, hf_dir=hf_dir)
     trainable = state.optimizer is not None
@@ -89,7 +89,7 @@ def save_engine_state(state: EngineState, ckpt_dir: str, *, hf_dir: str | None) 
         optim_dir = os.path.join(ckpt_dir, OPTIM_SUBDIR)
         os.makedirs(optim_dir, exist_ok=True)
         sharded = state.optimizer.sharded_state_dict(model_sharded_state_dict(state.chunks))
-        dist_checkpointing.save(sharded, optim_dir)
+        save_sharded(sharded, optim_dir)
     extra_dir = os.path.join(ckpt_dir, EXTRA_SUBDIR)
     os.makedirs(extra_dir, exist_ok=True)
     rank = dist.get_rank()

@@ -252,12 +252,12 @@ def save_checkpoint(
     Besides Megatron's files: ``verl_model.json`` (:class:`CheckpointMeta`) and ``hf/`` with the
     Hugging Face config (and the tokenizer/generation files of ``hf_dir`` when given).
     """
-    from megatron.core import dist_checkpointing
+    from verl.models.dist_save import save_sharded
 
     inner = unwrap_model(chunks[0])
     spec, build = inner.verl_spec, inner.verl_build
     os.makedirs(ckpt_dir, exist_ok=True)
-    dist_checkpointing.save(model_sharded_state_dict(chunks), ckpt_dir)
+    save_sharded(model_sharded_state_dict(chunks), ckpt_dir)
     if dist.get_rank() == 0:
         hf_out = os.path.join(ckpt_dir, HF_SUBDIR)
         os.makedirs(hf_out, exist_ok=True)

@@ -13,8 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["cpu_recipe_environment", "launched_world_overrides", "launcher_entry", "validation_change", "run_recipe"]
+__all__ = [
+    "cpu_recipe_environment", "launched_world_overrides", "launcher_entry", "recipe_summary", "run_recipe",
+    "validation_change",
+]
 
 _TORCHRUN_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -42,11 +46,65 @@ def validation_change(log_dir: str, label: str, key_note: str = "") -> tuple[str
 
     with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
-    val = [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
+    val = _validation_points(records)
     if not val:
         return None, records
     (s0, key, before), (s1, _, after) = val[0], val[-1]
-    return f"== {label} ({key}{key_note}): {before:.3f} before GRPO (step {s0}) -> {after:.3f} after (step {s1})", records
+    first = f"before GRPO (step {s0})" if s0 == 0 else f"at step {s0}"
+    return f"== {label} ({key}{key_note}): {before:.3f} {first} -> {after:.3f} after (step {s1})", records
+
+
+def _validation_points(records: Sequence[dict]) -> list[tuple[int, str, float]]:
+    """``(step, key, value)`` of every ``val-core/`` metric of ``records``, in file order."""
+    return [(r["step"], k, v) for r in records for k, v in r.items() if k.startswith("val-core/")]
+
+
+def _written_since(path: str, started: float) -> bool:
+    """Whether ``path`` exists and was last written at or after ``started`` (``time.time()``)."""
+    # One second of slack for file-system timestamps coarser than time.time(); a previous run's
+    # outputs are older than that: a launcher starts torchrun and the world before training.
+    return os.path.exists(path) and os.path.getmtime(path) >= started - 1.0
+
+
+def recipe_summary(cfg: Any, started: float, *, label: str, key_note: str = "", step_times: bool = False) -> list[str]:
+    """The closing lines of a recipe run, each read from an output this run wrote.
+
+    ``cfg`` is the run's own config (its overrides applied: ``trainer.log_dir``,
+    ``default_local_dir``, ``hf_export_dir``, ``logger``, ``save_freq``, ``save_hf``); ``started``
+    the ``time.time()`` before it began. A location the run did not write this time (another
+    logger, no checkpoints, no export, a file left by an earlier run) gets no line. Lines: the
+    validation change (``label``, ``key_note``: :func:`validation_change`) and every validation
+    point, the mean step time (``step_times``), the metrics file, the newest checkpoint, the
+    Hugging Face export.
+    """
+    from verl.trainer.checkpoint import TRACKER_FILE, step_dir_name
+    from verl.trainer.run_checks import hf_export_dir
+    from verl.utils.outputs import MARKER_FILE
+
+    t = cfg.trainer
+    lines: list[str] = []
+    metrics = os.path.abspath(os.path.join(os.path.expanduser(t.log_dir), "metrics.jsonl"))
+    if "jsonl" in t.logger and _written_since(metrics, started):
+        line, records = validation_change(os.path.dirname(metrics), label, key_note)
+        if line:
+            lines.append(line)
+            points = ", ".join(f"{v:.3f} (step {s})" for s, _, v in _validation_points(records))
+            lines.append(f"== every validation: {points}")
+        times = [r["timing_s/step"] for r in records if "timing_s/step" in r]
+        if step_times and times:
+            lines.append(f"== time per step: {sum(times) / len(times):.1f} s mean over {len(times)} steps "
+                         f"(min {min(times):.1f}, max {max(times):.1f})")
+        lines.append(f"== metrics:      {metrics}")
+    ckpt_root = os.path.abspath(os.path.expanduser(t.default_local_dir))
+    tracker = os.path.join(ckpt_root, TRACKER_FILE)
+    if t.save_freq > 0 and _written_since(tracker, started):
+        with open(tracker, encoding="utf-8") as f:
+            newest = os.path.join(ckpt_root, step_dir_name(int(f.read().strip())))
+        lines.append(f"== checkpoints:  {ckpt_root} (newest: {newest})")
+    export = os.path.abspath(hf_export_dir(t))
+    if t.save_hf and _written_since(os.path.join(export, MARKER_FILE), started):
+        lines.append(f"== HF export:    {export}")
+    return lines
 
 
 def launched_world_overrides() -> list[str]:
@@ -84,13 +142,18 @@ def run_recipe(
     prepare: Sequence[str] | None = None,
     device: str = "auto",
     dry_run_model_config: str | None = None,
+    summary: Callable[[Any, float], Sequence[str]] | None = None,
 ) -> int:
     """Run ``main_ppo --config CONFIG [overrides] [argv]``; returns its exit status.
 
     ``prepare``: a command run once (global rank 0) before training, not in a dry run.
     ``dry_run_model_config``: the ``--model-config`` a dry run uses unless ``argv`` names one (the
     recipe's model is not on a planning machine).
+    ``summary``: after a successful training run, global rank 0 prints the lines
+    ``summary(config, started)`` returns, from the run's own config (e.g. :func:`recipe_summary`).
     """
+    import time
+
     from verl.trainer import main_ppo
 
     args = ["--config", config, *overrides, *argv]
@@ -100,14 +163,20 @@ def run_recipe(
         return main_ppo.main(args)
     if prepare is not None:
         _prepare_once(prepare, device)
-    return main_ppo.main(args)
+    started = time.time()
+    resolved: list[Any] = []
+    status = main_ppo.main(args, on_config=resolved.append)
+    if summary is not None and status == 0 and resolved and os.environ.get("RANK", "0") == "0":
+        for line in summary(resolved[0], started):
+            print(line, flush=True)
+    return status
 
 
 def launcher_entry(module_name: str, main: Callable[[], int]) -> None:
     """The last line of every launcher: run ``main`` when the file is the program.
 
-    torchrun runs a launcher file as ``__main__``, so its multiprocessing children (Megatron's
-    checkpoint writer, reward workers) import it again as ``__mp_main__``: they must not start
+    torchrun runs a launcher file as ``__main__``, so its spawned multiprocessing children (reward
+    workers) import it again as ``__mp_main__``: they must not start
     another run, and they die with the trainer.
     """
     if module_name == "__mp_main__":

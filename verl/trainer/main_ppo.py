@@ -24,20 +24,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verl.config import PPOConfig
 
 PROG = "python -m verl.trainer.main_ppo"
 
 if __name__ == "__mp_main__":
     # This module is the parent's __main__, imported by one of its multiprocessing children
-    # (Megatron's checkpoint writer, DataLoader or reward workers): that child dies with the trainer.
+    # (the reward pool's spawned workers, a DataLoader under a spawn context): that child dies with the trainer.
     from verl.utils.process import exit_with_parent
 
     exit_with_parent()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse, check, train; returns the process exit status."""
+def main(argv: Sequence[str] | None = None, *, on_config: Callable[[PPOConfig], None] | None = None) -> int:
+    """Parse, check, train; returns the process exit status.
+
+    ``on_config`` is called with the parsed config of a training run (not of a dry run) before it
+    starts: the launchers read the run's own output folders from it for their closing summary.
+    """
     from verl.utils.logging import setup_logging
 
     setup_logging(logging.INFO)  # before parsing: the aliases are logged as they are read
@@ -67,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dry_run is not None:
         with user_errors(PROG):
             return run_dry_run(cfg, dry_run)
+    if on_config is not None:
+        on_config(cfg)
     from verl.trainer.startup import prepare_run
 
     prepare_run(cfg.trainer)  # before the trainer's imports: they bring Megatron-core, which probes for W&B

@@ -22,7 +22,7 @@ PROG = "python -m verl.trainer.main_sft"
 
 if __name__ == "__mp_main__":
     # This module is the parent's __main__, imported by one of its multiprocessing children
-    # (Megatron's checkpoint writer, DataLoader workers): that child dies with the trainer.
+    # (a DataLoader worker under a spawn context): that child dies with the trainer.
     from verl.utils.process import exit_with_parent
 
     exit_with_parent()

@@ -1,8 +1,9 @@
 """Child processes that die with the process that started them.
 
 A trainer killed with SIGKILL cannot stop its children, and Linux hands them to PID 1: the
-process Megatron's checkpoint writer starts (a multiprocessing manager, ~300 MB) and the
-multiprocessing resource tracker would stay alive, holding the run's log open.
+reward pool's spawned workers and the multiprocessing resource tracker would stay alive, holding
+the run's log open. (Megatron's checkpoint writer no longer starts a lasting process:
+:mod:`verl.models.dist_save`.)
 :func:`exit_with_parent`, called in a child at start-up, watches the parent from a daemon
 thread and kills the child (or its whole process group) once the parent is gone; the resource
 tracker then sees its last client go and exits by itself.
