@@ -68,3 +68,31 @@ def test_a_role_world_is_the_world_inside_and_leaves_no_trace():
     assert [a["late_sum"] for a in actual] == [3.0] * 3
     assert [a["mine_members"] for a in actual] == [[0], [1, 2], [1, 2]]
     assert "global rank 1 is not one of the group's ranks [0]" in actual[1]["refused"]
+
+
+def _counters_after_the_world_ends() -> tuple[int, int]:
+    import gc
+
+    from verl.parallel import role_world as rw
+
+    rank = dist.get_rank()
+    groups = {(0,): dist.new_group([0]), (1, 2): dist.new_group([1, 2])}
+    with rw.role_world(groups[(0,)] if rank == 0 else groups[(1, 2)]):
+        dist.new_group(list(range(dist.get_world_size())))  # advances the role world's counter
+    during = len(rw._COUNTERS)
+    del groups
+    dist.destroy_process_group()
+    gc.collect()
+    return during, len(rw._COUNTERS)
+
+
+def test_a_role_worlds_group_counter_ends_with_its_world():
+    """The counter a role world names its groups by belongs to the world it was made in.
+
+    Kept past the world (it was keyed by the id of the world's group), it was picked up by a later
+    world whose group reused that id, on some ranks and not others: those ranks named the role's
+    next group differently and waited for each other in new_group until the test timed out (1 in
+    ~13 runs of two roles apart on a loaded machine). Nothing of a world may outlive it.
+    """
+    actual = run_distributed(_counters_after_the_world_ends, 3)
+    assert actual == [(1, 0)] * 3
