@@ -66,19 +66,25 @@ def record_collectives() -> Iterator[list[CollectiveCall]]:
     from torch._C._distributed_c10d import ProcessGroup
 
     calls: list[CollectiveCall] = []
-    originals = {name: getattr(ProcessGroup, name) for name in _METHODS if hasattr(ProcessGroup, name)}
+    names = [name for name in _METHODS if hasattr(ProcessGroup, name)]
+    # Restored from the class's own dict: getattr gives pybind's plain function, which set back on
+    # the class no longer binds ``self`` (every later call fails with "incompatible arguments").
+    own = {name: vars(ProcessGroup)[name] for name in names if name in vars(ProcessGroup)}
 
-    def wrap(name: str, method):
+    def wrap(name: str, function):
         def recorded(self, *args, **kwargs):
             calls.append(CollectiveCall(name, self, self.size()))
-            return method(self, *args, **kwargs)
+            return function(self, *args, **kwargs)
 
         return recorded
 
-    for name, method in originals.items():
-        setattr(ProcessGroup, name, wrap(name, method))
+    for name in names:
+        setattr(ProcessGroup, name, wrap(name, getattr(ProcessGroup, name)))
     try:
         yield calls
     finally:
-        for name, method in originals.items():
-            setattr(ProcessGroup, name, method)
+        for name in names:
+            if name in own:
+                setattr(ProcessGroup, name, own[name])
+            else:  # inherited: the wrapper goes, the base class's method shows again
+                delattr(ProcessGroup, name)
