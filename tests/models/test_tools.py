@@ -104,8 +104,8 @@ def test_overwrite_replaces_only_what_verl_wrote(converted, tmp_path):
     (mine / "notes.txt").write_text("keep me")
     proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(mine), "--overwrite", "--no-progress")
     assert one_error_line(proc, "megatron2hf").endswith(
-        f"--out-dir={mine} already exists, is not empty (notes.txt) and was not written by verl; --overwrite "
-        "replaces only a folder verl wrote: choose another --out-dir (nothing was changed)"
+        f"--out-dir={mine} already exists, is not empty and was not written by verl (it holds notes.txt); "
+        "--overwrite replaces only a folder verl wrote: choose another --out-dir (nothing was changed)"
     )
     assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
     back = tmp_path / "back"

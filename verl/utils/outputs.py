@@ -120,7 +120,7 @@ def check_output_dir(
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             asked = "; --overwrite replaces only a folder verl wrote" if overwrite else ""
             raise OutputPathError(
-                f"{key}={path} already exists, is not empty ({shown}) and was not written by verl{asked}: "
+                f"{key}={path} already exists, is not empty and was not written by verl (it holds {shown}){asked}: "
                 f"choose another {key} (nothing was changed)"
             )
         if names and not (overwrite or replace_verl_outputs):
