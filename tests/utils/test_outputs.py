@@ -63,7 +63,7 @@ def test_a_users_non_empty_directory_is_refused_even_with_overwrite(tmp_path):
     for replace in (False, True):
         with pytest.raises(OutputPathError, match=r"already exists, is not empty and was not written by verl \(it holds notes.txt\)"):
             check_output_dir(str(mine), key="trainer.hf_export_dir", replace_verl_outputs=replace)
-    with pytest.raises(OutputPathError, match="was not written by verl; --overwrite replaces only a folder verl wrote"):
+    with pytest.raises(OutputPathError, match=r"was not written by verl \(it holds notes.txt\); --overwrite replaces only a folder verl wrote"):
         check_output_dir(str(mine), key="--out-dir", overwrite=True)
     (tmp_path / "empty").mkdir()
     check_output_dir(str(tmp_path / "empty"), key="x")
