@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="dtype of the saved weights (default fp32; the CPU vLLM build runs fp32)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace --out even if verl did not write it (only once the new checkpoint is complete)")
+                        help="replace --out if verl wrote it (only once the new checkpoint is complete); a folder verl did not write is never replaced")
     return parser.parse_args(argv)
 
 

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=non_negative_float, default=DEFAULT_TOLERANCE,
                         help=f"--check threshold on the max absolute logit difference, float32 compute on both sides with weights "
                              f"rounded to --dtype (default {DEFAULT_TOLERANCE})")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out-dir if it exists (only once the new checkpoint is complete)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out-dir if verl wrote it (only once the new checkpoint is complete); a folder verl did not write is never replaced")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 

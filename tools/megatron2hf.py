@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", required=True, help="where the Hugging Face model goes; written to a hidden temporary sibling and renamed at the end")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="dtype of the written tensors (default: the checkpoint's)")
     parser.add_argument("--max-shard-gib", type=positive_float, default=2.0, help="largest safetensors file in GiB (default 2)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out-dir if it exists (only once the new model is complete)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out-dir if verl wrote it (only once the new model is complete); a folder verl did not write is never replaced")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 

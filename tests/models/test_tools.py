@@ -95,6 +95,31 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_overwrite_replaces_only_what_verl_wrote(converted, tmp_path):
+    """--overwrite onto a folder verl did not write deleted the user's files in it; without it, a
+    folder verl did write was called "not written by verl". Both tools share the rule."""
+    _, ckpt, _ = converted
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(mine), "--overwrite", "--no-progress")
+    assert one_error_line(proc, "megatron2hf").endswith(
+        f"--out-dir={mine} already exists, is not empty and was not written by verl (it holds notes.txt); "
+        "--overwrite replaces only a folder verl wrote: choose another --out-dir (nothing was changed)"
+    )
+    assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    back = tmp_path / "back"
+    assert _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress").returncode == 0
+    proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
+    assert one_error_line(proc, "megatron2hf").endswith(
+        f"--out-dir={back} holds an earlier Hugging Face checkpoint (tools/megatron2hf.py) written by verl; pass "
+        "--overwrite to replace it (once the new one is complete) or choose another --out-dir (nothing was changed)"
+    )
+    proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--overwrite", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.isfile(back / "config.json") and os.path.isfile(back / MARKER_FILE)
+
+
 def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, tmp_path):
     """--megatron-dir global_step_N finds the actor's model inside; the checkpoint root names the step."""
     _, ckpt, _ = converted

@@ -11,6 +11,7 @@ too, not only their norm.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 
 import pytest
@@ -92,8 +93,20 @@ def _train_step_losses(
     """Two steps of loss (before and after one SGD step) and the first step's grad norm.
 
     Megatron's global parallel state is built for the whole world unless ``pgs`` (a role's
-    explicit ProcessGroupCollection from Topology) is given.
+    explicit ProcessGroupCollection from Topology) is given; then the build and the steps run
+    inside ``activate_role(pgs)``, as a role's engine runs them (``verl.roles.engine_role``).
     """
+    from verl.parallel import megatron_state as ms
+
+    if pgs is None:
+        pgs = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        return _build_and_train(tp, pp, sequence_parallel, pgs)
+    ms.initialize_role(pgs, seed=1234)
+    with ms.activate_role(pgs):
+        return _build_and_train(tp, pp, sequence_parallel, pgs)
+
+
+def _build_and_train(tp: int, pp: int, sequence_parallel: bool, pgs) -> tuple[float, float, float]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -103,12 +116,7 @@ def _train_step_losses(
     from megatron.core.transformer import TransformerConfig
 
     from verl.models.builder import local_layer_spec
-    from verl.parallel import megatron_state as ms
 
-    if pgs is None:
-        pgs = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    else:
-        ms.initialize_role(pgs, seed=1234)
     config = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -223,24 +231,44 @@ def test_layout_matches_single_rank_reference(reference, world_size: int, tp: in
     assert abs(expected_loss_after_step - expected_loss) > 1e-3, "the SGD step must change the loss"
 
 
-def _split_roles_losses() -> tuple[str, tuple[float, float, float]]:
-    """Actor on ranks 0-1 (TP2) and critic on ranks 2-3 (DP2), each from its Topology groups only."""
+def split_topology():
+    """The actor on ranks 0-1 (TP2), the critic on ranks 2-3 (DP2): two roles apart on 4 ranks."""
     from verl.parallel.topology import RoleLayout, Topology
 
-    topo = Topology(
+    return Topology(
         world_size=4,
         roles={"actor": RoleLayout(ranks=(0, 1), tensor_parallel=2), "critic": RoleLayout(ranks=(2, 3))},
     )
-    (role, groups), = topo.build_groups().items()
-    tp = groups.layout.tensor_parallel
-    return role, _train_step_losses(tp, 1, False, pgs=groups.pg_collection)
+
+
+def _split_roles_losses() -> tuple[str, tuple[float, float, float], list[str], int]:
+    """Actor on ranks 0-1 (TP2) and critic on ranks 2-3 (DP2), each from its Topology groups only.
+
+    The critic starts late (roles apart build at different moments in a real run), and every
+    collective of each role's build and steps is recorded: none may run on the whole world,
+    whose other role would never join it (a deadlock that load only sometimes reveals).
+    """
+    from verl.testing.collectives import record_collectives
+
+    world = dist.group.WORLD
+    with record_collectives() as calls:
+        (role, groups), = split_topology().build_groups().items()
+        if role == "critic":
+            time.sleep(1.0)  # the unlucky order: the actor is already building its optimizer
+        tp = groups.layout.tensor_parallel
+        losses = _train_step_losses(tp, 1, False, pgs=groups.pg_collection)
+    # build_groups' world-level part (the roles' "all" groups) makes groups, it runs no collective.
+    return role, losses, [c.op for c in calls if c.group is world], len(calls)
 
 
 def test_split_roles_train_on_their_own_groups(reference) -> None:
-    """Two roles on disjoint ranks, no global parallel state: each matches the reference."""
+    """Two roles on disjoint ranks, no global parallel state: each matches the reference, and no
+    collective of either role's build or steps ran on the whole world."""
     per_rank = run_distributed(_split_roles_losses, 4)
-    assert [role for role, _ in per_rank] == ["actor", "actor", "critic", "critic"]
-    for role, (loss, norm, loss_after_step) in per_rank:
+    assert [role for role, *_ in per_rank] == ["actor", "actor", "critic", "critic"]
+    for role, (loss, norm, loss_after_step), on_world, recorded in per_rank:
+        assert on_world == [], f"{role}: collectives on the whole world: {on_world}"
+        assert recorded > 10, f"{role}: only {recorded} collectives recorded; the recorder missed the role's"
         # Same tolerance and reason as above.
         assert loss == pytest.approx(reference[0], rel=1e-6), role
         assert norm == pytest.approx(reference[1], rel=1e-6), role

@@ -7,6 +7,8 @@ WORLD_SIZE stands for the world torchrun would launch: only the config checks re
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from verl.data.io import write_parquet
@@ -161,3 +163,34 @@ def test_tutorial_command_line(tiny_model_dir, arithmetic_files, caplog, monkeyp
         "actor_micro_batch_size",
     ):
         assert sum(line.startswith(f"config: {alias} ") for line in alias_lines) == 1, alias_lines
+
+
+@pytest.mark.parametrize(
+    ("key", "where", "relation", "input_key"),
+    [
+        ("trainer.log_dir", "model", "is the input", "actor_rollout_ref.model.path"),
+        ("trainer.default_local_dir", "data", "contains the input", "data files"),
+        ("trainer.log_dir", "model/logs", "is inside the input", "actor_rollout_ref.model.path"),
+    ],
+)
+def test_checkpoints_or_logs_in_an_input_are_refused(run, inputs, tiny_model_dir, arithmetic_files, key, where,
+                                                     relation, input_key):
+    """The RL trainer shares the SFT trainer's output rule (verl.trainer.run_checks)."""
+    folders = {"model": tiny_model_dir, "data": os.path.dirname(arithmetic_files["train"])}
+    top, _, sub = where.partition("/")
+    target = os.path.join(folders[top], sub) if sub else folders[top]
+    before = sorted(os.listdir(folders[top]))
+    err = run([*inputs, "trainer.save_freq=5", "trainer.logger=[jsonl]", f"{key}={target}"])
+    assert f"{key}={target} {relation} {input_key}=" in err, err
+    assert sorted(os.listdir(folders[top])) == before
+
+
+def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused(run, inputs, tmp_path):
+    for step in (1, 2):
+        (tmp_path / "ckpt" / f"global_step_{step}").mkdir(parents=True)
+    err = run([*inputs, "trainer.save_freq=1", "trainer.resume_mode=disable"])
+    assert (
+        f"trainer.default_local_dir={tmp_path}/ckpt holds the checkpoints of an earlier run (global_step_1, "
+        "global_step_2); trainer.resume_mode=disable starts at step 0"
+    ) in err
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step_1", "global_step_2"]

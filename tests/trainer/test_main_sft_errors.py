@@ -192,3 +192,78 @@ def test_tokenizer_path_that_does_not_exist(capsys, tiny_model_dir, tmp_path, ar
                         f"data.train_files={arithmetic_files['train']}"])
     assert err == (f"{PROG}: error: model.tokenizer_path='{tmp_path}/tok' does not exist; give the tokenizer "
                    "directory, or leave it unset to use model.path's\n")
+
+
+# -- outputs that overlap the inputs, or an earlier run's outputs ---------------------------------
+
+
+def _tree(path) -> dict[str, bytes]:
+    """Every file under ``path`` (relative name -> bytes), to show nothing was changed."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("key", "where", "relation", "input_key"),
+    [
+        ("trainer.log_dir", "model", "is the input", "model.path"),
+        ("trainer.log_dir", "data", "contains the input", "data files"),
+        ("trainer.default_local_dir", "model", "is the input", "model.path"),
+        ("trainer.default_local_dir", "model/ckpt", "is inside the input", "model.path"),
+        ("trainer.log_dir", "model/logs", "is inside the input", "model.path"),
+    ],
+)
+def test_checkpoints_or_logs_in_an_input_are_refused_before_anything_is_built(
+    capsys, tiny_model_dir, arithmetic_files, tmp_path, key, where, relation, input_key
+):
+    """The logs in the model's folder replaced its config.json with the run's (the model no longer
+    loaded); checkpoints or logs in the data's folder mix the run's files into the user's."""
+    folders = {"model": tiny_model_dir, "data": os.path.dirname(arithmetic_files["train"])}
+    top, _, sub = where.partition("/")
+    target = os.path.join(folders[top], sub) if sub else folders[top]
+    before = _tree(folders[top])
+    settings = {"trainer.default_local_dir": f"{tmp_path}/ckpt", "trainer.log_dir": f"{tmp_path}/logs", key: target}
+    err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, "trainer.save_freq=10", "trainer.logger=[jsonl]",
+                       *(f"{k}={v}" for k, v in settings.items()))
+    assert f"{key}={target} {relation} {input_key}=" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert _tree(folders[top]) == before
+
+
+def _earlier_run(root) -> dict[str, bytes]:
+    """An earlier run's checkpoints (global_step_1, global_step_2) and logs under ``root``."""
+    for step in (1, 2):
+        (root / "ckpt" / f"global_step_{step}").mkdir(parents=True)
+        (root / "ckpt" / f"global_step_{step}" / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+    (root / "logs").mkdir()
+    (root / "logs" / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.5}\n{"step": 2, "train/loss": 2.1}\n')
+    return _tree(root)
+
+
+@pytest.mark.parametrize(
+    ("resume", "kept", "expected"),
+    [
+        # A fresh start would replace global_step_1 and leave the earlier run's global_step_2 beside it.
+        ("disable", "ckpt", "trainer.default_local_dir={root}/ckpt holds the checkpoints of an earlier run "
+                            "(global_step_1, global_step_2); trainer.resume_mode=disable starts at step 0"),
+        # With the checkpoints kept elsewhere, a fresh start would drop the earlier run's metrics.
+        ("disable", "logs", "trainer.log_dir={root}/logs holds the logs of an earlier run (metrics.jsonl); "
+                            "this run starts at step 0 and would delete them"),
+        ("auto", "logs", "trainer.log_dir={root}/logs holds the logs of an earlier run (metrics.jsonl)"),
+    ],
+)
+def test_a_run_from_step_0_into_an_earlier_runs_outputs_is_refused(
+    capsys, tiny_model_dir, arithmetic_files, tmp_path, resume, kept, expected
+):
+    before = _earlier_run(tmp_path)
+    ckpt = f"{tmp_path}/ckpt" if kept == "ckpt" else f"{tmp_path}/new_ckpt"
+    err = _outputs_run(capsys, tiny_model_dir, arithmetic_files, "trainer.save_freq=1", "trainer.logger=[jsonl]",
+                       f"trainer.resume_mode={resume}", f"trainer.default_local_dir={ckpt}",
+                       f"trainer.log_dir={tmp_path}/logs")
+    assert expected.format(root=tmp_path) in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert _tree(tmp_path) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -54,20 +55,39 @@ def test_an_output_may_lie_inside_but_not_hold_another_output(tmp_path):
             check_output_dir(str(target), key="x", protected={"trainer.default_local_dir": str(ckpt)})
 
 
-def test_a_users_non_empty_directory_is_refused_unless_overwrite(tmp_path):
+def test_a_users_non_empty_directory_is_refused_even_with_overwrite(tmp_path):
+    """--overwrite onto a folder verl did not write deleted the user's files in it: it is refused too."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     for replace in (False, True):
-        with pytest.raises(OutputPathError, match="was not written by verl"):
+        with pytest.raises(OutputPathError, match=r"already exists, is not empty and was not written by verl \(it holds notes.txt\)"):
             check_output_dir(str(mine), key="trainer.hf_export_dir", replace_verl_outputs=replace)
-    assert check_output_dir(str(mine), key="--out-dir", overwrite=True) == str(mine)
+    with pytest.raises(OutputPathError, match=r"was not written by verl \(it holds notes.txt\); --overwrite replaces only a folder verl wrote"):
+        check_output_dir(str(mine), key="--out-dir", overwrite=True)
     (tmp_path / "empty").mkdir()
     check_output_dir(str(tmp_path / "empty"), key="x")
+    assert check_output_dir(str(tmp_path / "empty"), key="x", overwrite=True) == str(tmp_path / "empty")
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputPathError, match="exists and is not a directory"):
         check_output_dir(str(tmp_path / "file"), key="x", overwrite=True)
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_a_verl_output_is_named_as_such_and_replaced_when_asked(tmp_path):
+    """Without --overwrite the tools said a folder verl wrote was "not written by verl"."""
+    out = tmp_path / "out"
+    tmp = staging_dir(str(out))
+    (Path(tmp) / "model.safetensors").write_text("weights")
+    commit_output(tmp, str(out), what="Hugging Face checkpoint (tools/megatron2hf.py)")
+    with pytest.raises(OutputPathError) as exc:
+        check_output_dir(str(out), key="--out-dir")
+    assert str(exc.value) == (
+        f"--out-dir={out} holds an earlier Hugging Face checkpoint (tools/megatron2hf.py) written by verl; pass "
+        "--overwrite to replace it (once the new one is complete) or choose another --out-dir (nothing was changed)"
+    )
+    assert check_output_dir(str(out), key="--out-dir", overwrite=True) == str(out)
+    assert check_output_dir(str(out), key="trainer.hf_export_dir", replace_verl_outputs=True) == str(out)
 
 
 def test_staging_and_commit_replace_a_verl_output_only_once_the_new_one_is_complete(tmp_path):
@@ -86,7 +106,7 @@ def test_staging_and_commit_replace_a_verl_output_only_once_the_new_one_is_compl
     assert (out / "model.safetensors").read_text() == "two"
     assert sorted(os.listdir(tmp_path)) == ["export"]  # no staging or old copies left
     # ... but a converter, which replaces only with --overwrite, still refuses.
-    with pytest.raises(OutputPathError, match="or pass --overwrite"):
+    with pytest.raises(OutputPathError, match="holds an earlier test written by verl; pass --overwrite"):
         check_output_dir(str(out), key="--out-dir")
 
 

@@ -37,6 +37,7 @@ version, so a split placement fails at build time instead of hanging later.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -52,8 +53,12 @@ def spans_world(group: dist.ProcessGroup | None) -> bool:
     return dist.get_world_size(group) == dist.get_world_size()
 
 
-# (id of the world's default group, the role world's global ranks) -> its group counter.
-_COUNTERS: dict[tuple[int, tuple[int, ...]], int] = {}
+# The enclosing world's default group -> {a role world's global ranks: its group counter}. Keyed by
+# the group object (the entries go when it is freed), never by id(): a later world's group may
+# reuse a dead one's id on some ranks only, and those ranks alone then continued the dead world's
+# count, so the role's ranks named the same new group differently and each waited for the other
+# for ever (in new_group, under load).
+_COUNTERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], int]] = weakref.WeakKeyDictionary()
 _COUNTER_BASE = 1_000_000
 
 
@@ -90,15 +95,15 @@ def role_world(group: dist.ProcessGroup | None) -> Iterator[None]:
     world = _slot()
     previous, count = world.default_pg, world.group_count
     ranks = tuple(dist.get_process_group_ranks(group))
-    key = (id(previous), ranks)
     members = world.pg_group_ranks[group]
     world.default_pg = group
     # Inside, the role's world numbers its ranks 0 .. size - 1, its own members included.
     world.pg_group_ranks[group] = {i: i for i in range(len(ranks))}
-    world.group_count = _COUNTERS.get(key, _COUNTER_BASE * (1 + ranks[0]))
+    counters = _COUNTERS.setdefault(previous, {})
+    world.group_count = counters.get(ranks, _COUNTER_BASE * (1 + ranks[0]))
     try:
         yield
     finally:
-        _COUNTERS[key] = world.group_count
+        counters[ranks] = world.group_count
         world.pg_group_ranks[group] = members
         world.default_pg, world.group_count = previous, count

@@ -2,9 +2,12 @@
 
 - :func:`missing_inputs`: a model directory without ``config.json``, a data file that is not there;
 - :func:`check_run_outputs`: every directory the run will write (checkpoints, logs, the Hugging
-  Face export) is created and probed with a test file now, not at the first checkpoint; the
-  export may not replace an input, another output of the run, or a non-empty directory verl did
-  not write (``verl.utils.outputs``).
+  Face export) is created and probed with a test file now, not at the first checkpoint; none may
+  be an input, hold one or lie inside one (the logs in the model's folder would replace its
+  ``config.json``); the export may not replace another output of the run or a non-empty
+  directory verl did not write (``verl.utils.outputs``); and a run that starts at step 0 may
+  not write into an earlier run's checkpoints (its ``global_step_N`` would be replaced one by
+  one, the later ones left beside them) or logs (its metrics would be dropped as re-done steps).
 
 Both raise ``ValueError`` (``OutputPathError`` for outputs) naming the setting at fault.
 """
@@ -15,7 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from verl.config.schema import RunConfig
-from verl.utils.outputs import check_output_dir, probe_writable
+from verl.utils.outputs import OutputPathError, check_output_apart, check_output_dir, probe_writable
 from verl.utils.paths import check_model_dir
 
 __all__ = ["as_file_list", "check_run_outputs", "hf_export_dir", "missing_inputs", "show_files"]
@@ -55,6 +58,32 @@ def missing_inputs(
     return problems
 
 
+# What a run leaves in trainer.log_dir that a later run starting at step 0 would empty (its rewind
+# drops every record after step 0): the metrics (verl.trainer.tracking), the RL scores and
+# samples (verl.trainer.report), and TensorBoard's events, which it purges.
+_REWOUND_LOGS = ("metrics.jsonl", "scores.jsonl", "samples.jsonl", "tensorboard")
+
+
+def _checkpoint_steps(root: str) -> list[int]:
+    """The steps of the ``global_step_N`` checkpoint folders in ``root``, ascending."""
+    from verl.trainer.checkpoint import step_of_dir_name  # imports torch: not at this module's import
+
+    if not os.path.isdir(root):
+        return []
+    steps = (step_of_dir_name(name) for name in os.listdir(root) if os.path.isdir(os.path.join(root, name)))
+    return sorted(step for step in steps if step is not None)
+
+
+def _earlier_run_logs(log_dir: str) -> list[str]:
+    """The names in ``log_dir`` of an earlier run's logs (non-empty) that a run from step 0 would empty."""
+    found = []
+    for name in _REWOUND_LOGS:
+        path = os.path.join(log_dir, name)
+        if (os.path.isfile(path) and os.path.getsize(path) > 0) or (os.path.isdir(path) and os.listdir(path)):
+            found.append(name)
+    return found
+
+
 def hf_export_dir(t: RunConfig) -> str:
     """Where ``trainer.save_hf`` writes the final model (``<default_local_dir>/huggingface`` by default)."""
     return os.path.expanduser(t.hf_export_dir or os.path.join(t.default_local_dir, "huggingface"))
@@ -66,9 +95,33 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     ``inputs`` maps config keys to the run's input paths (models, tokenizers, data files), which
     the Hugging Face export must not replace.
     """
-    if t.save_freq > 0 or t.resume_mode != "disable":
+    saves = t.save_freq > 0
+    logs = any(name in t.logger for name in ("jsonl", "tensorboard", "wandb", "mlflow"))  # all write under log_dir
+    # The run starts at step 0 unless it resumes: auto finds a checkpoint only among global_step_N.
+    earlier_steps = _checkpoint_steps(t.default_local_dir)
+    fresh = t.resume_mode == "disable" or (t.resume_mode == "auto" and not earlier_steps)
+    if saves:
+        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs)
+        if fresh and earlier_steps:
+            shown = ", ".join(f"global_step_{s}" for s in earlier_steps[:3]) + (", ..." if len(earlier_steps) > 3 else "")
+            raise OutputPathError(
+                f"trainer.default_local_dir={t.default_local_dir} holds the checkpoints of an earlier run ({shown}); "
+                f"trainer.resume_mode={t.resume_mode} starts at step 0 and would replace them one by one, leaving the "
+                "later ones beside this run's: resume that run (trainer.resume_mode=auto) or choose an empty "
+                "trainer.default_local_dir (nothing was changed)"
+            )
+    if saves or t.resume_mode != "disable":
         probe_writable(t.default_local_dir, key="trainer.default_local_dir")
-    if any(name in t.logger for name in ("jsonl", "tensorboard", "wandb", "mlflow")):  # all write under log_dir
+    if logs:
+        check_output_apart(t.log_dir, "trainer.log_dir", inputs)
+        earlier_logs = _earlier_run_logs(t.log_dir) if t.resume_mode != "resume_path" else []
+        if fresh and earlier_logs:
+            raise OutputPathError(
+                f"trainer.log_dir={t.log_dir} holds the logs of an earlier run ({', '.join(earlier_logs)}); this run "
+                "starts at step 0 and would delete them as re-done steps: choose another trainer.log_dir (or "
+                "trainer.experiment_name), or resume that run (trainer.resume_mode=auto with its checkpoints) "
+                "(nothing was changed)"
+            )
         probe_writable(t.log_dir, key="trainer.log_dir")
     if t.save_hf:
         export = hf_export_dir(t)

@@ -5,8 +5,9 @@ through three steps:
 
 1. :func:`check_output_dir` before any work: the target may not be an input, hold an input or
    sit inside one (exporting onto the model being trained would delete its tokenizer); an
-   existing non-empty directory is refused unless verl wrote it (its :data:`MARKER_FILE`) and
-   the caller allows replacing such outputs, or the user passed an explicit overwrite.
+   existing non-empty directory verl did not write (no :data:`MARKER_FILE`) is always refused,
+   an explicit overwrite included (it would delete the user's files); one verl wrote is replaced
+   when the caller allows replacing such outputs or the user passed an explicit overwrite.
 2. :func:`staging_dir`: the work is written into a hidden sibling of the target.
 3. :func:`commit_output`: the finished sibling is renamed to the target (an old verl output is
    moved aside first and deleted only once the new one is in place), so an interrupted run
@@ -96,7 +97,8 @@ def check_output_dir(
         inputs: setting -> path(s) the run reads; the output may not equal, contain or lie inside one.
         protected: setting -> another output of the run (checkpoints, logs); the output may lie
             inside one but not equal or contain it (replacing it would delete that output).
-        overwrite: the user asked to replace whatever is there (``--overwrite``).
+        overwrite: the user asked to replace an earlier output of verl there (``--overwrite``); a
+            directory verl did not write is refused all the same.
         replace_verl_outputs: an existing directory verl wrote earlier may be replaced without
             ``overwrite`` (a trainer's export at the end of every run).
     """
@@ -112,13 +114,31 @@ def check_output_dir(
     if os.path.lexists(target):
         if not os.path.isdir(target):
             raise OutputPathError(f"{key}={path} exists and is not a directory; choose another {key}")
-        if os.listdir(target) and not overwrite and not (replace_verl_outputs and written_by_verl(target)):
-            hint = "" if replace_verl_outputs else " or pass --overwrite"
+        names = sorted(os.listdir(target))
+        if names and not written_by_verl(target):
+            # Never replaced, --overwrite or not: the user's files in it would be deleted with it.
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            asked = "; --overwrite replaces only a folder verl wrote" if overwrite else ""
             raise OutputPathError(
-                f"{key}={path} already exists, is not empty and was not written by verl; "
-                f"choose another {key}{hint} (nothing was changed)"
+                f"{key}={path} already exists, is not empty and was not written by verl (it holds {shown}){asked}: "
+                f"choose another {key} (nothing was changed)"
+            )
+        if names and not (overwrite or replace_verl_outputs):
+            raise OutputPathError(
+                f"{key}={path} holds an earlier {_what_verl_wrote(target)}; pass --overwrite to replace it "
+                f"(once the new one is complete) or choose another {key} (nothing was changed)"
             )
     return target
+
+
+def _what_verl_wrote(path: str) -> str:
+    """The ``what`` of a verl output's marker file ("output of verl" when it cannot be read)."""
+    try:
+        with open(os.path.join(path, MARKER_FILE), encoding="utf-8") as f:
+            what = json.load(f).get("what")
+    except (OSError, ValueError, AttributeError):
+        what = None
+    return f"{what} written by verl" if isinstance(what, str) and what else "output of verl"
 
 
 def probe_writable(path: str, *, key: str) -> None:
