@@ -127,7 +127,7 @@ def _recipe_config(*overrides: str):
 
 def _write_run(log_dir, ckpt_dir, export_dir, values: list[tuple[int, float]], newest_step: int) -> None:
     """What a run leaves: metrics.jsonl with validation points, a checkpoint tracker, a marked HF export."""
-    from verl.trainer.checkpoint import TRACKER_FILE
+    from verl.utils.checkpoint import TRACKER_FILE
     from verl.utils.outputs import MARKER_FILE
 
     for folder in (log_dir, ckpt_dir, export_dir):

@@ -12,7 +12,7 @@ fork-context queue), so a plain in-process queue is all the save needs. :func:`s
 hands the writer one for the duration of the save.
 
 The files written are the same: Megatron's writer workers still fork and ``fsync`` each file,
-and the checkpoint's crash safety (``verl.trainer.checkpoint``: a temporary folder renamed when
+and the checkpoint's crash safety (``verl.utils.checkpoint``: a temporary folder renamed when
 complete) does not depend on the queue.
 
 | private name | checked on | why |

@@ -77,7 +77,7 @@ def recipe_summary(cfg: Any, started: float, *, label: str, key_note: str = "", 
     point, the mean step time (``step_times``), the metrics file, the newest checkpoint, the
     Hugging Face export.
     """
-    from verl.trainer.checkpoint import TRACKER_FILE, step_dir_name
+    from verl.utils.checkpoint import TRACKER_FILE, step_dir_name
     from verl.trainer.run_checks import hf_export_dir
     from verl.utils.outputs import MARKER_FILE
 

@@ -66,7 +66,7 @@ _REWOUND_LOGS = ("metrics.jsonl", "scores.jsonl", "samples.jsonl", "tensorboard"
 
 def _checkpoint_steps(root: str) -> list[int]:
     """The steps of the ``global_step_N`` checkpoint folders in ``root``, ascending."""
-    from verl.trainer.checkpoint import step_of_dir_name  # imports torch: not at this module's import
+    from verl.utils.checkpoint import step_of_dir_name  # imports torch: not at this module's import
 
     if not os.path.isdir(root):
         return []
