@@ -144,3 +144,20 @@ def test_probes_of_one_path_by_many_ranks_at_once_all_succeed(tmp_path):
         t.join()
     assert errors == []
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_checkpoint_root_may_hold_an_input_beside_the_entries_it_writes(tmp_path):
+    """The Python API keeps ``output_dir/model_init/`` (the model object it wrote) beside the
+    checkpoints in ``output_dir``: the checkpoints replace only ``global_step_N/`` (and their staging
+    copies, the tracker, the default ``huggingface/`` export), so an input elsewhere in the root is safe."""
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.run_checks import check_run_outputs
+
+    root = tmp_path / "out"
+    (root / "model_init").mkdir(parents=True)
+    cfg = load_config(PPOConfig, overrides=[f"trainer.default_local_dir={root}", f"trainer.log_dir={root}/logs",
+                                            "trainer.save_freq=1", "trainer.n_gpus_per_node=1"], world_size=1)
+    check_run_outputs(cfg.trainer, inputs={"actor_rollout_ref.model.path": str(root / "model_init")})
+    for entry in ("global_step_3", ".tmp_global_step_3", "huggingface"):
+        with pytest.raises(OutputPathError, match=r"trainer.default_local_dir=.* contains the input"):
+            check_run_outputs(cfg.trainer, inputs={"actor_rollout_ref.model.path": str(root / entry / "model")})

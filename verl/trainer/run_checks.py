@@ -89,6 +89,17 @@ def hf_export_dir(t: RunConfig) -> str:
     return os.path.expanduser(t.hf_export_dir or os.path.join(t.default_local_dir, "huggingface"))
 
 
+def _checkpoint_entry(name: str) -> bool:
+    """Whether ``name``, an entry of the checkpoint root, is one the checkpoints write or replace
+    (``global_step_N``, its staging and replaced copies, the tracker, the default HF export)."""
+    from verl.utils.checkpoint import TRACKER_FILE, step_of_dir_name
+
+    return (
+        step_of_dir_name(name.removeprefix(".tmp_").removeprefix("old_")) is not None
+        or name in (TRACKER_FILE, "huggingface")
+    )
+
+
 def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] | None]) -> None:
     """Fail early (``OutputPathError`` naming the setting) when an output location of the run cannot be used.
 
@@ -101,7 +112,7 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     earlier_steps = _checkpoint_steps(t.default_local_dir)
     fresh = t.resume_mode == "disable" or (t.resume_mode == "auto" and not earlier_steps)
     if saves:
-        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs)
+        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs, owns=_checkpoint_entry)
         if fresh and earlier_steps:
             shown = ", ".join(f"global_step_{s}" for s in earlier_steps[:3]) + (", ..." if len(earlier_steps) > 3 else "")
             raise OutputPathError(

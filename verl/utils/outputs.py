@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -59,14 +59,28 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def check_output_apart(output: str, key: str, inputs: Mapping[str, str | Iterable[str] | None]) -> None:
+def check_output_apart(
+    output: str,
+    key: str,
+    inputs: Mapping[str, str | Iterable[str] | None],
+    *,
+    owns: Callable[[str], bool] | None = None,
+) -> None:
     """OutputPathError when the output ``output`` (setting or flag ``key``) is an input of ``inputs``
     ({setting or flag: path or paths}), lies inside one, or contains one: writing it would replace or
-    delete what the run reads. The one rule every output (file or directory) of verl follows."""
+    delete what the run reads. The one rule every output (file or directory) of verl follows.
+
+    ``owns(name)``: for an output folder whose writer replaces only some entries of it (a
+    checkpoint root: ``global_step_N/``, its staging folders, the tracker), whether the entry
+    ``name`` is one of them; an input in another entry of the folder is left alone (the Python
+    API's ``output_dir/model_init/`` beside its checkpoints)."""
     target = _real(output)
     for name, value in inputs.items():
         for item in [value] if isinstance(value, str) else list(value or []):
             source = _real(item)
+            if owns is not None and source != target and _inside(source, target):
+                if not owns(os.path.relpath(source, target).split(os.sep)[0]):
+                    continue
             if _inside(target, source) or _inside(source, target):
                 relation = "is" if target == source else ("is inside" if _inside(target, source) else "contains")
                 raise OutputPathError(
