@@ -19,6 +19,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "indu
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: known only when xdist is loaded (not with -p no:xdist)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker per core up to 4 on a CPU-only machine (most
     tests use one core; the distributed ones run their own 2-4 ranks), one on a machine with a

@@ -83,6 +83,9 @@ class HFRollout(RolloutEngine):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # The model reports cuda:N: "cuda" alone would never equal it (generate() compares the two).
+            self.device = torch.device("cuda", torch.cuda.current_device())
         dtype = _torch_dtype(cfg.dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code
