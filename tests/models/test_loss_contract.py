@@ -38,6 +38,8 @@ def _grads_body(model_dir, batch, micro_batch_size, contract):
     ddp = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), chunk,
                                   pg_collection=pg)
     chunk.config.finalize_model_grads_func = finalize_model_grads
+    device = next(chunk.parameters()).device  # cuda under NCCL: the batch goes where the model is
+    batch = {k: v.to(device) for k, v in batch.items()}
     mask = batch["attention_mask"].float()
     info = GlobalBatchInfo.from_masks([mask])
 
@@ -53,7 +55,7 @@ def _grads_body(model_dir, batch, micro_batch_size, contract):
     ddp.zero_grad_buffer()
     result = forward_backward([ddp], batch, pg=pg, micro_batch_size=micro_batch_size, output="logprobs",
                               loss_fn=loss_fn)
-    grads = {name: p.main_grad.detach().clone() for name, p in chunk.named_parameters()}
+    grads = {name: p.main_grad.detach().cpu().clone() for name, p in chunk.named_parameters()}
     return grads, float(sum(result.losses))
 
 
