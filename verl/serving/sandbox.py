@@ -26,11 +26,11 @@ import binascii
 import dataclasses
 import logging
 import os
-import sys
 from typing import Any
 
 from verl.config.schema import SandboxConfig
 from verl.sandbox.runner import RunResult, Sandbox, SandboxUnavailable
+from verl.utils.cli import fail
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         run(create_app(sandbox, api_key=api_key), host=args.host, port=args.port)
     except (ValueError, SandboxUnavailable) as exc:
         # check_bind names the serving module's key variable; this server reads its own.
-        print(
-            f"python -m verl.serving.sandbox: {str(exc).replace('VERL_SERVING_API_KEY', API_KEY_ENV)}",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        fail("python -m verl.serving.sandbox", str(exc).replace("VERL_SERVING_API_KEY", API_KEY_ENV))
 
 
 if __name__ == "__main__":

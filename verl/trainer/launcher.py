@@ -77,8 +77,8 @@ def recipe_summary(cfg: Any, started: float, *, label: str, key_note: str = "", 
     point, the mean step time (``step_times``), the metrics file, the newest checkpoint, the
     Hugging Face export.
     """
-    from verl.utils.checkpoint import TRACKER_FILE, step_dir_name
     from verl.trainer.run_checks import hf_export_dir
+    from verl.utils.checkpoint import TRACKER_FILE, step_dir_name
     from verl.utils.outputs import MARKER_FILE
 
     t = cfg.trainer
@@ -167,8 +167,9 @@ def run_recipe(
     resolved: list[Any] = []
     status = main_ppo.main(args, on_config=resolved.append)
     if summary is not None and status == 0 and resolved and os.environ.get("RANK", "0") == "0":
-        for line in summary(resolved[0], started):
-            print(line, flush=True)
+        from verl.utils.cli import report
+
+        report(summary(resolved[0], started))
     return status
 
 

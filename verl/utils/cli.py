@@ -15,7 +15,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NoReturn
 
 __all__ = [
@@ -38,6 +38,15 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror}"
     return str(exc) or type(exc).__name__
+
+
+def report(lines: Iterable[str]) -> None:
+    """A command's closing result on stdout, one line each (on rank 0 of a torchrun world): what a
+    launcher prints after the run's log, for a person or a script to read."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            sys.stdout.write(f"{line}\n")
+        sys.stdout.flush()
 
 
 def fail(prog: str, message: str) -> NoReturn:
