@@ -42,7 +42,7 @@ exec(compile(_tree, f"<cell {{len(_cells) - 1}}>", "exec"), _ns)
 if _last is not None:
     _value = eval(compile(ast.Expression(_last.value), f"<cell {{len(_cells) - 1}}>", "eval"), _ns)
     if _value is not None:
-        sys.stdout.write(repr(_value) + "\n")  # the REPL's display of the last expression (the program's output)
+        sys.stdout.write(repr(_value) + "\\n")  # the REPL's display of the last expression (the program's output)
 """
 
 
