@@ -177,3 +177,38 @@ def test_a_rank_may_join_late_but_a_collective_waits_only_the_collective_timeout
     # 2 s plus scheduling on a loaded machine; the connect timeout would be 300 s, and rank 1
     # leaving (12 s) would show as a closed connection, not a timeout.
     assert all(int(line.rsplit(" ", 1)[1]) < 8 for line in lines), lines
+
+
+def _state_of_the_other_rank(pid_file: str) -> str:
+    """Rank 1 returns at once; rank 0 waits a while, then reads rank 1's process state."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        return "returned"
+    deadline = time.monotonic() + 60
+    while not os.path.exists(pid_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(pid_file) as f:
+        pid = int(f.read())
+    time.sleep(1.5)  # ample time for a rank that does not wait to tear down and exit
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line.split()[1] for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return "gone"
+
+
+@pytest.mark.distributed
+def test_no_spawned_rank_tears_the_world_down_before_every_rank_finished(tmp_path):
+    """A rank whose ``fn`` has no collective waits for its peers before tearing the world down:
+    otherwise a peer still inside ``init_process_group`` fails with "Gloo connectFullMesh failed
+    ... Connection closed by peer" (a suite run under load). Rank 1 must still be alive (waiting,
+    not a zombie or gone) while rank 0 is in ``fn``."""
+    states = run_on_ranks(_state_of_the_other_rank, 2, str(tmp_path / "pid"))
+    assert states[1] == "returned"
+    assert states[0] in ("S", "R", "D"), f"rank 1 was {states[0]!r} while rank 0 was still running"

@@ -246,9 +246,18 @@ def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable, args: tup
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     init_distributed()
+    finished = False
     try:
         results.put((rank, fn(*args)))
+        finished = True
     finally:
+        if finished:
+            # No rank tears the world down before every rank has finished ``fn``: gloo's connect is
+            # two-sided, so a rank whose ``fn`` has no collective could otherwise close its side
+            # (or rank 0 its store) while a peer is still inside ``init_process_group`` ("Gloo
+            # connectFullMesh failed ... Connection closed by peer"; 7 of 60 runs under load).
+            # A failed rank skips this: ``start_processes`` then stops its peers.
+            dist.barrier()
         destroy_distributed()
 
 
