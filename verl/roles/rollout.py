@@ -222,6 +222,15 @@ class Rollout:
         self.last_metrics = {**metrics, "timing_s/gen": time.perf_counter() - start}
         return whole
 
+    def generate_segment(self, rows: Batch, *, seed: int, max_tokens: int, n: int) -> Batch:
+        """At most ``max_tokens`` new tokens for each row of ``rows`` (``n`` samples of each):
+        partial rollout's engine call (``verl.trainer.step.stream``). A row is a prompt, or a
+        prompt and the response sampled so far (left-padded, up to ``prompt_length +
+        response_length`` wide), which the engine continues as it would a prompt."""
+        cfg = self.engine.cfg
+        with self._sampling(n=n, response_length=max_tokens, prompt_length=cfg.prompt_length + cfg.response_length):
+            return self.generate(rows, seed=seed)
+
     def add_tools(self, tools: list[Any]) -> None:
         """Offer ``tools`` (``verl.rollout.agent.Tool`` objects or plain functions) besides those of
         ``multi_turn.tool_config_path``: the Python API's ``RolloutOperator(tools=...)``."""
