@@ -1,8 +1,9 @@
-"""Mixture-of-Experts (Qwen3-MoE, Mixtral) through Megatron-core's MoE layers, against transformers.
+"""Mixture-of-Experts (Qwen3-MoE, Mixtral, Qwen2-MoE) through Megatron-core's MoE layers, against transformers.
 
 Tiny models: 4 experts, top 2, every layer sparse, a vocabulary of 1001; Qwen3-MoE with and without
-renormalised top-k weights (``norm_topk_prob``), Mixtral (softmax over the top k). Layouts: expert
-parallel 1 and 2, EP 2 x TP 2 (+SP) and PP 2 x EP 2 (4 ranks, marked slow).
+renormalised top-k weights (``norm_topk_prob``), Mixtral (softmax over the top k), Qwen2-MoE (plus a
+gated shared expert, split over TP; more in test_qwen2_moe.py). Layouts: one rank, expert parallel
+1 and 2, TP 2 + SP, EP 2 x TP 2 (+SP) and PP 2 x EP 2 (4 ranks, marked slow).
 
 Tolerances: float32 on both sides; routing picks the same experts (the routers' logits are spread
 so that no two experts nearly tie) and the rest is the same math in another order: ~3e-7 measured
@@ -22,7 +23,7 @@ from verl.testing.distributed import run_distributed
 
 ATOL = 1e-5
 VOCAB = 1001
-MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_unnormalized", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_unnormalized", "mixtral", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,10 @@ LAYOUTS = [  # family, world, tp, pp, ep, sp
     pytest.param("qwen3_moe", 4, 1, 2, 2, False, id="qwen3_moe-pp2-ep2", marks=pytest.mark.slow),
     pytest.param("mixtral", 4, 2, 1, 2, True, id="mixtral-ep2-tp2-sp", marks=pytest.mark.slow),
     pytest.param("mixtral", 4, 1, 2, 2, False, id="mixtral-pp2-ep2", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", 1, 1, 1, 1, False, id="qwen2_moe-one-rank"),
+    pytest.param("qwen2_moe", 2, 1, 1, 2, False, id="qwen2_moe-ep2"),
+    pytest.param("qwen2_moe", 2, 2, 1, 1, True, id="qwen2_moe-tp2-sp"),  # the shared expert split over TP
+    pytest.param("qwen2_moe", 4, 2, 1, 2, True, id="qwen2_moe-ep2-tp2-sp", marks=pytest.mark.slow),
 ]
 
 
@@ -229,24 +234,28 @@ def test_engine_step_at_ep2_equals_ep1_and_pushes_into_transformers(models):
         torch.testing.assert_close(b["engine_lp"] * mask, b["after"][:, 1:] * mask, rtol=0, atol=1e-4)
 
 
-def _save_body(model_dir, ckpt_dir):
+def _save_body(model_dir, ckpt_dir, tp, ep):
     from verl.models.builder import ModelBuildConfig, build_model_chunks
     from verl.models.checkpoint import load_hf_weights, save_checkpoint
     from verl.models.hf_config import parse_hf_config
     from verl.parallel.megatron_state import initialize_model_parallel
 
-    pg = initialize_model_parallel(expert_model_parallel_size=2)
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(), pg)
     load_hf_weights(chunks, model_dir, pg=pg)
     save_checkpoint(chunks, ckpt_dir, pg=pg, hf_dir=model_dir)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_megatron2hf_reads_a_checkpoint_written_at_ep2(models, family, tmp_path):
-    """A distributed checkpoint written by 2 expert-parallel ranks (each its half of the experts) comes
-    back as the Hugging Face checkpoint bit-exactly (tools/megatron2hf.py's function), and loads in
-    transformers."""
+@pytest.mark.parametrize(
+    ("family", "tp", "ep"),
+    [("qwen3_moe", 1, 2), ("mixtral", 1, 2), ("qwen2_moe", 1, 2), ("qwen2_moe", 2, 1)],
+    ids=["qwen3_moe-ep2", "mixtral-ep2", "qwen2_moe-ep2", "qwen2_moe-tp2"],
+)
+def test_megatron2hf_reads_a_checkpoint_written_at_ep2(models, family, tp, ep, tmp_path):
+    """A distributed checkpoint written by 2 ranks (expert parallel: each its half of the experts; or
+    Qwen2-MoE's shared expert over TP) comes back as the Hugging Face checkpoint bit-exactly
+    (tools/megatron2hf.py's function), and loads in transformers as the same class."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -255,7 +264,7 @@ def test_megatron2hf_reads_a_checkpoint_written_at_ep2(models, family, tmp_path)
 
     model_dir = models[family]
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    run_distributed(_save_body, 2, model_dir, ckpt, timeout=300)
+    run_distributed(_save_body, 2, model_dir, ckpt, tp, ep, timeout=300)
     megatron_to_hf(megatron_dir=ckpt, out_dir=out, progress=False)
     reader = SafetensorsReader(model_dir)
     written = {k: v for f in sorted(os.listdir(out)) if f.endswith(".safetensors")

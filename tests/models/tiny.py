@@ -5,8 +5,8 @@ must pad the vocabulary. Each family exercises its own features: llama3 rope sca
 short original context so the scaling changes every frequency band), Qwen2 q/k/v biases with
 tied or untied embeddings, Qwen3's q/k norms with a head_dim apart from hidden/heads, a
 Mistral sliding window shorter than the test sequences, and Mixture-of-Experts layers (Qwen3-MoE
-with and without renormalised top-k weights, Mixtral) with a router spread wide enough that no
-two experts nearly tie.
+with and without renormalised top-k weights, Mixtral, Qwen2-MoE with its gated shared expert) with a
+router spread wide enough that no two experts nearly tie.
 """
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ FAMILIES = {
         moe_intermediate_size=48, norm_topk_prob=False,
     ),
     "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    # Qwen2-MoE: the routed experts (softmax over all, top 2 as they are) plus a gated shared expert
+    # whose width (80) differs from the experts' (48) and the dense one (96), and q/k/v biases.
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, shared_expert_intermediate_size=80, norm_topk_prob=False,
+        router_aux_loss_coef=0.01,
+    ),
 }
 
 
@@ -93,6 +100,8 @@ def make_tiny_model(
                 param.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight") and param.dim() == 2 and param.shape[0] < param.shape[1]:
                 param.normal_(0.0, 0.3)  # a router: spread logits, so no two experts nearly tie
+            elif name.endswith("shared_expert_gate.weight"):
+                param.normal_(0.0, 0.3)  # the shared expert's sigmoid gate: far from 0.5, different per token
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
     os.makedirs(directory, exist_ok=True)

@@ -45,6 +45,7 @@ from verl.models.weight_mapping import (
     moe_hf_names,
     param_mapping,
     padded_vocab_size,
+    shared_expert_hf_names,
 )
 
 __all__ = [
@@ -125,6 +126,9 @@ def hf_shape(spec: HFModelSpec, name: str) -> tuple[int, int]:
         if ".experts." in name:
             f = spec.moe_intermediate_size
             return (h, f) if name.endswith("." + MOE_HF_NAMES[spec.model_type][4] + ".weight") else (f, h)
+        if spec.has_shared_expert and ".mlp.shared_expert" in name:
+            shared, fs = shared_expert_hf_names(layer), spec.shared_expert_intermediate_size
+            return {shared["gate"]: (fs, h), shared["up"]: (fs, h), shared["down"]: (h, fs), shared["shared_gate"]: (1, h)}[name]
     if name == HF_FINAL_NORM or name.endswith("layernorm.weight"):
         return h, 1
     suffix = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
@@ -288,6 +292,10 @@ def check_rollout_degrees(spec: HFModelSpec, tp: int) -> list[str]:
         problems.append(f"moe_intermediate_size={spec.moe_intermediate_size} is not divisible by rollout TP' {tp}")
     if not spec.is_moe and spec.intermediate_size % tp:
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by rollout TP' {tp}")
+    if spec.shared_expert_intermediate_size % tp:
+        problems.append(
+            f"shared_expert_intermediate_size={spec.shared_expert_intermediate_size} is not divisible by rollout TP' {tp}"
+        )
     if (-(-spec.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING) % tp:
         problems.append(
             f"vocab_size={spec.vocab_size} padded to a multiple of {VLLM_VOCAB_PADDING} is not divisible by rollout TP' {tp}"
@@ -372,7 +380,8 @@ def hf_layout(spec: HFModelSpec, *, tp: int = 1, tp_rank: int = 0, fused_experts
     """Hugging Face tensors (their names) on rollout rank ``tp_rank`` of ``tp``: whole at ``tp = 1``,
     else split as vLLM splits them (q/k/v, gate/up, vocabulary by rows; o/down by columns), unpadded.
 
-    Experts (Qwen3-MoE, Mixtral) are per-expert tensors, split like a dense MLP. ``fused_experts``
+    Experts (Qwen3-MoE, Qwen2-MoE, Mixtral) are per-expert tensors, split like a dense MLP; Qwen2-MoE's
+    shared expert is split like a dense MLP in either case and its gate is whole. ``fused_experts``
     (``tp = 1``, the transformers engine's own parameters) puts them where transformers 5 holds them:
     ``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2F, H] (expert e: its gate rows, then its up
     rows), ``...experts.down_proj`` [E, H, F] and the router in ``model.layers.{i}.mlp.gate.weight``."""
@@ -430,6 +439,13 @@ def hf_layout(spec: HFModelSpec, *, tp: int = 1, tp_rank: int = 0, fused_experts
                 add_rows(names["up"], e0, e1, h)
                 shapes[names["down"]] = (h, e1 - e0)
                 boxes.append(Box(names["down"], 0, h, e0, e1, names["down"], 0, e1 - e0))
+        if spec.has_shared_expert:  # a dense MLP (split like one) and its gate (whole); transformers' own names
+            shared = shared_expert_hf_names(layer)
+            s0, s1 = _split(spec.shared_expert_intermediate_size, tp, tp_rank)
+            add_rows(shared["gate"], s0, s1, h)
+            add_rows(shared["up"], s0, s1, h)
+            add_cols(shared["down"], s0, s1)
+            add_rows(shared["shared_gate"], 0, 1, h)
     add_rows(HF_FINAL_NORM, 0, h, 1)
     if not spec.tie_word_embeddings:
         add_rows(HF_LM_HEAD, v0, v1, h)

@@ -162,6 +162,10 @@ def split_problems(
         problems.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by tensor parallel {tp_size}")
     if spec.intermediate_size % tp_size and not spec.is_moe:  # experts are whole (expert TP 1)
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tensor parallel {tp_size}")
+    if spec.shared_expert_intermediate_size % tp_size:  # the shared expert is a dense MLP, split over TP
+        problems.append(
+            f"shared_expert_intermediate_size={spec.shared_expert_intermediate_size} is not divisible by tensor parallel {tp_size}"
+        )
     try:
         resolve_split(spec.num_layers, pp_size, vpp_size, first_stage_layers, last_stage_layers)
     except ValueError as exc:
@@ -264,9 +268,20 @@ def moe_config_kwargs(spec: HFModelSpec, cfg: ModelBuildConfig, *, ep_size: int)
     expert-parallel rank (expert TP 1; Megatron's ``SequentialMLP``, no grouped GEMM) and tokens
     travel by all-to-all. The load-balancing loss weighs ``router_aux_loss_coef`` unless
     ``cfg.moe_aux_loss_coeff`` overrides it; 0 turns it off.
+
+    Qwen2-MoE's shared expert is Megatron's ``SharedExpertMLP`` with its gate
+    (``moe_shared_expert_gate``: ``sigmoid(x @ gate_weight.T)`` [tokens, 1] scales the expert's output,
+    transformers' ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``), a dense SwiGLU MLP split
+    over TP; it runs before the router, not overlapped with the dispatch.
     """
     coeff = spec.router_aux_loss_coef if cfg.moe_aux_loss_coeff is None else cfg.moe_aux_loss_coeff
+    shared = (
+        dict(moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size, moe_shared_expert_gate=True)
+        if spec.has_shared_expert
+        else {}
+    )
     return dict(
+        **shared,
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_topk,
         moe_ffn_hidden_size=spec.moe_intermediate_size,
@@ -366,6 +381,12 @@ def build_gpt_model(
         )
         if post_process and cfg.head != "lm":
             model.output_layer = ScalarHead(config, pg=pg, init_std=spec.initializer_range)
+    if spec.has_shared_expert and torch.cuda.is_available() and not cfg.meta_device:
+        # megatron-core 0.16.1 creates the shared expert's gate weight on the CPU whatever the
+        # initialisation device ("TODO: Add support for GPU initialization"); move it beside the rest.
+        for layer in model.decoder.layers:
+            gate = layer.mlp.shared_experts.gate_weight
+            gate.data = gate.data.to(torch.cuda.current_device())
     # Exact transformers frequencies for every supported rope type (see module docstring).
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.forward.cache_clear()
@@ -463,6 +484,9 @@ def verify_model_matches_spec(chunk: "GPTModel", pg: "ProcessGroupCollection") -
         ("num_experts_per_tok", spec.moe_topk if spec.is_moe else 2, c.moe_router_topk),
         ("moe_intermediate_size", spec.moe_intermediate_size if spec.is_moe else None,
          c.moe_ffn_hidden_size if spec.is_moe else None),
+        ("shared_expert_intermediate_size", spec.shared_expert_intermediate_size or None,
+         c.moe_shared_expert_intermediate_size),
+        ("shared_expert_gate", spec.has_shared_expert, bool(c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size)),
         ("sliding_window", spec.sliding_window, None if c.window_size is None else c.window_size[0] + 1),
         ("hidden_act", "silu", "silu" if c.activation_func is F.silu and c.gated_linear_unit else "other"),
     ]

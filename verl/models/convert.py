@@ -47,6 +47,7 @@ _SEQ_CLS_ARCH = {
     "mistral": "MistralForSequenceClassification",
     "qwen3_moe": "Qwen3MoeForSequenceClassification",
     "mixtral": "MixtralForSequenceClassification",
+    "qwen2_moe": "Qwen2MoeForSequenceClassification",
 }
 _CAUSAL_LM_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -55,6 +56,7 @@ _CAUSAL_LM_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 

@@ -3,7 +3,8 @@
 Only decoder-only Llama-family models are accepted: Llama 1/2/3/3.1 (incl. ``llama3`` rope
 scaling), Qwen2/Qwen2.5 (qkv bias, tied embeddings), Qwen3 (per-head RMSNorm of queries and
 keys, an explicit head_dim), Mistral (sliding window) and the Mixture-of-Experts families
-Qwen3-MoE and Mixtral (every layer sparse: a top-k softmax router over SwiGLU experts). Everything
+Qwen3-MoE and Mixtral (every layer sparse: a top-k softmax router over SwiGLU experts) and Qwen2-MoE
+(the same routed experts plus one shared SwiGLU expert whose output a sigmoid gate scales). Everything
 the Megatron model cannot reproduce exactly fails here with a ``ValueError`` that names the
 config field, so a conversion never silently produces a different network.
 
@@ -26,8 +27,8 @@ from verl.utils.paths import load_json_object
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -93,6 +94,9 @@ class HFModelSpec:
     """The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE: ``norm_topk_prob``)."""
     router_aux_loss_coef: float = 0.0
     """Weight of the router's load-balancing loss in training (``router_aux_loss_coef``)."""
+    shared_expert_intermediate_size: int = 0
+    """SwiGLU inner width of the shared expert every token goes through, its output scaled by
+    ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE); 0: no shared expert."""
     initializer_range: float = 0.02
     """Std of the normal init used for freshly created weights (e.g. a value head)."""
     torch_dtype: str | None = None
@@ -104,6 +108,11 @@ class HFModelSpec:
     def is_moe(self) -> bool:
         """Every layer's MLP is a set of routed experts."""
         return self.num_experts > 0
+
+    @property
+    def has_shared_expert(self) -> bool:
+        """Each MoE layer also has a gated shared expert (Qwen2-MoE)."""
+        return self.shared_expert_intermediate_size > 0
 
     @property
     def q_per_group(self) -> int:
@@ -183,7 +192,7 @@ def _max_positions(cfg: dict[str, Any], model_type: str, source: str) -> int:
 
 
 def _parse_moe(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
-    """The expert fields of a Qwen3-MoE or Mixtral config (HFModelSpec keyword arguments)."""
+    """The expert fields of a Qwen3-MoE, Qwen2-MoE or Mixtral config (HFModelSpec keyword arguments)."""
     experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
     experts = cfg.get(experts_key)
     if not isinstance(experts, int) or experts <= 0:
@@ -207,16 +216,28 @@ def _parse_moe(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, A
             field_name = "mlp_only_layers" if cfg.get("mlp_only_layers") else "decoder_sparse_step"
             raise _err(
                 source, field_name, f"is {cfg[field_name]!r} (some layers dense)",
-                "verl builds Qwen3-MoE with every layer sparse (decoder_sparse_step 1, mlp_only_layers []).",
+                f"verl builds {model_type} with every layer sparse (decoder_sparse_step 1, mlp_only_layers []).",
             )
-        if cfg.get("shared_expert_intermediate_size"):
-            raise _err(source, "shared_expert_intermediate_size", "is set", "Shared experts are not supported.")
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = cfg.get("shared_expert_intermediate_size")
+        if not isinstance(shared, int) or shared <= 0:
+            raise _err(
+                source, "shared_expert_intermediate_size", f"is {shared!r}",
+                "Qwen2-MoE's shared expert needs a positive width (a model without one is a qwen3_moe-like config).",
+            )
+    elif cfg.get("shared_expert_intermediate_size"):
+        raise _err(
+            source, "shared_expert_intermediate_size", f"is set for {model_type}",
+            "Only qwen2_moe configs have a (gated) shared expert; remove the field.",
+        )
     return dict(
         num_experts=experts,
         moe_topk=topk,
         moe_intermediate_size=width,
         moe_renormalize=renormalize,
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
+        shared_expert_intermediate_size=shared,
     )
 
 
@@ -268,9 +289,10 @@ def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str |
 
     qk_layernorm = model_type in ("qwen3", "qwen3_moe")
     moe = _parse_moe(cfg, model_type, source) if model_type in MOE_MODEL_TYPES else {}
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}[model_type]
-        qkv_bias = model_type == "qwen2"
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
+        name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE"}[model_type]
+        # Qwen2-MoE's configs carry the switch (``qkv_bias``, default on); Qwen2 always has q/k/v biases.
+        qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
         if cfg.get("attention_bias", False):
             # Qwen3's attention_bias adds biases to q/k/v and o_proj; Megatron offers an o_proj bias
             # only together with biases on every linear layer. Qwen2 has q/k/v biases regardless.

@@ -23,6 +23,9 @@ Layouts handled here:
   is replicated; each of a rank's local experts (``mlp.experts.local_experts.{j}``, Megatron's
   ``SequentialMLP``) is whole (expert TP 1): ``linear_fc1`` = ``[gate; up]``, ``linear_fc2`` = down;
   expert parallelism gives rank ``r`` the global experts ``r * E / EP`` onwards.
+  Qwen2-MoE's shared expert (``mlp.shared_experts``) is a dense MLP split over TP like any other
+  (``linear_fc1`` ``[gate_r; up_r]``, ``linear_fc2`` by columns); its gate ``gate_weight`` [1, hidden]
+  (Hugging Face's ``mlp.shared_expert_gate.weight``) is replicated.
 - Qwen3's per-head query/key norms (``q_layernorm``/``k_layernorm``, ``[head_dim]``) are replicated.
 - tied embeddings: the LM head of a last pipeline stage that does not own the embedding is a
   copy of ``model.embed_tokens.weight`` (marked ``duplicate`` so exporters skip it).
@@ -158,6 +161,8 @@ def _check_tp(spec: HFModelSpec, tp_size: int) -> None:
         problems.append(f"num_attention_heads ({spec.num_attention_heads})")
     if spec.intermediate_size % tp_size and not spec.is_moe:  # experts are not split over TP
         problems.append(f"intermediate_size ({spec.intermediate_size})")
+    if spec.shared_expert_intermediate_size % tp_size:
+        problems.append(f"shared_expert_intermediate_size ({spec.shared_expert_intermediate_size})")
     if problems:
         raise ValueError(
             f"tensor parallel size {tp_size} does not divide {', '.join(problems)} of the "
@@ -230,11 +235,14 @@ def param_mapping(
 
     match = _LAYER_RE.match(megatron_name)
     if match is not None and spec.is_moe and match.group(2).startswith("mlp."):
-        return _moe_mapping(megatron_name, spec, int(match.group(1)) + layer_offset, match.group(2), ep_rank, ep_size)
+        return _moe_mapping(
+            megatron_name, spec, int(match.group(1)) + layer_offset, match.group(2), ep_rank, ep_size,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )
     if match is None or match.group(2) not in _LAYER_PARAMS:
         raise ValueError(
             f"Megatron parameter '{megatron_name}' has no Hugging Face mapping; "
-            "verl maps the Llama/Qwen2/Qwen3/Mistral GPT layout and Qwen3-MoE/Mixtral experts only."
+            "verl maps the Llama/Qwen2/Qwen3/Mistral GPT layout and Qwen3-MoE/Qwen2-MoE/Mixtral experts only."
         )
     layer = int(match.group(1)) + layer_offset
     suffix = match.group(2)
@@ -284,6 +292,7 @@ MOE_HF_NAMES = {
     # model_type -> (MoE block, router, expert gate, up, down), below model.layers.{i}.
     "qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "qwen2_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
 """Where a Mixture-of-Experts checkpoint keeps its router and experts (the per-expert names of the
 Hugging Face hub's checkpoints, which transformers reads and writes)."""
@@ -299,10 +308,19 @@ def moe_hf_names(spec: HFModelSpec, layer: int, expert: int | None = None) -> di
     return {"gate": f"{e}{gate}.weight", "up": f"{e}{up}.weight", "down": f"{e}{down}.weight"}
 
 
+def shared_expert_hf_names(layer: int) -> dict[str, str]:
+    """Hugging Face names of layer ``layer``'s shared expert (gate/up/down) and its gate (Qwen2-MoE)."""
+    p = f"model.layers.{layer}.mlp.shared_expert"
+    return {"gate": f"{p}.gate_proj.weight", "up": f"{p}.up_proj.weight", "down": f"{p}.down_proj.weight",
+            "shared_gate": f"{p}_gate.weight"}
+
+
 def _moe_mapping(
-    megatron_name: str, spec: HFModelSpec, layer: int, suffix: str, ep_rank: int, ep_size: int
+    megatron_name: str, spec: HFModelSpec, layer: int, suffix: str, ep_rank: int, ep_size: int,
+    *, tp_rank: int, tp_size: int,
 ) -> ParamMapping:
-    """The router (replicated) and the local experts (whole, expert TP 1) of a Mixture-of-Experts layer.
+    """The router (replicated), the local experts (whole, expert TP 1) and the shared expert (split
+    over TP, its gate replicated) of a Mixture-of-Experts layer.
 
     Megatron's ``SequentialMLP`` numbers its experts locally: local expert ``j`` on expert-parallel
     rank ``r`` is global expert ``r * num_experts / ep_size + j``. ``linear_fc1`` is ``[gate; up]``.
@@ -310,6 +328,19 @@ def _moe_mapping(
     h, f, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     if layer >= spec.num_layers:
         raise ValueError(f"'{megatron_name}' is past num_hidden_layers {spec.num_layers}")
+    if spec.has_shared_expert and suffix.startswith("mlp.shared_experts."):
+        names = shared_expert_hf_names(layer)
+        fs = spec.shared_expert_intermediate_size
+        start, stop = tp_rank * fs // tp_size, (tp_rank + 1) * fs // tp_size
+        if suffix == "mlp.shared_experts.gate_weight":
+            piece = _piece(names["shared_gate"], (1, h), 0, 0, 1)
+            return ParamMapping(megatron_name=megatron_name, kind="replicated", pieces=(piece,), shard_shape=(1, h))
+        if suffix == "mlp.shared_experts.linear_fc1.weight":
+            pieces = (_piece(names["gate"], (fs, h), 0, start, stop), _piece(names["up"], (fs, h), 0, start, stop))
+            return ParamMapping(megatron_name=megatron_name, kind="gate_up", pieces=pieces, shard_shape=(2 * (stop - start), h))
+        if suffix == "mlp.shared_experts.linear_fc2.weight":
+            pieces = (_piece(names["down"], (h, fs), 1, start, stop),)
+            return ParamMapping(megatron_name=megatron_name, kind="row", pieces=pieces, shard_shape=(h, stop - start))
     if suffix == "mlp.router.weight":
         piece = _piece(moe_hf_names(spec, layer)["router"], (n, h), 0, 0, n)
         return ParamMapping(megatron_name=megatron_name, kind="replicated", pieces=(piece,), shard_shape=(n, h))
@@ -408,6 +439,9 @@ def megatron_param_names(
             for j in range(spec.num_experts // ep_size):
                 names += [p + f"mlp.experts.local_experts.{j}.linear_fc1.weight",
                           p + f"mlp.experts.local_experts.{j}.linear_fc2.weight"]
+            if spec.has_shared_expert:
+                names += [p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight",
+                          p + "mlp.shared_experts.gate_weight"]
             continue
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight"))
         names.append(p + "mlp.linear_fc1.weight")
@@ -436,6 +470,8 @@ def hf_param_names(spec: HFModelSpec, *, head: HeadKind = "lm") -> list[str]:
             names.append(moe_hf_names(spec, i)["router"])
             for e in range(spec.num_experts):
                 names += list(moe_hf_names(spec, i, e).values())
+            if spec.has_shared_expert:
+                names += list(shared_expert_hf_names(i).values())
             continue
         names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
     names.append(HF_FINAL_NORM)

@@ -283,8 +283,9 @@ def _layer_params(spec: HFModelSpec, tp: int, *, expert_split: int = 1) -> int:
     h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_kv_heads, spec.intermediate_size
     qkv = h * (a + 2 * g) * d + ((a + 2 * g) * d if spec.qkv_bias else 0)
     qk_norms = 2 * d if spec.qk_layernorm else 0  # Qwen3's per-head q/k norms, replicated
-    if spec.is_moe:  # the router [experts, hidden] is replicated
-        return (qkv + a * d * h) // tp + 2 * h + qk_norms + spec.num_experts * h + _expert_params(spec, expert_split)
+    if spec.is_moe:  # the router [experts, hidden] is replicated; a shared expert split over TP, its gate replicated
+        shared = 3 * h * spec.shared_expert_intermediate_size // tp + (h if spec.has_shared_expert else 0)
+        return (qkv + a * d * h) // tp + 2 * h + qk_norms + spec.num_experts * h + _expert_params(spec, expert_split) + shared
     return (qkv + a * d * h + 3 * h * f) // tp + 2 * h + qk_norms  # q/k/v, o, gate/up/down over TP; norms replicated
 
 
@@ -413,7 +414,7 @@ def layer_activation_bytes(spec: HFModelSpec, role: MegatronRole, tokens: int) -
     t = role.tp
     sp = t if role.sequence_parallel else 1
     # A dense MLP's gate, up and product split over TP; each token's top-k experts' (whole, expert TP 1).
-    mlp = 3 * spec.moe_intermediate_size * spec.moe_topk if spec.is_moe else 3 * f / t
+    mlp = 3 * spec.moe_intermediate_size * spec.moe_topk + 3 * spec.shared_expert_intermediate_size / t if spec.is_moe else 3 * f / t
     per_token = 4 * h / sp + (a + 2 * g) * d / t + a * d / t + mlp
     return int(role.dtype_bytes * tokens * per_token)
 
