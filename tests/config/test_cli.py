@@ -62,6 +62,9 @@ def test_help_shows_section_specific_defaults_bounds_and_links(capsys):
     assert "  trainer.logger: list[console|tensorboard|jsonl|wandb|mlflow] = [console]" in out
     assert "  critic.ppo_mini_batch_size: int = 256  [>= 1; follows actor_rollout_ref.actor.ppo_mini_batch_size]" in out
     assert "  trainer.default_local_dir: str = checkpoints/{project_name}/{experiment_name}" in out
+    assert "  trainer.async_training.partial_rollout: bool = false" in out
+    assert "  trainer.async_training.partial_rollout_tokens: int = 16  [>= 1]" in out
+    assert "  trainer.async_training.stale_samples: wait|drop = wait" in out
 
 
 def test_parse_cli_builds_the_config(tmp_path):

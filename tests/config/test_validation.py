@@ -94,11 +94,28 @@ def test_launched_world_size_is_checked_against_the_layout_and_the_trainer_shape
          r"old_log_prob=current leaves no old log-probabilities before the update, and algorithm\.use_kl_in_reward"),
         (["actor_rollout_ref.actor.old_log_prob=rollout", "actor_rollout_ref.rollout.top_p=0.9"],
          r"old_log_prob=rollout takes the engine's log-probabilities, which with top_p=0\.9"),
+        (["trainer.async_training.partial_rollout=true"],
+         r"^[^\n]*trainer\.async_training\.partial_rollout=true applies to the async rollout: set trainer\.rollout_mode=async \(it is sync\)$"),
+        (["trainer.rollout_mode=one_step_off", "trainer.async_training.stale_samples=drop"],
+         r"trainer\.async_training\.stale_samples=drop applies to the async rollout: set trainer\.rollout_mode=async \(it is one_step_off\)"),
+        (["trainer.rollout_mode=async", "trainer.async_training.partial_rollout=true", "actor_rollout_ref.rollout.stop=[END]"],
+         r"partial_rollout=true generates in segments, which does not fit actor_rollout_ref\.rollout\.stop \(stop strings"),
+        (["trainer.rollout_mode=async", "trainer.async_training.partial_rollout=true", "algorithm.adv_estimator=remax"],
+         r"which does not fit algorithm\.adv_estimator=remax .*: set partial_rollout=false"),
     ],
 )
 def test_batch_and_layout_rules(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _load(*overrides)
+
+
+def test_partial_rollout_and_drop_pass_in_async():
+    cfg = _load("trainer.rollout_mode=async", "trainer.async_training.partial_rollout=true",
+                "trainer.async_training.partial_rollout_tokens=8", "trainer.async_training.stale_samples=drop")
+    at = cfg.trainer.async_training
+    assert (at.partial_rollout, at.partial_rollout_tokens, at.stale_samples) == (True, 8, "drop")
+    with pytest.raises(ConfigError, match=r"stale_samples"):
+        _load("trainer.rollout_mode=async", "trainer.async_training.stale_samples=never")
 
 
 def test_auto_old_log_prob_skips_the_pass_only_where_it_gives_the_same_numbers():

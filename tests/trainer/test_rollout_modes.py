@@ -118,7 +118,7 @@ def test_rollout_modes(tiny_model_dir, arithmetic_files, tmp_path):
     assert async2[1]["async/queue_size"] == 0.0 and async2[2]["async/queue_size"] == 1.0
     # the killed run's checkpoint holds the batch generated ahead for step 3; resumed, step 3 is
     # the uninterrupted run's, number for number, and steps 1-2 were logged once each
-    assert out["queue"] == ["0.batch", "index.json"]
+    assert out["queue"] == ["0.batch", "0.prompts", "index.json"]  # its prompts: for stale_samples=drop on resume
     assert out["killed"] == out["off"]
     # colocated: the same schedule, one after the other
     colocated = out["colocated_all"]

@@ -642,7 +642,10 @@ class RunConfig(ConfigBase):
 class AsyncTrainingConfig(ConfigBase):
     """Streaming rollout (``trainer.rollout_mode=async``): how far generation may run ahead of training."""
 
-    max_staleness: int = option(1, "async: the most policy versions between the one that generates a sample and the one its update starts from; generation runs up to this many batches ahead (0: the synchronous step).", ge=0)
+    max_staleness: int = option(1, "async: the most policy versions between the one that begins a sample and the one its update starts from; generation runs up to this many batches ahead (0: the synchronous step).", ge=0)
+    partial_rollout: bool = option(False, "async: generate the batches ahead in segments of partial_rollout_tokens new tokens; a weight update between two segments does not discard the unfinished samples, they resume from their prefix (prompt + tokens so far) under the new weights. Each response token records the version that sampled it (rollout_token_versions); a sample's rollout_version is the one that began it.")
+    partial_rollout_tokens: int = option(16, "async with partial_rollout: the most new tokens of one segment (one engine call per segment, its own seed).", ge=1)
+    stale_samples: Literal["wait", "drop"] = option("wait", "async: a sample begun more than max_staleness versions before the one its update starts from. wait: generation never runs that far ahead (no sample is ever dropped); drop: such samples (e.g. from a checkpoint saved with a looser bound) are dropped, counted in async/stale_dropped, and their prompts sampled again with the current weights, so the batch keeps its size.")
 
 
 @dataclass(kw_only=True)
@@ -682,7 +685,7 @@ class TrainerConfig(RunConfig):
         "rollout is on ranks of its own, trainer.placement.rollout); async: generation runs up to "
         "async_training.max_staleness batches ahead of training.",
     )
-    async_training: AsyncTrainingConfig = section(AsyncTrainingConfig, "rollout_mode=async's staleness bound.")
+    async_training: AsyncTrainingConfig = section(AsyncTrainingConfig, "rollout_mode=async's staleness bound, partial rollout and stale samples.")
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:
     # str.replace, not str.format: a user path may contain other braces.

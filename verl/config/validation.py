@@ -503,6 +503,19 @@ def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
 def _rollout_mode(cfg: PPOConfig, problems: list[str]) -> None:
     """``trainer.rollout_mode``: the streaming rollout heads the PPO/GRPO step only."""
     mode = cfg.trainer.rollout_mode
+    at, rollout = cfg.trainer.async_training, cfg.actor_rollout_ref.rollout
+    key = "trainer.async_training"
+    if mode != "async":
+        for name, on in (("partial_rollout=true", at.partial_rollout), ("stale_samples=drop", at.stale_samples == "drop")):
+            if on:
+                problems.append(f"{key}.{name} applies to the async rollout: set trainer.rollout_mode=async (it is {mode})")
+    if at.partial_rollout:
+        why = ("actor_rollout_ref.rollout.stop (stop strings: one spanning two segments would go unseen; use stop_token_ids)"
+               if rollout.stop else "actor_rollout_ref.rollout.multi_turn.enable=true (the agent loop makes its own engine calls)"
+               if rollout.multi_turn.enable else "algorithm.adv_estimator=remax (its greedy baseline is one whole call)"
+               if cfg.algorithm.adv_estimator == "remax" else None)
+        if why is not None:
+            problems.append(f"{key}.partial_rollout=true generates in segments, which does not fit {why}: set partial_rollout=false")
     if mode == "sync":
         return
     kind = ("data.pairs=true (DPO)" if cfg.data.pairs else "algorithm.hybrid.enable=true" if cfg.algorithm.hybrid.enable

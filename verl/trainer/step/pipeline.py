@@ -162,7 +162,12 @@ def build_step(cfg: "PPOConfig") -> StepPipeline:
     if cfg.trainer.rollout_mode != "sync":  # generation ahead of training (verl.trainer.step.stream)
         from verl.trainer.step.stream import StreamRolloutOperator
 
-        head: Operator = StreamRolloutOperator(depth=cfg.staleness_bound)
+        at = cfg.trainer.async_training
+        head: Operator = StreamRolloutOperator(
+            depth=cfg.staleness_bound,
+            partial_tokens=at.partial_rollout_tokens if at.partial_rollout else None,
+            stale_samples=at.stale_samples,
+        )
         _warn_uncorrected(cfg)
     else:
         head = ops.RolloutOperator()

@@ -25,9 +25,29 @@ Each batch samples with the seed and the prompts the synchronous step ``t`` woul
 (``rollout_queue/``, :meth:`save_state`), so a killed and resumed run trains exactly the batches
 the uninterrupted one would.
 
-Not here (the issue's rest): partial rollout (a weight update never interrupts an engine call
-here: generation happens between updates), a free-running generator that also overlaps the
-reward and the weight push, and dropping stale samples (no sample can exceed the bound).
+Partial rollout (``async_training.partial_rollout``, ``verl.trainer.step.partial``): a batch ahead is
+generated in segments of at most ``partial_rollout_tokens`` new tokens instead of one engine call.
+Its first segment runs when it is begun (in the window where the bound first allows it, as above);
+every later window runs one more segment of each batch in flight, with that window's weights; at its
+own step the rest is generated with the weights just pushed. So a batch for step ``t`` begun with
+version ``b`` has its token ``j`` sampled by version ``min(b + j // segment, t - 1)``
+(``rollout_token_versions``, beside the per-token ``rollout_log_probs`` of the same weights, which
+rollout correction uses), and ``rollout_version`` is ``b``, the version that began it: the bound
+applies to the oldest token. A weight update never discards what was generated. The queue's
+checkpoint holds the batches in flight (their tokens, log-probs and versions so far).
+
+Stale samples (``async_training.stale_samples``): with ``wait`` (the default) generation never
+runs ahead of the bound, so no sample can exceed it; one beyond it is an internal error raised
+before the update (``StepPieces.staleness_metrics``). With ``drop``, the samples of a batch begun
+more than ``depth`` versions before its update's are dropped (``async/stale_dropped`` counts them)
+and their prompts sampled again, all ``n`` samples of each, with the current weights, so the batch
+keeps its size and no group mixes policies. Within one run the pacing above gives nothing to drop;
+a queue saved with a looser bound (a run resumed with a smaller ``max_staleness``) is the case it
+serves here.
+
+Not here (the issue's rest): a free-running generator, paced by time rather than by the step, that
+also overlaps the reward and the weight push (with it, samples could outrun the bound within a run,
+and ``drop`` would act on them the same way).
 """
 
 from __future__ import annotations
@@ -44,18 +64,22 @@ from verl.trainer.step.ops import ROLLOUT_FIELDS
 
 if TYPE_CHECKING:
     from verl.protocol import Batch
+    from verl.trainer.step.partial import PartialBatch
     from verl.trainer.ppo_trainer import PPOTrainer
 
 __all__ = ["QUEUE_DIR", "StreamRolloutOperator"]
 
 QUEUE_DIR = "rollout_queue"  # in a checkpoint: the batches generated ahead
+_REFILL_SEED = 104_729  # seed offset of the prompts sampled again after a drop (stale_samples=drop)
 
 
 @dataclasses.dataclass
 class _Ahead:
     step: int  # the step that trains it
-    version: int  # the actor updates done before the weights that sampled it
-    generated: tuple[Any, Any, dict[str, float]]  # StepPieces.generate_here's (batch, greedy, metrics); None batch off the rollout's ranks
+    version: int  # the actor updates done before the weights that began it
+    generated: tuple[Any, Any, dict[str, float]]  # StepPieces.generate_here's (batch, greedy, metrics); None batch off the rollout's ranks (and while partial is unfinished)
+    prompts: "Batch | None" = None  # its prompts (the rollout's ranks): stale_samples=drop samples them again
+    partial: "PartialBatch | None" = None  # partial rollout: the batch in flight (the rollout's ranks)
 
 
 class StreamRolloutOperator(Operator):
@@ -64,16 +88,37 @@ class StreamRolloutOperator(Operator):
     Args:
         depth: the most batches generated ahead (the staleness bound: 1 for one_step_off).
         call_sizes: ``RolloutOperator``'s dynamic batch size ``(min, max)``, or None.
+        partial_tokens: partial rollout (``async_training.partial_rollout``): the batches ahead are
+            generated in segments of at most this many new tokens, one segment of each batch in
+            flight per update (``verl.trainer.step.partial``); None: whole batches.
+        stale_samples: ``"wait"`` (no sample ever exceeds ``depth``: generation waits) or ``"drop"``
+            (a sample begun more than ``depth`` versions before its update's is dropped, counted in
+            ``async/stale_dropped``, and its prompt sampled again with the current weights).
     """
 
     outputs = ROLLOUT_FIELDS + ("rollout_version",)
 
-    def __init__(self, *, depth: int, call_sizes: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        depth: int,
+        call_sizes: tuple[int, int] | None = None,
+        partial_tokens: int | None = None,
+        stale_samples: str = "wait",
+    ) -> None:
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"StreamRolloutOperator(depth={depth!r}): batches generated ahead, an int >= 0")
+        if partial_tokens is not None and (isinstance(partial_tokens, bool) or not isinstance(partial_tokens, int) or partial_tokens < 1):
+            raise ValueError(f"StreamRolloutOperator(partial_tokens={partial_tokens!r}): new tokens per segment, an int >= 1 or None")
+        if stale_samples not in ("wait", "drop"):
+            raise ValueError(f"StreamRolloutOperator(stale_samples={stale_samples!r}): 'wait' or 'drop'")
+        if partial_tokens is not None and call_sizes is not None:
+            raise ValueError("StreamRolloutOperator: partial rollout makes one engine call per segment; use call_sizes=None")
         self.depth = depth
         self.call_sizes = call_sizes
+        self.partial_tokens = partial_tokens
+        self.stale_samples = stale_samples
         self.queue: list[_Ahead] = []
         self.exhausted = False
 
@@ -103,8 +148,12 @@ class StreamRolloutOperator(Operator):
             if item is None:
                 return None, {}
             ahead = 0.0
-        if trainer.rollout is not None:  # the push's metrics as the rollout's ranks see them (as generate's)
-            item.generated[2].update(pushed)
+        if trainer.rollout is not None:
+            if item.partial is not None:  # its last segments with the weights pushed for this step
+                self._finish(item, trainer.global_step)
+            if self.stale_samples == "drop":
+                self._drop_stale(item, step)
+            item.generated[2].update(pushed)  # the push's metrics as the rollout's ranks see them (as generate's)
         with trainer.phase("share"):
             out, metrics = trainer.share_generated(item.generated)
         metrics["async/generated_ahead"] = ahead
@@ -122,18 +171,92 @@ class StreamRolloutOperator(Operator):
         if prompts is None:
             self.exhausted = True
             return None
-        # update_step has advanced global_step before its updates run: the weights are one behind it there
-        version = trainer.global_step - 1 if self._in_update else trainer.global_step
+        version = self._version()
         generated: tuple[Any, Any, dict[str, float]] = (None, None, {})
-        if trainer.rollout is not None:
-            with trainer.phase("gen"), trainer.rollout.phase() as push:
-                generated = trainer.generate_here(
-                    prompts, seed=trainer.sampling_seed(0, step=step), call_sizes=self.call_sizes
-                )
-                generated[2].update(push)
-            batch = generated[0]
-            batch["rollout_version"] = torch.full((len(batch),), version, dtype=torch.long)
-        return _Ahead(step=step, version=version, generated=generated)
+        item = _Ahead(step=step, version=version, generated=generated)
+        if trainer.rollout is None:
+            return item
+        item.prompts = prompts
+        seed = trainer.sampling_seed(0, step=step)
+        if self.partial_tokens is not None:  # its first segment now, the rest in later windows or at its step
+            item.partial = self._partial(prompts, seed)
+            with trainer.phase("gen"), trainer.rollout.phase():
+                item.partial.advance(trainer.rollout.generate_segment, version)
+            return item
+        with trainer.phase("gen"), trainer.rollout.phase() as push:
+            item.generated = trainer.generate_here(prompts, seed=seed, call_sizes=self.call_sizes)
+            item.generated[2].update(push)
+        batch = item.generated[0]
+        batch["rollout_version"] = torch.full((len(batch),), version, dtype=torch.long)
+        return item
+
+    def _version(self) -> int:
+        """The policy version the engine holds now: ``global_step`` at step start; inside
+        ``update_step``, which has advanced ``global_step`` before its updates run, one behind it."""
+        return self.trainer.global_step - 1 if self._in_update else self.trainer.global_step
+
+    def _partial(self, prompts: "Batch", seed: int) -> "PartialBatch":
+        """A batch in flight for ``prompts`` (partial rollout), sampling with ``seed``."""
+        from verl.trainer.step.partial import PartialBatch
+
+        trainer = self.trainer
+        rollout_cfg = trainer.cfg.actor_rollout_ref.rollout
+        eos = trainer.tokenizer.eos_token_id if not rollout_cfg.ignore_eos else None
+        stop_ids = set(rollout_cfg.stop_token_ids) | ({int(eos)} if eos is not None else set())
+        return PartialBatch(
+            prompts, n=trainer.n, response_length=rollout_cfg.response_length, segment_tokens=self.partial_tokens,
+            stop_ids=stop_ids, seed=seed, pad_token_id=trainer.rollout.engine.pad_token_id,
+        )
+
+    def _finish(self, item: _Ahead, version: int) -> None:
+        """Partial rollout: ``item``'s unfinished samples continued with the current weights (policy
+        ``version``) until every one has ended; its batch assembled (the rollout's ranks)."""
+        trainer = self.trainer
+        with trainer.phase("gen"), trainer.rollout.phase() as push:
+            item.partial.finish(trainer.rollout.generate_segment, version)
+        batch, metrics = item.partial.assemble()
+        metrics.update(push)
+        item.generated = (batch, None, metrics)
+        item.partial = None
+
+    def _drop_stale(self, item: _Ahead, step: int) -> None:
+        """``stale_samples=drop``: the samples of ``item`` begun more than ``depth`` versions before
+        the one step ``step`` trains from are dropped, and the prompts they belong to sampled again,
+        all ``n`` samples of each, with the current weights (a group is never mixed across a drop),
+        so the batch keeps its size; ``async/stale_dropped`` counts the samples dropped."""
+        trainer = self.trainer
+        batch, greedy, metrics = item.generated
+        n = trainer.n
+        stale = ((step - 1) - batch["rollout_version"].long()) > self.depth  # [B*n]
+        groups = sorted({int(i) // n for i in stale.nonzero().flatten().tolist()})
+        metrics["async/stale_dropped"] = float(len(groups) * n)
+        if not groups:
+            return
+        if item.prompts is None:
+            raise ValueError(
+                f"step {step}: a batch generated ahead holds samples beyond the staleness bound {self.depth}, but its "
+                "checkpoint holds no prompts to sample them again; resume with the trainer.async_training.max_staleness "
+                "it was saved with"
+            )
+        prompts = item.prompts[groups]
+        seed = trainer.sampling_seed(0, step=step) + _REFILL_SEED
+        version = trainer.global_step
+        with trainer.phase("gen"), trainer.rollout.phase():
+            if self.partial_tokens is not None:
+                fresh = self._partial(prompts, seed)
+                fresh.finish(trainer.rollout.generate_segment, version)
+                again, _ = fresh.assemble()
+            else:
+                again = trainer.rollout.generate(prompts, seed=seed)
+                again["rollout_version"] = torch.full((len(again),), version, dtype=torch.long)
+        rows = torch.tensor([g * n + j for g in groups for j in range(n)], dtype=torch.long)
+        for key in list(batch.tensors):
+            if key not in again:
+                raise RuntimeError(f"stale_samples=drop: the samples drawn again have no {key!r} column")
+            column = batch[key].clone()
+            column[rows.to(column.device)] = again[key].to(column.device, column.dtype)
+            batch[key] = column
+        item.generated = (batch, greedy, metrics)
 
     _in_update = False  # inside update_step (_ahead)
     _active_step = 0  # the step this operator's process() began
@@ -147,6 +270,12 @@ class StreamRolloutOperator(Operator):
         self._in_update = True
         made = 0
         try:
+            if self.partial_tokens is not None and trainer.rollout is not None:  # a segment of each batch in flight
+                version = self._version()
+                with trainer.phase("gen"), trainer.rollout.phase():  # one weight sync for them all
+                    for item in self.queue:
+                        if item.partial is not None:
+                            item.partial.advance(trainer.rollout.generate_segment, version)
             while len(self.queue) < self.depth:
                 item = self._generate(trainer.global_step + len(self.queue) + 1)
                 if item is None:
@@ -170,10 +299,18 @@ class StreamRolloutOperator(Operator):
         index = []
         for i, item in enumerate(self.queue):
             batch, greedy, metrics = item.generated
-            batch.save(os.path.join(folder, f"{i}.batch"))
+            if item.partial is not None:  # in flight: its samples so far, per-token versions included
+                item.partial.save(os.path.join(folder, f"{i}.partial"))
+            else:
+                batch.save(os.path.join(folder, f"{i}.batch"))
             if greedy is not None:
                 greedy.save(os.path.join(folder, f"{i}.greedy"))
-            index.append({"step": item.step, "version": item.version, "metrics": metrics, "greedy": greedy is not None})
+            if item.prompts is not None:
+                item.prompts.save(os.path.join(folder, f"{i}.prompts"))
+            index.append({
+                "step": item.step, "version": item.version, "metrics": metrics, "greedy": greedy is not None,
+                "partial": item.partial is not None, "prompts": item.prompts is not None,
+            })
         with open(os.path.join(folder, "index.json"), "w", encoding="utf-8") as f:
             json.dump({"exhausted": self.exhausted, "batches": index}, f)
 
@@ -190,17 +327,31 @@ class StreamRolloutOperator(Operator):
             return
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
-        if len(saved["batches"]) > self.depth:
+        if len(saved["batches"]) > self.depth and self.stale_samples == "wait":
             raise ValueError(
                 f"{checkpoint_dir} holds {len(saved['batches'])} batches generated ahead, more than this run's "
                 f"staleness bound {self.depth} (trainer.rollout_mode={trainer.cfg.trainer.rollout_mode}); resume with "
-                "the mode and trainer.async_training.max_staleness of the run that saved it"
+                "the mode and trainer.async_training.max_staleness of the run that saved it, or with "
+                "trainer.async_training.stale_samples=drop (the samples beyond the bound are then sampled again)"
             )
         self.exhausted = bool(saved["exhausted"])
         here = trainer.rollout is not None
         for i, entry in enumerate(saved["batches"]):
-            generated: tuple[Any, Any, dict[str, float]] = (None, None, {})
+            item = _Ahead(step=int(entry["step"]), version=int(entry["version"]), generated=(None, None, {}))
             if here:
                 greedy = Batch.load(os.path.join(folder, f"{i}.greedy")) if entry["greedy"] else None
-                generated = (Batch.load(os.path.join(folder, f"{i}.batch")), greedy, entry["metrics"])
-            self.queue.append(_Ahead(step=int(entry["step"]), version=int(entry["version"]), generated=generated))
+                if entry.get("partial"):  # (a queue saved before partial rollout existed has no such key)
+                    from verl.trainer.step.partial import PartialBatch
+
+                    if self.partial_tokens is None:
+                        raise ValueError(
+                            f"{checkpoint_dir} holds a batch in flight of a partial rollout; resume with "
+                            "trainer.async_training.partial_rollout=true"
+                        )
+                    item.partial = PartialBatch.load(os.path.join(folder, f"{i}.partial"))
+                    item.generated = (None, greedy, entry["metrics"])
+                else:
+                    item.generated = (Batch.load(os.path.join(folder, f"{i}.batch")), greedy, entry["metrics"])
+                if entry.get("prompts"):
+                    item.prompts = Batch.load(os.path.join(folder, f"{i}.prompts"))
+            self.queue.append(item)
