@@ -36,6 +36,8 @@
 #   async        the streaming rollout on the GPU (trainer.rollout_mode=async, bound 2; one rank, so
 #                colocated: generation ahead inside the update window, the CUDA engine's weights
 #                synced before the update); tools/bench.py async needs 2 GPUs (NCCL, a rank each)
+#   async-partial the same with partial rollout (segments of 8 tokens resumed from their prefix under
+#                the new weights, each token's policy version recorded; unrun on a GPU yet)
 #   lora         LoRA adapters on a bf16 Megatron engine on one CUDA rank (NCCL): fp32 masters of the
 #                adapters only, base bit-identical after a step, bf16 vs fp32 LoRA engine (unrun yet)
 set -uo pipefail
@@ -106,6 +108,9 @@ step moe 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-
   tests/models/test_uneven_pipeline.py::test_stage_ranges_equal_megatrons
 step async 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
   actor_rollout_ref.rollout.name=hf trainer.device=cuda trainer.rollout_mode=async trainer.async_training.max_staleness=2
+step async-partial 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
+  actor_rollout_ref.rollout.name=hf trainer.device=cuda trainer.rollout_mode=async trainer.async_training.max_staleness=2 \
+  trainer.async_training.partial_rollout=true trainer.async_training.partial_rollout_tokens=8
 # LoRA (#35) on the device: the adapters' hooks, Megatron's bf16 optimizer over the adapters only.
 step lora 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/trainer/test_engine_lora_bf16.py
 echo "summary: $summary, log: $log"
