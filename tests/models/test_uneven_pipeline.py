@@ -6,7 +6,10 @@ The split rule (``verl.models.pipeline_split``) is checked against Megatron-core
 count functions; a 3-layer Qwen3 on PP 2 (automatic [2, 1] and hand-set [1, 2]) against
 transformers (logits, log-probs), its push into a transformers model through the reshard plan
 (bit-exact), its distributed checkpoint saved at one split and loaded at the other, and the
-planners' per-stage layers and parameters against a hand count.
+planners' per-stage layers and parameters against a hand count. Megatron's explicit
+``pipeline_model_parallel_layout``: verl's reading of it against Megatron's own, wrong layouts refused
+with one line naming the key, and 5 layers on PP 2 x VPP 2 (no first/last split can place them)
+through the engine against transformers.
 """
 
 from __future__ import annotations
@@ -123,21 +126,24 @@ def qwen3_3layers(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("uneven") / "qwen3"), "qwen3_tied", num_hidden_layers=3)
 
 
-def _pp2_engine(model_dir, overrides):
-    """A forward-only Megatron engine on PP 2 with these ``override_transformer_config`` keys."""
+def _pp2_engine(model_dir, overrides, vpp=None):
+    """A forward-only Megatron engine on PP 2 (x ``vpp``) with these ``override_transformer_config`` keys."""
     from verl.config import MegatronConfig, ModelConfig
     from verl.engine import MegatronEngine
     from verl.parallel import megatron_state as ms
 
-    pg = ms.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pg = ms.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
     return MegatronEngine(
         model=ModelConfig(path=model_dir),
-        megatron=MegatronConfig(pipeline_model_parallel_size=2, override_transformer_config=overrides),
+        megatron=MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp,
+                                override_transformer_config=overrides),
         pg=pg,
     )
 
 
-def _engine_body(model_dir, overrides, batch, ckpt_dir):
+def _check_plan_and_push(engine, model_dir, vpp=None):
+    """The reshard plan's layout of this rank equals the live chunks (from the split alone); then the
+    push into a transformers model (every element overwritten first): its parameters after the push."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -145,26 +151,29 @@ def _engine_body(model_dir, overrides, batch, ckpt_dir):
     from verl.hybrid.weight_sync import WeightSync
     from verl.models.builder import unwrap_model
 
-    engine = _pp2_engine(model_dir, overrides)
-    pg = engine.pg
     chunk = unwrap_model(engine.chunks[0])
-    out = engine.forward(batch, micro_batch_size=2, output="logprobs").outputs
-    logits = engine.forward(batch, micro_batch_size=2, output="logits").outputs.get("logits")
-    # the reshard plan's layout of this rank equals the live chunk, from the split alone
     check_megatron_layout(
-        megatron_layout(chunk.verl_spec, tp=1, tp_rank=0, pp=2, pp_rank=pg.pp.rank(), vocab_pad_multiple=None,
-                        split=chunk.verl_split),
+        megatron_layout(chunk.verl_spec, tp=1, tp_rank=0, pp=2, pp_rank=engine.pg.pp.rank(), vpp=vpp,
+                        vocab_pad_multiple=None, split=chunk.verl_split),
         engine.chunks, where=f"rank {dist.get_rank()}",
     )
-    # the push into a transformers model (every element overwritten) through the reshard plan
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
     sync = WeightSync(engine, HFDestination(model), bucket_bytes=8 * 1024)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(7.0)
     sync.push()
-    pushed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _engine_body(model_dir, overrides, batch, ckpt_dir):
+    from verl.models.builder import unwrap_model
+
+    engine = _pp2_engine(model_dir, overrides)
+    chunk = unwrap_model(engine.chunks[0])
+    out = engine.forward(batch, micro_batch_size=2, output="logprobs").outputs
+    logits = engine.forward(batch, micro_batch_size=2, output="logits").outputs.get("logits")
+    pushed = _check_plan_and_push(engine, model_dir)
     if ckpt_dir is not None:
         engine.save(ckpt_dir)
     return {"layers": (chunk.verl_layer_offset, len(chunk.decoder.layers)), "logprobs": out["logprobs"],
@@ -267,3 +276,144 @@ def test_dry_run_builds_the_uneven_stages():
         assert measured[role.name] == formula_stage_params(spec, role), role.name
     qwen7b = formula_stage_params(load_spec("qwen2_7b"), MegatronRole(name="actor", tp=1, pp=8))
     assert [s.layers for s in qwen7b] == [2, 4, 4, 4, 4, 4, 4, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron's explicit pipeline_model_parallel_layout: 5 layers on PP 2 x VPP 2
+
+
+LAYOUT_5 = "Et|tt|t|tL"  # chunk 0 of stages 0, 1 (layers 0 | 1-2), then chunk 1 (layer 3 | 4)
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "vpp", "layout"),
+    [(5, 2, 2, LAYOUT_5), (5, 2, 2, "E(t|)*3ttL"), (7, 2, None, "Ettt|ttttL"), (9, 4, 2, "Et|(t|)*6ttL"),
+     (5, 2, 2, [["embedding", "decoder"], ["decoder", "decoder"], ["decoder"], ["decoder", "loss"]])],
+)
+def test_layout_ranges_equal_megatrons(layers, pp, vpp, layout):
+    """Every chunk's (first layer, count) from verl's reading of the layout equals Megatron-core's
+    ``PipelineParallelLayerLayout`` built by its ``TransformerConfig`` from the same string/list."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from verl.models.pipeline_split import normalize_layout, resolve_split
+
+    split = resolve_split(layers, pp, vpp, layout=normalize_layout(layout))
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32, **split.megatron_kwargs(),
+    )
+    megatron_layout = config.pipeline_model_parallel_layout
+    # Megatron's layout reads the virtual size from parallel_state (set by verl's bootstrap in a run).
+    saved = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp)
+    try:
+        covered = []
+        for rank in range(pp):
+            for v in range(vpp or 1):
+                vp = v if vpp else None
+                offset, count = split.chunk_range(rank, vp)
+                assert offset == megatron_layout.get_layer_offset(vp_stage=vp, pp_rank=rank)
+                assert count == megatron_layout.get_num_layers_to_build(vp_stage=vp, pp_rank=rank)
+                covered += range(offset, offset + count)
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(saved)
+    assert sorted(covered) == list(range(layers))
+
+
+@pytest.mark.parametrize(
+    ("layout", "first", "match"),
+    [
+        ("Et|tt|ttL", None, "has 3 stages, not 4"),
+        ("tE|tt|t|tL", None, "the embedding E must open the first stage"),
+        ("Et|tt|tL|t", None, "the loss L must close the last stage"),
+        ("Et|tt|t|ttL", None, "places 6 decoder layers"),
+        ("Et|ttt||tL", None, "chunk 2 holds no decoder layer"),
+        ("Et|tt|m|tL", None, r"has \['m'\]"),
+        ("Et|(tt|t|tL", None, "unbalanced"),
+        (LAYOUT_5, 1, "pipeline_model_parallel_layout and num_layers_in_first_pipeline_stage"),
+    ],
+)
+def test_a_wrong_layout_is_refused_naming_the_key(layout, first, match):
+    from verl.models.pipeline_split import resolve_split
+
+    with pytest.raises(ValueError, match=match) as info:
+        resolve_split(5, 2, 2, first, None, layout)
+    assert "pipeline_model_parallel_layout" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_wrong_layout_is_refused_by_the_builder_and_the_engine_before_building():
+    """One message from the builder's pre-check and from the engine (``override_transformer_config``),
+    with no model built (the engine's check runs before the process groups are touched)."""
+    from tests.models.test_moe import _config
+    from verl.config import MegatronConfig, ModelConfig
+    from verl.engine import MegatronEngine
+    from verl.models.builder import ModelBuildConfig, split_problems
+    from verl.models.hf_config import parse_hf_config
+
+    spec = parse_hf_config({**_config("mixtral"), "num_hidden_layers": 5})
+    [problem] = split_problems(spec, tp_size=1, pp_size=2, vpp_size=2, pipeline_layout="Et|tt|ttL")
+    assert "pipeline_model_parallel_layout='Et|tt|ttL' has 3 stages, not 4" in problem
+    assert split_problems(spec, tp_size=1, pp_size=2, vpp_size=2, pipeline_layout=LAYOUT_5) == []
+    with pytest.raises(ValueError, match="pipeline_model_parallel_layout"):
+        ModelBuildConfig(pipeline_model_parallel_layout=[["embedding", "decoder", "attention"]])
+    with pytest.raises(ValueError, match="not applied by verl's model builder"):
+        MegatronEngine(model=ModelConfig(path="unused"), pg=None,
+                       megatron=MegatronConfig(override_transformer_config={"pipeline_layout": LAYOUT_5}))
+
+
+def test_planners_follow_the_layout():
+    """The memory formulas and the dry run's meta-device build hold the layout's layers per stage."""
+    from verl.models.hf_config import parse_hf_config
+    from verl.planning.dry_run import measure_stage_params
+    from verl.planning.memory import MegatronRole, PlanInputs, RolloutSetup, formula_stage_params
+
+    spec = parse_hf_config({
+        "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 5, "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+    })
+    role = MegatronRole(name="actor", tp=1, pp=2, vpp=2, pipeline_layout=LAYOUT_5)
+    assert [s.layers for s in formula_stage_params(spec, role)] == [2, 3]
+    inputs = PlanInputs(spec=spec, world_size=2, gpus_per_node=2, seq_len=64, response_len=32, roles=(role,),
+                        rollout=RolloutSetup(tp=1, sequences=8))
+    measured = measure_stage_params(inputs)
+    assert [s.layers for s in measured["actor"]] == [2, 3]
+    assert measured["actor"] == formula_stage_params(spec, role)
+
+
+def _layout_body(model_dir, batch, ckpt_dir):
+    from verl.models.builder import unwrap_model
+
+    engine = _pp2_engine(model_dir, {"pipeline_model_parallel_layout": LAYOUT_5}, vpp=2)
+    out = engine.forward(batch, micro_batch_size=2, output="logprobs").outputs
+    pushed = _check_plan_and_push(engine, model_dir, vpp=2)
+    engine.save(ckpt_dir)
+    chunks = [unwrap_model(c) for c in engine.chunks]
+    return {"layers": [(c.verl_layer_offset, len(c.decoder.layers)) for c in chunks], "logprobs": out["logprobs"],
+            "pushed": pushed}
+
+
+@pytest.mark.distributed
+def test_five_layers_on_pp2_vpp2_by_layout_equal_transformers(tmp_path):
+    """5 layers on PP 2 x VPP 2 (no first/last split can place them) by Megatron's explicit layout in
+    ``override_transformer_config``: the interleaved schedule's log-probs equal transformers', the
+    reshard plan's layout equals the live chunks, the push into transformers is bit-exact, and the
+    checkpoint saved under the layout loads at PP 2 without VPP."""
+    from safetensors.torch import load_file
+
+    model_dir = make_tiny_model(str(tmp_path / "hf"), "qwen3_untied", num_hidden_layers=5)
+    batch = padded_batch(4, 12, seed=9)
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_layout_body, 2, model_dir, batch, ckpt, timeout=300)
+    assert [r["layers"] for r in results] == [[(0, 1), (3, 1)], [(1, 2), (4, 1)]]
+    expected, _ = reference_logprobs_entropy(hf_outputs(model_dir, batch), batch["input_ids"], batch["attention_mask"])
+    hf = load_file(f"{model_dir}/model.safetensors")
+    for r in results:
+        torch.testing.assert_close(r["logprobs"], expected, rtol=0, atol=ATOL)
+        assert set(r["pushed"]) == set(hf)
+        for name, tensor in r["pushed"].items():
+            assert torch.equal(tensor, hf[name]), name
+    # PP 2 without VPP: the automatic [3, 2]
+    for logprobs in run_distributed(_load_body, 2, model_dir, {}, batch, ckpt, timeout=300):
+        torch.testing.assert_close(logprobs, expected, rtol=0, atol=ATOL)

@@ -65,3 +65,24 @@ def test_main_ppo_checks_its_inputs_once(tiny_model_dir, arithmetic_files, tmp_p
     assert exc.value.code == 2
     assert "stopped after the checks" in capsys.readouterr().err
     assert len(counted) == 1
+
+
+def test_a_wrong_pipeline_layout_is_one_preflight_message(tiny_model_dir, arithmetic_files, tmp_path):
+    """Megatron's explicit ``pipeline_model_parallel_layout`` in ``override_transformer_config``: a layout
+    that leaves a stage without a decoder layer is refused before any model, naming the role and the key;
+    a right one for the 2-layer model on PP 2 passes."""
+    def cfg(layout: str) -> PPOConfig:
+        return load_config(
+            PPOConfig, config_file="grpo_tiny_cpu", world_size=2,
+            overrides=[f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={arithmetic_files['train']}",
+                       f"data.val_files={arithmetic_files['val']}", "trainer.n_gpus_per_node=2",
+                       f"trainer.default_local_dir={tmp_path}/c", f"trainer.log_dir={tmp_path}/l",
+                       "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                       "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2",
+                       f"+actor_rollout_ref.actor.megatron.override_transformer_config.pipeline_model_parallel_layout={layout}"],
+        )
+
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.megatron.*pipeline_model_parallel_layout='Ett\|L': "
+                                         "chunk 1 holds no decoder layer"):
+        ppo_checks.preflight(cfg("Ett|L"), 2)
+    ppo_checks.preflight(cfg("Et|tL"), 2)

@@ -71,7 +71,10 @@ class EngineStepResult:
     """Under a token budget: real tokens over micro-batches x budget, over DP ranks; else None."""
 
 
-TRANSFORMER_CONFIG_OVERRIDES = ("moe_aux_loss_coeff", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+TRANSFORMER_CONFIG_OVERRIDES = (
+    "moe_aux_loss_coeff", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    "pipeline_model_parallel_layout",
+)
 """The Megatron ``TransformerConfig`` fields ``megatron.override_transformer_config`` may set (the
 reference verl's key names); each is a :class:`~verl.models.builder.ModelBuildConfig` field."""
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from verl.models.hf_config import HFModelSpec, rope_inv_freq
-from verl.models.pipeline_split import PipelineSplit, resolve_split
+from verl.models.pipeline_split import PipelineSplit, normalize_layout, resolve_split
 from verl.models.weight_mapping import HeadKind, padded_vocab_size
 from verl.utils.logging import log_rank0
 
@@ -78,6 +78,9 @@ class ModelBuildConfig:
     layers do not divide the pipeline (``verl.models.pipeline_split``)."""
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers on the last pipeline stage (uneven split); None as for the first stage."""
+    pipeline_model_parallel_layout: str | None = None
+    """Megatron's explicit layout of every chunk's layers (e.g. ``Et|tt|t|tL``: 5 layers on PP 2 x VPP 2);
+    a list of lists of layer types is turned into the string. Excludes the first/last counts."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -88,6 +91,7 @@ class ModelBuildConfig:
             raise ValueError(
                 f"ModelBuildConfig.transformer_impl={self.transformer_impl!r}; use 'auto', 'local' or 'transformer_engine'"
             )
+        self.pipeline_model_parallel_layout = normalize_layout(self.pipeline_model_parallel_layout)
         if self.vocab_pad_multiple is not None and self.vocab_pad_multiple < 1:
             raise ValueError(f"ModelBuildConfig.vocab_pad_multiple={self.vocab_pad_multiple}; it must be >= 1")
 
@@ -146,11 +150,12 @@ def split_problems(
     ep_size: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    pipeline_layout: str | None = None,
 ) -> list[str]:
     """Why ``spec`` cannot be split over these parallel degrees (one message per HF field); [] if it can.
 
     Layers that do not divide the pipeline are split unevenly (``verl.models.pipeline_split``); the
-    given first/last stage counts are checked against Megatron's rules."""
+    given first/last stage counts or explicit layout are checked against Megatron's rules."""
     problems = []
     if spec.is_moe and spec.num_experts % ep_size:
         problems.append(f"num_experts={spec.num_experts} is not divisible by expert parallel {ep_size}")
@@ -167,7 +172,7 @@ def split_problems(
             f"shared_expert_intermediate_size={spec.shared_expert_intermediate_size} is not divisible by tensor parallel {tp_size}"
         )
     try:
-        resolve_split(spec.num_layers, pp_size, vpp_size, first_stage_layers, last_stage_layers)
+        resolve_split(spec.num_layers, pp_size, vpp_size, first_stage_layers, last_stage_layers, pipeline_layout)
     except ValueError as exc:
         problems.append(str(exc))
     if cp_size != 1:
@@ -195,6 +200,7 @@ def transformer_config_from_hf(
         spec, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, vpp_size=vpp_size, ep_size=ep_size,
         first_stage_layers=cfg.num_layers_in_first_pipeline_stage,
         last_stage_layers=cfg.num_layers_in_last_pipeline_stage,
+        pipeline_layout=cfg.pipeline_model_parallel_layout,
     )
     if problems:
         raise ValueError(f"{spec.model_type} config cannot be split as requested: " + "; ".join(problems))
@@ -253,9 +259,10 @@ def transformer_config_from_hf(
 
 
 def pipeline_split_of(spec: HFModelSpec, cfg: ModelBuildConfig, *, pp_size: int, vpp_size: int | None) -> PipelineSplit:
-    """The layers of each pipeline stage: ``cfg``'s first/last counts, or automatic ones (uneven layers)."""
+    """The layers of each pipeline stage: ``cfg``'s layout or first/last counts, or automatic ones (uneven layers)."""
     return resolve_split(
-        spec.num_layers, pp_size, vpp_size, cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
+        spec.num_layers, pp_size, vpp_size, cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage,
+        cfg.pipeline_model_parallel_layout,
     )
 
 
@@ -295,13 +302,13 @@ def moe_config_kwargs(spec: HFModelSpec, cfg: ModelBuildConfig, *, ep_size: int)
     )
 
 
-def local_layer_spec(config: "TransformerConfig", *, vp_stage: int | None, pp_rank: int):
+def local_layer_spec(config: "TransformerConfig", *, vp_stage: int | None, pp_rank: int, num_layers: int | None = None):
     """Megatron's local (no Transformer Engine) block spec of this stage with verl's :class:`RMSNorm`.
 
     Megatron's own local norm (``WrappedTorchNorm``) refuses sequence parallel; verl's computes
     the transformers formula and tags its weight for sequence parallel. The core attention is
     Megatron's, extended to packed (THD) sequences (``verl.models.packing``); unpacked calls are
-    Megatron's own.
+    Megatron's own. ``num_layers`` None: Megatron's count for this chunk.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -319,18 +326,22 @@ def local_layer_spec(config: "TransformerConfig", *, vp_stage: int | None, pp_ra
         # finalize_model_grads sums their grads over TP (each rank saw its own heads only).
         layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
         layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
-    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) if num_layers is None else num_layers
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
-def _layer_spec(config: "TransformerConfig", *, use_te: bool, vp_stage: int | None, pp_rank: int):
+def _layer_spec(config: "TransformerConfig", split: PipelineSplit, *, use_te: bool, vp_stage: int | None, pp_rank: int):
+    # megatron-core 0.16.1 counts an explicit layout's layers at parallel_state's pipeline rank and
+    # virtual size, not at pp_rank (the dry run builds every stage from one process): verl's split
+    # (the same table, compared in tests/models/test_uneven_pipeline.py) gives the count.
+    num_layers = split.chunk_range(pp_rank, vp_stage)[1] if split.chunks is not None else None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
-    return local_layer_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return local_layer_spec(config, vp_stage=vp_stage, pp_rank=pp_rank, num_layers=num_layers)
 
 
 def build_gpt_model(
@@ -363,11 +374,12 @@ def build_gpt_model(
     post_process = pp_rank == pp_size - 1 and (vp_stage is None or vp_stage == (vpp_size or 1) - 1)
     padded = padded_vocab_size(spec.vocab_size, tp_size, cfg.vocab_pad_multiple)
     tie = spec.tie_word_embeddings and cfg.head == "lm"
+    split = pipeline_split_of(spec, cfg, pp_size=pp_size, vpp_size=vpp_size)  # every stage's layers
     inv_freq = rope_inv_freq(spec.rope, spec.head_dim)  # outside the meta context: real values
     with torch.device("meta") if cfg.meta_device else contextlib.nullcontext():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank),
+            transformer_layer_spec=_layer_spec(config, split, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank),
             vocab_size=padded,
             max_sequence_length=cfg.max_sequence_length or spec.max_position_embeddings,
             pre_process=pre_process,
@@ -394,8 +406,8 @@ def build_gpt_model(
     model.verl_spec = spec
     model.verl_build = cfg
     model.verl_padded_vocab = padded
-    model.verl_layer_offset = _layer_offset(config, vp_stage, pp_rank)
-    model.verl_split = pipeline_split_of(spec, cfg, pp_size=pp_size, vpp_size=vpp_size)  # every stage's layers
+    model.verl_split = split
+    model.verl_layer_offset = _layer_offset(config, split, vp_stage, pp_rank)
     model.verl_ep = (pg.ep.rank() if ep_size > 1 else 0, ep_size)  # (expert-parallel rank, size)
     log_rank0(
         logger,
@@ -441,9 +453,13 @@ def unwrap_model(module: torch.nn.Module) -> "GPTModel":
     return module
 
 
-def _layer_offset(config: "TransformerConfig", vp_stage: int | None, pp_rank: int) -> int:
+def _layer_offset(config: "TransformerConfig", split: PipelineSplit, vp_stage: int | None, pp_rank: int) -> int:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    if split.chunks is not None:
+        # megatron-core 0.16.1 reads the layout's offset at parallel_state's pipeline rank, whatever
+        # pp_rank says; the split is the same table (tests/models/test_uneven_pipeline.py compares them).
+        return split.chunk_range(pp_rank, vp_stage)[0]
     return get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 

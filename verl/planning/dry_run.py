@@ -87,7 +87,7 @@ def measure_stage_params(inputs: PlanInputs) -> dict[str, list[StageParams]]:
                     continue
                 spec = inputs.spec_of(role.name)
                 key = (spec, role.head, role.tp, role.pp, role.cp, role.vpp, role.dtype_bytes, stage,
-                       role.first_stage_layers, role.last_stage_layers, role.ep)
+                       role.first_stage_layers, role.last_stage_layers, role.pipeline_layout, role.ep)
                 if key not in built:
                     pg = groups[role.name].pg_collection
                     megatron_state.initialize_role(pg)
@@ -96,6 +96,7 @@ def measure_stage_params(inputs: PlanInputs) -> dict[str, list[StageParams]]:
                         transformer_impl="local", meta_device=True, recompute_activations=role.recompute,
                         num_layers_in_first_pipeline_stage=role.first_stage_layers,
                         num_layers_in_last_pipeline_stage=role.last_stage_layers,
+                        pipeline_model_parallel_layout=role.pipeline_layout,
                     )
                     with megatron_state.activate_role(pg):  # a role apart builds in its own world
                         chunks = build_model_chunks(spec, build, pg, vpp_size=role.vpp)
@@ -163,7 +164,7 @@ def check_inputs(inputs: PlanInputs, spec: HFModelSpec) -> list[str]:
     for r in inputs.roles:
         for p in split_problems(inputs.spec_of(r.name), tp_size=r.tp, pp_size=r.pp, cp_size=r.cp, vpp_size=r.vpp,
                                 ep_size=r.ep, first_stage_layers=r.first_stage_layers,
-                                last_stage_layers=r.last_stage_layers):
+                                last_stage_layers=r.last_stage_layers, pipeline_layout=r.pipeline_layout):
             problems.append(f"{r.name}: {p}")
     for p in check_rollout_degrees(spec, inputs.rollout.tp):
         problems.append(f"rollout: {p}")

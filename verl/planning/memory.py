@@ -126,6 +126,8 @@ class MegatronRole:
     """``num_layers_in_first_pipeline_stage``; None: uniform, or automatic where layers do not divide PP."""
     last_stage_layers: int | None = None
     """``num_layers_in_last_pipeline_stage``; None as for the first stage."""
+    pipeline_layout: str | None = None
+    """``pipeline_model_parallel_layout`` (Megatron's string form): every chunk's layers by hand; None: not set."""
     fsdp: bool = False
     """strategy=fsdp2 (``verl.engine.fsdp``): the whole Hugging Face model sharded over the role's ranks
     (tp = pp = cp = 1); ``dtype_bytes`` is then ``fsdp_config.model_dtype`` (the shards and the optimizer)."""
@@ -160,7 +162,9 @@ class MegatronRole:
 
     def split(self, num_layers: int) -> PipelineSplit:
         """Which layers each pipeline stage holds (the builder's rule, ``verl.models.pipeline_split``)."""
-        return resolve_split(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+        return resolve_split(
+            num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers, self.pipeline_layout
+        )
 
     def dp(self, world_size: int) -> int:
         """Data-parallel degree over the role's ranks (every rank of ``world_size`` unless placed)."""

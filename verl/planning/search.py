@@ -109,6 +109,8 @@ def _variant(
         changes = dict(tp=tp, pp=pp, vpp=None, sequence_parallel=tp > 1)
         if pp != r.pp:  # a hand-set uneven split was for the old pipeline: the builder's automatic one
             changes.update(first_stage_layers=None, last_stage_layers=None)
+        if pp != r.pp or r.vpp:  # an explicit layout names every chunk of the old pipeline (and its VPP)
+            changes.update(pipeline_layout=None)
         if r.trains:
             changes.update(recompute=recompute, distributed_optimizer=True,
                            micro_batches=max(1, mini // max(1, dp) // r.micro_batch))
@@ -129,6 +131,7 @@ def _layout_problems(inputs: PlanInputs, r, *, world: int, tp: int, pp: int) -> 
         inputs.spec_of(r.name), tp_size=tp, pp_size=pp, ep_size=r.ep,
         first_stage_layers=r.first_stage_layers if pp == r.pp else None,
         last_stage_layers=r.last_stage_layers if pp == r.pp else None,
+        pipeline_layout=r.pipeline_layout if pp == r.pp and not r.vpp else None,
     )
     if (world // pp) % r.ep:
         problems.append(f"expert parallel {r.ep} does not divide the {world // pp} GPUs of a pipeline stage")
