@@ -1,5 +1,5 @@
-"""Partial rollout (``verl.trainer.step.partial``) on the transformers engine behind the ``Rollout``
-role: a batch generated in segments, with the weights changed between segments as an actor
+"""Partial rollout (``verl.trainer.step.partial``) on the transformers and the vLLM (CPU build)
+engines behind the ``Rollout`` role: a batch generated in segments, with the weights changed between segments as an actor
 update would change them.
 
 - each response token records the version that sampled it: a sample spanning two updates has
@@ -29,15 +29,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPT_LEN, RESPONSE_LEN, N, SEGMENT = 10, 12, 2, 5  # segments of 5, 5 and 2 tokens
 TEMPERATURE = 0.9
-# float32 both sides; transformers' generate (KV cache) and one full forward differ in reduction
-# order only: ~1e-6 here. The versions' log-probs differ by >= 1e-2 (the weights are moved by 5%).
+# float32 both sides; the engine's generate (KV cache; vLLM's own kernels) and one transformers
+# forward differ in reduction order only: ~1e-6 here (test_engines.py measured ~5e-7 for vLLM). The versions' log-probs differ by >= 1e-2 (the weights are moved by 5%).
 LOGPROB_ATOL = 1e-4
 _TEXTS = ["hello world", "the cat sat", "1 2 3 4", "question: what is 7 + 5?"]
 
 
-def _cfg(ignore_eos: bool = True) -> RolloutConfig:
+def _cfg(ignore_eos: bool = True, name: str = "hf") -> RolloutConfig:
     return RolloutConfig(
-        name="hf", n=N, temperature=TEMPERATURE, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
+        name=name, n=N, temperature=TEMPERATURE, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
         seed=7, val_kwargs=ValKwargsConfig(n=1), ignore_eos=ignore_eos,
     )
 
@@ -80,7 +80,10 @@ def versions(model_dir) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
     for _ in range(2):
-        states.append({k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=gen) for k, v in states[-1].items()})
+        with torch.no_grad():  # through the parameters: the tied embedding / LM head stay one tensor
+            for p in model.parameters():
+                p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
     return states
 
 
@@ -106,10 +109,11 @@ def _run(rollout, prompts, versions, *, seed=11, stop_ids=frozenset(), save_afte
     return batch.assemble()
 
 
-def test_tokens_carry_the_versions_that_sampled_them(model_dir, tokenizer, prompts, versions, tmp_path, one_thread):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_tokens_carry_the_versions_that_sampled_them(engine, model_dir, tokenizer, prompts, versions, tmp_path, one_thread):
     from transformers import AutoModelForCausalLM
 
-    rollout = _rollout(model_dir, tokenizer, _cfg())
+    rollout = _rollout(model_dir, tokenizer, _cfg(name=engine))
     out, metrics = _run(rollout, prompts, versions)
     rows = len(prompts) * N
     # ignore_eos: every sample runs to the limit, across both updates, at the segment boundaries
