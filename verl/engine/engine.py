@@ -46,6 +46,8 @@ from verl.utils.logging import log_rank0
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from verl.models.router_replay import RoutingMode
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineStepResult", "MegatronEngine"]
@@ -73,7 +75,7 @@ class EngineStepResult:
 
 TRANSFORMER_CONFIG_OVERRIDES = (
     "moe_aux_loss_coeff", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-    "pipeline_model_parallel_layout",
+    "pipeline_model_parallel_layout", "moe_enable_routing_replay",
 )
 """The Megatron ``TransformerConfig`` fields ``megatron.override_transformer_config`` may set (the
 reference verl's key names); each is a :class:`~verl.models.builder.ModelBuildConfig` field."""
@@ -243,11 +245,13 @@ class MegatronEngine:
         head_columns: int | None = None,
         topk: int | None = None,
         score_ids: str | None = None,
+        routing: "RoutingMode | None" = None,
     ) -> ForwardResult:
         """Forward only: per-token outputs ([B, T]) of ``batch`` on every pipeline stage, in micro-batches
         of ``micro_batch_size`` rows or as ``split`` cuts them (one of the two); ``head_columns``, ``topk``,
-        ``score_ids``: as ``verl.models.forward.forward_backward`` (log-probabilities of the last columns
-        only; the top-k tokens; the log-probabilities of given ids)."""
+        ``score_ids``, ``routing``: as ``verl.models.forward.forward_backward`` (log-probabilities of the
+        last columns only; the top-k tokens; the log-probabilities of given ids; recording the experts
+        each token goes to, as ``routed_experts``, or replaying the batch's)."""
         for chunk in self.chunks:
             chunk.eval()
         try:
@@ -265,6 +269,7 @@ class MegatronEngine:
                 pack_sequences=self.pack_sequences,
                 topk=topk,
                 score_ids=score_ids,
+                routing=routing,
             )
         finally:
             for chunk in self.chunks:
@@ -283,9 +288,10 @@ class MegatronEngine:
         head_columns: int | None = None,
         topk: int | None = None,
         score_ids: str | None = None,
+        routing: "RoutingMode | None" = None,
     ) -> EngineStepResult:
-        """One optimizer step on this rank's share of the batch (``head_columns``, ``topk``, ``score_ids``:
-        as :meth:`forward`).
+        """One optimizer step on this rank's share of the batch (``head_columns``, ``topk``, ``score_ids``,
+        ``routing``: as :meth:`forward`; ``routing='replay'`` routes by the batch's ``routed_experts``).
 
         ``batch`` holds ``input_ids`` and ``attention_mask`` [B, T] plus whatever ``loss_fn`` reads.
         ``loss_fn`` returns each micro-batch's ``LossShare`` of the global loss (the contract of
@@ -313,6 +319,7 @@ class MegatronEngine:
             pack_sequences=self.pack_sequences,
             topk=topk,
             score_ids=score_ids,
+            routing=routing,
         )
         lr = self.current_lr()
         grad_norm, ok = optimizer_step(self.optimizer, self.optim_config.clip_grad)

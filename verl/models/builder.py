@@ -78,6 +78,8 @@ class ModelBuildConfig:
     layers do not divide the pipeline (``verl.models.pipeline_split``)."""
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers on the last pipeline stage (uneven split); None as for the first stage."""
+    moe_enable_routing_replay: bool = False
+    """Mixture-of-Experts routers that can record and replay their choices (``verl.models.router_replay``)."""
     pipeline_model_parallel_layout: str | None = None
     """Megatron's explicit layout of every chunk's layers (e.g. ``Et|tt|t|tL``: 5 layers on PP 2 x VPP 2);
     a list of lists of layer types is turned into the string. Excludes the first/last counts."""
@@ -204,6 +206,10 @@ def transformer_config_from_hf(
     )
     if problems:
         raise ValueError(f"{spec.model_type} config cannot be split as requested: " + "; ".join(problems))
+    if cfg.moe_enable_routing_replay and not spec.is_moe:
+        raise ValueError(
+            f"moe_enable_routing_replay=true on a dense {spec.model_type} model: it has no routers; remove the key"
+        )
 
     cuda = torch.cuda.is_available()
     dtype = cfg.torch_dtype
@@ -299,6 +305,7 @@ def moe_config_kwargs(spec: HFModelSpec, cfg: ModelBuildConfig, *, ep_size: int)
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=1,
+        moe_enable_routing_replay=cfg.moe_enable_routing_replay,
     )
 
 

@@ -40,6 +40,11 @@ Outputs (all [B, T], float32, aligned with ``input_ids``):
   Both over the full vocabulary from vocabulary-parallel logits (``verl.models.vocab_parallel``),
   0 where ``logprobs`` is 0.
 
+- with ``routing='record'`` (a Mixture-of-Experts model built with ``moe_enable_routing_replay``):
+  ``routed_experts`` [B, T, L, K] (int64), the experts each MoE layer sent each token to; with
+  ``routing='replay'`` the batch's ``routed_experts`` decide the experts instead of the routers
+  (``verl.models.router_replay``).
+
 Results exist on the last pipeline stage; ``broadcast=True`` sends them to every stage.
 
 The loss contract (the only one in verl). A loss function is a :data:`LossShareFn`:
@@ -68,6 +73,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from verl.models import router_replay
 from verl.models.micro_batches import MicroBatchSplit, fixed_split
 from verl.models.packing import PackedMicroBatch, pack_like, pack_micro_batch, packed_width, unpack_to_rows
 from verl.models.vocab_parallel import (
@@ -78,6 +84,8 @@ from verl.models.vocab_parallel import (
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from verl.models.router_replay import RoutingMode
 
 OutputKind = Literal["logprobs", "values", "logits"]
 
@@ -152,6 +160,7 @@ class _MicroBatch:
     order: torch.Tensor | None  # [b, T]: rows packed left (pack_left)
     mask: torch.Tensor  # [b, T] float
     packed: PackedMicroBatch | None = None  # sequences packed into one row (verl.models.packing)
+    routing: torch.Tensor | None = None  # [b, T, L, K]: the experts this micro-batch's pass recorded
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token model outputs ([rows, S, ...]) -> the micro-batch's layout ([b, T, ...])."""
@@ -360,6 +369,7 @@ def forward_backward(
     pack_sequences: bool = False,
     topk: int | None = None,
     score_ids: str | None = None,
+    routing: "RoutingMode | None" = None,
 ) -> ForwardResult:
     """Run the batch through the model in micro-batches with Megatron's pipeline schedule.
 
@@ -389,6 +399,8 @@ def forward_backward(
         topk: with ``output='logprobs'``, also ``topk_ids``/``topk_logprobs`` [B, T, topk] (module docstring).
         score_ids: with ``output='logprobs'``, the batch key of [B, C, k] token ids whose log-probabilities
             come back as ``score_logprobs`` [B, T, k] (module docstring).
+        routing: ``record`` the experts every token goes to (output ``routed_experts``), or ``replay``
+            the batch's ``routed_experts`` (``verl.models.router_replay``); None: the routers decide.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -440,6 +452,7 @@ def forward_backward(
         multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
         widths = packed_widths(lengths, split, multiple, common=pp_size > 1)
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
+    replay_routers = _routing_setup(chunks, batch, pg, routing, pack_sequences)
     micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths, lengths)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
@@ -458,6 +471,8 @@ def forward_backward(
     def collect(mb: _MicroBatch, output_tensor: torch.Tensor):
         outputs = head(output_tensor, mb)
         record = {"outputs": {k: v.detach() for k, v in outputs.items()}}
+        if mb.routing is not None:
+            record["outputs"][router_replay.ROUTED_EXPERTS] = mb.routing
         if loss_fn is None:
             return output_tensor.new_zeros((), dtype=torch.float32), record
         share = loss_fn(outputs, mb.tensors)
@@ -480,10 +495,16 @@ def forward_backward(
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
+        if routing == "replay":
+            model_mask = mb.to_model(mb.tensors["attention_mask"])
+            router_replay.set_targets(replay_routers, mb.to_model(mb.tensors[router_replay.ROUTED_EXPERTS]), model_mask)
         if mb.packed is None:
             out = chunk(mb.input_ids, mb.position_ids, None)
         else:
             out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed.seq_params())
+        if routing == "record":
+            rows = router_replay.recorded(replay_routers, mb.input_ids.shape[0])  # [b, S, L, K]
+            mb.routing = router_replay.pad_positions(mb.to_rows(rows), mb.mask)
         return out, functools.partial(collect, mb)
 
     schedule = get_forward_backward_func(pp_size=pp_size, vp_size=len(chunks) if len(chunks) > 1 else None)
@@ -499,8 +520,12 @@ def forward_backward(
     )
     if pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
-    with torch.no_grad() if forward_only else torch.enable_grad():
-        records = schedule(**kwargs)
+    try:
+        with torch.no_grad() if forward_only else torch.enable_grad():
+            records = schedule(**kwargs)
+    finally:
+        if routing is not None:
+            router_replay.end(replay_routers)
 
     result = ForwardResult()
     last_stage = pg.pp.rank() == pp_size - 1
@@ -518,6 +543,27 @@ def forward_backward(
             extra["score_logprobs"] = (batch[score_ids].shape[-1], torch.float32)
         result.outputs = _broadcast_from_last_stage(result.outputs, batch, output, with_entropy, pg, inner, extra)
     return result
+
+
+def _routing_setup(chunks, batch, pg, routing, pack_sequences) -> list:
+    """The routers to record or replay (``routing``), their action set; [] without routing."""
+    if routing is None:
+        return []
+    if routing not in ("record", "replay"):
+        raise ValueError(f"routing={routing!r}; use 'record', 'replay' or None")
+    problems = router_replay.routing_problems(chunks, pg, pack_sequences=pack_sequences)
+    if problems:
+        raise ValueError(f"routing={routing!r} is not supported here: " + "; ".join(problems))
+    key = router_replay.ROUTED_EXPERTS
+    if routing == "replay" and (key not in batch or batch[key].shape[:2] != batch["input_ids"].shape):
+        shape = tuple(batch[key].shape) if key in batch else None
+        raise ValueError(
+            f"routing='replay' needs the batch's '{key}' [B, T, layers, k] from a recording pass (got {shape} "
+            f"for input_ids {tuple(batch['input_ids'].shape)})"
+        )
+    found = router_replay.routers(chunks)
+    router_replay.begin(found, routing)
+    return found
 
 
 def _broadcast_from_last_stage(

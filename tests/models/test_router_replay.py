@@ -1,0 +1,164 @@
+"""Router replay (``verl.models.router_replay``): the experts recorded in one pass decide the experts of a
+later pass, on 1 rank and at expert parallel 2 (each rank its own batch), without packed sequences.
+
+A tiny Qwen3-MoE (4 experts, top 2, renormalised weights, 2 layers). The recording pass's routing
+equals transformers' own choice of experts; replayed with the same weights (another micro-batch
+size, so other trimmed widths), the update pass's log-probs equal the recording pass's. Then every
+router is replaced by a random one, which sends many tokens elsewhere: free routing follows the new
+routers (transformers with the new routers is the reference), while the replayed update pass keeps
+the recorded experts and takes only their weights from the new routers — transformers with the new
+routers forced onto the recorded experts is its reference.
+
+Tolerances: float32, the same math in another order: 1e-5 (the MoE tests' bound; ~3e-7 measured
+on logits there). The replayed and free passes differ by far more (asserted), so a replay that did
+nothing could not pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.tiny import make_tiny_model, padded_batch, reference_logprobs_entropy
+from verl.testing.distributed import run_distributed
+
+ATOL = 1e-5
+LAYERS, EXPERTS, TOPK, HIDDEN = 2, 4, 2, 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("replay") / "m"), "qwen3_moe", seed=5)
+
+
+def _new_routers() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    return [torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.3 for _ in range(LAYERS)]
+
+
+def _replay_body(model_dir, ep, batches, new_routers):
+    import torch.distributed as dist
+
+    from verl.engine import LossShare
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.checkpoint import load_hf_weights
+    from verl.models.forward import forward_backward
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(expert_model_parallel_size=ep)
+    chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(moe_enable_routing_replay=True), pg)
+    load_hf_weights(chunks, model_dir, pg=pg)
+    batch = batches[dist.get_rank()]
+
+    def run(b, mbs, routing, loss=False):
+        def loss_fn(outputs, mb):  # any loss: the pass runs forward and backward
+            return LossShare(loss=-(outputs["logprobs"] * mb["attention_mask"]).sum() / 100.0)
+
+        return forward_backward(chunks, b, pg=pg, micro_batch_size=mbs, output="logprobs", routing=routing,
+                                loss_fn=loss_fn if loss else None).outputs
+
+    recorded = run(batch, 2, "record")
+    replayed = {**batch, "routed_experts": recorded["routed_experts"]}
+    same = run(replayed, 4, "replay", loss=True)["logprobs"]
+    with torch.no_grad():
+        for layer, weight in zip(chunks[0].decoder.layers, new_routers):
+            layer.mlp.router.weight.copy_(weight)
+    free = run(batch, 2, None)["logprobs"]
+    update = run(replayed, 2, "replay", loss=True)["logprobs"]
+    return {"recorded": recorded, "same": same, "free": free, "update": update}
+
+
+def _hf_logprobs(model_dir, batch, routers=None, forced=None):
+    """transformers' log-probs [B, T]; ``routers``: replace every router's weight; ``forced`` [B, T, L, K]:
+    every MoE layer takes these experts, their weights from its router (renormalised top-k softmax)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chosen = []
+    for index, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+        if routers is not None:
+            with torch.no_grad():
+                gate.weight.copy_(routers[index])
+        if forced is not None:
+            experts = forced[:, :, index].reshape(-1, TOPK)  # transformers' tokens: [B * T] row-major
+
+            def forward(hidden, gate=gate, experts=experts):
+                logits = torch.nn.functional.linear(hidden.reshape(-1, HIDDEN), gate.weight)
+                weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, experts)
+                return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), experts
+
+            gate.forward = forward
+        else:
+            gate.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logprobs, _ = reference_logprobs_entropy(logits, batch["input_ids"], mask)
+    b, t = mask.shape
+    return logprobs, [c.reshape(b, t, TOPK) for c in chosen]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "ep"), [(1, 1), (2, 2)], ids=["one-rank", "ep2"])
+def test_replayed_routing_decides_the_update_pass(model_dir, world, ep):
+    batches = [padded_batch(4, 12, seed=20 + r) for r in range(world)]
+    new_routers = _new_routers()
+    results = run_distributed(_replay_body, world, model_dir, ep, batches, new_routers, timeout=300)
+    for r, batch in zip(results, batches):
+        mask = batch["attention_mask"].bool()
+        expected, hf_chosen = _hf_logprobs(model_dir, batch)
+        rec = r["recorded"]
+        assert rec["routed_experts"].shape == (4, 12, LAYERS, TOPK) and rec["routed_experts"].dtype == torch.long
+        for layer in range(LAYERS):  # the recorded experts are transformers' (in any order within the top k)
+            actual = rec["routed_experts"][:, :, layer][mask].sort(-1).values
+            assert torch.equal(actual, hf_chosen[layer][mask].sort(-1).values), layer
+        torch.testing.assert_close(rec["logprobs"], expected, rtol=0, atol=ATOL)
+        # Same weights, replayed in another micro-batching: the recording pass's log-probs.
+        torch.testing.assert_close(r["same"], rec["logprobs"], rtol=0, atol=ATOL)
+        # New routers: free routing follows them, the replayed pass keeps the recorded experts.
+        free_expected, _ = _hf_logprobs(model_dir, batch, routers=new_routers)
+        forced_expected, _ = _hf_logprobs(model_dir, batch, routers=new_routers, forced=rec["routed_experts"])
+        torch.testing.assert_close(r["free"], free_expected, rtol=0, atol=ATOL)
+        torch.testing.assert_close(r["update"], forced_expected, rtol=0, atol=ATOL)
+        assert (free_expected - forced_expected).abs().max() > 100 * ATOL  # the replay changed the experts
+
+
+def _refusal_body(model_dir, batch):
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.forward import forward_backward
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel()
+    spec = parse_hf_config(model_dir)
+    messages = []
+    plain = build_model_chunks(spec, ModelBuildConfig(), pg)
+    replayable = build_model_chunks(spec, ModelBuildConfig(moe_enable_routing_replay=True), pg)
+    for chunks, b, kwargs in ((plain, batch, dict(routing="record")), (replayable, batch, dict(routing="replay")),
+                              (replayable, batch, dict(routing="record", pack_sequences=True))):
+        try:
+            forward_backward(chunks, b, pg=pg, micro_batch_size=2, output="logprobs", **kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.distributed
+def test_unsupported_replays_are_refused_with_the_fix(model_dir):
+    [messages] = run_distributed(_refusal_body, 1, model_dir, padded_batch(4, 12, seed=3), timeout=300)
+    assert len(messages) == 3
+    assert "moe_enable_routing_replay" in messages[0]
+    assert "needs the batch's 'routed_experts'" in messages[1]
+    assert "packed sequences" in messages[2]
+
+
+def test_a_dense_model_refuses_routing_replay(tmp_path):
+    from verl.models.builder import ModelBuildConfig, transformer_config_from_hf
+    from verl.models.hf_config import parse_hf_config
+
+    dense = parse_hf_config(make_tiny_model(str(tmp_path / "d"), "qwen3_tied"))
+    with pytest.raises(ValueError, match="moe_enable_routing_replay=true on a dense qwen3 model"):
+        transformer_config_from_hf(dense, ModelBuildConfig(moe_enable_routing_replay=True), tp_size=1, pp_size=1)

@@ -1,0 +1,117 @@
+"""Router replay: record which experts every token was routed to in one pass, and send the same tokens
+to the same experts in a later pass, so that two passes over the same batch (the old-policy log-probs
+and the actor's update) route alike even where float rounding would flip a near tie.
+
+The batch carries the routing as ``routed_experts`` [B, T, L, K] (int64): for row b, column t, the k
+experts MoE layer l chose, in the router's top-k order; ``L`` counts every MoE layer of the model, so
+the tensor is independent of the pipeline split. Pad positions hold ``0..K-1`` (any valid set; their
+outputs are masked).
+
+Megatron-core's ``RouterReplay`` (``moe_enable_routing_replay``; megatron-core 0.16.1, the only version
+checked) does the routing: every router of a model built with it owns one instance; with the action
+``RECORD`` the router keeps its last call's top-k indices ([tokens, K], tokens in the model's
+``[S, b]`` order), with ``REPLAY_FORWARD`` it takes given indices and gathers their scores (the
+probabilities are the current router's, only the choice is replayed). The class also keeps every
+instance ever built in a process-wide list; verl never uses that list and reaches each model's own
+instances through its routers, so another model (the reference, a critic) is left alone. Every call
+into it lives in this module.
+
+Covered: one pipeline stage, no context parallelism, tensor parallel 1, expert parallel any, without
+packed sequences or activation recomputation (Megatron's backward replay is not wired); anything
+else is refused by :func:`routing_problems` before the pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+ROUTED_EXPERTS = "routed_experts"
+"""Batch key of the recorded routing, [B, T, L, K] int64 (module docstring)."""
+RoutingMode = Literal["record", "replay"]
+
+
+def routers(chunks: list[torch.nn.Module]) -> list:
+    """The ``RouterReplay`` instance of every MoE layer of ``chunks``, in layer order; ValueError when the
+    model was built without ``moe_enable_routing_replay``."""
+    from verl.models.builder import unwrap_model
+
+    out = []
+    for chunk in chunks:
+        for layer in unwrap_model(chunk).decoder.layers:
+            router = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+            if router is None:
+                raise ValueError(
+                    "router replay needs a Mixture-of-Experts model built with moe_enable_routing_replay "
+                    "(megatron.override_transformer_config.moe_enable_routing_replay=true)"
+                )
+            out.append(router)
+    return out
+
+
+def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection", *, pack_sequences: bool) -> list[str]:
+    """Why this pass cannot record or replay routing ([] when it can)."""
+    from verl.models.builder import unwrap_model
+
+    config = unwrap_model(chunks[0]).config
+    problems = []
+    if pg.pp.size() > 1 or len(chunks) > 1:
+        problems.append(f"pipeline parallel {pg.pp.size()} (x {len(chunks)} chunks): routing is replayed on one stage only")
+    if pg.tp.size() > 1:
+        problems.append(f"tensor parallel {pg.tp.size()}: the routers' token order under TP is not mapped yet")
+    if pg.cp.size() > 1:
+        problems.append(f"context parallel {pg.cp.size()}")
+    if pack_sequences:
+        problems.append("packed sequences (use_remove_padding): their token order is not mapped yet")
+    if config.recompute_granularity is not None:
+        problems.append("activation recomputation: Megatron's backward replay is not wired (turn gradient checkpointing off)")
+    return problems
+
+
+def begin(routers_: list, mode: RoutingMode) -> None:
+    """Set every router's action for the pass."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    action = RouterReplayAction.RECORD if mode == "record" else RouterReplayAction.REPLAY_FORWARD
+    for router in routers_:
+        router.clear_indices()
+        router.set_router_replay_action(action)
+
+
+def end(routers_: list) -> None:
+    """Back to ordinary routing; recorded and target indices dropped."""
+    for router in routers_:
+        router.clear_router_replay_action()
+        router.clear_indices()
+
+
+def set_targets(routers_: list, routed: torch.Tensor, model_mask: torch.Tensor) -> None:
+    """Give each router the experts of one micro-batch: ``routed`` [b, S, L, K] in the model's row layout,
+    ``model_mask`` [b, S] (1 = real token; pads get ``0..K-1``)."""
+    b, s, layers, k = routed.shape
+    if layers != len(routers_):
+        raise ValueError(f"batch '{ROUTED_EXPERTS}' has {layers} layers of routing, the model {len(routers_)} MoE layers")
+    routed = torch.where(model_mask.bool()[..., None, None], routed, torch.arange(k, device=routed.device))
+    tokens = routed.transpose(0, 1).reshape(s * b, layers, k)  # the router's [S, b] token order
+    for layer, router in enumerate(routers_):
+        router.clear_indices()
+        router.set_target_indices(tokens[:, layer].contiguous())
+
+
+def recorded(routers_: list, rows: int) -> torch.Tensor:
+    """The routing the last micro-batch recorded: [b, S, L, K] in the model's row layout."""
+    per_layer = [router.get_recorded_indices() for router in routers_]
+    if any(t is None for t in per_layer):
+        raise RuntimeError("a router recorded nothing in this micro-batch (was the action set?)")
+    tokens = torch.stack(per_layer, dim=1)  # [S * b, L, K]
+    return tokens.reshape(-1, rows, *tokens.shape[1:]).transpose(0, 1).to(torch.long)
+
+
+def pad_positions(routed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``routed`` [B, T, L, K] with ``0..K-1`` where ``mask`` [B, T] is 0."""
+    k = routed.shape[-1]
+    return torch.where(mask.bool()[..., None, None], routed, torch.arange(k, device=routed.device))
