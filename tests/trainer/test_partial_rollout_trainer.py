@@ -7,7 +7,8 @@ of 12 tokens in segments of 5.
   update while it waits in the queue, the rest with the weights of its own step), and its
   ``rollout_version`` is ``b``; the bound holds per sample;
 - a run killed at step 2 (its checkpoint holds the batches in flight) and resumed trains steps 3-4
-  exactly as the uninterrupted run, per-token versions included;
+  exactly as the uninterrupted run, per-token versions included; colocated (both roles on both
+  ranks) the versions are the same;
 - resumed with ``max_staleness=1`` and ``stale_samples=drop``, the samples begun 2 versions before
   their update are dropped (counted in ``async/stale_dropped``), their prompts sampled again with
   the current weights, and no trained sample exceeds the new bound.
@@ -51,6 +52,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
                 "data.val_files=null",
                 *FAST,
                 *PARTIAL,
+                *([] if name == "colocated" else APART),
                 f"trainer.default_local_dir={root}/{name}",
                 f"trainer.log_dir={root}/{name}/logs",
                 f"trainer.resume_mode={resume}",
@@ -74,6 +76,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
             return {"steps": (start, trainer.global_step), "seen": seen}
 
     out = {
+        "colocated": run("colocated"),  # both roles on both ranks: the same schedule, one after the other
         "full": run("full"),
         "killed": run("killed", "trainer.save_freq=1", stop_after=2),
     }
@@ -102,13 +105,14 @@ def _check_versions(seen: dict, step: int, began: int) -> None:
 @pytest.mark.timeout(900)
 def test_partial_rollout_and_stale_samples(tiny_model_dir, arithmetic_files, tmp_path):
     [out, _] = run_distributed(_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=860)
-    assert out["full"]["steps"] == (0, 4) and out["killed"]["steps"] == (0, 2)
+    assert out["full"]["steps"] == out["colocated"]["steps"] == (0, 4) and out["killed"]["steps"] == (0, 2)
     assert out["resumed"]["steps"] == (2, 4) and out["drop"]["steps"] == (2, 4)
     full, metrics = out["full"]["seen"], out["full_metrics"]
     # step 1 is generated at its start (version 0); its update's window begins the batches of steps
     # 2 and 3 (version 0), step 2's the batch of step 4 (version 1)
     for step, began in ((1, 0), (2, 0), (3, 0), (4, 1)):
         _check_versions(full, step, began)
+        _check_versions(out["colocated"]["seen"], step, began)
     assert [metrics[s]["staleness/max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
     assert metrics[1]["async/partial_spanning"] == 0.0
     spanning = [metrics[s]["async/partial_spanning"] for s in (2, 3, 4)]

@@ -150,7 +150,10 @@ class StreamRolloutOperator(Operator):
             ahead = 0.0
         if trainer.rollout is not None:
             if item.partial is not None:  # its last segments with the weights pushed for this step
-                self._finish(item, trainer.global_step)
+                if self.stale_samples == "drop" and (step - 1) - item.version > self.depth:
+                    self._restart(item, step)  # every sample began with item.version: finishing them is wasted
+                else:
+                    self._finish(item, trainer.global_step)
             if self.stale_samples == "drop":
                 self._drop_stale(item, step)
             item.generated[2].update(pushed)  # the push's metrics as the rollout's ranks see them (as generate's)
@@ -219,6 +222,15 @@ class StreamRolloutOperator(Operator):
         item.generated = (batch, None, metrics)
         item.partial = None
 
+    def _restart(self, item: _Ahead, step: int) -> None:
+        """``stale_samples=drop`` on a batch in flight begun beyond the bound: its samples dropped
+        unfinished, its prompts sampled anew with the current weights (as :meth:`_drop_stale` would
+        after finishing them, without the segments it would throw away)."""
+        dropped = float(len(item.partial.tokens))
+        item.partial = self._partial(item.partial.prompts, self.trainer.sampling_seed(0, step=step) + _REFILL_SEED)
+        self._finish(item, self.trainer.global_step)
+        item.generated[2]["async/stale_dropped"] = dropped
+
     def _drop_stale(self, item: _Ahead, step: int) -> None:
         """``stale_samples=drop``: the samples of ``item`` begun more than ``depth`` versions before
         the one step ``step`` trains from are dropped, and the prompts they belong to sampled again,
@@ -229,7 +241,7 @@ class StreamRolloutOperator(Operator):
         n = trainer.n
         stale = ((step - 1) - batch["rollout_version"].long()) > self.depth  # [B*n]
         groups = sorted({int(i) // n for i in stale.nonzero().flatten().tolist()})
-        metrics["async/stale_dropped"] = float(len(groups) * n)
+        metrics["async/stale_dropped"] = metrics.get("async/stale_dropped", 0.0) + float(len(groups) * n)  # (after a _restart)
         if not groups:
             return
         if item.prompts is None:
