@@ -81,6 +81,72 @@ def test_moe_grpo_with_expert_parallel_2(moe_model_dir, arithmetic_files, tmp_pa
         assert second["training/global_step"] == 2.0
 
 
+def _r2_body(model_dir: str, files: dict[str, str], root: str) -> dict:
+    """GRPO with R2 router replay, counting the micro-batches whose routing was recorded and replayed."""
+    from verl.models import router_replay
+
+    calls = {"recorded": 0, "replayed": 0}
+    record, replay = router_replay.recorded, router_replay.set_targets
+
+    def counted_record(*args, **kwargs):
+        calls["recorded"] += 1
+        return record(*args, **kwargs)
+
+    def counted_replay(*args, **kwargs):
+        calls["replayed"] += 1
+        return replay(*args, **kwargs)
+
+    router_replay.recorded, router_replay.set_targets = counted_record, counted_replay
+    try:
+        extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
+                 "actor_rollout_ref.model.use_remove_padding=false")  # the recipe packs; R2 maps padded rows only
+        return {**_grpo_body(model_dir, files, root, extra), **calls}
+    finally:
+        router_replay.recorded, router_replay.set_targets = record, replay
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_moe_grpo_with_r2_router_replay_at_expert_parallel_2(moe_model_dir, arithmetic_files, tmp_path):
+    """R2: the old-policy pass records every token's experts and the update replays them, through the
+    trainer's batch (sharded over DP, cut into the update's micro-batches); the first update's ratio is 1
+    and its KL 0, and the engine's log-probs still match the actor's."""
+    results = run_distributed(_r2_body, 2, moe_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+    for r in results:
+        # both steps: the old-policy pass records (its micro-batches), the update replays (its own micro-batches)
+        assert r["ep"][1] == 2 and r["recorded"] >= 2 and r["replayed"] >= 2
+        first, second = r["steps"]
+        assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
+        for step in r["steps"]:
+            assert step["training/rollout_logprob_diff_max"] < LOGPROB_ATOL
+        assert second["training/global_step"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R3",), "R3: replaying the rollout engine's experts is not built"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=current",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=64"),
+         "R2 cannot run here: actor.old_log_prob resolves to current"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
+          "actor_rollout_ref.model.use_remove_padding=true"), "use_remove_padding=true"),
+        (("actor_rollout_ref.ref.megatron.router_replay.mode=R2",), "only the actor replays routing"),
+    ],
+)
+def test_unsupported_router_replay_is_refused_before_any_model(moe_model_dir, arithmetic_files, extra, match):
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.ppo_checks import preflight
+
+    cfg = load_config(
+        PPOConfig, config_file="grpo_qwen3_moe_tiny_cpu", world_size=2,
+        overrides=[f"actor_rollout_ref.model.path={moe_model_dir}", f"data.train_files={arithmetic_files['train']}",
+                   "data.val_files=null", *extra],
+    )
+    with pytest.raises(ValueError, match=match):
+        preflight(cfg, 2)
+
+
 def test_vllm_rollout_of_a_moe_model_is_refused_before_any_model(moe_model_dir, arithmetic_files):
     from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_checks import preflight

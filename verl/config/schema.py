@@ -153,6 +153,13 @@ class OptimConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
+class RouterReplayConfig(ConfigBase):
+    """Mixture-of-Experts router replay (the reference verl's ``megatron.router_replay``; verl.models.router_replay)."""
+
+    mode: Literal["disabled", "R2", "R3"] = option("disabled", "disabled; R2: the old-policy pass (actor.old_log_prob recompute) records each token's experts and the actor's update replays them; R3 (the rollout engine's experts) is not built yet.")
+
+
+@dataclass(kw_only=True)
 class MegatronConfig(ConfigBase):
     """Megatron-core parallel layout and memory options of one role."""
 
@@ -169,6 +176,7 @@ class MegatronConfig(ConfigBase):
     dtype: DTypeName = option("auto", "Training dtype; auto: bfloat16 on GPU, float32 on CPU. (Reference: bfloat16 always.)")
     override_transformer_config: dict[str, Any] = option({}, "Megatron TransformerConfig fields to override (e.g. +...override_transformer_config.recompute_granularity=full).")
     expert_model_parallel_size: int = option(1, "Expert-parallel degree (EP) of a Mixture-of-Experts model: each layer's experts spread over EP of the ranks of a pipeline stage (expert TP 1); must divide num_experts and the ranks per stage. 1 for dense models.", ge=1)
+    router_replay: RouterReplayConfig = section(RouterReplayConfig, "Mixture-of-Experts router replay (actor only).")
 
 
 @dataclass(kw_only=True)

@@ -76,6 +76,7 @@ class TrainingEngine(Protocol):
         head_columns: int | None = None,
         topk: int | None = None,
         score_ids: str | None = None,
+        routing: str | None = None,
     ) -> "ForwardResult": ...
 
     def train_step(
@@ -91,6 +92,7 @@ class TrainingEngine(Protocol):
         head_columns: int | None = None,
         topk: int | None = None,
         score_ids: str | None = None,
+        routing: str | None = None,
     ) -> "EngineStepResult": ...
 
     def save(self, ckpt_dir: str) -> None: ...

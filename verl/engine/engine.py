@@ -116,6 +116,8 @@ class MegatronEngine:
                 f"{', '.join(TRANSFORMER_CONFIG_OVERRIDES)} may be set here; "
                 "remove them, or use model.override_config for Hugging Face fields"
             )
+        if megatron.router_replay.mode != "disabled":  # the routers record and replay (verl.models.router_replay)
+            overrides["moe_enable_routing_replay"] = True
         self.model_config = model
         self.megatron_config = megatron
         self.optim_config = optim

@@ -452,13 +452,14 @@ class FSDPEngine(TorchEngine):
         head_columns=None,
         topk=None,
         score_ids=None,
+        routing=None,
     ):
         """``TorchEngine.forward`` with the shards on the device (:meth:`on_device`)."""
         with self.on_device():
             return super().forward(
                 batch, micro_batch_size=micro_batch_size, split=split, output=output,
                 temperature=temperature, with_entropy=with_entropy, head_columns=head_columns,
-                topk=topk, score_ids=score_ids,
+                topk=topk, score_ids=score_ids, routing=routing,
             )
 
     def train_step(
@@ -474,13 +475,14 @@ class FSDPEngine(TorchEngine):
         head_columns=None,
         topk=None,
         score_ids=None,
+        routing=None,
     ):
         """``TorchEngine.train_step`` with the shards on the device (:meth:`on_device`)."""
         with self.on_device():
             return super().train_step(
                 batch, micro_batch_size=micro_batch_size, split=split, loss_fn=loss_fn, output=output,
                 temperature=temperature, with_entropy=with_entropy, head_columns=head_columns,
-                topk=topk, score_ids=score_ids,
+                topk=topk, score_ids=score_ids, routing=routing,
             )
 
     def _optimizer_step(self) -> tuple[float, bool]:

@@ -420,9 +420,12 @@ class TorchEngine:
         head_columns: int | None = None,
         topk: int | None = None,
         score_ids: str | None = None,
+        routing: str | None = None,
     ) -> ForwardResult:
         """Forward only: per-token outputs ([B, T]) of ``batch`` in micro-batches (as ``MegatronEngine.forward``;
-        ``head_columns`` is accepted for the one signature: this engine computes every column)."""
+        ``head_columns`` is accepted for the one signature: this engine computes every column; ``routing``
+        (router replay) is refused: it is the Megatron engine's)."""
+        _no_routing(self.name, routing)
         split = self._micro_batches(batch, micro_batch_size, split)
         self.module.eval()
         try:
@@ -462,11 +465,13 @@ class TorchEngine:
         head_columns: int | None = None,  # accepted for the one signature; every column is computed
         topk: int | None = None,
         score_ids: str | None = None,
+        routing: str | None = None,
     ) -> EngineStepResult:
         """One optimizer step on this rank's share of the batch (``MegatronEngine.train_step``'s
         contract): each micro-batch's ``LossShare`` backpropagated, DDP averaging the gradients
         over DP at the last one, the global norm clipped to ``optim.clip_grad``, the step skipped
-        (gradients dropped) when the norm is not finite."""
+        (gradients dropped) when the norm is not finite. ``routing`` is refused (as in :meth:`forward`)."""
+        _no_routing(self.name, routing)
         if not self.trainable:
             raise ValueError("TorchEngine.train_step: this engine was built without an optimizer (optim=None)")
         split = self._micro_batches(batch, micro_batch_size, split)
@@ -598,3 +603,11 @@ class TorchEngine:
                 raise
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+
+def _no_routing(name: str, routing: str | None) -> None:
+    if routing is not None:
+        raise ValueError(
+            f"{name}: routing={routing!r} (Mixture-of-Experts router replay) is built in the Megatron engine only; "
+            "use strategy=megatron or megatron.router_replay.mode=disabled"
+        )

@@ -41,6 +41,7 @@ from verl.algos import (
     preference_step,
 )
 from verl.engine import LossShare
+from verl.models.router_replay import ROUTED_EXPERTS
 from verl.protocol import Batch
 from verl.roles.engine_role import RoleEngine, step_metrics, token_budget
 from verl.roles.teacher import TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROB
@@ -136,6 +137,8 @@ class Actor:
             key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         )
         self.temperature = temperature if temperature > 0 else 1.0
+        # R2 router replay: the old-policy pass records each token's experts, the update replays them.
+        self.router_replay = cfg.strategy == "megatron" and cfg.megatron.router_replay.mode == "R2"
         self.role = RoleEngine(
             model=model,
             megatron=cfg.megatron,
@@ -156,7 +159,9 @@ class Actor:
         return self.role.engine
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities, entropy) of every response token under the current weights, each [B, R]."""
+        """(log-probabilities, entropy) of every response token under the current weights, each [B, R].
+        With R2 router replay it also writes ``routed_experts`` [B, T, layers, k] into ``batch``: the
+        experts this pass chose, which :meth:`update` replays."""
         out = self.role.forward(
             batch,
             output="logprobs",
@@ -165,7 +170,10 @@ class Actor:
             response_length=batch["responses"].shape[1],
             temperature=self.temperature,
             with_entropy=True,
+            routing="record" if self.router_replay else None,
         )
+        if self.router_replay:
+            batch[ROUTED_EXPERTS] = out[ROUTED_EXPERTS]
         return out["logprobs"], out["entropy"]
 
     @property
@@ -290,6 +298,13 @@ class Actor:
             keys += [TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROB]
         if self.measures_in_update and "rollout_log_probs" in batch:
             keys.append("rollout_log_probs")
+        if self.router_replay:
+            if ROUTED_EXPERTS not in batch:
+                raise ValueError(
+                    "actor.megatron.router_replay.mode=R2 replays the experts the old-policy pass recorded, but the "
+                    f"batch has no '{ROUTED_EXPERTS}' (set actor.old_log_prob=recompute)"
+                )
+            keys.append(ROUTED_EXPERTS)
         if SAMPLE_WEIGHT in batch:
             if SAMPLE_WEIGHT not in inspect.signature(get_policy_loss(cfg.policy_loss.loss_mode)).parameters:
                 raise ValueError(
@@ -319,6 +334,7 @@ class Actor:
             temperature=self.temperature,
             with_entropy=cfg.entropy_coeff != 0 or self.measures_in_update,
             score_ids=TEACHER_TOPK_IDS if self._topk else None,
+            routing="replay" if self.router_replay else None,
         )
         metrics = step_metrics("actor", results, _METRICS)
         if self.measures_in_update and results:

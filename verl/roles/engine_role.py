@@ -45,6 +45,7 @@ import torch
 from verl.algos import GlobalBatchInfo
 from verl.engine import EngineStepResult, LossShareFn, MegatronEngine
 from verl.engine.torch_engine import TorchEngine, registered_module
+from verl.models.router_replay import ROUTED_EXPERTS
 from verl.parallel import megatron_state
 from verl.protocol import Batch
 from verl.roles.dispatch import collect, shard
@@ -259,19 +260,22 @@ class RoleEngine:
         full: bool = False,
         max_token_len: int | None = None,
         topk: int | None = None,
+        routing: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs of the response columns for every row of ``batch``: ``logprobs``
         (and ``entropy``) or ``values``, each [B, R] float32, identical on every rank.
         ``full=True`` returns every column ([B, P+R]) instead. ``max_token_len`` (None: micro-batches
         of ``micro_batch_size`` rows) cuts micro-batches by real tokens instead. ``topk``: also
-        ``topk_ids`` (int64) and ``topk_logprobs``, [B, R, topk] (``verl.models.forward``)."""
+        ``topk_ids`` (int64) and ``topk_logprobs``, [B, R, topk] (``verl.models.forward``). ``routing='record'``:
+        also ``routed_experts`` [B, P+R, layers, k] (every column: prompt tokens are routed too)."""
         with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
             return self._forward(batch, output=output, micro_batch_size=micro_batch_size,
                                  response_length=response_length, temperature=temperature,
-                                 with_entropy=with_entropy, full=full, max_token_len=max_token_len, topk=topk)
+                                 with_entropy=with_entropy, full=full, max_token_len=max_token_len, topk=topk,
+                                 routing=routing)
 
     def _forward(self, batch: Batch, *, output, micro_batch_size, response_length, temperature, with_entropy,
-                 full, max_token_len, topk=None) -> dict[str, torch.Tensor]:
+                 full, max_token_len, topk=None, routing=None) -> dict[str, torch.Tensor]:
         piece = shard(batch.select(["input_ids", "attention_mask"]), self.pg.dp, balance=self.balance)
 
         def run(size: int | None, split):
@@ -286,13 +290,14 @@ class RoleEngine:
                     # Only the response columns are returned: the log-softmax skips the prompts.
                     head_columns=response_length if output == "logprobs" and not full else None,
                     topk=topk,
+                    routing=routing,
                 )
 
         kind = f"forward ({output})"
         result = self._fit(kind, micro_batch_size, max_token_len, piece.rows["attention_mask"], run)
         local = Batch.from_dict(
             {
-                k: (v if full else response_slice(k, v, response_length)).to(
+                k: (v if full or k == ROUTED_EXPERTS else response_slice(k, v, response_length)).to(
                     torch.float32 if v.is_floating_point() else v.dtype
                 ).cpu()
                 for k, v in result.outputs.items()
@@ -315,6 +320,7 @@ class RoleEngine:
         with_entropy: bool = False,
         max_token_len: int | None = None,
         score_ids: str | None = None,
+        routing: str | None = None,
     ) -> list[EngineStepResult]:
         """PPO updates: ``epochs`` passes over ``batch`` in global mini-batches of ``mini_batch_rows``
         rows (the last one shorter when the rows do not divide), one optimizer step each; returns
@@ -326,16 +332,17 @@ class RoleEngine:
         ``max_token_len`` (None: micro-batches of ``micro_batch_size`` rows) cuts each mini-batch's
         micro-batches by real tokens instead. ``score_ids``: one of ``keys``, [B, R, k] token ids of the
         response columns whose log-probabilities the loss reads as ``outputs["score_logprobs"]``
-        ([b, P+R, k]; ``verl.models.forward``).
+        ([b, P+R, k]; ``verl.models.forward``). ``routing='replay'``: the experts of ``routed_experts`` (one of
+        ``keys``) decide every token's experts (``verl.models.router_replay``).
         """
         with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
             return self._train(batch, keys=keys, mini_batch_rows=mini_batch_rows, micro_batch_size=micro_batch_size,
                                epochs=epochs, make_loss=make_loss, shuffle_seed=shuffle_seed, output=output,
                                temperature=temperature, with_entropy=with_entropy, max_token_len=max_token_len,
-                               score_ids=score_ids)
+                               score_ids=score_ids, routing=routing)
 
     def _train(self, batch: Batch, *, keys, mini_batch_rows, micro_batch_size, epochs, make_loss, shuffle_seed,
-               output, temperature, with_entropy, max_token_len, score_ids=None) -> list[EngineStepResult]:
+               output, temperature, with_entropy, max_token_len, score_ids=None, routing=None) -> list[EngineStepResult]:
         needed = ["input_ids", "attention_mask", *dict.fromkeys(keys)]
         rows = batch.select(needed)
         results = []
@@ -366,6 +373,7 @@ class RoleEngine:
                             # The loss reads the response columns (response_mask's width) only.
                             head_columns=width if output == "logprobs" else None,
                             score_ids=score_ids,
+                            routing=routing,
                         )
 
                 results.append(self._fit("update", micro_batch_size, max_token_len, local["attention_mask"], run))

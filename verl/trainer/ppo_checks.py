@@ -183,7 +183,12 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
 
     arr = cfg.actor_rollout_ref
     if "fsdp2" in (arr.actor.strategy, arr.ref.strategy):
-        return _fsdp2_problems(cfg) + _fsdp2_critic_problems(cfg)
+        replay = arr.actor.megatron.router_replay.mode
+        refused = [] if replay == "disabled" else [
+            f"actor_rollout_ref.actor.megatron.router_replay.mode={replay} with strategy=fsdp2: router replay is "
+            "built in the Megatron engine only; set it to disabled"
+        ]
+        return _fsdp2_problems(cfg) + _fsdp2_critic_problems(cfg) + refused
     if registered_module(arr.model.path) is not None:
         return _plain_module_problems(cfg)
     spec = load_model_spec(arr.model)
@@ -217,6 +222,40 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
             f"actor_rollout_ref.rollout.name=vllm with a Mixture-of-Experts model ({spec.model_type}): verl does not "
             "push weights into vLLM's fused experts yet; use actor_rollout_ref.rollout.name=hf (the transformers engine)"
         )
+    return problems + _router_replay_problems(cfg, spec)
+
+
+def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
+    """``megatron.router_replay`` (verl.models.router_replay): R2 on the actor of a MoE model, where it is built."""
+    arr = cfg.actor_rollout_ref
+    problems = [
+        f"{key}.megatron.router_replay.mode={m.router_replay.mode}: only the actor replays routing; set it to disabled"
+        for key, m in (("actor_rollout_ref.ref", arr.ref.megatron), ("critic", cfg.critic.megatron))
+        if m.router_replay.mode != "disabled"
+    ]
+    mode, m = arr.actor.megatron.router_replay.mode, arr.actor.megatron
+    key = "actor_rollout_ref.actor.megatron.router_replay.mode"
+    if mode == "disabled":
+        return problems
+    if mode == "R3":
+        return problems + [f"{key}=R3: replaying the rollout engine's experts is not built (neither engine returns "
+                           "them yet); use R2 (the old-policy pass's experts)"]
+    why = []
+    if not spec.is_moe:
+        why.append(f"{spec.model_type} is a dense model")
+    if arr.actor.strategy != "megatron":
+        why.append(f"actor.strategy={arr.actor.strategy} (the Megatron engine only)")
+    if cfg.old_log_prob_source != "recompute":
+        why.append(f"actor.old_log_prob resolves to {cfg.old_log_prob_source} (R2 records in the recompute pass: set recompute)")
+    if m.tensor_model_parallel_size > 1 or m.pipeline_model_parallel_size > 1 or m.context_parallel_size > 1:
+        why.append(f"TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
+                   f"{m.context_parallel_size} (1 x 1 x 1 only; expert parallel is fine)")
+    if arr.model.use_remove_padding:
+        why.append("model.use_remove_padding=true (packed sequences are not mapped yet)")
+    if arr.model.enable_gradient_checkpointing:
+        why.append("model.enable_gradient_checkpointing=true (Megatron's backward replay is not wired)")
+    if why:
+        problems.append(f"{key}=R2 cannot run here: " + "; ".join(why))
     return problems
 
 
