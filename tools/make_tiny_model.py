@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
         help="MLP size, 0 for 4*hidden (default %(default)s)",
     )
     p.add_argument("--experts", type=int, default=defaults.experts,
-                   help="qwen3_moe, mixtral: routed experts per layer (default %(default)s)")
+                   help="qwen3_moe, mixtral, qwen2_moe: routed experts per layer (default %(default)s)")
     p.add_argument("--experts-per-token", type=int, default=defaults.experts_per_token,
-                   help="qwen3_moe, mixtral: experts each token is routed to (default %(default)s)")
+                   help="qwen3_moe, mixtral, qwen2_moe: experts each token is routed to (default %(default)s)")
     p.add_argument(
         "--vocab",
         type=int,

@@ -90,6 +90,11 @@ def test_family_configs_and_bad_shapes():
         TinyModelSpec(kv_heads=3).validate()
     with pytest.raises(ValueError, match="is not one of"):
         TinyModelSpec(family="gpt2").validate()
+    # Qwen2-MoE: routed experts and a shared expert of --intermediate, which verl's Megatron builder parses.
+    from verl.models.hf_config import parse_hf_config
+
+    qwen2_moe = parse_hf_config(model_config(TinyModelSpec(family="qwen2_moe", intermediate=48), tok).to_dict())
+    assert (qwen2_moe.num_experts, qwen2_moe.moe_intermediate_size, qwen2_moe.shared_expert_intermediate_size) == (4, 48, 48)
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from verl.data.corpus import generate_corpus
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|im_end|>"
@@ -58,11 +59,11 @@ class TinyModelSpec:
     head_dim: int = 0
     """Per-head width; 0 means hidden / heads (Qwen3 sets it independently of the hidden size)."""
     intermediate: int = 0
-    """MLP size (of each expert, for qwen3_moe and mixtral); 0 means 4 * hidden."""
+    """MLP size (of each expert, for the MoE families; of Qwen2-MoE's shared expert too); 0 means 4 * hidden."""
     experts: int = 4
-    """qwen3_moe, mixtral: routed experts per layer."""
+    """qwen3_moe, mixtral, qwen2_moe: routed experts per layer."""
     experts_per_token: int = 2
-    """qwen3_moe, mixtral: experts each token is routed to."""
+    """qwen3_moe, mixtral, qwen2_moe: experts each token is routed to."""
     vocab: int = 1024
     """Tokenizer (and embedding) vocabulary size."""
     max_position: int = 1024
@@ -95,7 +96,7 @@ class TinyModelSpec:
                 f"head_dim = {'' if self.head_dim else 'hidden/heads = '}{self.resolved_head_dim}, but the CPU vLLM build "
                 f"only supports head sizes {CPU_VLLM_HEAD_SIZES}; e.g. --hidden 64 --heads 2 (head_dim 32)"
             )
-        if self.family in ("qwen3_moe", "mixtral") and not 0 < self.experts_per_token <= self.experts:
+        if self.family in MOE_FAMILIES and not 0 < self.experts_per_token <= self.experts:
             raise ValueError(
                 f"--experts-per-token {self.experts_per_token} must be between 1 and --experts {self.experts}"
             )
@@ -149,7 +150,15 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int) -> Any:
 
 def model_config(spec: TinyModelSpec, tokenizer: Any) -> Any:
     """The transformers config of ``spec``, with the tokenizer's special token ids."""
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -180,6 +189,12 @@ def model_config(spec: TinyModelSpec, tokenizer: Any) -> Any:
             **common, use_sliding_window=False,
             num_experts=spec.experts, num_experts_per_tok=spec.experts_per_token,
             moe_intermediate_size=common["intermediate_size"], norm_topk_prob=True, router_aux_loss_coef=0.001,
+        )
+    if spec.family == "qwen2_moe":  # routed experts plus a gated shared expert of the same width
+        return Qwen2MoeConfig(
+            **common, use_sliding_window=False, num_experts=spec.experts, num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=common["intermediate_size"], shared_expert_intermediate_size=common["intermediate_size"],
+            norm_topk_prob=False, router_aux_loss_coef=0.001,
         )
     if spec.family == "mixtral":
         return MixtralConfig(
