@@ -31,7 +31,7 @@
 #   soak         tools/bench.py soak, 30 short steps with a save every 10 on the GPU: RSS and
 #                device memory (allocated, reserved) per step and their drift
 #   agent        the agent loop's tests with the transformers engine on the GPU (tool calls, log-probs)
-#   moe          Megatron's MoE layers (Qwen3-MoE) on one CUDA rank without Transformer Engine against
+#   moe          Megatron's MoE layers (Qwen3-MoE, Qwen2-MoE) on one CUDA rank without Transformer Engine against
 #                transformers; the uneven pipeline split against Megatron's own functions (unrun yet)
 #   async        the streaming rollout on the GPU (trainer.rollout_mode=async, bound 2; one rank, so
 #                colocated: generation ahead inside the update window, the CUDA engine's weights

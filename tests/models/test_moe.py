@@ -293,10 +293,12 @@ def _device_body(model_dir, batch):
 
 
 @pytest.mark.distributed
-def test_one_rank_on_the_device_matches_transformers(models):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_one_rank_on_the_device_matches_transformers(models, family):
     """One rank on this machine's device (CUDA under tools/gpu_check.sh: Megatron's MoE layers without
-    Transformer Engine, the router's matmul path), float32, against transformers on CPU."""
-    model_dir = models["qwen3_moe"]
+    Transformer Engine, the router's matmul path; Qwen2-MoE's shared-expert gate, which megatron-core
+    0.16.1 creates on the CPU and the builder moves), float32, against transformers on CPU."""
+    model_dir = models[family]
     batch = padded_batch(4, 12, seed=4)
     [actual] = run_distributed(_device_body, 1, model_dir, batch, timeout=300)
     expected, _ = reference_logprobs_entropy(hf_outputs(model_dir, batch), batch["input_ids"],
