@@ -81,7 +81,7 @@ def test_moe_grpo_with_expert_parallel_2(moe_model_dir, arithmetic_files, tmp_pa
         assert second["training/global_step"] == 2.0
 
 
-def _r2_body(model_dir: str, files: dict[str, str], root: str) -> dict:
+def _r2_body(model_dir: str, files: dict[str, str], root: str, cut: tuple[str, ...] = ()) -> dict:
     """GRPO with R2 router replay, counting the micro-batches whose routing was recorded and replayed."""
     from verl.models import router_replay
 
@@ -98,20 +98,29 @@ def _r2_body(model_dir: str, files: dict[str, str], root: str) -> dict:
 
     router_replay.recorded, router_replay.set_targets = counted_record, counted_replay
     try:
+        # the recipe as it is (packed sequences, use_remove_padding=true) plus the two R2 keys
         extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
-                 "actor_rollout_ref.model.use_remove_padding=false")  # the recipe packs; R2 maps padded rows only
+                 *cut)
         return {**_grpo_body(model_dir, files, root, extra), **calls}
     finally:
         router_replay.recorded, router_replay.set_targets = record, replay
 
 
+TOKEN_BUDGETS = (  # the old-log-prob pass and the update regroup the rows by two different budgets
+    "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=150",
+)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_moe_grpo_with_r2_router_replay_at_expert_parallel_2(moe_model_dir, arithmetic_files, tmp_path):
+@pytest.mark.parametrize("cut", [(), TOKEN_BUDGETS], ids=["recipe", "token-budgets"])
+def test_moe_grpo_with_r2_router_replay_at_expert_parallel_2(moe_model_dir, arithmetic_files, tmp_path, cut):
     """R2: the old-policy pass records every token's experts and the update replays them, through the
-    trainer's batch (sharded over DP, cut into the update's micro-batches); the first update's ratio is 1
-    and its KL 0, and the engine's log-probs still match the actor's."""
-    results = run_distributed(_r2_body, 2, moe_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+    trainer's batch (sharded over DP, cut into the update's micro-batches); the recipe packs sequences
+    (use_remove_padding=true), and with token budgets each pass groups the rows its own way. The first
+    update's ratio is 1 and its KL 0, and the engine's log-probs still match the actor's."""
+    results = run_distributed(_r2_body, 2, moe_model_dir, arithmetic_files, str(tmp_path), cut, timeout=560)
     for r in results:
         # both steps: the old-policy pass records (its micro-batches), the update replays (its own micro-batches)
         assert r["ep"][1] == 2 and r["recorded"] >= 2 and r["replayed"] >= 2
@@ -130,7 +139,7 @@ def test_moe_grpo_with_r2_router_replay_at_expert_parallel_2(moe_model_dir, arit
           "actor_rollout_ref.actor.ppo_mini_batch_size=64"),
          "R2 cannot run here: actor.old_log_prob resolves to current"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
-          "actor_rollout_ref.model.use_remove_padding=true"), "use_remove_padding=true"),
+          "actor_rollout_ref.model.enable_gradient_checkpointing=true"), "enable_gradient_checkpointing=true"),
         (("actor_rollout_ref.ref.megatron.router_replay.mode=R2",), "only the actor replays routing"),
     ],
 )

@@ -452,7 +452,7 @@ def forward_backward(
         multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
         widths = packed_widths(lengths, split, multiple, common=pp_size > 1)
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
-    replay_routers = _routing_setup(chunks, batch, pg, routing, pack_sequences)
+    replay_routers = _routing_setup(chunks, batch, pg, routing)
     micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths, lengths)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
@@ -545,13 +545,13 @@ def forward_backward(
     return result
 
 
-def _routing_setup(chunks, batch, pg, routing, pack_sequences) -> list:
+def _routing_setup(chunks, batch, pg, routing) -> list:
     """The routers to record or replay (``routing``), their action set; [] without routing."""
     if routing is None:
         return []
     if routing not in ("record", "replay"):
         raise ValueError(f"routing={routing!r}; use 'record', 'replay' or None")
-    problems = router_replay.routing_problems(chunks, pg, pack_sequences=pack_sequences)
+    problems = router_replay.routing_problems(chunks, pg)
     if problems:
         raise ValueError(f"routing={routing!r} is not supported here: " + "; ".join(problems))
     key = router_replay.ROUTED_EXPERTS

@@ -16,9 +16,15 @@ instance ever built in a process-wide list; verl never uses that list and reache
 instances through its routers, so another model (the reference, a critic) is left alone. Every call
 into it lives in this module.
 
-Covered: one pipeline stage, no context parallelism, tensor parallel 1, expert parallel any, without
-packed sequences or activation recomputation (Megatron's backward replay is not wired); anything
-else is refused by :func:`routing_problems` before the pass.
+The batch's [B, T] layout is the only one the routing is kept in: each micro-batch maps it into the
+model's layout and back with the same maps as its per-token outputs (``verl.models.forward``'s
+``_MicroBatch.to_model`` / ``to_rows``: rows packed left, or every row's real tokens packed into one
+THD row), and micro-batches are cut from the batch's rows by index, so a recording made with one
+packing and micro-batching (fixed rows or a token budget) replays under any other.
+
+Covered: one pipeline stage, no context parallelism, tensor parallel 1, expert parallel any, padded
+or packed sequences, without activation recomputation (Megatron's backward replay is not wired);
+anything else is refused by :func:`routing_problems` before the pass.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def routers(chunks: list[torch.nn.Module]) -> list:
     return out
 
 
-def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection", *, pack_sequences: bool) -> list[str]:
+def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection") -> list[str]:
     """Why this pass cannot record or replay routing ([] when it can)."""
     from verl.models.builder import unwrap_model
 
@@ -65,8 +71,6 @@ def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection"
         problems.append(f"tensor parallel {pg.tp.size()}: the routers' token order under TP is not mapped yet")
     if pg.cp.size() > 1:
         problems.append(f"context parallel {pg.cp.size()}")
-    if pack_sequences:
-        problems.append("packed sequences (use_remove_padding): their token order is not mapped yet")
     if config.recompute_granularity is not None:
         problems.append("activation recomputation: Megatron's backward replay is not wired (turn gradient checkpointing off)")
     return problems

@@ -250,8 +250,6 @@ def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
     if m.tensor_model_parallel_size > 1 or m.pipeline_model_parallel_size > 1 or m.context_parallel_size > 1:
         why.append(f"TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
                    f"{m.context_parallel_size} (1 x 1 x 1 only; expert parallel is fine)")
-    if arr.model.use_remove_padding:
-        why.append("model.use_remove_padding=true (packed sequences are not mapped yet)")
     if arr.model.enable_gradient_checkpointing:
         why.append("model.enable_gradient_checkpointing=true (Megatron's backward replay is not wired)")
     if why:
