@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Convert a Hugging Face checkpoint (Llama / Qwen2 / Mistral) into a Megatron distributed checkpoint.
+"""Convert a Hugging Face checkpoint (Llama, Qwen2, Qwen3, Mistral; MoE: Qwen3-MoE, Mixtral, Qwen2-MoE)
+into a Megatron distributed checkpoint.
 
     python tools/hf2megatron.py --hf-dir HF_DIR --out-dir CKPT_DIR --tp 2 --pp 2 [--dtype bf16] [--check]
 

@@ -42,6 +42,18 @@ def test_help_explains_every_flag():
             assert flag in out.stdout, (tool, flag)
 
 
+def test_help_names_every_family_the_builder_takes():
+    from verl.models.hf_config import SUPPORTED_MODEL_TYPES
+
+    names = {"llama": "Llama", "qwen2": "Qwen2,", "qwen3": "Qwen3,", "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE",
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+    assert set(names) == set(SUPPORTED_MODEL_TYPES)  # a new family: name it in hf2megatron's docstring and here
+    out = _run(HF2MEG, "--help")
+    assert out.returncode == 0
+    for name in names.values():
+        assert name in out.stdout, name
+
+
 def test_missing_and_partial_inputs_are_clear_errors(tmp_path):
     out = _run(HF2MEG, "--hf-dir", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "o"))
     assert out.returncode == 2 and "no such directory" in out.stderr
