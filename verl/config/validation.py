@@ -516,6 +516,15 @@ def _rollout_mode(cfg: PPOConfig, problems: list[str]) -> None:
                if cfg.algorithm.adv_estimator == "remax" else None)
         if why is not None:
             problems.append(f"{key}.partial_rollout=true generates in segments, which does not fit {why}: set partial_rollout=false")
+    if at.fill_update_window:
+        rollout_ranks = cfg.trainer.placement.get("rollout", [])
+        why = (f"trainer.rollout_mode=async (it is {mode})" if mode != "async" else "partial_rollout=true"
+               if not at.partial_rollout else "the rollout on ranks of its own (trainer.placement.rollout; colocated "
+               "there is no update to overlap)" if not rollout_ranks else "the rollout on one rank (it is on "
+               f"{len(rollout_ranks)}: their segments would have to agree on when the update ends)"
+               if len(rollout_ranks) != 1 else None)
+        if why is not None:
+            problems.append(f"{key}.fill_update_window=true needs {why}: set fill_update_window=false")
     if mode == "sync":
         return
     kind = ("data.pairs=true (DPO)" if cfg.data.pairs else "algorithm.hybrid.enable=true" if cfg.algorithm.hybrid.enable

@@ -85,6 +85,9 @@ class StepPieces:
     # Called by update_step on every rank between the advantages and the updates (a streaming
     # rollout generates ahead there, on the rollout's ranks); returns metrics. None: nothing.
     overlap: Callable[[Batch], dict[str, float]] | None = None
+    # Called by update_step on every rank once this rank's updates are done, before the collective
+    # that gathers their metrics (a streaming rollout that fills the update window stops there).
+    update_done: Callable[[], None] | None = None
 
     def runs(self, role: str) -> bool:
         """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
@@ -536,6 +539,8 @@ class StepPieces:
         if self.global_step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 updates.append(("actor", [], self.update_actor(batch) if self.runs("actor") else {}))
+        if self.update_done is not None:
+            self.update_done()
         with self._exchange_phase(timer):
             metrics.update(self.world.exchange(None, updates)[1])
         with timer("records"):  # the skip count, the run report's per-sample scores

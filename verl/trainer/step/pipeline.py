@@ -167,6 +167,7 @@ def build_step(cfg: "PPOConfig") -> StepPipeline:
             depth=cfg.staleness_bound,
             partial_tokens=at.partial_rollout_tokens if at.partial_rollout else None,
             stale_samples=at.stale_samples,
+            fill_window=at.fill_update_window,
         )
         _warn_uncorrected(cfg)
     else:

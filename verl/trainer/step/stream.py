@@ -36,6 +36,20 @@ rollout correction uses), and ``rollout_version`` is ``b``, the version that beg
 applies to the oldest token. A weight update never discards what was generated. The queue's
 checkpoint holds the batches in flight (their tokens, log-probs and versions so far).
 
+Filling the update window (``async_training.fill_update_window``, partial rollout with the rollout
+on one rank apart): after the window's fixed work above (one segment of each batch in flight, the
+batches the bound lets begin), the rollout's rank keeps running segments of the unfinished batches
+in flight, the next step's first, with the window's weights, until the actor's first rank signals
+that its update is done (:meth:`_update_done` counts the update on torch.distributed's default
+store; the rollout's rank reads the count, without blocking, before each segment) or nothing is
+left to generate. The step then proceeds to the weight push as before. The pace is the actor's, not
+a fixed amount of work, so in this mode *how many segments run in each window, hence which version
+samples which token* (``rollout_token_versions``, the ``rollout_log_probs`` with them, the
+responses themselves and everything trained from them) depends on timing. What does not: the
+bound per sample (``rollout_version`` is still the version that began the batch, in the window
+where the bound allows it), per-token versions non-decreasing and each at most the version the
+update starts from, every token's log-prob from its segment's weights, and each segment's seed.
+
 Stale samples (``async_training.stale_samples``): with ``wait`` (the default) generation never
 runs ahead of the bound, so no sample can exceed it; one beyond it is an internal error raised
 before the update (``StepPieces.staleness_metrics``). With ``drop``, the samples of a batch begun
@@ -45,8 +59,8 @@ keeps its size and no group mixes policies. Within one run the pacing above give
 a queue saved with a looser bound (a run resumed with a smaller ``max_staleness``) is the case it
 serves here.
 
-Not here (the issue's rest): a free-running generator, paced by time rather than by the step, that
-also overlaps the reward and the weight push (with it, samples could outrun the bound within a run,
+Not here (the issue's rest): a free-running generator that also overlaps the reward and the weight
+push (with it, samples could outrun the bound within a run,
 and ``drop`` would act on them the same way).
 """
 
@@ -70,6 +84,9 @@ if TYPE_CHECKING:
 __all__ = ["QUEUE_DIR", "StreamRolloutOperator"]
 
 QUEUE_DIR = "rollout_queue"  # in a checkpoint: the batches generated ahead
+# On the default store: the updates the actor's first rank has finished (fill_update_window). A
+# count, not a flag per step: it never needs deleting, and runs in one process group follow on.
+_UPDATES_KEY = "verl/stream/updates_done"
 _REFILL_SEED = 104_729  # seed offset of the prompts sampled again after a drop (stale_samples=drop)
 
 
@@ -94,6 +111,8 @@ class StreamRolloutOperator(Operator):
         stale_samples: ``"wait"`` (no sample ever exceeds ``depth``: generation waits) or ``"drop"``
             (a sample begun more than ``depth`` versions before its update's is dropped, counted in
             ``async/stale_dropped``, and its prompt sampled again with the current weights).
+        fill_window: partial rollout with the rollout apart: keep running segments of the batches in
+            flight until the actor's update is done (module docstring; timing-paced).
     """
 
     outputs = ROLLOUT_FIELDS + ("rollout_version",)
@@ -105,6 +124,7 @@ class StreamRolloutOperator(Operator):
         call_sizes: tuple[int, int] | None = None,
         partial_tokens: int | None = None,
         stale_samples: str = "wait",
+        fill_window: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -115,16 +135,22 @@ class StreamRolloutOperator(Operator):
             raise ValueError(f"StreamRolloutOperator(stale_samples={stale_samples!r}): 'wait' or 'drop'")
         if partial_tokens is not None and call_sizes is not None:
             raise ValueError("StreamRolloutOperator: partial rollout makes one engine call per segment; use call_sizes=None")
+        if fill_window and partial_tokens is None:
+            raise ValueError("StreamRolloutOperator(fill_window=True) fills the update window with segments: set partial_tokens")
         self.depth = depth
         self.call_sizes = call_sizes
         self.partial_tokens = partial_tokens
         self.stale_samples = stale_samples
+        self.fill_window = fill_window
+        self._updates_before = 0  # fill_window: the store's update count when this step began
         self.queue: list[_Ahead] = []
         self.exhausted = False
 
     def bind(self, trainer: "PPOTrainer") -> None:
         super().bind(trainer)
         trainer.overlap = self._ahead
+        if self.fill_window:
+            trainer.update_done = self._update_done
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -134,6 +160,11 @@ class StreamRolloutOperator(Operator):
         trainer = self.trainer
         step = trainer.global_step + 1
         self._active_step = step
+        if self.fill_window and trainer.rollout is not None:
+            # Before any collective of this step: the actor cannot have finished this step's
+            # update (it needs this step's batch), and its earlier updates were counted before
+            # the collective that ended the step before.
+            self._updates_before = int(self._store().add(_UPDATES_KEY, 0))
         pushed: dict[str, float] = {}
         if trainer.world.send is not None:  # the current weights to the engine apart (collective)
             with trainer.phase("push"):
@@ -294,9 +325,45 @@ class StreamRolloutOperator(Operator):
                     break
                 self.queue.append(item)
                 made += 1
+            if self.fill_window and trainer.rollout is not None:
+                self._fill(self._version())
         finally:
             self._in_update = False
         return {"async/generated_in_update": float(made)}
+
+    def _fill(self, version: int) -> int:
+        """``fill_window``: segments of the unfinished batches in flight (the next step's first), with
+        the weights of policy ``version``, until the actor's update is done or every batch in flight
+        has ended; returns the segments run."""
+        trainer = self.trainer
+        store = self._store()
+        ran = 0
+        with trainer.phase("gen"), trainer.rollout.phase():
+            while True:
+                pending = [item.partial for item in self.queue if item.partial is not None and not item.partial.finished]
+                if not pending:
+                    return ran
+                for partial in pending:
+                    if int(store.add(_UPDATES_KEY, 0)) > self._updates_before:  # the update is done
+                        return ran
+                    partial.advance(trainer.rollout.generate_segment, version)
+                    ran += 1
+
+    def _update_done(self) -> None:
+        """``fill_window``, on every rank once its updates are done: the actor's first rank counts
+        the update on the store (the rollout's rank stops filling at the count's change)."""
+        trainer = self.trainer
+        if self._active_step != trainer.global_step:  # another pipeline's step (a DataStream's)
+            return
+        if torch.distributed.get_rank() == trainer.world.source["actor"]:
+            self._store().add(_UPDATES_KEY, 1)
+
+    @staticmethod
+    def _store() -> Any:
+        """torch.distributed's default store (the one every rank started with)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
 
     # -- checkpoints --------------------------------------------------------------------------
 

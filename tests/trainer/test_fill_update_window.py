@@ -1,0 +1,125 @@
+"""``trainer.async_training.fill_update_window``: async GRPO with partial rollout on 2 ranks, the
+rollout on rank 1, ``max_staleness=2``, responses of 12 tokens in segments of 5, and an actor update
+slowed by a sleep (patched into rank 0's ``update_actor``). The rollout's rank keeps running
+segments while the update runs, until the actor's rank signals that it is done.
+
+Which version samples which token now depends on timing, so the test asserts invariants, not a
+pattern: the rollout's rank ran more than one segment of a batch in one update window (the fixed
+schedule runs exactly one); per sample, the bound; per token, versions non-decreasing, the first
+the sample's ``rollout_version``, each at most the version its update starts from; and every
+segment ran on the weights of the version it records (the engine's weights, summed, at each
+segment: one sum per version, a different one for each).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verl.testing.distributed import run_distributed
+
+from .test_partial_rollout_trainer import PARTIAL, SEGMENT
+from .test_rollout_modes import APART, FAST, _metrics
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+DEPTH = 2
+SLOW_UPDATE_S = 3.0
+
+
+def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
+    import time
+
+    import torch
+
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.step.partial import PartialBatch
+
+    cfg = load_config(
+        PPOConfig,
+        config_file="grpo_tiny_cpu",
+        overrides=[
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"data.train_files={files['train']}",
+            "data.val_files=null",
+            *FAST,
+            *PARTIAL,
+            *APART,
+            "trainer.async_training.fill_update_window=true",
+            f"trainer.default_local_dir={root}/fill",
+            f"trainer.log_dir={root}/fill/logs",
+        ],
+        world_size=2,
+    )
+    seen: dict[int, dict[str, list]] = {}
+    window: list[int | None] = [None]  # the step whose update runs now
+    segments: list[tuple[int | None, int, int, float]] = []  # (window, batch, version, the engine's weights summed)
+    with PPOTrainer(cfg) as trainer:
+        update_step, advance = trainer.update_step, PartialBatch.advance
+
+        def recording(batch, metrics=None):
+            step = trainer.global_step + 1
+            seen[step] = {key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask")}
+            window[0] = step
+            try:
+                return update_step(batch, metrics)
+            finally:
+                window[0] = None
+
+        def counting(self, segment, version):  # the rollout's rank
+            weights = sum(float(p.detach().double().sum()) for p in trainer.rollout.engine.model.parameters())
+            segments.append((window[0], id(self), int(version), weights))
+            return advance(self, segment, version)
+
+        trainer.update_step = recording
+        PartialBatch.advance = counting
+        if trainer.runs("actor"):
+            update_actor = trainer.update_actor
+
+            def slow(batch):
+                time.sleep(SLOW_UPDATE_S)
+                return update_actor(batch)
+
+            trainer.update_actor = slow
+        try:
+            trainer.fit()
+        finally:
+            PartialBatch.advance = advance
+        out = {"steps": trainer.global_step, "seen": seen, "segments": segments, "rank": torch.distributed.get_rank()}
+    out["metrics"] = _metrics(f"{root}/fill/logs", keep_all=True) if out["rank"] == 0 else None
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_fill_update_window_keeps_generating_until_the_update_ends(tiny_model_dir, arithmetic_files, tmp_path):
+    [actor, rollout] = run_distributed(_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+    assert actor["steps"] == rollout["steps"] == 4
+    assert actor["segments"] == []  # the actor's rank generates nothing
+    segments = rollout["segments"]
+    # more than one segment of a batch in one update window (the fixed schedule runs one of each)
+    per_window: dict[tuple[int, int], int] = {}
+    for step, batch, _, _ in segments:
+        if step is not None:
+            per_window[(step, batch)] = per_window.get((step, batch), 0) + 1
+    assert max(per_window.values()) > 1, per_window
+    # every segment ran on the weights of the version it records
+    weights: dict[int, set[float]] = {}
+    for _, _, version, total in segments:
+        weights.setdefault(version, set()).add(total)
+    assert all(len(sums) == 1 for sums in weights.values()), weights
+    assert len({next(iter(sums)) for sums in weights.values()}) == len(weights), weights
+    # window s generates with the weights its update starts from (version s - 1)
+    assert all(version == step - 1 for step, _, version, _ in segments if step is not None)
+    assert actor["seen"] == rollout["seen"]  # every rank trains the same batch
+    for step, batch in actor["seen"].items():
+        assert all(0 <= (step - 1) - began <= DEPTH for began in batch["rollout_version"]), (step, batch["rollout_version"])
+        for versions, mask, began in zip(batch["rollout_token_versions"], batch["response_mask"], batch["rollout_version"]):
+            length = int(sum(mask))
+            sampled, pads = versions[:length], versions[length:]
+            assert length > 0 and sampled[0] == began and pads == [-1] * len(pads), (step, versions)
+            assert all(a <= b for a, b in zip(sampled, sampled[1:])), (step, versions)
+            assert max(sampled) <= step - 1, (step, versions)
+            # a token j comes no earlier than the fixed schedule's: segments only move earlier
+            assert all(v <= min(began + j // SEGMENT, step - 1) for j, v in enumerate(sampled)), (step, versions)
+    metrics = actor["metrics"]
+    assert [metrics[s]["staleness/max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
