@@ -1,5 +1,6 @@
 """Router replay (``verl.models.router_replay``): the experts recorded in one pass decide the experts of a
-later pass, on 1 rank and at expert parallel 2 (each rank its own batch), without packed sequences.
+later pass: on 1 rank, at expert parallel 2 (each rank its own batch), at TP 2 + SP and EP 2 x TP 2 + SP,
+padded and packed.
 
 A tiny Qwen3-MoE (4 experts, top 2, renormalised weights, 2 layers). The recording pass's routing
 equals transformers' own choice of experts; replayed with the same weights (another micro-batch
@@ -36,7 +37,7 @@ def _new_routers() -> list[torch.Tensor]:
     return [torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.3 for _ in range(LAYERS)]
 
 
-def _replay_body(model_dir, ep, batches, new_routers):
+def _replay_body(model_dir, tp, ep, batches, new_routers):
     import torch.distributed as dist
 
     from verl.engine import LossShare
@@ -46,21 +47,22 @@ def _replay_body(model_dir, ep, batches, new_routers):
     from verl.models.hf_config import parse_hf_config
     from verl.parallel.megatron_state import initialize_model_parallel
 
-    pg = initialize_model_parallel(expert_model_parallel_size=ep)
-    chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(moe_enable_routing_replay=True), pg)
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    build = ModelBuildConfig(moe_enable_routing_replay=True, sequence_parallel=tp > 1)
+    chunks = build_model_chunks(parse_hf_config(model_dir), build, pg)
     load_hf_weights(chunks, model_dir, pg=pg)
-    batch = batches[dist.get_rank()]
+    batch = batches[dist.get_rank() // tp]  # a TP group's ranks share their data-parallel rank's batch
 
-    def run(b, mbs, routing, loss=False):
+    def run(b, mbs, routing, loss=False, pack=False):
         def loss_fn(outputs, mb):  # any loss: the pass runs forward and backward
             return LossShare(loss=-(outputs["logprobs"] * mb["attention_mask"]).sum() / 100.0)
 
         return forward_backward(chunks, b, pg=pg, micro_batch_size=mbs, output="logprobs", routing=routing,
-                                loss_fn=loss_fn if loss else None).outputs
+                                pack_sequences=pack, loss_fn=loss_fn if loss else None).outputs
 
     recorded = run(batch, 2, "record")
     replayed = {**batch, "routed_experts": recorded["routed_experts"]}
-    same = run(replayed, 4, "replay", loss=True)["logprobs"]
+    same = run(replayed, 4, "replay", loss=True, pack=True)["logprobs"]  # packed: another cut of S under SP
     with torch.no_grad():
         for layer, weight in zip(chunks[0].decoder.layers, new_routers):
             layer.mlp.router.weight.copy_(weight)
@@ -102,12 +104,19 @@ def _hf_logprobs(model_dir, batch, routers=None, forced=None):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world", "ep"), [(1, 1), (2, 2)], ids=["one-rank", "ep2"])
-def test_replayed_routing_decides_the_update_pass(model_dir, world, ep):
-    batches = [padded_batch(4, 12, seed=20 + r) for r in range(world)]
+@pytest.mark.parametrize(
+    ("world", "tp", "ep"),
+    [(1, 1, 1), (2, 1, 2), (2, 2, 1), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
+    ids=["one-rank", "ep2", "tp2-sp", "ep2-tp2-sp"],
+)
+def test_replayed_routing_decides_the_update_pass(model_dir, world, tp, ep):
+    """Under TP + sequence parallel each TP rank routes a slice of the sequence: the recording is
+    gathered (every TP rank returns the whole routing) and each rank replays its own slice."""
+    batches = [padded_batch(4, 12, seed=20 + r) for r in range(world // tp)]
     new_routers = _new_routers()
-    results = run_distributed(_replay_body, world, model_dir, ep, batches, new_routers, timeout=300)
-    for r, batch in zip(results, batches):
+    results = run_distributed(_replay_body, world, model_dir, tp, ep, batches, new_routers, timeout=300)
+    for rank, r in enumerate(results):
+        batch = batches[rank // tp]
         mask = batch["attention_mask"].bool()
         expected, hf_chosen = _hf_logprobs(model_dir, batch)
         rec = r["recorded"]

@@ -493,17 +493,20 @@ def forward_backward(
         # share is already a share of the global loss, so that division is undone here.
         return share.loss * num_micro, record
 
+    sp_group = pg.tp if config.sequence_parallel and tp_size > 1 else None  # routers see a slice of S
+
     def step(data_iterator, chunk):
         mb = next(data_iterator)
         if routing == "replay":
             model_mask = mb.to_model(mb.tensors["attention_mask"])
-            router_replay.set_targets(replay_routers, mb.to_model(mb.tensors[router_replay.ROUTED_EXPERTS]), model_mask)
+            routed = mb.to_model(mb.tensors[router_replay.ROUTED_EXPERTS])
+            router_replay.set_targets(replay_routers, routed, model_mask, sp_group)
         if mb.packed is None:
             out = chunk(mb.input_ids, mb.position_ids, None)
         else:
             out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed.seq_params())
         if routing == "record":
-            rows = router_replay.recorded(replay_routers, mb.input_ids.shape[0])  # [b, S, L, K]
+            rows = router_replay.recorded(replay_routers, mb.input_ids.shape[0], sp_group)  # [b, S, L, K]
             mb.routing = router_replay.pad_positions(mb.to_rows(rows), mb.mask)
         return out, functools.partial(collect, mb)
 

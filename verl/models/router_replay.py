@@ -22,9 +22,14 @@ model's layout and back with the same maps as its per-token outputs (``verl.mode
 THD row), and micro-batches are cut from the batch's rows by index, so a recording made with one
 packing and micro-batching (fixed rows or a token budget) replays under any other.
 
-Covered: one pipeline stage, no context parallelism, tensor parallel 1, expert parallel any, padded
-or packed sequences, without activation recomputation (Megatron's backward replay is not wired);
-anything else is refused by :func:`routing_problems` before the pass.
+With tensor parallelism and sequence parallelism the routers of TP rank ``r`` see only the ``r``-th of
+``tp`` equal slices of the model's sequence dimension (the ``[S, b]`` tokens ``r*S/tp .. (r+1)*S/tp``,
+every row): a replay hands each rank its slice, a recording gathers the slices over the TP group so
+every TP rank returns the whole [B, T, L, K]. Expert parallelism does not change what a router sees.
+
+Covered: one pipeline stage, no context parallelism, tensor (with or without sequence) and expert
+parallel any, padded or packed sequences, without activation recomputation (Megatron's backward replay
+is not wired); anything else is refused by :func:`routing_problems` before the pass.
 """
 
 from __future__ import annotations
@@ -67,8 +72,6 @@ def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection"
     problems = []
     if pg.pp.size() > 1 or len(chunks) > 1:
         problems.append(f"pipeline parallel {pg.pp.size()} (x {len(chunks)} chunks): routing is replayed on one stage only")
-    if pg.tp.size() > 1:
-        problems.append(f"tensor parallel {pg.tp.size()}: the routers' token order under TP is not mapped yet")
     if pg.cp.size() > 1:
         problems.append(f"context parallel {pg.cp.size()}")
     if config.recompute_granularity is not None:
@@ -93,26 +96,37 @@ def end(routers_: list) -> None:
         router.clear_indices()
 
 
-def set_targets(routers_: list, routed: torch.Tensor, model_mask: torch.Tensor) -> None:
+def set_targets(routers_: list, routed: torch.Tensor, model_mask: torch.Tensor, sp_group=None) -> None:
     """Give each router the experts of one micro-batch: ``routed`` [b, S, L, K] in the model's row layout,
-    ``model_mask`` [b, S] (1 = real token; pads get ``0..K-1``)."""
+    ``model_mask`` [b, S] (1 = real token; pads get ``0..K-1``); ``sp_group``: the TP group when the
+    model runs sequence parallel (each rank routes its slice of S), else None."""
     b, s, layers, k = routed.shape
     if layers != len(routers_):
         raise ValueError(f"batch '{ROUTED_EXPERTS}' has {layers} layers of routing, the model {len(routers_)} MoE layers")
     routed = torch.where(model_mask.bool()[..., None, None], routed, torch.arange(k, device=routed.device))
     tokens = routed.transpose(0, 1).reshape(s * b, layers, k)  # the router's [S, b] token order
+    if sp_group is not None and sp_group.size() > 1:
+        share = s * b // sp_group.size()  # S is a multiple of TP under sequence parallel
+        tokens = tokens[sp_group.rank() * share : (sp_group.rank() + 1) * share]
     for layer, router in enumerate(routers_):
         router.clear_indices()
         router.set_target_indices(tokens[:, layer].contiguous())
 
 
-def recorded(routers_: list, rows: int) -> torch.Tensor:
-    """The routing the last micro-batch recorded: [b, S, L, K] in the model's row layout."""
+def recorded(routers_: list, rows: int, sp_group=None) -> torch.Tensor:
+    """The routing the last micro-batch recorded: [b, S, L, K] in the model's row layout (``sp_group``:
+    as :func:`set_targets`; the TP ranks' slices are gathered, a collective over the group)."""
+    import torch.distributed as dist
+
     per_layer = [router.get_recorded_indices() for router in routers_]
     if any(t is None for t in per_layer):
         raise RuntimeError("a router recorded nothing in this micro-batch (was the action set?)")
-    tokens = torch.stack(per_layer, dim=1)  # [S * b, L, K]
-    return tokens.reshape(-1, rows, *tokens.shape[1:]).transpose(0, 1).to(torch.long)
+    tokens = torch.stack(per_layer, dim=1).to(torch.long)  # [S/tp * b, L, K]
+    if sp_group is not None and sp_group.size() > 1:
+        slices = [torch.empty_like(tokens) for _ in range(sp_group.size())]
+        dist.all_gather(slices, tokens.contiguous(), group=sp_group)
+        tokens = torch.cat(slices)  # [S * b, L, K]: the slices are consecutive runs of S
+    return tokens.reshape(-1, rows, *tokens.shape[1:]).transpose(0, 1)
 
 
 def pad_positions(routed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

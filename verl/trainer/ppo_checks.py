@@ -247,9 +247,9 @@ def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
         why.append(f"actor.strategy={arr.actor.strategy} (the Megatron engine only)")
     if cfg.old_log_prob_source != "recompute":
         why.append(f"actor.old_log_prob resolves to {cfg.old_log_prob_source} (R2 records in the recompute pass: set recompute)")
-    if m.tensor_model_parallel_size > 1 or m.pipeline_model_parallel_size > 1 or m.context_parallel_size > 1:
-        why.append(f"TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
-                   f"{m.context_parallel_size} (1 x 1 x 1 only; expert parallel is fine)")
+    if m.pipeline_model_parallel_size > 1 or m.context_parallel_size > 1:
+        why.append(f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} (1 x 1 only; tensor, "
+                   "sequence and expert parallel are fine): set pipeline/context_parallel_size=1")
     if arr.model.enable_gradient_checkpointing:
         why.append("model.enable_gradient_checkpointing=true (Megatron's backward replay is not wired)")
     if why:
