@@ -59,21 +59,22 @@ def test_bench_async_reports_every_mode(tmp_path):
 
 @pytest.mark.timeout(660)
 def test_bench_async_partial_mode(tmp_path):
-    """``--modes async async_partial``: the same async run with partial rollout (segments of 4 of the
-    12 tokens: a batch begun 2 windows ahead gets 2 segments there, the rest at its step)."""
+    """``--modes async async_partial async_fill``: the same async run with partial rollout (segments of
+    4 of the 12 tokens: a batch begun 2 windows ahead gets 2 segments there, the rest at its step), and
+    with it filling each update window (fill_update_window: segments until the update ends)."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "async",
          "--inputs", str(tmp_path), "--prompts", "64", "--steps", "2", "--warmup", "1", "--modes", "async",
-         "async_partial", "--partial-tokens", "4", *SMALL],
+         "async_partial", "async_fill", "--partial-tokens", "4", *SMALL],
         capture_output=True, text=True, timeout=620, cwd=REPO, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     [line] = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
     modes = json.loads(line)["modes"]
-    assert list(modes) == ["async", "async_partial"]
+    assert list(modes) == ["async", "async_partial", "async_fill"]
     for name, mode in modes.items():
         assert mode["generated_tokens_per_s"] > 0 and 1.0 <= mode["staleness_max"] <= 2.0, name
         assert mode["phases_by_rank"][1]["gen_ahead"] > 0, name  # segments inside the update window

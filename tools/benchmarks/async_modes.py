@@ -28,8 +28,9 @@ from verl.utils.cli import positive_int
 logger = logging.getLogger(__name__)
 
 MODES = ("sync", "one_step_off", "async")
-# Modes beyond trainer.rollout_mode's own (asked for with --modes): async with partial rollout.
-EXTRA_MODES = ("async_partial",)
+# Modes beyond trainer.rollout_mode's own (asked for with --modes): async with partial rollout, and
+# with it filling each update window until the update ends (async_training.fill_update_window).
+EXTRA_MODES = ("async_partial", "async_fill")
 BENCH_REWARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_rewards.py")
 # Per-rank phases gathered each step (seconds): what ran where.
 _PHASES = ("gen", "push", "share", "gen_ahead", "old_log_prob", "ref", "exchange", "update_actor", "step")
@@ -44,10 +45,11 @@ def _one_mode(args: argparse.Namespace, mode: str, overrides: list[str], root: s
         args.config,
         [
             "trainer.placement.rollout=[1]",
-            f"trainer.rollout_mode={'async' if mode == 'async_partial' else mode}",
+            f"trainer.rollout_mode={'async' if mode in EXTRA_MODES else mode}",
             f"trainer.async_training.max_staleness={args.max_staleness}",
             *(["trainer.async_training.partial_rollout=true",
-               f"trainer.async_training.partial_rollout_tokens={args.partial_tokens}"] if mode == "async_partial" else []),
+               f"trainer.async_training.partial_rollout_tokens={args.partial_tokens}"] if mode in EXTRA_MODES else []),
+            *(["trainer.async_training.fill_update_window=true"] if mode == "async_fill" else []),
             # past the measured steps, so the streaming modes keep generating ahead through the last
             # measured one (a run's final steps have nothing left to generate: not the steady state)
             f"trainer.total_training_steps={args.warmup + args.steps + max(1, args.max_staleness)}",
@@ -191,13 +193,14 @@ def _async(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--config", default="grpo_tiny_cpu", help="a config under configs/ or a YAML path (default %(default)s)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as main_ppo takes them")
     p.add_argument("--modes", nargs="+", default=list(MODES),
-                   help="modes, the first the baseline (default: %(default)s; also async_partial: async with partial rollout)")
+                   help="modes, the first the baseline (default: %(default)s; also async_partial: async with partial rollout; async_fill: "
+                        "async_partial filling each update window, async_training.fill_update_window)")
     p.add_argument("--steps", type=positive_int, default=6, help="measured steps per mode (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=1, help="repeat the modes, order alternating (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=2, help="async's trainer.async_training.max_staleness (default %(default)s)")
     p.add_argument("--partial-tokens", type=positive_int, default=16,
-                   help="mode async_partial (async with partial rollout): its async_training.partial_rollout_tokens (default %(default)s)")
+                   help="modes async_partial and async_fill (async with partial rollout): their async_training.partial_rollout_tokens (default %(default)s)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default %(default)s)")
     p.add_argument("--reward", choices=("words", "arithmetic"), default="words",
                    help="words: tools/bench_rewards.py (a random model earns it, the curves move); arithmetic: the task's scorer")
