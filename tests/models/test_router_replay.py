@@ -57,8 +57,12 @@ def _replay_body(model_dir, tp, ep, batches, new_routers):
         def loss_fn(outputs, mb):  # any loss: the pass runs forward and backward
             return LossShare(loss=-(outputs["logprobs"] * mb["attention_mask"]).sum() / 100.0)
 
-        return forward_backward(chunks, b, pg=pg, micro_batch_size=mbs, output="logprobs", routing=routing,
-                                pack_sequences=pack, loss_fn=loss_fn if loss else None).outputs
+        result = forward_backward(chunks, b, pg=pg, micro_batch_size=mbs, output="logprobs", routing=routing,
+                                  pack_sequences=pack, loss_fn=loss_fn if loss else None)
+        agreement.append([float(m["router_replay/agreement"]) for m in result.metrics])
+        return result.outputs
+
+    agreement = []  # each pass's per-micro-batch agreement (replayed training passes only)
 
     recorded = run(batch, 2, "record")
     replayed = {**batch, "routed_experts": recorded["routed_experts"]}
@@ -68,7 +72,7 @@ def _replay_body(model_dir, tp, ep, batches, new_routers):
             layer.mlp.router.weight.copy_(weight)
     free = run(batch, 2, None)["logprobs"]
     update = run(replayed, 2, "replay", loss=True)["logprobs"]
-    return {"recorded": recorded, "same": same, "free": free, "update": update}
+    return {"recorded": recorded, "same": same, "free": free, "update": update, "agreement": agreement}
 
 
 def _hf_logprobs(model_dir, batch, routers=None, forced=None):
@@ -88,6 +92,7 @@ def _hf_logprobs(model_dir, batch, routers=None, forced=None):
 
             def forward(hidden, gate=gate, experts=experts):
                 logits = torch.nn.functional.linear(hidden.reshape(-1, HIDDEN), gate.weight)
+                chosen.append(logits.topk(TOPK, dim=-1).indices)  # what free routing would take here
                 weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, experts)
                 return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), experts
 
@@ -132,6 +137,14 @@ def test_replayed_routing_decides_the_update_pass(model_dir, world, tp, ep):
         forced_expected, _ = _hf_logprobs(model_dir, batch, routers=new_routers, forced=rec["routed_experts"])
         torch.testing.assert_close(r["free"], free_expected, rtol=0, atol=ATOL)
         torch.testing.assert_close(r["update"], forced_expected, rtol=0, atol=ATOL)
+        # actor/router_replay/agreement: 1 with the recording's own routers; with the new ones, per micro-batch
+        # of 2 rows, the share of (real token, layer) whose free top-k (transformers' forced run) is the recorded set
+        _, free_there = _hf_logprobs(model_dir, batch, routers=new_routers, forced=rec["routed_experts"])
+        same_set = torch.stack([(f.sort(-1).values == rec["routed_experts"][:, :, layer].sort(-1).values).all(-1)
+                                for layer, f in enumerate(free_there)], -1)  # [B, T, L]
+        expected_agreement = [float(same_set[rows][mask[rows]].float().mean()) for rows in (slice(0, 2), slice(2, 4))]
+        assert r["agreement"][1] == [1.0]  # the packed replay at the recording's weights: one micro-batch of 4
+        assert r["agreement"][3] == pytest.approx(expected_agreement, abs=1e-12) and min(expected_agreement) < 1
         assert (free_expected - forced_expected).abs().max() > 100 * ATOL  # the replay changed the experts
 
 
@@ -237,3 +250,30 @@ def test_a_dense_model_refuses_routing_replay(tmp_path):
     dense = parse_hf_config(make_tiny_model(str(tmp_path / "d"), "qwen3_tied"))
     with pytest.raises(ValueError, match="moe_enable_routing_replay=true on a dense qwen3 model"):
         transformer_config_from_hf(dense, ModelBuildConfig(moe_enable_routing_replay=True), tp_size=1, pp_size=1)
+
+
+def test_agreement_counts_the_real_tokens_whose_free_top_k_is_the_replayed_set():
+    """A hand-made replay on one ``RouterReplay``: 3 real tokens and a pad, top 2 of 4 experts."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from verl.models import router_replay
+
+    router = RouterReplay()
+    router_replay.begin([router], "replay")
+    try:
+        routed = torch.tensor([[1, 3], [2, 0], [0, 1], [3, 2]]).view(1, 4, 1, 2)  # [b, S, L, K]
+        router_replay.set_targets([router], routed, torch.tensor([[1, 1, 1, 0]]))  # the last token is a pad
+        scores = torch.tensor([
+            [0.0, 5.0, 1.0, 4.0],  # free top 2 = {1, 3}: agrees (another order)
+            [3.0, 0.0, 2.0, 1.0],  # {0, 2}: agrees
+            [0.0, 2.0, 3.0, 1.0],  # {2, 1}: not the replayed {0, 1}
+            [9.0, 8.0, 0.0, 0.0],  # a pad (replayed as 0, 1): not counted
+        ])
+        probs, indices = router.get_replay_topk(scores, 2, None, None, lambda s, k, **_: torch.topk(s, k, dim=-1))
+        assert torch.equal(indices, torch.tensor([[1, 3], [2, 0], [0, 1], [0, 1]]))  # the replay itself is unchanged
+        assert torch.equal(probs, scores.gather(1, indices))
+        assert router_replay.agreement([router]) == (2.0, 3.0)
+        assert router_replay.agreement([router]) == (0.0, 0.0)  # counters reset
+    finally:
+        router_replay.end([router])
+    assert "get_replay_topk" not in vars(router)  # ordinary routing afterwards

@@ -135,6 +135,8 @@ def test_moe_grpo_with_r2_router_replay(moe_model_dir, arithmetic_files, tmp_pat
         # Exactly 0 at EP 2; at TP 2 + SP measured -1.9e-9 (float noise, cause not pinned down: the same run
         # without R2 gives exactly 0); a token sent to other experts moves its log-prob by ~1e-2.
         kl_bound = 1e-6 if cut == TP2_SP else 0.0
+        # the first update runs at the recording's weights: free routing would have chosen every recorded set
+        assert first["actor/router_replay/agreement"] == 1.0 and 0.5 < second["actor/router_replay/agreement"] <= 1.0
         assert abs(first["actor/ppo_kl"]) <= kl_bound and first["actor/pg_clipfrac"] == 0.0
         # At TP 2 + SP the second step's rollout (transformers, free routing) and old-policy pass (Megatron,
         # free routing, recorded) differ by 5.4e-4 without R2 as well: a near tie routed apart, which replay

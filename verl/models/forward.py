@@ -489,6 +489,9 @@ def forward_backward(
             k: v.detach().float() if torch.is_tensor(v) else output_tensor.new_tensor(float(v), dtype=f32)
             for k, v in share.metrics.items()
         }
+        if routing == "replay":  # the share of this micro-batch's (token, layer) sets free routing would keep
+            agree, total = router_replay.agreement(replay_routers, sp_group)
+            record["metrics"][router_replay.AGREEMENT] = output_tensor.new_tensor(agree / max(total, 1.0), dtype=f32)
         # Megatron's schedule divides every micro-batch loss by the number of micro-batches; the
         # share is already a share of the global loss, so that division is undone here.
         return share.loss * num_micro, record

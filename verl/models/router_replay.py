@@ -27,6 +27,11 @@ With tensor parallelism and sequence parallelism the routers of TP rank ``r`` se
 every row): a replay hands each rank its slice, a recording gathers the slices over the TP group so
 every TP rank returns the whole [B, T, L, K]. Expert parallelism does not change what a router sees.
 
+A replay also counts, for :data:`AGREEMENT`, the real tokens whose free top-k from the pass's own
+router scores is the replayed set: each replaying instance gets an instance-level ``get_replay_topk``
+that calls the class's and compares (removed by :func:`end`); Megatron reaches it through the
+instance (if it stopped, the replay tests, which expect 1.0 at the recording's weights, would read 0).
+
 Covered: one pipeline stage, no context parallelism, tensor (with or without sequence) and expert
 parallel any, padded or packed sequences, without activation recomputation (Megatron's backward replay
 is not wired); anything else is refused by :func:`routing_problems` before the pass.
@@ -34,6 +39,7 @@ is not wired); anything else is refused by :func:`routing_problems` before the p
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -43,6 +49,9 @@ if TYPE_CHECKING:
 
 ROUTED_EXPERTS = "routed_experts"
 """Batch key of the recorded routing, [B, T, L, K] int64 (module docstring)."""
+AGREEMENT = "router_replay/agreement"
+"""Metric of a replayed training pass: the share of (real token, MoE layer) top-k sets that the routers'
+free choice, from the same pass's logits, would have taken too (1.0: the replay changed nothing)."""
 RoutingMode = Literal["record", "replay"]
 
 
@@ -80,20 +89,54 @@ def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection"
 
 
 def begin(routers_: list, mode: RoutingMode) -> None:
-    """Set every router's action for the pass."""
+    """Set every router's action for the pass; a replay also counts agreement (:func:`agreement`)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     action = RouterReplayAction.RECORD if mode == "record" else RouterReplayAction.REPLAY_FORWARD
     for router in routers_:
         router.clear_indices()
         router.set_router_replay_action(action)
+        if mode == "replay":
+            # An instance attribute over the class's method: Megatron's top-k calls
+            # ``router_replay.get_replay_topk(...)``, so the count sees each call's own scores.
+            router.get_replay_topk = functools.partial(_counted_replay_topk, router, type(router).get_replay_topk)
+            router.verl_counts = torch.zeros(2, dtype=torch.float64)  # [agreeing sets, real tokens]
+            router.verl_real = None
 
 
 def end(routers_: list) -> None:
-    """Back to ordinary routing; recorded and target indices dropped."""
+    """Back to ordinary routing; recorded and target indices dropped, agreement counting removed."""
     for router in routers_:
         router.clear_router_replay_action()
         router.clear_indices()
+        for name in ("get_replay_topk", "verl_counts", "verl_real"):
+            router.__dict__.pop(name, None)
+
+
+def _counted_replay_topk(router, replay_topk, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+    """``RouterReplay.get_replay_topk`` plus a count of the real tokens whose free top-k (from these
+    scores, the router's own) is the replayed set."""
+    probs, indices = replay_topk(router, scores, topk, num_groups, group_topk, default_compute_topk)
+    with torch.no_grad():
+        _, free = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+        same = (free.sort(-1).values == indices.sort(-1).values).all(-1)  # [tokens]
+        real = router.verl_real if router.verl_real is not None else torch.ones_like(same)
+        router.verl_counts += torch.stack([(same & real).sum(), real.sum()]).to(router.verl_counts)
+    return probs, indices
+
+
+def agreement(routers_: list, sp_group=None) -> tuple[float, float]:
+    """(agreeing, all) (real token, MoE layer) pairs of the replay since the last call, summed over the
+    layers (and the TP ranks' slices of S with ``sp_group``): a pair agrees when the router's free top-k
+    would have chosen the replayed experts. Counters reset."""
+    import torch.distributed as dist
+
+    counts = torch.stack([router.verl_counts for router in routers_]).sum(0)
+    for router in routers_:
+        router.verl_counts.zero_()
+    if sp_group is not None and sp_group.size() > 1:
+        dist.all_reduce(counts, group=sp_group)
+    return float(counts[0]), float(counts[1])
 
 
 def set_targets(routers_: list, routed: torch.Tensor, model_mask: torch.Tensor, sp_group=None) -> None:
@@ -105,12 +148,15 @@ def set_targets(routers_: list, routed: torch.Tensor, model_mask: torch.Tensor, 
         raise ValueError(f"batch '{ROUTED_EXPERTS}' has {layers} layers of routing, the model {len(routers_)} MoE layers")
     routed = torch.where(model_mask.bool()[..., None, None], routed, torch.arange(k, device=routed.device))
     tokens = routed.transpose(0, 1).reshape(s * b, layers, k)  # the router's [S, b] token order
+    real = model_mask.bool().transpose(0, 1).reshape(s * b)
     if sp_group is not None and sp_group.size() > 1:
         share = s * b // sp_group.size()  # S is a multiple of TP under sequence parallel
         tokens = tokens[sp_group.rank() * share : (sp_group.rank() + 1) * share]
+        real = real[sp_group.rank() * share : (sp_group.rank() + 1) * share]
     for layer, router in enumerate(routers_):
         router.clear_indices()
         router.set_target_indices(tokens[:, layer].contiguous())
+        router.verl_real = real
 
 
 def recorded(routers_: list, rows: int, sp_group=None) -> torch.Tensor:

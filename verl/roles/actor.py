@@ -70,6 +70,7 @@ _METRICS = {
     "kl_loss": "actor/kl_loss",
     "kl_coef": "actor/kl_coef",
     "entropy": "actor/entropy_loss",
+    "router_replay/agreement": "actor/router_replay/agreement",  # R2: verl.models.router_replay.AGREEMENT
     # bypass_mode's rollout correction (the reference logs these keys as they are)
     "rollout_corr/kl": "rollout_corr/kl",
     "rollout_corr/k3_kl": "rollout_corr/k3_kl",
