@@ -155,6 +155,9 @@ def test_moe_grpo_with_r2_router_replay(moe_model_dir, arithmetic_files, tmp_pat
          "R2 cannot run here: actor.old_log_prob resolves to current"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
           "actor_rollout_ref.model.enable_gradient_checkpointing=true"), "enable_gradient_checkpointing=true"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
+          "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"), "PP 2 x CP 1 .*set pipeline/context_parallel_size=1"),
         (("actor_rollout_ref.ref.megatron.router_replay.mode=R2",), "only the actor replays routing"),
     ],
 )
