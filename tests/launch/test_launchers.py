@@ -251,6 +251,10 @@ def test_the_distillation_launchers_summary_says_distillation_not_grpo(tmp_path)
 
 
 @pytest.mark.slow
+# Longer than the recipe's own 900 s limit below, so a slow or stuck recipe is reported with its
+# output, not cut off by pytest's 600 s default (suite12, two busy loops on 2 cores beside the suite:
+# the recipe was still running at 600 s and the failure showed nothing of where it was).
+@pytest.mark.timeout(960)
 def test_the_code_recipe_runs_its_pieces(tmp_path):
     """launch/grpo_code_tiny_cpu.sh, shortened: the model, the code task's data, 25 SFT steps (the warm-up is 20), two
     GRPO steps whose rewards come from running the sampled programs in the sandbox, validation."""
@@ -273,8 +277,13 @@ def test_the_code_recipe_runs_its_pieces(tmp_path):
            "TRAIN": "64", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
         env.pop(key, None)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "grpo_code_tiny_cpu.sh"), *overrides], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "grpo_code_tiny_cpu.sh"), *overrides], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as exc:
+        # (subprocess hands back what it captured before the kill as bytes, even with text=True)
+        tail = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (exc.stdout or "", exc.stderr or ""))
+        pytest.fail(f"the code recipe ran past 900 s; its output ends:\n{tail[-4000:]}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with open(out / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
