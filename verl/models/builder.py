@@ -402,7 +402,7 @@ def build_gpt_model(
             model.output_layer = ScalarHead(config, pg=pg, init_std=spec.initializer_range)
     if spec.has_shared_expert and torch.cuda.is_available() and not cfg.meta_device:
         # megatron-core 0.16.1 creates the shared expert's gate weight on the CPU whatever the
-        # initialisation device ("TODO: Add support for GPU initialization"); move it beside the rest.
+        # initialisation device (its SharedExpertMLP has no GPU initialisation); move it beside the rest.
         for layer in model.decoder.layers:
             gate = layer.mlp.shared_experts.gate_weight
             gate.data = gate.data.to(torch.cuda.current_device())
