@@ -167,3 +167,25 @@ class HFDestination:
 
     def weights_updated(self) -> None:
         pass
+
+
+def near_tie_routers(source: str, directory: str, *, eps: float, seed: int = 7) -> str:
+    """A copy of the Mixture-of-Experts model folder ``source`` in ``directory`` whose every router has experts 1
+    and 2 a hair (``eps`` x a standard normal per weight) from expert 0: the three nearly tie for every token, so
+    two implementations' float rounding can pick different top-k sets (R3 router replay's case)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    path = os.path.join(directory, "model.safetensors")
+    weights = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for name in sorted(weights):
+        if name.endswith("mlp.gate.weight"):
+            router = weights[name].clone()
+            for expert in (1, 2):
+                router[expert] = router[0] + eps * torch.randn(router.shape[1], generator=gen, dtype=router.dtype)
+            weights[name] = router
+    save_file(weights, path, metadata={"format": "pt"})
+    return directory

@@ -146,10 +146,63 @@ def test_moe_grpo_with_r2_router_replay(moe_model_dir, arithmetic_files, tmp_pat
         assert second["training/global_step"] == 2.0
 
 
+def _r3_body(model_dir: str, files: dict[str, str], root: str) -> dict:
+    """GRPO with R3 router replay, counting the micro-batches whose routing was recorded (none: the engine
+    records) and replayed (the old-policy pass and the update)."""
+    from verl.models import router_replay
+
+    calls = {"recorded": 0, "replayed": 0}
+    record, replay = router_replay.recorded, router_replay.set_targets
+
+    def counted_record(*args, **kwargs):
+        calls["recorded"] += 1
+        return record(*args, **kwargs)
+
+    def counted_replay(*args, **kwargs):
+        calls["replayed"] += 1
+        return replay(*args, **kwargs)
+
+    router_replay.recorded, router_replay.set_targets = counted_record, counted_replay
+    try:
+        extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.old_log_prob=recompute")
+        return {**_grpo_body(model_dir, files, root, extra), **calls}
+    finally:
+        router_replay.recorded, router_replay.set_targets = record, replay
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_moe_grpo_with_r3_router_replay(moe_model_dir, arithmetic_files, tmp_path):
+    """R3: the transformers engine records every token's experts while it generates, the old-policy pass and the
+    update replay them. The routers' experts 0..2 nearly tie (``tests.models.tiny.near_tie_routers``), so the
+    trainer's free choice differs from the engine's for some tokens (agreement < 1 on the first update, at the
+    rollout's weights); replayed, the engine's log-probs match the actor's and the first update's ratio is 1."""
+    from tests.models.test_router_replay_r3 import TIE_EPS
+    from tests.models.tiny import near_tie_routers
+
+    tied = near_tie_routers(moe_model_dir, str(tmp_path / "tie"), eps=TIE_EPS)
+    results = run_distributed(_r3_body, 2, tied, arithmetic_files, str(tmp_path), timeout=560)
+    for r in results:
+        assert r["ep"] == (r["ep"][0], 2) and r["recorded"] == 0 and r["replayed"] >= 4  # 2 passes x 2 steps
+        first, second = r["steps"]
+        assert 0.5 < first["actor/router_replay/agreement"] < 1.0 and 0.5 < second["actor/router_replay/agreement"] <= 1.0
+        assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
+        for step in r["steps"]:
+            assert step["training/rollout_logprob_diff_max"] < LOGPROB_ATOL
+        assert second["training/global_step"] == 2.0
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (("actor_rollout_ref.actor.megatron.router_replay.mode=R3",), "R3: replaying the rollout engine's experts is not built"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.name=vllm"),
+         "R3 cannot run here: rollout.name=vllm does not return the experts it routed to .*rollout.name=hf"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.multi_turn.enable=true"),
+         "R3 cannot run here: rollout.multi_turn.enable=true: the agent loop assembles its turns itself"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "trainer.rollout_mode=async",
+          "trainer.async_training.partial_rollout=true"), "R3 cannot run here: .*partial_rollout=true: a resumed segment"),
+        (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.model.enable_gradient_checkpointing=true"),
+         "R3 cannot run here: model.enable_gradient_checkpointing=true"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=current",
           "actor_rollout_ref.actor.ppo_mini_batch_size=64"),
          "R2 cannot run here: actor.old_log_prob resolves to current"),

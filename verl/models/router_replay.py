@@ -2,6 +2,12 @@
 to the same experts in a later pass, so that two passes over the same batch (the old-policy log-probs
 and the actor's update) route alike even where float rounding would flip a near tie.
 
+Two modes (``actor.megatron.router_replay.mode``): R2, the actor's old-policy pass records (this
+module's ``record``) and the update replays; R3, the rollout engine records while it generates (the
+transformers engine's ``verl.rollout.hf_engine.RoutingRecorder``: each router's top-k ids of the prefill
+and every KV-cached decode step, in the same layout) and the old-policy pass and the update both replay,
+so the trainer routes as the engine did.
+
 The batch carries the routing as ``routed_experts`` [B, T, L, K] (int64): for row b, column t, the k
 experts MoE layer l chose, in the router's top-k order; ``L`` counts every MoE layer of the model, so
 the tensor is independent of the pipeline split. Pad positions hold ``0..K-1`` (any valid set; their

@@ -138,8 +138,9 @@ class Actor:
             key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         )
         self.temperature = temperature if temperature > 0 else 1.0
-        # R2 router replay: the old-policy pass records each token's experts, the update replays them.
-        self.router_replay = cfg.strategy == "megatron" and cfg.megatron.router_replay.mode == "R2"
+        # Router replay (verl.models.router_replay): R2, the old-policy pass records each token's experts and
+        # the update replays them; R3, both replay the experts the rollout engine recorded while generating.
+        self.router_replay = cfg.megatron.router_replay.mode if cfg.strategy == "megatron" else "disabled"
         self.role = RoleEngine(
             model=model,
             megatron=cfg.megatron,
@@ -162,7 +163,10 @@ class Actor:
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, entropy) of every response token under the current weights, each [B, R].
         With R2 router replay it also writes ``routed_experts`` [B, T, layers, k] into ``batch``: the
-        experts this pass chose, which :meth:`update` replays."""
+        experts this pass chose, which :meth:`update` replays; with R3 it routes by the batch's
+        ``routed_experts`` (the rollout engine's)."""
+        if self.router_replay == "R3":
+            self._require_routing(batch, "the old-policy pass")
         out = self.role.forward(
             batch,
             output="logprobs",
@@ -171,11 +175,21 @@ class Actor:
             response_length=batch["responses"].shape[1],
             temperature=self.temperature,
             with_entropy=True,
-            routing="record" if self.router_replay else None,
+            routing={"R2": "record", "R3": "replay"}.get(self.router_replay),
         )
-        if self.router_replay:
+        if self.router_replay == "R2":
             batch[ROUTED_EXPERTS] = out[ROUTED_EXPERTS]
         return out["logprobs"], out["entropy"]
+
+    def _require_routing(self, batch: Batch, where: str) -> None:
+        if ROUTED_EXPERTS in batch:
+            return
+        source = {"R2": "the old-policy pass recorded (set actor.old_log_prob=recompute)",
+                  "R3": "the rollout engine recorded (actor_rollout_ref.rollout.name=hf records them)"}[self.router_replay]
+        raise ValueError(
+            f"actor.megatron.router_replay.mode={self.router_replay}: {where} replays the experts {source}, but the "
+            f"batch has no '{ROUTED_EXPERTS}'"
+        )
 
     @property
     def measures_in_update(self) -> bool:
@@ -299,12 +313,8 @@ class Actor:
             keys += [TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROB]
         if self.measures_in_update and "rollout_log_probs" in batch:
             keys.append("rollout_log_probs")
-        if self.router_replay:
-            if ROUTED_EXPERTS not in batch:
-                raise ValueError(
-                    "actor.megatron.router_replay.mode=R2 replays the experts the old-policy pass recorded, but the "
-                    f"batch has no '{ROUTED_EXPERTS}' (set actor.old_log_prob=recompute)"
-                )
+        if self.router_replay != "disabled":
+            self._require_routing(batch, "the update")
             keys.append(ROUTED_EXPERTS)
         if SAMPLE_WEIGHT in batch:
             if SAMPLE_WEIGHT not in inspect.signature(get_policy_loss(cfg.policy_loss.loss_mode)).parameters:
@@ -335,7 +345,7 @@ class Actor:
             temperature=self.temperature,
             with_entropy=cfg.entropy_coeff != 0 or self.measures_in_update,
             score_ids=TEACHER_TOPK_IDS if self._topk else None,
-            routing="replay" if self.router_replay else None,
+            routing="replay" if self.router_replay != "disabled" else None,
         )
         metrics = step_metrics("actor", results, _METRICS)
         if self.measures_in_update and results:

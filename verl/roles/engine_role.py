@@ -267,7 +267,8 @@ class RoleEngine:
         ``full=True`` returns every column ([B, P+R]) instead. ``max_token_len`` (None: micro-batches
         of ``micro_batch_size`` rows) cuts micro-batches by real tokens instead. ``topk``: also
         ``topk_ids`` (int64) and ``topk_logprobs``, [B, R, topk] (``verl.models.forward``). ``routing='record'``:
-        also ``routed_experts`` [B, P+R, layers, k] (every column: prompt tokens are routed too)."""
+        also ``routed_experts`` [B, P+R, layers, k] (every column: prompt tokens are routed too);
+        ``routing='replay'``: the batch's ``routed_experts`` decide every token's experts."""
         with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
             return self._forward(batch, output=output, micro_batch_size=micro_batch_size,
                                  response_length=response_length, temperature=temperature,
@@ -276,7 +277,8 @@ class RoleEngine:
 
     def _forward(self, batch: Batch, *, output, micro_batch_size, response_length, temperature, with_entropy,
                  full, max_token_len, topk=None, routing=None) -> dict[str, torch.Tensor]:
-        piece = shard(batch.select(["input_ids", "attention_mask"]), self.pg.dp, balance=self.balance)
+        keys = ["input_ids", "attention_mask", *([ROUTED_EXPERTS] if routing == "replay" else [])]
+        piece = shard(batch.select(keys), self.pg.dp, balance=self.balance)
 
         def run(size: int | None, split):
             with self.active():

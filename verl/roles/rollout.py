@@ -95,6 +95,8 @@ class Rollout:
         trust_remote_code: ``actor_rollout_ref.model.trust_remote_code``.
         world: the group of the actor's ranks when they are part of the world (None: the world);
             every call of this role runs with it as the default group.
+        record_routing: R3 router replay (``actor.megatron.router_replay.mode=R3``): the engine records
+            the experts of every sample (``routed_experts``; the transformers engine only).
     """
 
     def __init__(
@@ -106,12 +108,21 @@ class Rollout:
         dp_group: dist.ProcessGroup | None,
         trust_remote_code: bool = False,
         world: dist.ProcessGroup | None = None,
+        record_routing: bool = False,
     ) -> None:
         self.cfg = cfg
         self.dp_group = dp_group
         self.world = world
         with role_world(world):
             self._build(cfg, model_path, tokenizer, trust_remote_code)
+        if record_routing:  # R3 router replay: every sample carries the experts it was generated with
+            if not hasattr(self.engine, "record_routing") or cfg.multi_turn.enable:
+                raise ValueError(
+                    f"actor.megatron.router_replay.mode=R3: the {cfg.name!r} rollout engine"
+                    f"{' behind the multi-turn agent loop' if cfg.multi_turn.enable else ''} does not record the "
+                    "experts it routes to; use actor_rollout_ref.rollout.name=hf (single-turn) or router_replay.mode=R2"
+                )
+            self.engine.record_routing = True
         self.sync: WeightSync | GatheredSync | _SharedModule | None = None
         self._in_phase = False
         self.last_metrics: dict[str, float] = {}

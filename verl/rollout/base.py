@@ -122,6 +122,9 @@ class Sample:
     """The engine's logprob of each sampled id (same length)."""
     hit_length_limit: bool
     """True when the response ended because it reached ``max_tokens``."""
+    routed_experts: torch.Tensor | None = None
+    """An engine that records routing (R3, ``verl.models.router_replay``): [prompt + response tokens, L, K]
+    int64, the experts each MoE layer sent each real token to while generating; None otherwise."""
 
 
 def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -207,6 +210,27 @@ def assemble_rollout(
     mask_dtype = out["attention_mask"].dtype
     out["attention_mask"] = torch.cat([prompt_mask.to(mask_dtype), out["response_mask"].to(mask_dtype)], dim=1)
     out["position_ids"] = torch.cat([prompt_pos, response_pos.to(prompt_pos.device)], dim=1)
+    if samples and samples[0].routed_experts is not None:
+        from verl.models.router_replay import ROUTED_EXPERTS
+
+        out[ROUTED_EXPERTS] = _routed_columns(samples, prompt_mask, r).to(prompt_ids.device)
+    return out
+
+
+def _routed_columns(samples: list[Sample], prompt_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+    """The samples' ``routed_experts`` in the batch's layout [B*n, P+R, L, K]: each row's prompt part ends at
+    column P (prompts are left-padded), its response part starts there; pads hold ``0..K-1``."""
+    p = prompt_mask.shape[1]
+    layers, k = samples[0].routed_experts.shape[1:]
+    out = torch.arange(k, dtype=torch.long).expand(len(samples), p + response_length, layers, k).clone()
+    for i, s in enumerate(samples):
+        routed, prompt_len = s.routed_experts, int(prompt_mask[i].sum())
+        if routed is None or routed.shape != (prompt_len + len(s.token_ids), layers, k):
+            raise ValueError(
+                f"sample {i}: the engine recorded routing {None if routed is None else list(routed.shape)} for "
+                f"{prompt_len} prompt + {len(s.token_ids)} response tokens, {layers} MoE layers, top {k}"
+            )
+        out[i, p - prompt_len : p + len(s.token_ids)] = routed
     return out
 
 

@@ -10,6 +10,9 @@ continuous batching). Selected with ``actor_rollout_ref.rollout.name: hf``.
   applied, as vLLM's ``processed_logprobs``): ``log_softmax(score)`` of the sampled token.
 - Stop tokens (eos unless ``ignore_eos``, plus ``stop_token_ids``) and stop strings end a
   response; the stopping token is kept, as in vLLM.
+- With ``record_routing`` (R3 router replay, ``verl.models.router_replay``) every sample carries the
+  experts each MoE layer's router chose for its prompt and response tokens while generating
+  (:class:`RoutingRecorder`).
 - Randomness comes from the engine's own RNG stream (see ``RolloutEngine.generate``); samples
   differ from vLLM's for the same seed (different samplers).
 
@@ -19,6 +22,8 @@ forward pass (the trainer's computation, for checks and benchmarks).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import logging
 from collections.abc import Iterable, Iterator
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFRollout", "hf_response_logprobs"]
+__all__ = ["HFRollout", "RoutingRecorder", "hf_response_logprobs"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -96,6 +101,8 @@ class HFRollout(RolloutEngine):
         self.model.generation_config = GenerationConfig()
         self._home = self.device
         self._released = False
+        self.record_routing = False
+        """R3 router replay: record the experts of every generated sample (``Sample.routed_experts``)."""
         logger.info("HF rollout engine up: %s on %s, %s", model_path, self.device, dtype)
 
     # ------------------------------------------------------------------ generation
@@ -136,13 +143,17 @@ class HFRollout(RolloutEngine):
             return_dict_in_generate=True,
             use_cache=True,
         )
-        with torch.no_grad():
+        recorder = RoutingRecorder(self.model) if self.record_routing else None
+        with torch.no_grad(), recorder or contextlib.nullcontext():
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg,
                 tokenizer=self.tokenizer if spec.stop else None,
             )
+            if recorder is not None:
+                recorder.feed_last_token(out, attention_mask.to(self.device), self.pad_token_id)
+        routed = recorder.routing(len(rows)) if recorder is not None else None  # [N, width + T, L, K]
         generated = out.sequences[:, width:]  # [N, T], T <= max_tokens
         # Logprob of each generated token under the processed distribution it was drawn from.
         token_lps = torch.stack(
@@ -163,6 +174,7 @@ class HFRollout(RolloutEngine):
                     token_ids=ids[:length],
                     logprobs=token_lps[i, :length].tolist(),
                     hit_length_limit=not stopped and length == spec.max_tokens,
+                    routed_experts=None if routed is None else routed[i, width - len(rows[i]) : width + length].clone(),
                 )
             )
         return samples
@@ -278,6 +290,63 @@ class HFRollout(RolloutEngine):
         gc.collect()
         if self._home.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class RoutingRecorder:
+    """The experts a transformers Mixture-of-Experts model routes every token to during ``generate``.
+
+    Inside the ``with`` block a forward hook on each MoE layer's router (``mlp.gate``; Qwen3-MoE, Qwen2-MoE and
+    Mixtral in transformers 5: ``forward`` returns ``(logits, weights, indices)``, ``indices`` [tokens, K] the
+    ``torch.topk`` of the softmax, the order Megatron's top-k gives too) keeps each call's indices: the prefill
+    (every row's prompt columns) and each decode step (one new column, the KV-cached incremental forward the
+    engine sampled from). ``generate`` never feeds its last sampled token back, so
+    :meth:`feed_last_token` runs that one more decode step (the step ``generate`` would take next, from its
+    cache). :meth:`routing` lays the calls side by side: [rows, columns, L, K] int64 on the CPU.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        self.gates = [layer.mlp.gate for layer in layers
+                      if hasattr(getattr(layer, "mlp", None), "gate") and hasattr(layer.mlp, "experts")]
+        if not self.gates:
+            raise ValueError(
+                f"router replay R3: the rollout model ({type(model).__name__}) has no Mixture-of-Experts layers "
+                "to record; set actor_rollout_ref.actor.megatron.router_replay.mode=disabled"
+            )
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.gates]
+        self._hooks: list = []
+
+    def __enter__(self) -> "RoutingRecorder":
+        for calls, gate in zip(self.calls, self.gates):
+            self._hooks.append(gate.register_forward_hook(functools.partial(self._keep, calls)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    @staticmethod
+    def _keep(calls: list[torch.Tensor], module, args, output) -> None:
+        calls.append(output[2].detach())  # on the model's device: no host copy per layer and step
+
+    def feed_last_token(self, out: Any, prompt_mask: torch.Tensor, pad_token_id: int) -> None:
+        """One more decode step on ``generate``'s output ``out`` (``return_dict_in_generate``; its cache): the
+        routing of the last sampled column, with the mask and positions ``generate`` would have used."""
+        from transformers import GenerationConfig
+
+        sequences = out.sequences
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(sequences.shape[0], sequences.shape[1] - prompt_mask.shape[1])], 1)
+        self.model.generate(
+            input_ids=sequences, attention_mask=mask, past_key_values=out.past_key_values,
+            generation_config=GenerationConfig(do_sample=False, max_new_tokens=1, pad_token_id=pad_token_id, use_cache=True),
+        )
+
+    def routing(self, rows: int) -> torch.Tensor:
+        """[rows, columns, L, K]: each layer's calls concatenated along the columns."""
+        per_layer = [torch.cat([c.reshape(rows, -1, c.shape[-1]) for c in calls], dim=1) for calls in self.calls]
+        return torch.stack(per_layer, dim=2).to("cpu", torch.long)
 
 
 def hf_response_logprobs(

@@ -226,7 +226,7 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
 
 
 def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
-    """``megatron.router_replay`` (verl.models.router_replay): R2 on the actor of a MoE model, where it is built."""
+    """``megatron.router_replay`` (verl.models.router_replay): R2 or R3 on the actor of a MoE model, where it is built."""
     arr = cfg.actor_rollout_ref
     problems = [
         f"{key}.megatron.router_replay.mode={m.router_replay.mode}: only the actor replays routing; set it to disabled"
@@ -237,23 +237,30 @@ def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
     key = "actor_rollout_ref.actor.megatron.router_replay.mode"
     if mode == "disabled":
         return problems
-    if mode == "R3":
-        return problems + [f"{key}=R3: replaying the rollout engine's experts is not built (neither engine returns "
-                           "them yet); use R2 (the old-policy pass's experts)"]
     why = []
     if not spec.is_moe:
         why.append(f"{spec.model_type} is a dense model")
     if arr.actor.strategy != "megatron":
         why.append(f"actor.strategy={arr.actor.strategy} (the Megatron engine only)")
-    if cfg.old_log_prob_source != "recompute":
+    if mode == "R2" and cfg.old_log_prob_source != "recompute":
         why.append(f"actor.old_log_prob resolves to {cfg.old_log_prob_source} (R2 records in the recompute pass: set recompute)")
+    if mode == "R3":  # the rollout engine records the experts while it generates (verl.rollout.hf_engine)
+        if arr.rollout.name != "hf":
+            why.append(f"rollout.name={arr.rollout.name} does not return the experts it routed to (only the transformers "
+                       "engine records them): set actor_rollout_ref.rollout.name=hf, or use R2")
+        if arr.rollout.multi_turn.enable:
+            why.append("rollout.multi_turn.enable=true: the agent loop assembles its turns itself and the recording does "
+                       "not follow them (single-turn only), or use R2")
+        if cfg.trainer.rollout_mode == "async" and cfg.trainer.async_training.partial_rollout:
+            why.append("trainer.async_training.partial_rollout=true: a resumed segment reads its tokens so far as a "
+                       "prompt, so their routing would be recomputed, not the one that sampled them; turn it off, or use R2")
     if m.pipeline_model_parallel_size > 1 or m.context_parallel_size > 1:
         why.append(f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} (1 x 1 only; tensor, "
                    "sequence and expert parallel are fine): set pipeline/context_parallel_size=1")
     if arr.model.enable_gradient_checkpointing:
         why.append("model.enable_gradient_checkpointing=true (Megatron's backward replay is not wired)")
     if why:
-        problems.append(f"{key}=R2 cannot run here: " + "; ".join(why))
+        problems.append(f"{key}={mode} cannot run here: " + "; ".join(why))
     return problems
 
 

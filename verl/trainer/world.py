@@ -240,6 +240,7 @@ def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_ste
             dp_group=groups["rollout"].groups["dp"],
             trust_remote_code=arr.model.trust_remote_code,
             world=groups["rollout"].groups["all"] if "rollout" in world.apart else None,
+            record_routing=arr.actor.megatron.router_replay.mode == "R3",
         )
     try:
         # 3. Megatron's state (not on a rank that only generates: the rollout apart, alone).
