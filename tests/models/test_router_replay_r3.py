@@ -107,9 +107,14 @@ def test_the_engine_records_the_experts_it_routed_to(tmp_path, family, device):
     assert torch.equal(routed[mask], expected[mask])
 
 
-def test_an_engine_not_asked_records_nothing(tmp_path):
-    out = _generate(_tiny_moe(tmp_path, "qwen3_moe"), record=False)
-    assert "routed_experts" not in out
+def test_recording_leaves_the_samples_alone(tmp_path):
+    """The same seed samples the same tokens and log-probs with and without recording (the extra decode step
+    is greedy and draws nothing); an engine not asked records nothing."""
+    model_dir = _tiny_moe(tmp_path, "qwen3_moe")
+    plain, recorded = _generate(model_dir, record=False), _generate(model_dir, record=True)
+    assert "routed_experts" not in plain and "routed_experts" in recorded
+    assert torch.equal(plain["responses"], recorded["responses"])
+    assert torch.equal(plain["rollout_log_probs"], recorded["rollout_log_probs"])
 
 
 def test_recording_a_dense_model_is_refused(tmp_path):
