@@ -7,8 +7,9 @@ while rank 0 trains. For each mode, in one process, one after the other: a train
 builds it (validation, checkpoints, loggers off), ``--warmup`` steps, then ``--steps`` measured
 steps. Reported per mode: generated tokens per second (the trained batches' response tokens over
 the measured steps' wall time), the median step, the phases on each rank (``timing_s/*``: on rank
-1 ``gen_ahead`` is the generation that ran inside the step's update window, on rank 0
-``update_actor`` the update it overlapped), the staleness of the trained samples, and the reward
+1 ``gen_ahead`` is the generation ahead, which runs while rank 0 computes the old and reference
+log-probs and the update (``verl.trainer.step.stream``), on rank 0 ``exchange`` includes its wait
+for rank 1 after the update), the staleness of the trained samples, and the reward
 against samples seen. Speed-ups are against the first mode (sync by default). ``--rounds`` repeats
 the modes in alternating order (a load spike on a shared machine then hits every mode); medians
 over rounds.
@@ -33,7 +34,7 @@ MODES = ("sync", "one_step_off", "async")
 EXTRA_MODES = ("async_partial", "async_fill")
 BENCH_REWARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_rewards.py")
 # Per-rank phases gathered each step (seconds): what ran where.
-_PHASES = ("gen", "push", "share", "gen_ahead", "old_log_prob", "ref", "exchange", "update_actor", "step")
+_PHASES = ("gen", "push", "share", "reward", "gen_ahead", "old_log_prob", "ref", "exchange", "update_actor", "step")
 
 
 def _one_mode(args: argparse.Namespace, mode: str, overrides: list[str], root: str, world: int) -> dict[str, Any]:
@@ -178,11 +179,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _table(result: dict[str, Any]) -> str:
     rows = [f"{'mode':<14}{'gen tok/s':>11}{'speed-up':>10}{'step s':>9}{'stale max':>11}{'gen@r1':>9}"
-            f"{'ahead@r1':>10}{'update@r0':>11}"]
+            f"{'ahead@r1':>10}{'update@r0':>11}{'exch@r0':>9}"]
     for name, m in result["modes"].items():
         r0, r1 = m["phases_by_rank"]
         rows.append(f"{name:<14}{m['generated_tokens_per_s']:>11.0f}{m['speedup']:>10.2f}{m['step_s']:>9.3f}"
-                    f"{m['staleness_max']:>11.0f}{r1['gen']:>9.3f}{r1['gen_ahead']:>10.3f}{r0['update_actor']:>11.3f}")
+                    f"{m['staleness_max']:>11.0f}{r1['gen']:>9.3f}{r1['gen_ahead']:>10.3f}{r0['update_actor']:>11.3f}"
+                    f"{r0['exchange']:>9.3f}")
     return "\n".join(rows)
 
 

@@ -96,24 +96,29 @@ def collect(local: Batch, group: dist.ProcessGroup | None, piece: Shard) -> Batc
 # Every rank of the world calls them, in the same order; ``src`` is the role's first global rank.
 
 
-def share_columns(columns: dict[str, torch.Tensor] | None, src: int) -> dict[str, torch.Tensor]:
-    """``columns`` (name -> [B, ...] tensor, given on rank ``src``; None elsewhere) on every rank (CPU)."""
-    whole = share_batch(Batch.from_dict(columns) if dist.get_rank() == src else None, src)
+def share_columns(
+    columns: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """``columns`` (name -> [B, ...] tensor, given on rank ``src``; None elsewhere) on every rank
+    (of ``group``; None: the world) (CPU). ``src`` is a global rank, as in every ``share_*``."""
+    whole = share_batch(Batch.from_dict(columns) if dist.get_rank() == src else None, src, group)
     return {name: tensor.cpu() for name, tensor in whole.tensors.items()}
 
 
-def share_object(value: object, src: int) -> object:
-    """A picklable ``value`` (metrics, per-sample lists) from rank ``src`` on every rank."""
+def share_object(value: object, src: int, group: dist.ProcessGroup | None = None) -> object:
+    """A picklable ``value`` (metrics, per-sample lists) from rank ``src`` on every rank (of ``group``)."""
     box = [value if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def share_batch(batch: Batch | None, src: int) -> Batch:
-    """A whole ``batch`` (given on rank ``src``; None elsewhere) on every rank, tensors on the CPU."""
+def share_batch(batch: Batch | None, src: int, group: dist.ProcessGroup | None = None) -> Batch:
+    """A whole ``batch`` (given on rank ``src``; None elsewhere) on every rank (of ``group``),
+    tensors on the CPU."""
     from verl.protocol.collectives import broadcast
 
-    whole = broadcast(batch if dist.get_rank() == src else None, None, src=src)
+    group_src = src if group is None else dist.get_group_rank(group, src)
+    whole = broadcast(batch if dist.get_rank() == src else None, group, src=group_src)
     if dist.get_rank() == src:
         return whole
     return Batch(

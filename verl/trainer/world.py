@@ -16,7 +16,10 @@
    hybrid engine), or a :class:`verl.hybrid.DisaggregatedSync` to a rollout apart.
 
 A role on part of the world computes on its ranks and hands its columns and metrics to every
-rank (:meth:`RLWorld.exchange`) after the passes that can run side by side on disjoint ranks.
+rank (:meth:`RLWorld.exchange`) after the passes that can run side by side on disjoint ranks. In
+the streaming modes, ranks that hold the rollout alone get them after the updates instead (they
+generate meanwhile), and the others exchange over :attr:`RLWorld.trainer_group`
+(``verl.trainer.step.stream``).
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ class RLWorld:
     reward: RewardModel | None = None
     teacher: Teacher | None = None  # on-policy distillation's frozen teacher (distillation.enabled)
     send: Any = None  # the weight push to a rollout engine apart from the actor (DisaggregatedSync; GatheredSend for FSDP2)
+    # A streaming rollout (trainer.rollout_mode one_step_off|async) on ranks that hold no role of
+    # the passes before the updates (actor, ref, critic): those ranks generate ahead from the start
+    # of the update step, and the other ranks hand each other the passes' columns over this group
+    # (verl.trainer.step.stream). None: no such ranks, or the synchronous mode.
+    trainer_group: Any = None
+    generates_only: bool = False  # this rank is one of those (it holds the rollout and none of the three)
 
     def runs(self, role: str) -> bool:
         """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
@@ -105,6 +114,29 @@ class RLWorld:
                 for key, value in columns.items():
                     batch[key] = value
             metrics.update(share_object(found, src))
+        return batch, metrics
+
+    def exchange_among_trainers(
+        self, batch: Batch, shares: list[tuple[str, list[str], dict[str, float]]]
+    ) -> tuple[Batch, dict[str, float]]:
+        """:meth:`exchange` over :attr:`trainer_group` only (every rank but those that only
+        generate; called on those ranks alone): a role on all of them computed its results there
+        already."""
+        import torch.distributed as dist
+
+        group = self.trainer_group
+        members = set(dist.get_process_group_ranks(group))
+        metrics: dict[str, float] = {}
+        for role, keys, found in shares:
+            if members <= set(self.topology.roles[role].ranks):
+                metrics.update(found)
+                continue
+            src = self.source[role]
+            if keys:
+                columns = share_columns({k: batch[k] for k in keys} if self.runs(role) else None, src, group)
+                for key, value in columns.items():
+                    batch[key] = value
+            metrics.update(share_object(found, src, group))
         return batch, metrics
 
     @contextlib.contextmanager
@@ -204,6 +236,24 @@ def _reward(cfg: PPOConfig, world: RLWorld, groups: dict[str, Any], tokenizer: A
     )
 
 
+def _trainer_group(cfg: PPOConfig, world: RLWorld) -> None:
+    """:attr:`RLWorld.trainer_group` and :attr:`RLWorld.generates_only` (streaming modes only)."""
+    import torch.distributed as dist
+
+    if cfg.trainer.rollout_mode == "sync" or world.world_size == 1:
+        return
+    roles = world.topology.roles
+    busy = {r for role in ("actor", "ref", "critic") if role in roles for r in roles[role].ranks}
+    only = set(roles["rollout"].ranks) - busy
+    if not only:
+        return
+    world.trainer_group = dist.new_group(
+        ranks=sorted(set(range(world.world_size)) - only),
+        timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s),
+    )
+    world.generates_only = dist.get_rank() in only
+
+
 def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_steps: int) -> RLWorld:
     """The placement and this rank's roles for ``cfg`` (module docstring's order); the
     learning-rate schedules span ``total_steps`` trainer steps. What was built is freed when a
@@ -231,6 +281,8 @@ def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_ste
         source={role: min(layout.ranks) for role, layout in topology.roles.items()},
         apart=frozenset(role for role, layout in topology.roles.items() if len(layout.ranks) != world_size),
     )
+    # 1b. A streaming rollout's ranks that only generate (every rank creates the group of the others).
+    _trainer_group(cfg, world)
     # 2. The engine (every rank of the rollout at the same point: it creates process groups).
     if "rollout" in groups:
         world.rollout = Rollout(

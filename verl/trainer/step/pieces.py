@@ -82,8 +82,9 @@ class StepPieces:
 
     step_timer: PhaseTimer | None = None  # the current step's phases (begin_step)
     step_start = 0.0
-    # Called by update_step on every rank between the advantages and the updates (a streaming
-    # rollout generates ahead there, on the rollout's ranks); returns metrics. None: nothing.
+    # Called by update_step on every rank, on the rollout's ranks to generate ahead (a streaming
+    # rollout); returns metrics. None: nothing. First thing in update_step when the world has ranks
+    # that only generate (RLWorld.trainer_group), else between the advantages and the updates.
     overlap: Callable[[Batch], dict[str, float]] | None = None
     # Called by update_step on every rank once this rank's updates are done, before the collective
     # that gathers their metrics (a streaming rollout that fills the update window stops there).
@@ -470,6 +471,23 @@ class StepPieces:
             return contextlib.nullcontext()
         return self.step_timer(name)
 
+    def _advantages(self, batch: Batch, source: str, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+        """:meth:`update_step`'s rollout correction and advantages (their metrics into ``metrics``)."""
+        if source == "recompute":
+            with timer("rollout_corr"):
+                batch, more = self.apply_rollout_correction(batch)
+                metrics.update(more)
+        with timer("adv"):
+            batch, more = self.compute_advantage(batch)
+            metrics.update(more)
+            check_finite_rewards(
+                self.global_step,
+                {"token_level_rewards": batch["token_level_rewards"], "advantages": batch["advantages"]},
+                batch["response_mask"],
+                batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
+            )
+        return batch
+
     def update_step(self, batch: Batch, metrics: dict[str, float] | None = None) -> dict[str, float]:
         """The step after rollout and reward (``batch`` has ``token_level_scores``): old, reference
         log-probs and values, advantages, the critic and actor updates; returns ``metrics`` with the
@@ -487,6 +505,15 @@ class StepPieces:
         self.global_step += 1
         if "rollout_version" in batch:
             metrics.update(self.staleness_metrics(batch))
+        # A streaming rollout with ranks that only generate (RLWorld.trainer_group): the rollout
+        # generates ahead from here (no collective of theirs comes before the updates end), so on
+        # those ranks through the passes and the updates below; they get the passes' columns after
+        # the updates, and the other ranks hand them to each other over the trainer group.
+        early = self.overlap is not None and self.world.trainer_group is not None
+        generating = early and self.world.generates_only
+        if early:
+            with timer("gen_ahead"):
+                metrics.update(self.overlap(batch))
         source = self.cfg.old_log_prob_source
         shares: list[tuple[str, list[str], dict[str, float]]] = []  # what roles apart hand to every rank
         if source == "recompute":
@@ -513,23 +540,15 @@ class StepPieces:
                 if self.runs("critic"):
                     batch = self.compute_values(batch)
                 shares.append(("critic", ["values"], {}))
-        with self._exchange_phase(timer):
-            batch, more = self.world.exchange(batch, shares)
-            metrics.update(more)
-        if source == "recompute":
-            with timer("rollout_corr"):
-                batch, more = self.apply_rollout_correction(batch)
+        if not generating:
+            with self._exchange_phase(timer):
+                if early:
+                    batch, more = self.world.exchange_among_trainers(batch, shares)
+                else:
+                    batch, more = self.world.exchange(batch, shares)
                 metrics.update(more)
-        with timer("adv"):
-            batch, more = self.compute_advantage(batch)
-            metrics.update(more)
-            check_finite_rewards(
-                self.global_step,
-                {"token_level_rewards": batch["token_level_rewards"], "advantages": batch["advantages"]},
-                batch["response_mask"],
-                batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
-            )
-        if self.overlap is not None:  # work of a streaming rollout while the updates run (verl.trainer.step.stream)
+            batch = self._advantages(batch, source, timer, metrics)
+        if self.overlap is not None and not early:  # a streaming rollout's work while the updates run (verl.trainer.step.stream)
             with timer("gen_ahead"):
                 metrics.update(self.overlap(batch))
         updates: list[tuple[str, list[str], dict[str, float]]] = []
@@ -542,7 +561,15 @@ class StepPieces:
         if self.update_done is not None:
             self.update_done()
         with self._exchange_phase(timer):
+            if early:  # the passes' columns reach the ranks that only generate (the others keep their own)
+                keys = [key for _, names, _ in shares for key in names]
+                got, more = self.world.exchange(batch if generating else batch.select(keys), shares)
+                if generating:
+                    batch = got
+                    metrics.update(more)
             metrics.update(self.world.exchange(None, updates)[1])
+        if generating:
+            batch = self._advantages(batch, source, timer, metrics)
         with timer("records"):  # the skip count, the run report's per-sample scores
             skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
             metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))

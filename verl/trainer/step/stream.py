@@ -9,16 +9,26 @@ weights that sampled it). In step ``s``:
 1. the actor's weights (version ``s - 1``) go to an engine on ranks of its own (collective);
 2. the head of the queue (generated for step ``s``) is handed to every rank; with an empty queue
    (the first step) the batch is generated now, with version ``s - 1``;
-3. while the updates of step ``s`` run (``StepPieces.update_step`` calls :meth:`_ahead` between
-   the advantages and the critic/actor updates), the rollout's ranks generate the batches of the
-   next steps with version ``s - 1`` weights, as long as every such sample stays within the
-   bound: a batch for step ``t`` trains from version ``t - 1``, ``t - s`` versions later, so the
-   queue holds at most ``depth`` batches (1 for one_step_off; ``async_training.max_staleness`` for
-   async; 0 would be the synchronous step, so the bound-0 async run is the sync run).
+3. while the rest of step ``s`` runs (``StepPieces.update_step`` calls :meth:`_ahead`), the
+   rollout's ranks generate the batches of the next steps with version ``s - 1`` weights, as long
+   as every such sample stays within the bound: a batch for step ``t`` trains from version
+   ``t - 1``, ``t - s`` versions later, so the queue holds at most ``depth`` batches (1 for
+   one_step_off; ``async_training.max_staleness`` for async; 0 would be the synchronous step, so
+   the bound-0 async run is the sync run).
 
-With the rollout on ranks apart from the actor (``trainer.placement.rollout``) step 3 runs on the
-rollout's ranks while the actor's ranks train: generation and the update overlap. Colocated, the
-same schedule runs one after the other (the samples are those of the overlapped run).
+With the rollout on ranks that hold none of the actor, the reference and the critic
+(``trainer.placement.rollout``; ``RLWorld.generates_only``), ``update_step`` calls :meth:`_ahead`
+first, right after the reward: those ranks join no collective from there until the updates end
+(the other ranks hand each other the old/reference log-probs and values over
+``RLWorld.trainer_group``; the ranks that only generate get them, with the updates' metrics, after
+the updates, and compute the advantages then). So step 3 runs while the actor's ranks compute the
+old and reference log-probs, the values, the advantages and the updates: generation overlaps the
+whole of the actor's step but the weight push, the hand-over of the batch and the reward. Which
+weights sample which batch is the same as in any other placement (the engine holds version
+``s - 1`` throughout ``update_step``). With the rollout on a rank of the actor's roles (colocated,
+or sharing a rank with the reference or critic) ``update_step`` calls it between the advantages and
+the updates, and the same schedule runs one after the other (the samples are those of the
+overlapped run).
 
 Each batch samples with the seed and the prompts the synchronous step ``t`` would use
 (``sampling_seed(step=t)``, uid ``t-1/0/i``); only the weights differ. Checkpoints hold the queue
@@ -37,7 +47,8 @@ applies to the oldest token. A weight update never discards what was generated. 
 checkpoint holds the batches in flight (their tokens, log-probs and versions so far).
 
 Filling the update window (``async_training.fill_update_window``, partial rollout with the rollout
-on one rank apart): after the window's fixed work above (one segment of each batch in flight, the
+on one rank apart; the window is ``update_step`` from its start, the passes included, on a rank that
+only generates): after the window's fixed work above (one segment of each batch in flight, the
 batches the bound lets begin), the rollout's rank keeps running segments of the unfinished batches
 in flight, the next step's first, with the window's weights, until the actor's first rank signals
 that its update is done (:meth:`_update_done` counts the update on torch.distributed's default
@@ -59,9 +70,11 @@ keeps its size and no group mixes policies. Within one run the pacing above give
 a queue saved with a looser bound (a run resumed with a smaller ``max_staleness``) is the case it
 serves here.
 
-Not here (the issue's rest): a free-running generator that also overlaps the reward and the weight
-push (with it, samples could outrun the bound within a run,
-and ``drop`` would act on them the same way).
+Not here: generation during the weight push, the batch's hand-over and the reward (collectives the
+rollout's ranks take part in: the reward is scored on every rank), and a free-running generator
+that would also run across the step boundary (with it, samples could outrun the bound within a
+run, and ``drop`` would act on them the same way). When one step's generation outlasts the actor's
+passes and updates, the actor's ranks wait for it at the exchange after the updates.
 """
 
 from __future__ import annotations
