@@ -148,9 +148,10 @@ def _trainer_body(model_dir: str, batch: dict) -> dict:
     replayed = forward_backward(chunks, {**rows, "routed_experts": batch["routed_experts"]}, pg=pg,
                                 micro_batch_size=size, output="logprobs", routing="replay", loss_fn=loss_fn)
     forward_only = forward_backward(chunks, {**rows, "routed_experts": batch["routed_experts"]}, pg=pg,
-                                    micro_batch_size=size, output="logprobs", routing="replay").outputs
-    return {"free": free, "replayed": replayed.outputs["logprobs"], "forward_only": forward_only["logprobs"],
-            "agreement": [float(m["router_replay/agreement"]) for m in replayed.metrics]}
+                                    micro_batch_size=size, output="logprobs", routing="replay")
+    return {"free": free, "replayed": replayed.outputs["logprobs"], "forward_only": forward_only.outputs["logprobs"],
+            "agreement": [float(m["router_replay/agreement"]) for m in replayed.metrics],
+            "forward_only_counts": [{k: float(v) for k, v in m.items()} for m in forward_only.metrics]}
 
 
 @pytest.mark.distributed
@@ -179,3 +180,9 @@ def test_r3_makes_the_trainer_route_as_the_engine_did(tmp_path):
     # (measured 0.85 and 0.90; the free pass itself kept 0.85 and 0.89 of the engine's sets; not equal, since
     # upstream of a set the two passes route differently).
     assert all(0.5 < a < 1.0 for a in r["agreement"]), r["agreement"]
+    # The forward-only replay (the old-log-prob pass's kind) counts the whole pass: the same sets as the
+    # training pass's micro-batches together (every real token of every layer).
+    [counts] = r["forward_only_counts"]
+    routed = [2 * int(mask[rows].sum()) for rows in (slice(0, 6), slice(6, 12))]
+    assert counts["router_replay/routed"] == sum(routed)
+    assert counts["router_replay/agreeing"] == pytest.approx(sum(a * n for a, n in zip(r["agreement"], routed)), abs=1e-3)

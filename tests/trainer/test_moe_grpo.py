@@ -186,6 +186,8 @@ def test_moe_grpo_with_r3_router_replay(moe_model_dir, arithmetic_files, tmp_pat
         assert r["ep"] == (r["ep"][0], 2) and r["recorded"] == 0 and r["replayed"] >= 4  # 2 passes x 2 steps
         first, second = r["steps"]
         assert 0.5 < first["actor/router_replay/agreement"] < 1.0 and 0.5 < second["actor/router_replay/agreement"] <= 1.0
+        for step in r["steps"]:  # the old-policy pass: the engine's sets the trainer's free choice would have kept
+            assert 0.5 < step["actor/router_replay/rollout_agreement"] < 1.0
         assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
         for step in r["steps"]:
             assert step["training/rollout_logprob_diff_max"] < LOGPROB_ATOL

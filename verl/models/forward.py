@@ -189,7 +189,8 @@ class ForwardResult:
     losses: list[torch.Tensor] = field(default_factory=list)
     """Each micro-batch's ``LossShare.loss`` (last stage only, detached, float32)."""
     metrics: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """Each micro-batch's ``LossShare.metrics`` as float32 tensors (last stage only)."""
+    """Each micro-batch's ``LossShare.metrics`` as float32 tensors (last stage only); a forward-only replay:
+    one dict, the pass's ``router_replay.AGREEMENT_COUNTS``."""
 
 
 def _head_outputs(
@@ -526,9 +527,12 @@ def forward_backward(
     )
     if pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
+    replay_counts = None
     try:
         with torch.no_grad() if forward_only else torch.enable_grad():
             records = schedule(**kwargs)
+        if routing == "replay" and forward_only:  # the whole pass's counts (a training pass: per micro-batch)
+            replay_counts = router_replay.agreement(replay_routers, sp_group)
     finally:
         if routing is not None:
             router_replay.end(replay_routers)
@@ -541,6 +545,8 @@ def forward_backward(
         if not forward_only:
             result.losses = [r["loss"] for r in records]
             result.metrics = [r["metrics"] for r in records]
+        elif replay_counts is not None:
+            result.metrics = [{k: torch.tensor(v, dtype=torch.float32) for k, v in zip(router_replay.AGREEMENT_COUNTS, replay_counts)}]
     if broadcast and pp_size > 1:
         extra = {}  # the top-k and scored-ids outputs: (shape's last dim, dtype)
         if topk is not None:

@@ -58,6 +58,9 @@ ROUTED_EXPERTS = "routed_experts"
 AGREEMENT = "router_replay/agreement"
 """Metric of a replayed training pass: the share of (real token, MoE layer) top-k sets that the routers'
 free choice, from the same pass's logits, would have taken too (1.0: the replay changed nothing)."""
+AGREEMENT_COUNTS = ("router_replay/agreeing", "router_replay/routed")
+"""A forward-only replay's ``ForwardResult.metrics`` (one dict for the pass): the agreeing and all (real token,
+MoE layer) pairs of the whole pass, as :data:`AGREEMENT` counts them, for a caller to sum over data parallel."""
 RoutingMode = Literal["record", "replay"]
 
 

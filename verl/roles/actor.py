@@ -41,7 +41,7 @@ from verl.algos import (
     preference_step,
 )
 from verl.engine import LossShare
-from verl.models.router_replay import ROUTED_EXPERTS
+from verl.models.router_replay import AGREEMENT, ROUTED_EXPERTS
 from verl.protocol import Batch
 from verl.roles.engine_role import RoleEngine, step_metrics, token_budget
 from verl.roles.teacher import TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROB
@@ -141,6 +141,8 @@ class Actor:
         # Router replay (verl.models.router_replay): R2, the old-policy pass records each token's experts and
         # the update replays them; R3, both replay the experts the rollout engine recorded while generating.
         self.router_replay = cfg.megatron.router_replay.mode if cfg.strategy == "megatron" else "disabled"
+        self.log_prob_metrics: dict[str, float] = {}
+        """Metrics of the last :meth:`compute_log_prob` (R3: ``actor/router_replay/rollout_agreement``)."""
         self.role = RoleEngine(
             model=model,
             megatron=cfg.megatron,
@@ -179,6 +181,8 @@ class Actor:
         )
         if self.router_replay == "R2":
             batch[ROUTED_EXPERTS] = out[ROUTED_EXPERTS]
+        if self.router_replay == "R3":  # the engine's experts against the trainer's free choice, same weights
+            self.log_prob_metrics = {"actor/router_replay/rollout_agreement": float(out[AGREEMENT])}
         return out["logprobs"], out["entropy"]
 
     def _require_routing(self, batch: Batch, where: str) -> None:

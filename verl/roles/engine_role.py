@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from verl.algos import GlobalBatchInfo
 from verl.engine import EngineStepResult, LossShareFn, MegatronEngine
@@ -268,7 +269,9 @@ class RoleEngine:
         of ``micro_batch_size`` rows) cuts micro-batches by real tokens instead. ``topk``: also
         ``topk_ids`` (int64) and ``topk_logprobs``, [B, R, topk] (``verl.models.forward``). ``routing='record'``:
         also ``routed_experts`` [B, P+R, layers, k] (every column: prompt tokens are routed too);
-        ``routing='replay'``: the batch's ``routed_experts`` decide every token's experts."""
+        ``routing='replay'``: the batch's ``routed_experts`` decide every token's experts, and
+        ``router_replay/agreement`` (a 0-dim tensor) is the batch's share of (real token, MoE layer) sets
+        the free choice would have kept."""
         with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
             return self._forward(batch, output=output, micro_batch_size=micro_batch_size,
                                  response_length=response_length, temperature=temperature,
@@ -305,7 +308,16 @@ class RoleEngine:
                 for k, v in result.outputs.items()
             }
         )
-        return dict(collect(local, self.pg.dp, piece).tensors)
+        out = dict(collect(local, self.pg.dp, piece).tensors)
+        if routing == "replay" and result.metrics:  # router_replay.AGREEMENT over the whole batch
+            from verl.models.router_replay import AGREEMENT, AGREEMENT_COUNTS
+            from verl.protocol.collectives import comm_device
+
+            counts = torch.tensor([float(result.metrics[0][k]) for k in AGREEMENT_COUNTS], dtype=torch.float64,
+                                  device=comm_device(self.pg.dp))
+            dist.all_reduce(counts, group=self.pg.dp)
+            out[AGREEMENT] = (counts[0] / counts[1].clamp(min=1.0)).cpu()
+        return out
 
     def train(
         self,

@@ -292,6 +292,7 @@ class StepPieces:
         metrics = {"actor/entropy": float(masked_mean(entropy, mask))}
         if "rollout_log_probs" in batch:
             metrics.update(rollout_agreement_metrics(batch["rollout_log_probs"], log_probs, mask))
+        metrics.update(getattr(self.actor, "log_prob_metrics", {}))  # R3 router replay's agreement
         return batch, metrics
 
     def apply_rollout_correction(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
