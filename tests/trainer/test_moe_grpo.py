@@ -81,8 +81,8 @@ def test_moe_grpo_with_expert_parallel_2(moe_model_dir, arithmetic_files, tmp_pa
         assert second["training/global_step"] == 2.0
 
 
-def _r2_body(model_dir: str, files: dict[str, str], root: str, cut: tuple[str, ...] = ()) -> dict:
-    """GRPO with R2 router replay, counting the micro-batches whose routing was recorded and replayed."""
+def _replay_counted_body(model_dir: str, files: dict[str, str], root: str, extra: tuple[str, ...]) -> dict:
+    """GRPO with ``extra``, counting the micro-batches whose routing was recorded and replayed."""
     from verl.models import router_replay
 
     calls = {"recorded": 0, "replayed": 0}
@@ -98,12 +98,16 @@ def _r2_body(model_dir: str, files: dict[str, str], root: str, cut: tuple[str, .
 
     router_replay.recorded, router_replay.set_targets = counted_record, counted_replay
     try:
-        # the recipe as it is (packed sequences, use_remove_padding=true) plus the two R2 keys
-        extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute",
-                 *cut)
         return {**_grpo_body(model_dir, files, root, extra), **calls}
     finally:
         router_replay.recorded, router_replay.set_targets = record, replay
+
+
+def _r2_body(model_dir: str, files: dict[str, str], root: str, cut: tuple[str, ...] = ()) -> dict:
+    """GRPO with R2 router replay: the recipe as it is (packed sequences, use_remove_padding=true) plus the two
+    R2 keys and ``cut``."""
+    extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.old_log_prob=recompute")
+    return _replay_counted_body(model_dir, files, root, (*extra, *cut))
 
 
 TOKEN_BUDGETS = (  # the old-log-prob pass and the update regroup the rows by two different budgets
@@ -147,27 +151,10 @@ def test_moe_grpo_with_r2_router_replay(moe_model_dir, arithmetic_files, tmp_pat
 
 
 def _r3_body(model_dir: str, files: dict[str, str], root: str) -> dict:
-    """GRPO with R3 router replay, counting the micro-batches whose routing was recorded (none: the engine
-    records) and replayed (the old-policy pass and the update)."""
-    from verl.models import router_replay
-
-    calls = {"recorded": 0, "replayed": 0}
-    record, replay = router_replay.recorded, router_replay.set_targets
-
-    def counted_record(*args, **kwargs):
-        calls["recorded"] += 1
-        return record(*args, **kwargs)
-
-    def counted_replay(*args, **kwargs):
-        calls["replayed"] += 1
-        return replay(*args, **kwargs)
-
-    router_replay.recorded, router_replay.set_targets = counted_record, counted_replay
-    try:
-        extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.old_log_prob=recompute")
-        return {**_grpo_body(model_dir, files, root, extra), **calls}
-    finally:
-        router_replay.recorded, router_replay.set_targets = record, replay
+    """GRPO with R3 router replay: nothing recorded in the trainer (the engine records), the old-policy pass and
+    the update replay."""
+    extra = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.old_log_prob=recompute")
+    return _replay_counted_body(model_dir, files, root, extra)
 
 
 @pytest.mark.distributed
