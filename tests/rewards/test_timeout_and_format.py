@@ -11,7 +11,7 @@ import time
 import pytest
 
 from verl.rewards import THINK_ANSWER_PATTERN, format_reward
-from verl.rewards.timeout import ScoreTimeout, time_limit
+from verl.rewards.timeout import ScoreTimeout, deferred, time_limit
 
 
 def _spin(seconds: float) -> None:
@@ -60,6 +60,35 @@ def test_a_lost_timeout_fires_again():
 
 
 @pytest.mark.timeout(30)
+def test_deferred_clean_up_runs_to_its_end_while_the_timeout_fires_again():
+    """Past the deadline the timer fires every 50 ms until the block has unwound; a clean-up inside
+    deferred() that takes longer (a loaded machine) still runs to its end, and the block still ends
+    with the limit expired. Without deferred() the next signal cuts it short (checked below)."""
+
+    def clean_up_taking(seconds: float, done: list) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.01)  # a signal lands here: sleep returns early and the handler may raise
+        done.append(True)
+
+    done: list = []
+    with time_limit(0.05) as limit:
+        try:
+            time.sleep(5)
+        finally:
+            with deferred():
+                clean_up_taking(0.4, done)
+    assert limit.expired and done == [True]
+
+    cut: list = []
+    with time_limit(0.05) as limit:
+        try:
+            time.sleep(5)
+        finally:
+            clean_up_taking(0.4, cut)
+    assert limit.expired and cut == []  # the re-firing timer ended the undeferred clean-up early
+
+
 def test_outer_timer_survives_an_inner_limit():
     fired = []
     previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(time.monotonic()))

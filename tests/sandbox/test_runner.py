@@ -145,6 +145,27 @@ def test_a_scorers_time_limit_ends_the_run_and_its_processes(sandbox):
     assert limit.expired
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_slow_clean_up_after_a_scorers_time_limit_still_ends_every_process(sandbox, monkeypatch):
+    """On a loaded machine the clean-up after a scorer's time limit can take longer than the 50 ms
+    after which the limit fires again (suite16: load 47 on 2 cores left bwrap stopped and the
+    program running). A 0.3 s pause after stopping bwrap stands in for the load."""
+    from verl.rewards.timeout import time_limit
+
+    wait_stopped = runner._wait_stopped
+
+    def slow_wait_stopped(pid: int, timeout: float) -> None:
+        wait_stopped(pid, timeout)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(runner, "_wait_stopped", slow_wait_stopped)
+    with time_limit(0.5) as limit:
+        sandbox.run("import os, time\nos.fork()\ntime.sleep(30)\n", limits=ROOMY_LIMITS)
+    assert limit.expired
+
+
 def test_a_bwrap_that_cannot_create_namespaces_counts_as_missing(monkeypatch, tmp_path):
     # Some containers forbid user namespaces: bwrap is there but every start fails. (The fake lives
     # where the sandbox user can run it: as root, pytest's tmp_path is root's alone.)

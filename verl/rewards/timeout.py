@@ -75,6 +75,8 @@ class ScoreTimeout(BaseException):
 
 # Limits active in this (main) thread, outermost first.
 _active: list[Limit] = []
+# Depth of ``deferred()`` blocks in this (main) thread: while above 0 a due timeout waits.
+_deferring = 0
 _UNSET = object()
 
 
@@ -84,6 +86,8 @@ def timeouts_supported() -> bool:
 
 
 def _on_alarm(signum: int, frame: object) -> None:
+    if _deferring:  # clean-up that must not be cut short: the interval timer fires again after it
+        return
     now = time.monotonic()
     pending = [lim for lim in _active if not lim.expired]  # expired ones are already unwinding
     # The outermost expired limit owns the timeout: every block inside it must unwind too.
@@ -93,6 +97,21 @@ def _on_alarm(signum: int, frame: object) -> None:
     if pending:  # an early or stray signal: wait on for the nearest deadline
         nearest = min(lim.deadline for lim in pending)
         signal.setitimer(signal.ITIMER_REAL, max(nearest - now, _FIRE_NOW_S), _REFIRE_S)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold back a due timeout while the body runs: for clean-up that must run to its end (killing a
+    process tree, say) even while a ``ScoreTimeout`` unwinds through it. The timer keeps firing
+    every ``_REFIRE_S`` past a deadline, so without this a slow clean-up on a loaded machine is cut
+    short by the next signal; with it the timeout is raised by the first signal after the body.
+    Keep the body short and bounded: the limit cannot interrupt it."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
 
 
 @contextlib.contextmanager

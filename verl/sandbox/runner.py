@@ -679,6 +679,9 @@ class Sandbox:
         the child's end, a failed start) share the same clean-up; split, the clean-up would be
         repeated per exit.
         """
+        # Here, not at the top: verl.rewards imports this module (code scorers).
+        from verl.rewards.timeout import deferred
+
         confined = info_r is not None
         start = time.monotonic()
         try:
@@ -746,23 +749,11 @@ class Sandbox:
             sel.close()
         finally:
             # Also on an exception in this thread (a scorer's time limit): never leave the tree running.
-            if proc.poll() is None:
-                _kill_tree(proc, init_pid)
-            # bwrap's outer process exits once its init has reported the program's exit status; the init
-            # exits only after every process of its pid namespace, and _finish_init waits for it: once
-            # this returns, nothing of the program is left.
-            proc.wait()
-            if init_pid is not None:
-                _finish_init(init_pid, init_stat[1] if init_stat else None)
-            proc.stdout.close()
-            proc.stderr.close()
-            if not confined:
-                # Anything left in the program's session (a child that kept running). The group
-                # outlives its leader while members remain, so this reaches them after the wait.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            # The limit's timer fires again every 50 ms until its block has unwound: deferred() keeps
+            # it from cutting this clean-up short (bwrap left stopped, the program running) when the
+            # machine is too loaded for the clean-up to finish between two signals.
+            with deferred():
+                self._clean_up(proc, init_pid, init_stat, confined)
         wall = time.monotonic() - start
         reason, exit_code, sig = _classify(
             proc.returncode if killed_for is None else None, killed_for, bytes(err), confined
@@ -785,6 +776,28 @@ class Sandbox:
             confined=confined,
             detail=detail,
         )
+
+
+    @staticmethod
+    def _clean_up(proc: subprocess.Popen, init_pid: int | None, init_stat, confined: bool) -> None:
+        """:meth:`_supervise`'s end, on every exit: kill the tree if it still runs, reap it, close the pipes."""
+        if proc.poll() is None:
+            _kill_tree(proc, init_pid)
+        # bwrap's outer process exits once its init has reported the program's exit status; the init
+        # exits only after every process of its pid namespace, and _finish_init waits for it: once
+        # this returns, nothing of the program is left.
+        proc.wait()
+        if init_pid is not None:
+            _finish_init(init_pid, init_stat[1] if init_stat else None)
+        proc.stdout.close()
+        proc.stderr.close()
+        if not confined:
+            # Anything left in the program's session (a child that kept running). The group
+            # outlives its leader while members remain, so this reaches them after the wait.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 # ---------------------------------------------------------------------------------------------
