@@ -11,7 +11,8 @@ import time
 import pytest
 
 from verl.rewards import THINK_ANSWER_PATTERN, format_reward
-from verl.rewards.timeout import ScoreTimeout, deferred, time_limit
+from verl.rewards.timeout import ScoreTimeout, time_limit
+from verl.utils.signals import deferred
 
 
 def _spin(seconds: float) -> None:

@@ -37,6 +37,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from verl.utils.signals import deferring
+
 logger = logging.getLogger(__name__)
 
 # Re-arm delay for an outer timer whose deadline passed while an inner block ran: fire "now"
@@ -75,8 +77,6 @@ class ScoreTimeout(BaseException):
 
 # Limits active in this (main) thread, outermost first.
 _active: list[Limit] = []
-# Depth of ``deferred()`` blocks in this (main) thread: while above 0 a due timeout waits.
-_deferring = 0
 _UNSET = object()
 
 
@@ -86,7 +86,7 @@ def timeouts_supported() -> bool:
 
 
 def _on_alarm(signum: int, frame: object) -> None:
-    if _deferring:  # clean-up that must not be cut short: the interval timer fires again after it
+    if deferring():  # clean-up that must not be cut short (verl.utils.signals): the timer fires again after it
         return
     now = time.monotonic()
     pending = [lim for lim in _active if not lim.expired]  # expired ones are already unwinding
@@ -97,21 +97,6 @@ def _on_alarm(signum: int, frame: object) -> None:
     if pending:  # an early or stray signal: wait on for the nearest deadline
         nearest = min(lim.deadline for lim in pending)
         signal.setitimer(signal.ITIMER_REAL, max(nearest - now, _FIRE_NOW_S), _REFIRE_S)
-
-
-@contextlib.contextmanager
-def deferred() -> Iterator[None]:
-    """Hold back a due timeout while the body runs: for clean-up that must run to its end (killing a
-    process tree, say) even while a ``ScoreTimeout`` unwinds through it. The timer keeps firing
-    every ``_REFIRE_S`` past a deadline, so without this a slow clean-up on a loaded machine is cut
-    short by the next signal; with it the timeout is raised by the first signal after the body.
-    Keep the body short and bounded: the limit cannot interrupt it."""
-    global _deferring
-    _deferring += 1
-    try:
-        yield
-    finally:
-        _deferring -= 1
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from verl.config.schema import SandboxConfig, SandboxLimitsConfig
+from verl.utils.signals import deferred
 
 logger = logging.getLogger(__name__)
 
@@ -679,9 +680,6 @@ class Sandbox:
         the child's end, a failed start) share the same clean-up; split, the clean-up would be
         repeated per exit.
         """
-        # Here, not at the top: verl.rewards imports this module (code scorers).
-        from verl.rewards.timeout import deferred
-
         confined = info_r is not None
         start = time.monotonic()
         try:

@@ -1,0 +1,32 @@
+"""Clean-up that an asynchronous timeout must not cut short: :func:`deferred`.
+
+``verl.rewards.timeout.time_limit`` raises its ``ScoreTimeout`` from a SIGALRM handler, and past a
+deadline the timer fires again every 50 ms until the limited block has unwound. Clean-up on that
+way out (the sandbox killing a process tree) can take longer than 50 ms on a loaded machine; inside
+``deferred()`` the handler holds the timeout back, and the next signal after the block raises it.
+Lives here, below the layers of both the sandbox and the rewards, which each use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+_depth = 0  # deferred() blocks open in this (main) thread
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold back a due timeout while the body runs. Keep the body short and bounded: the limit
+    cannot interrupt it (the timer keeps firing, so the timeout is raised right after it)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def deferring() -> bool:
+    """Whether a :func:`deferred` block is open (a timeout handler returns without raising)."""
+    return _depth > 0
