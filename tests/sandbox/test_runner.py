@@ -166,6 +166,63 @@ def test_a_slow_clean_up_after_a_scorers_time_limit_still_ends_every_process(san
     assert limit.expired
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_scorers_time_limit_during_bwraps_start_still_ends_every_process(sandbox, monkeypatch):
+    """In suite17 (load 39 on 2 cores) bwrap's start report came after the scorer's 0.5 s limit:
+    the limit fired while it was awaited, before the clean-up was in place, and bwrap ran on. A
+    start report delayed by 1 s stands in for the load: the run still ends every process."""
+    from verl.rewards.timeout import time_limit
+
+    read_init_pid = runner._read_init_pid
+
+    def slow_read_init_pid(fd: int, deadline: float):
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        return read_init_pid(fd, deadline)
+
+    monkeypatch.setattr(runner, "_read_init_pid", slow_read_init_pid)
+    with time_limit(0.5) as limit:
+        sandbox.run("import os, time\nos.fork()\ntime.sleep(30)\n", limits=ROOMY_LIMITS)
+    assert limit.expired
+
+
+def test_interruptible_lets_a_timeout_through_only_where_no_outer_deferral_holds():
+    from verl.rewards.timeout import time_limit
+    from verl.utils.signals import deferred, deferring, interruptible
+
+    def spin(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.005)
+
+    reached = []
+    start = time.monotonic()
+    with time_limit(0.1) as limit:
+        with deferred():
+            spin(0.3)  # past the deadline: held back
+            reached.append("deferred body")
+            with interruptible():
+                assert not deferring()
+                spin(10.0)  # raised here
+            reached.append("after the wait")
+    assert limit.expired and reached == ["deferred body"]
+    assert time.monotonic() - start < 5.0
+
+    reached = []
+    with time_limit(0.1) as limit:
+        with deferred():
+            with deferred(), interruptible():
+                assert deferring()  # the outer deferral still holds
+                spin(0.3)
+                reached.append("inner")
+            spin(0.1)
+            reached.append("outer")
+        spin(10.0)
+        reached.append("after")
+    assert limit.expired and reached == ["inner", "outer"]
+
+
 def test_a_bwrap_that_cannot_create_namespaces_counts_as_missing(monkeypatch, tmp_path):
     # Some containers forbid user namespaces: bwrap is there but every start fails. (The fake lives
     # where the sandbox user can run it: as root, pytest's tmp_path is root's alone.)

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from verl.config.schema import SandboxConfig, SandboxLimitsConfig
-from verl.utils.signals import deferred
+from verl.utils.signals import deferred, interruptible
 
 logger = logging.getLogger(__name__)
 
@@ -682,7 +682,12 @@ class Sandbox:
         """
         confined = info_r is not None
         start = time.monotonic()
-        try:
+        # A scorer's time limit raises from a signal handler, between any two bytecodes. Here it is
+        # held back (deferred) from the start to the end of the clean-up and let through only in the
+        # waits (interruptible), where the clean-up below covers whatever state the run is in. In
+        # suite17 (load 39) it fired while bwrap's start report was awaited, outside any clean-up,
+        # and left bwrap running.
+        with deferred():
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -695,62 +700,67 @@ class Sandbox:
                     close_fds=True,
                     **kwargs,
                 )
+            except OSError as exc:
+                return RunResult(
+                    "", "", None, "sandbox_error", 0.0, confined=confined, detail=f"could not start: {exc}"
+                )
             finally:
                 if info_w is not None:
                     os.close(info_w)  # bwrap holds its own copy; EOF on info_r once it has written
-        except OSError as exc:
-            return RunResult(
-                "", "", None, "sandbox_error", 0.0, confined=confined, detail=f"could not start: {exc}"
-            )
-        init_pid = _read_init_pid(info_r, start + limits.wall_time_s) if confined else None
-        init_stat = _stat(init_pid) if init_pid is not None else None
-        out, err = bytearray(), bytearray()
-        killed_for: Reason | None = None
-        detail = ""
-        try:
-            sel = selectors.DefaultSelector()
-            sel.register(proc.stdout, selectors.EVENT_READ, out)
-            sel.register(proc.stderr, selectors.EVENT_READ, err)
-            deadline = start + limits.wall_time_s
-            open_streams = 2
-            while open_streams:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
-                    break
-                events = sel.select(min(left, _POLL_S))
-                if not events and proc.poll() is not None:
-                    # The main process is gone and its pipes are quiet: whatever still holds them (a
-                    # child left behind, outside a sandbox) is not waited for.
-                    break
-                for key, _ in events:
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        open_streams -= 1
-                        continue
-                    buf = key.data
-                    buf += chunk
-                    if len(buf) > limits.output_bytes:
-                        del buf[limits.output_bytes :]
-                        killed_for = "output_limit"
-                        detail = f"{'stdout' if buf is out else 'stderr'} over {limits.output_bytes} bytes"
+            init_pid: int | None = None
+            init_stat = None
+            out, err = bytearray(), bytearray()
+            killed_for: Reason | None = None
+            detail = ""
+            try:
+                if confined:
+                    with interruptible():
+                        init_pid = _read_init_pid(info_r, start + limits.wall_time_s)
+                    init_stat = _stat(init_pid) if init_pid is not None else None
+                sel = selectors.DefaultSelector()
+                sel.register(proc.stdout, selectors.EVENT_READ, out)
+                sel.register(proc.stderr, selectors.EVENT_READ, err)
+                deadline = start + limits.wall_time_s
+                open_streams = 2
+                while open_streams:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
                         break
-                if killed_for:
-                    break
-            if killed_for is None:
-                # Output closed: the program is done (or closed its pipes); wait what is left of the wall time.
-                try:
-                    proc.wait(timeout=max(deadline - time.monotonic(), 0.001))
-                except subprocess.TimeoutExpired:
-                    killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
-            sel.close()
-        finally:
-            # Also on an exception in this thread (a scorer's time limit): never leave the tree running.
-            # The limit's timer fires again every 50 ms until its block has unwound: deferred() keeps
-            # it from cutting this clean-up short (bwrap left stopped, the program running) when the
-            # machine is too loaded for the clean-up to finish between two signals.
-            with deferred():
+                    with interruptible():
+                        events = sel.select(min(left, _POLL_S))
+                    if not events and proc.poll() is not None:
+                        # The main process is gone and its pipes are quiet: whatever still holds them (a
+                        # child left behind, outside a sandbox) is not waited for.
+                        break
+                    for key, _ in events:
+                        chunk = os.read(key.fd, 65536)
+                        if not chunk:
+                            sel.unregister(key.fileobj)
+                            open_streams -= 1
+                            continue
+                        buf = key.data
+                        buf += chunk
+                        if len(buf) > limits.output_bytes:
+                            del buf[limits.output_bytes :]
+                            killed_for = "output_limit"
+                            detail = f"{'stdout' if buf is out else 'stderr'} over {limits.output_bytes} bytes"
+                            break
+                    if killed_for:
+                        break
+                if killed_for is None:
+                    # Output closed: the program is done (or closed its pipes); wait what is left of the wall time.
+                    try:
+                        with interruptible():
+                            proc.wait(timeout=max(deadline - time.monotonic(), 0.001))
+                    except subprocess.TimeoutExpired:
+                        killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
+                sel.close()
+            finally:
+                # On every exit, a scorer's time limit included: never leave the tree running. Still
+                # deferred: the limit's timer fires again every 50 ms until its block has unwound, and
+                # on a loaded machine the clean-up can take longer (suite16: a re-fire cut it short
+                # after bwrap was stopped, leaving it stopped and the program running).
                 self._clean_up(proc, init_pid, init_stat, confined)
         wall = time.monotonic() - start
         reason, exit_code, sig = _classify(

@@ -4,7 +4,8 @@
 deadline the timer fires again every 50 ms until the limited block has unwound. Clean-up on that
 way out (the sandbox killing a process tree) can take longer than 50 ms on a loaded machine; inside
 ``deferred()`` the handler holds the timeout back, and the next signal after the block raises it.
-Lives here, below the layers of both the sandbox and the rewards, which each use it.
+:func:`interruptible` lets it through again in the waits of such a body. Lives here, below the
+layers of both the sandbox and the rewards, which each use it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         _depth -= 1
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside a :func:`deferred` block, let a due timeout raise again (one level: an enclosing
+    caller's own ``deferred()`` still holds). For the waits of a clean-up-guarded body, where the
+    raise leaves a state the clean-up handles."""
+    global _depth
+    _depth -= 1
+    try:
+        yield
+    finally:
+        _depth += 1
 
 
 def deferring() -> bool:
