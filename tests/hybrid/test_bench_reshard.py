@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.processes import run_tree
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(REPO, "tools", "bench.py")
 LLAMA3_70B = os.path.join(REPO, "configs", "models", "llama3_70b.json")
@@ -57,11 +59,11 @@ def test_measured_run_beats_the_naive_path(tmp_path):
     model = make_tiny_model(str(tmp_path / "llama"), TinyModelSpec(family="llama", hidden=128, heads=4, kv_heads=2,
                                                                    layers=2, corpus_lines=600))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "reshard",
          "--model", model, "--train-tp", "1", "--train-pp", "2", "--rollout-tp", "2", "--bucket-mb", "0.0625",
          "--repeats", "2"],
-        capture_output=True, text=True, timeout=280, cwd=REPO, env=env, start_new_session=True,
+        280, cwd=REPO, env=env,
     )
     result = _json(proc)
     assert result["same_weights_as_naive"]

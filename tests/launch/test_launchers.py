@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.processes import kill_tree, run_tree
 from verl.parallel.bootstrap import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +49,7 @@ def test_a_multiprocessing_child_does_not_start_another_run(path, monkeypatch):
     assert watched == [True]
 
 
+@pytest.mark.timeout(1260)
 def test_two_nodes_on_localhost(tmp_path):
     """NNODES=2 NPROC_PER_NODE=1: c10d rendezvous on 127.0.0.1, two steps of the tiny GRPO (HF rollout)."""
     port = free_port()
@@ -67,20 +69,19 @@ def test_two_nodes_on_localhost(tmp_path):
         env.pop(key, None)
     launcher = os.path.join(ROOT, "launch", "grpo_tiny_cpu.sh")
     node0 = subprocess.Popen(["bash", launcher, *overrides], cwd=tmp_path, env={**env, "NODE_RANK": "0"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The second node is the file run by torchrun itself, as users type it on a cluster.
     node1 = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
          "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "verl",
          launcher, *overrides],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
-        logs = [p.communicate(timeout=420)[0] for p in (node0, node1)]
+        logs = [p.communicate(timeout=1200)[0] for p in (node0, node1)]  # a hang guard (tests/processes.py)
     finally:
         for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
+            kill_tree(p)  # torchrun's ranks too
     assert node0.returncode == 0 and node1.returncode == 0, "\n\n".join(log[-4000:] for log in logs)
     both = "".join(logs)
     assert "--nnodes 2" in logs[0]  # bash started torchrun for two nodes
@@ -197,6 +198,7 @@ def test_recipe_summary_without_validation_before_training(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1260)
 def test_the_launchers_summary_is_this_runs_with_folder_overrides(tmp_path):
     """`bash launch/grpo_tiny_cpu.sh trainer.log_dir=... trainer.default_local_dir=...` after an
     earlier run in $OUT: the closing lines name the overridden folders and this run's figures."""
@@ -220,8 +222,9 @@ def test_the_launchers_summary_is_this_runs_with_folder_overrides(tmp_path):
            "TRAIN": "200", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
         env.pop(key, None)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "grpo_tiny_cpu.sh"), *overrides], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=420)
+    # A hang guard (tests/processes.py): 41 s quiet, 226-420+ s beside two busy loops (suites 15-17).
+    proc = run_tree(["bash", os.path.join(ROOT, "launch", "grpo_tiny_cpu.sh"), *overrides], timeout=1200,
+                    cwd=tmp_path, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with open(mine / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         val = [v for r in map(json.loads, f) for k, v in r.items() if k.startswith("val-core/")]
@@ -251,10 +254,10 @@ def test_the_distillation_launchers_summary_says_distillation_not_grpo(tmp_path)
 
 
 @pytest.mark.slow
-# Longer than the recipe's own 900 s limit below, so a slow or stuck recipe is reported with its
-# output, not cut off by pytest's 600 s default (suite12, two busy loops on 2 cores beside the suite:
-# the recipe was still running at 600 s and the failure showed nothing of where it was).
-@pytest.mark.timeout(960)
+# Longer than the recipe's own limit below, so a slow or stuck recipe is reported with its output,
+# not cut off by pytest (suite12: still running at 600 s; suite17, load 39: at 900 s). The limit is a
+# hang guard (tests/processes.py): the recipe takes 58 s quiet and 393-900+ s beside two busy loops.
+@pytest.mark.timeout(1860)
 def test_the_code_recipe_runs_its_pieces(tmp_path):
     """launch/grpo_code_tiny_cpu.sh, shortened: the model, the code task's data, 25 SFT steps (the warm-up is 20), two
     GRPO steps whose rewards come from running the sampled programs in the sandbox, validation."""
@@ -278,12 +281,12 @@ def test_the_code_recipe_runs_its_pieces(tmp_path):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
         env.pop(key, None)
     try:
-        proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "grpo_code_tiny_cpu.sh"), *overrides], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=900)
+        proc = run_tree(["bash", os.path.join(ROOT, "launch", "grpo_code_tiny_cpu.sh"), *overrides], timeout=1800,
+                        cwd=tmp_path, env=env)
     except subprocess.TimeoutExpired as exc:
         # (subprocess hands back what it captured before the kill as bytes, even with text=True)
         tail = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (exc.stdout or "", exc.stderr or ""))
-        pytest.fail(f"the code recipe ran past 900 s; its output ends:\n{tail[-4000:]}")
+        pytest.fail(f"the code recipe ran past 1800 s; its output ends:\n{tail[-4000:]}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with open(out / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.processes import run_tree
 from tests.tools.bench_run import BENCH, REPO
 
 pytestmark = pytest.mark.slow
@@ -31,10 +31,10 @@ def test_bench_async_reports_every_mode(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "async",
          "--inputs", str(tmp_path), "--prompts", "64", "--steps", "2", "--warmup", "1", *SMALL],
-        capture_output=True, text=True, timeout=620, cwd=REPO, env=env, check=False,
+        620, cwd=REPO, env=env,  # a hang guard: 25 s quiet, 115 s beside two busy loops
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     [line] = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
@@ -65,11 +65,11 @@ def test_bench_async_partial_mode(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "async",
          "--inputs", str(tmp_path), "--prompts", "64", "--steps", "2", "--warmup", "1", "--modes", "async",
          "async_partial", "async_fill", "--partial-tokens", "4", *SMALL],
-        capture_output=True, text=True, timeout=620, cwd=REPO, env=env, check=False,
+        620, cwd=REPO, env=env,  # a hang guard: 25 s quiet, 115 s beside two busy loops
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     [line] = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]

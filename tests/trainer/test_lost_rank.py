@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.processes import run_tree
 from tests.trainer.test_reliability import FAULTS, ROOT, _env, _micro, _run_args
 
 pytestmark = pytest.mark.slow
@@ -17,18 +18,16 @@ pytestmark = pytest.mark.slow
 
 def _torchrun(args: list[str], faults: list[dict], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTS, *args],
+        timeout,
         env=_env(faults),
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
     )
     return proc, time.monotonic() - start
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("kind", ["hang", "kill"])
 def test_a_lost_rank_never_hangs_the_job(tiny_model_dir, arithmetic_files, tmp_path, kind):
     """Rank 1 hangs (or dies) as the actor update of step 2 starts: rank 0 leaves with a message
@@ -41,13 +40,16 @@ def test_a_lost_rank_never_hangs_the_job(tiny_model_dir, arithmetic_files, tmp_p
         "trainer.save_freq=-1",
         "trainer.total_training_steps=3",
     ]
-    proc, seconds = _torchrun(args, [{"kind": kind, "phase": "update_actor", "after_step": 2, "rank": 1}], 300)
+    # A hang guard sized for a loaded machine (tests/processes.py): 173 s beside two busy loops (suite17).
+    proc, _ = _torchrun(args, [{"kind": kind, "phase": "update_actor", "after_step": 2, "rank": 1}], 900)
     assert proc.returncode != 0
     out = proc.stderr
-    assert re.search(
-        r"rank 0: a collective failed in phase '\w+' of step 2 after \d+ s \(trainer.collective_timeout_s=8\)", out
-    ), out[-4000:]
+    found = re.search(
+        r"rank 0: a collective failed in phase '\w+' of step 2 after (\d+) s \(trainer.collective_timeout_s=8\)", out
+    )
+    assert found, out[-4000:]
     assert "Not answering: rank 1 (last seen in phase 'update_actor' of step 2" in out, out[-4000:]
-    # Start-up and two steps take well under a minute here; the hang must not add more than the
-    # timeout and the roll call (3 s).
-    assert seconds < 240, seconds
+    # The collective gave up at its timeout (8 s), not later: the phase's time on rank 0 is that
+    # and its own work before the hang (seconds; allowed 2 minutes for a loaded machine). The whole
+    # run's time is not asserted: start-up takes 20 s quiet and minutes beside two busy loops.
+    assert int(found.group(1)) < 120, found.group(0)

@@ -1,0 +1,37 @@
+"""tests/processes.py: a time limit ends the whole tree a test started, not only its first process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.processes import run_tree
+
+
+@pytest.mark.timeout(120)  # without the tree's kill, the grandchild holds the pipes for 600 s
+def test_a_time_limit_kills_the_grandchildren_too_and_keeps_the_output():
+    # bash starts a grandchild that would outlive bash (subprocess.run's timeout kills bash only).
+    code = "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('pid', os.getpid(), flush=True); time.sleep(600)"
+    start = time.time()
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_tree(["bash", "-c", f"{sys.executable} -c \"{code}\""], timeout=3)
+    assert "pid" in info.value.output
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [
+            p for p in psutil.process_iter(["cmdline", "create_time"])
+            if p.info["create_time"] >= start - 1 and "time.sleep(600)" in " ".join(p.info["cmdline"] or [])
+        ]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, left
+
+
+def test_a_finished_run_returns_its_status_and_output():
+    proc = run_tree([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], 60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out\n", "err\n")
