@@ -118,5 +118,9 @@ step async-partial 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu -
   trainer.async_training.partial_rollout=true trainer.async_training.partial_rollout_tokens=8
 # LoRA (#35) on the device: the adapters' hooks, Megatron's bf16 optimizer over the adapters only.
 step lora 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/trainer/test_engine_lora_bf16.py
+# MoE weights into GPU vLLM's fused experts (#34): after update_weights the engine samples exactly what an
+# engine started from those weights samples (needs vllm installed; skipped without it). The push writes
+# w13/w2 as loaded: right for vLLM's Triton MoE backend, wrong for one that reorders them (FlashInfer).
+step moe-vllm 240 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra -rs tests/rollout/test_vllm_moe.py
 echo "summary: $summary, log: $log"
 ! grep -qv ' rc=0 ' "$summary"

@@ -38,6 +38,9 @@ def model_dirs(tmp_path_factory):
         "qwen2": TinyModelSpec(family="qwen2", kv_heads=2, tie_embeddings=True, vocab=1001, corpus_lines=600, seed=11),
         # q/k norms, and 4 heads of 32 on a hidden size of 64 (head_dim apart from hidden/heads).
         "qwen3": TinyModelSpec(family="qwen3", heads=4, kv_heads=2, head_dim=32, vocab=1001, corpus_lines=600, seed=12),
+        # Mixture-of-Experts (4 experts, top 2): vLLM's fused experts (w13/w2) and its router.
+        "qwen3_moe": TinyModelSpec(family="qwen3_moe", kv_heads=2, vocab=1001, corpus_lines=600, seed=13),
+        "mixtral": TinyModelSpec(family="mixtral", kv_heads=2, vocab=1001, corpus_lines=600, seed=14),
     }
     return {family: make_tiny_model(str(root / family), spec) for family, spec in specs.items()}
 
@@ -63,7 +66,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).max())
 
 
-def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name: str, offload: bool) -> dict:
+def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name: str, offload: bool, ep: int = 1,
+                 sp: bool = False) -> dict:
     import torch.distributed as dist
 
     from verl.algos import GlobalBatchInfo, agg_loss
@@ -76,11 +80,12 @@ def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name:
     from verl.protocol import Batch
     from verl.rollout import build_rollout_engine
 
-    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=3)
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      expert_model_parallel_size=ep, seed=3)
     actor = MegatronEngine(
         model=ModelConfig(path=model_dir),
         megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                param_offload=offload, grad_offload=offload, optimizer_offload=offload),
+                                expert_model_parallel_size=ep, sequence_parallel=sp, param_offload=offload, grad_offload=offload, optimizer_offload=offload),
         pg=pg, optim=OptimConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0), total_training_steps=10,
     )
     cfg = RolloutConfig(name=engine_name, n=N, temperature=1.0, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
@@ -175,6 +180,26 @@ CASES = [  # (family, tp, pp, rollout TP', engine, offload the training state du
 def test_push_into_a_real_engine(model_dirs, family, tp, pp, rollout_tp, engine, offload):
     model_dir = model_dirs[family]
     results = run_distributed(_engine_body, 2, model_dir, tp, pp, rollout_tp, engine, offload, timeout=480)
+    _check_push(results, tp, pp, rollout_tp, engine, offload)
+
+
+MOE_CASES = [  # (family, tp, ep, rollout TP'): the CPU build's fused experts stay plain (vllm_internals.plain_cpu_moe)
+    ("qwen3_moe", 1, 2, 2),  # experts over two EP ranks into TP' = 2 (one replica: vLLM couples MoE replicas)
+    ("mixtral", 1, 1, 2),  # whole experts on both (data parallel) ranks into TP' = 2: each rank's share of every F
+]
+
+
+@pytest.mark.parametrize(("family", "tp", "ep", "rollout_tp"), MOE_CASES,
+                         ids=[f"{f}-tp{t}-ep{e}-to-vllm{r}" for f, t, e, r in MOE_CASES])
+def test_push_moe_into_vllm(model_dirs, family, tp, ep, rollout_tp):
+    """The same checks for a Mixture-of-Experts actor (Megatron's experts over EP or TP) and vLLM's fused
+    experts; the logprob checks run through the CPU kernel's packed copy, renewed after each push."""
+    results = run_distributed(_engine_body, 2, model_dirs[family], tp, 1, rollout_tp, "vllm", False, ep, tp > 1,
+                              timeout=480)
+    _check_push(results, tp, 1, rollout_tp, "vllm", False)
+
+
+def _check_push(results: list[dict], tp: int, pp: int, rollout_tp: int, engine: str, offload: bool) -> None:
     for r in results:
         assert r["wrong"] == [], r["wrong"][:5]
         assert r["untouched_ok"], "the push wrote outside the plan's boxes (vLLM's padding rows)"

@@ -165,6 +165,76 @@ def test_plain_cpu_linear_keeps_the_weights_vllm_would_pack():
 
 
 @cpu_build
+def test_plain_cpu_moe_keeps_the_expert_weights_and_packs_a_copy():
+    """vLLM's CPU fused experts prepack w13/w2 in place of the layer's weights; under plain_cpu_moe the
+    layer keeps its (same) plain parameters, the kernel computes with vLLM's packed copy (equal to
+    the experts' math), and repack_cpu_moe renews the copy after the plain weights change."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    e, f, h, tokens, k = 4, 64, 64, 5, 2
+    g = torch.Generator().manual_seed(0)
+
+    def layer_and_experts() -> tuple[torch.nn.Module, CPUUnquantizedExperts]:
+        layer = torch.nn.Module()
+        layer.w13_weight = torch.nn.Parameter(torch.randn(e, 2 * f, h, generator=g) * 0.1, requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(torch.randn(e, h, f, generator=g) * 0.1, requires_grad=False)
+        experts = object.__new__(CPUUnquantizedExperts)  # only what its processing and apply read
+        experts.moe_config = SimpleNamespace(intermediate_size_per_partition=f, activation=MoEActivation.SILU)
+        experts.quant_config = SimpleNamespace(w1_bias=None, w2_bias=None)
+        return layer, experts
+
+    def run(experts, layer, x, ids, weights) -> torch.Tensor:
+        out = torch.zeros(tokens, h)
+        experts.apply(output=out, hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight, topk_weights=weights,
+                      topk_ids=ids, activation=MoEActivation.SILU, global_num_experts=e, expert_map=None,
+                      a1q_scale=None, a2_scale=None, workspace13=None, workspace2=None, expert_tokens_meta=None,
+                      apply_router_weight_on_input=False)
+        return out
+
+    def math(layer, x, ids, weights) -> torch.Tensor:
+        out = torch.zeros(tokens, h)
+        for t in range(tokens):
+            for j in range(k):
+                w13, w2 = layer.w13_weight[ids[t, j]], layer.w2_weight[ids[t, j]]
+                act = torch.nn.functional.silu(w13[:f] @ x[t]) * (w13[f:] @ x[t])
+                out[t] += weights[t, j] * (w2 @ act)
+        return out
+
+    x = torch.randn(tokens, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, k, generator=g)
+
+    own, own_experts = layer_and_experts()
+    plain = own.w13_weight.detach().clone()
+    own_experts.process_weights_after_loading(own)
+    assert not torch.equal(own.w13_weight, plain)  # vLLM's own: the layer's weight is now the packed one
+
+    layer, experts = layer_and_experts()
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    before = (w13.detach().clone(), w2.detach().clone())
+    with internals.plain_cpu_moe():
+        experts.process_weights_after_loading(layer)
+        assert layer.w13_weight is w13 and layer.w2_weight is w2  # the same parameters, unchanged
+        assert torch.equal(w13, before[0]) and torch.equal(w2, before[1])
+        packed13, packed2 = experts._verl_cpu_moe_packed
+        assert torch.equal(packed13, cpu_prepack_moe_weight(w13, experts.isa))
+        assert torch.equal(packed2, cpu_prepack_moe_weight(w2, experts.isa))
+        # fp32 kernel vs the same math in another summation order: rounding only.
+        assert torch.allclose(run(experts, layer, x, ids, weights), math(layer, x, ids, weights), atol=1e-5)
+
+        with torch.no_grad():
+            w13.mul_(-1.5)  # new weights written in place: the kernel still has the old copy ...
+        assert torch.allclose(run(experts, layer, x, ids, weights),
+                              math(SimpleNamespace(w13_weight=before[0], w2_weight=w2), x, ids, weights), atol=1e-5)
+        owner = torch.nn.Sequential(layer)
+        assert internals.repack_cpu_moe(owner) == 1  # ... until it is renewed
+        assert torch.allclose(run(experts, layer, x, ids, weights), math(layer, x, ids, weights), atol=1e-5)
+    assert CPUUnquantizedExperts.process_weights_after_loading is not internals._plain_moe_process
+
+
+@cpu_build
 def test_cpu_runner_replaces_the_accelerator_hooks():
     """The CPU model runner makes torch.accelerator.synchronize/empty_cache no-ops process-wide
     when it is built; accelerator_hooks_restored puts the originals back."""
@@ -465,7 +535,7 @@ def test_outside_the_versions_the_engine_runs_on_public_api_and_says_so_once(pub
     # One line at start, naming every entry this engine (CPU, a world of 1) went without.
     lines = [r for r in records if r.getMessage().startswith(f"vLLM {OUTSIDE}: rollout engine without")]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
-    expected_off = {"in_process_worker", "plain_cpu_linear", "accelerator_hooks", "kv_cache_release",
+    expected_off = {"in_process_worker", "plain_cpu_linear", "plain_cpu_moe", "accelerator_hooks", "kv_cache_release",
                     "kv_cache_tensors", "sampled_logprob_capture", "inverse_cdf_sampler", "decode_slot_fast_path",
                     "abort_internal_ids", "engine_shutdown", "rendezvous_file"}
     message = lines[0].getMessage()

@@ -1,5 +1,5 @@
 """GRPO on a tiny Qwen3-MoE with expert parallel 2 through the trainer main_ppo runs
-(configs/grpo_qwen3_moe_tiny_cpu.yaml on 2 ranks, the transformers rollout engine).
+(configs/grpo_qwen3_moe_tiny_cpu.yaml on 2 ranks, the transformers rollout engine; one test with vLLM's).
 
 The first update's policy ratio is exactly 1 and its KL to the reference 0 (the old log-probs, the
 reference's and the update's first forward come from the same weights at the same EP layout); the
@@ -216,17 +216,42 @@ def test_unsupported_router_replay_is_refused_before_any_model(moe_model_dir, ar
         preflight(cfg, 2)
 
 
-def test_vllm_rollout_of_a_moe_model_is_refused_before_any_model(moe_model_dir, arithmetic_files):
+def test_vllm_rollout_of_a_moe_model_passes_the_preflight_with_one_replica(moe_model_dir, arithmetic_files):
+    """The weight push into vLLM's fused experts exists (verl.hybrid.layout.vllm_layout): MoE + vLLM is
+    accepted with one engine replica (TP' = the rollout's ranks); replicas are refused (vLLM couples them)."""
     from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_checks import preflight
 
-    cfg = load_config(
-        PPOConfig, config_file="grpo_qwen3_moe_tiny_cpu", world_size=2,
-        overrides=[f"actor_rollout_ref.model.path={moe_model_dir}", f"data.train_files={arithmetic_files['train']}",
-                   "data.val_files=null", "actor_rollout_ref.rollout.name=vllm"],
-    )
-    with pytest.raises(ValueError, match="rollout.name=vllm with a Mixture-of-Experts model"):
-        preflight(cfg, 2)
+    def config(tp: int):
+        return load_config(
+            PPOConfig, config_file="grpo_qwen3_moe_tiny_cpu", world_size=2,
+            overrides=[f"actor_rollout_ref.model.path={moe_model_dir}", f"data.train_files={arithmetic_files['train']}",
+                       "data.val_files=null", "actor_rollout_ref.rollout.name=vllm",
+                       f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"],
+        )
+
+    preflight(config(2), 2)
+    with pytest.raises(ValueError, match=r"runs one engine replica: set actor_rollout_ref.rollout.tensor_model_parallel_size=2"):
+        preflight(config(1), 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_moe_grpo_with_vllm_rollout(moe_model_dir, arithmetic_files, tmp_path):
+    """GRPO at EP 2 with the vLLM engine (one replica of TP' 2): the actor's experts are pushed into
+    vLLM's fused experts before each rollout; the engine's log-probs match the actor's at both steps
+    (the second on the pushed, updated weights) and the first update has ratio 1 and KL 0."""
+    results = run_distributed(_grpo_body, 2, moe_model_dir, arithmetic_files, str(tmp_path),
+                              ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+                              timeout=560)
+    assert [r["ep"] for r in results] == [(0, 2), (1, 2)]
+    for r in results:
+        first, second = r["steps"]
+        assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
+        for step in r["steps"]:
+            assert step["training/rollout_logprob_diff_max"] < LOGPROB_ATOL, step["training/rollout_logprob_diff_max"]
+        assert any(k.startswith("update_weights/") for k in second)  # the push ran into the engine
+        assert second["training/global_step"] == 2.0
 
 
 @pytest.mark.distributed

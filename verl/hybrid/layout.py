@@ -19,7 +19,9 @@ Layouts (all row-major):
   heads replicated when TP' exceeds their number), ``gate_up_proj`` stacks ``[gate; up]``,
   ``o_proj``/``down_proj`` split by columns, embedding and LM head rows split after padding the
   vocabulary to a multiple of 64 (padding rows are never written), a tied LM head is the
-  embedding; Qwen3's ``q_norm``/``k_norm`` are whole on every rank.
+  embedding; Qwen3's ``q_norm``/``k_norm`` are whole on every rank. Mixture-of-Experts layers are
+  vLLM's fused experts (``w13_weight`` [E, 2F', H], ``w2_weight`` [E, H, F'], F' = this rank's
+  share of the expert intermediate size) beside a whole router (:func:`_add_vllm_experts`).
 - **Hugging Face** (:func:`hf_layout`): whole transformers tensors (the fallback engine, TP' = 1),
   or with ``tp > 1`` each tensor split the way vLLM splits it, unstacked and unpadded (a
   destination for tests and tools).
@@ -320,11 +322,6 @@ def _kv_rows(spec: HFModelSpec, tp: int, rank: int) -> tuple[int, int]:
 def vllm_layout(spec: HFModelSpec, *, tp: int, tp_rank: int) -> Layout:
     """vLLM's parameters on rollout rank ``tp_rank`` of ``tp`` (vLLM names, see the module docstring)."""
     problems = check_rollout_degrees(spec, tp)
-    if spec.is_moe:
-        problems.append(
-            f"the push into vLLM's fused experts is not built for {spec.model_type} yet; "
-            "use the transformers engine (actor_rollout_ref.rollout.name=hf)"
-        )
     if problems:
         raise ValueError(f"rollout layout TP'={tp}: " + "; ".join(problems))
     h, d = spec.hidden_size, spec.head_dim
@@ -366,14 +363,53 @@ def vllm_layout(spec: HFModelSpec, *, tp: int, tp_rank: int) -> Layout:
                 add(key, (d,), [_rows(n[norm], 0, d, 1, key, 0)])
         key = p + "self_attn.o_proj.weight"
         add(key, (h, q1 - q0), [Box(n["o"], 0, h, q0, q1, key, 0, q1 - q0)])
-        key = p + "mlp.gate_up_proj.weight"
-        add(key, (2 * (f1 - f0), h), [_rows(n["gate"], f0, f1, h, key, 0), _rows(n["up"], f0, f1, h, key, (f1 - f0) * h)])
-        key = p + "mlp.down_proj.weight"
-        add(key, (h, f1 - f0), [Box(n["down"], 0, h, f0, f1, key, 0, f1 - f0)])
+        if spec.is_moe:
+            _add_vllm_experts(spec, layer, tp, tp_rank, add)
+        else:
+            key = p + "mlp.gate_up_proj.weight"
+            add(key, (2 * (f1 - f0), h), [_rows(n["gate"], f0, f1, h, key, 0), _rows(n["up"], f0, f1, h, key, (f1 - f0) * h)])
+            key = p + "mlp.down_proj.weight"
+            add(key, (h, f1 - f0), [Box(n["down"], 0, h, f0, f1, key, 0, f1 - f0)])
     add("model.norm.weight", (h,), [_rows(HF_FINAL_NORM, 0, h, 1, "model.norm.weight", 0)])
     if not spec.tie_word_embeddings:
         vocab("lm_head.weight", HF_LM_HEAD)
     return Layout(shapes=shapes, boxes=tuple(boxes))
+
+
+def _add_vllm_experts(spec: HFModelSpec, layer: int, tp: int, tp_rank: int, add) -> None:
+    """One MoE layer in vLLM's fused experts, on rollout rank ``tp_rank`` of ``tp`` (vLLM shards the
+    experts' intermediate dim over TP', every rank holds every expert): the router
+    ``{block}.gate.weight`` [E, H] (whole), ``{block}.experts.routed_experts.w13_weight``
+    [E, 2F', H] (expert e: its gate rows of this rank, then its up rows) and ``...w2_weight``
+    [E, H, F'] (its down columns of this rank); Qwen2-MoE's shared expert is a dense MLP
+    (``mlp.shared_expert.gate_up_proj``/``down_proj``, split like one) with a whole gate
+    ``mlp.shared_expert_gate.weight`` [1, H]."""
+    h, n = spec.hidden_size, spec.num_experts
+    block = MOE_HF_NAMES[spec.model_type][0]
+    p = f"model.layers.{layer}.{block}."
+    key = p + "gate.weight"
+    add(key, (n, h), [_rows(moe_hf_names(spec, layer)["router"], 0, n, h, key, 0)])
+    e0, e1 = _split(spec.moe_intermediate_size, tp, tp_rank)
+    f = e1 - e0
+    w13, w2 = p + "experts.routed_experts.w13_weight", p + "experts.routed_experts.w2_weight"
+    gate_up: list[Box] = []
+    down: list[Box] = []
+    for e in range(n):
+        names = moe_hf_names(spec, layer, e)
+        gate_up += [_rows(names["gate"], e0, e1, h, w13, e * 2 * f * h), _rows(names["up"], e0, e1, h, w13, (e * 2 * f + f) * h)]
+        down.append(Box(names["down"], 0, h, e0, e1, w2, e * h * f, f))
+    add(w13, (n, 2 * f, h), gate_up)
+    add(w2, (n, h, f), down)
+    if spec.has_shared_expert:
+        shared = shared_expert_hf_names(layer)
+        s0, s1 = _split(spec.shared_expert_intermediate_size, tp, tp_rank)
+        key = f"model.layers.{layer}.mlp.shared_expert.gate_up_proj.weight"
+        add(key, (2 * (s1 - s0), h), [_rows(shared["gate"], s0, s1, h, key, 0),
+                                      _rows(shared["up"], s0, s1, h, key, (s1 - s0) * h)])
+        key = f"model.layers.{layer}.mlp.shared_expert.down_proj.weight"
+        add(key, (h, s1 - s0), [Box(shared["down"], 0, h, s0, s1, key, 0, s1 - s0)])
+        key = f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+        add(key, (1, h), [_rows(shared["shared_gate"], 0, 1, h, key, 0)])
 
 
 def hf_layout(spec: HFModelSpec, *, tp: int = 1, tp_rank: int = 0, fused_experts: bool = False) -> Layout:

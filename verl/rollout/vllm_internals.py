@@ -60,8 +60,10 @@ __all__ = [
     "log_turned_off",
     "model_runner",
     "plain_cpu_linear",
+    "plain_cpu_moe",
     "queue_socket_files",
     "remove_shm_segments",
+    "repack_cpu_moe",
     "rendezvous_file",
     "select",
     "shutdown_engine",
@@ -133,6 +135,25 @@ INTERNALS: dict[str, Internal] = {
             "embeddings, whose packed LM head vLLM's reload leaves stale), named_parameters() refuses",
             tests=(_TESTS + "test_plain_cpu_linear_keeps_the_weights_vllm_would_pack",),
             api=("plain_cpu_linear",),
+            scope="cpu",
+        ),
+        Internal(
+            name="plain_cpu_moe",
+            touches="vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
+            ".process_weights_after_loading and .apply (replaced while the engine lives)",
+            versions=_V032,
+            why="the CPU build prepacks the fused experts' w13_weight/w2_weight in place of the loaded "
+            "ones, so new expert weights cannot be written or loaded into them; the layer keeps the "
+            "plain weights (GPU vLLM's layout) and the kernel reads a packed copy vLLM's own "
+            "processing makes, renewed by repack_cpu_moe after every weight update",
+            without="expert weights stay packed: a Mixture-of-Experts model's weights cannot be "
+            "updated on the CPU build (update_weights and named_parameters refuse)",
+            tests=(
+                _TESTS + "test_plain_cpu_moe_keeps_the_expert_weights_and_packs_a_copy",
+                "tests/hybrid/test_weight_sync_engines.py::test_push_moe_into_vllm",
+                "tests/rollout/test_vllm_moe.py::test_loaded_experts_equal_an_engine_started_with_them",
+            ),
+            api=("plain_cpu_moe", "repack_cpu_moe"),
             scope="cpu",
         ),
         Internal(
@@ -441,6 +462,91 @@ def plain_cpu_linear() -> Iterator[None]:
             if _plain_users == 0:
                 layer_utils.dispatch_cpu_unquantized_gemm = _original_dispatch
                 _original_dispatch = None
+
+
+# ------------------------------------------------------------------------------ plain_cpu_moe
+_moe_users = 0
+_moe_originals: dict[str, Any] = {}
+_PACKED = "_verl_cpu_moe_packed"  # on the experts object: (packed w13, packed w2) the kernel reads
+_EXPERTS = "_verl_cpu_moe_experts"  # on the layer: its experts object (for repack_cpu_moe)
+
+
+def _pack_copy(experts: Any, layer: torch.nn.Module) -> None:
+    """vLLM's own CPU processing (pad the intermediate dim, prepack) on a stand-in module that holds
+    the layer's plain weights; the results go to ``experts``, the layer's parameters stay as they are
+    (the processing replaces the stand-in's parameters with new tensors, never writes into them)."""
+    stand_in = torch.nn.Module()
+    for name in ("w13_weight", "w2_weight"):  # same storage as the layer's
+        stand_in.register_parameter(name, torch.nn.Parameter(getattr(layer, name).data, requires_grad=False))
+    stand_in.moe_config = getattr(layer, "moe_config", None)  # read by vLLM's zentorch check
+    _moe_originals["process"](experts, stand_in)
+    setattr(experts, _PACKED, (stand_in.w13_weight.data, stand_in.w2_weight.data))
+
+
+def _plain_moe_process(experts: Any, layer: torch.nn.Module) -> None:
+    """Stand-in for ``CPUUnquantizedExperts.process_weights_after_loading``: plain layer weights, a
+    packed copy for the kernel. Layers with expert biases (vLLM pads those in place on the layer)
+    keep vLLM's own processing and stay packed."""
+    if hasattr(layer, "w13_bias") or hasattr(layer, "w2_bias"):
+        _moe_originals["process"](experts, layer)
+        return
+    _pack_copy(experts, layer)
+    layer.__dict__[_EXPERTS] = experts
+
+
+def _packed_moe_apply(experts: Any, *args: Any, **kwargs: Any) -> Any:
+    """Stand-in for ``CPUUnquantizedExperts.apply``: the kernel gets the packed copies as w1/w2."""
+    packed = experts.__dict__.get(_PACKED)
+    if packed is not None:
+        bound = _moe_originals["signature"].bind(experts, *args, **kwargs)
+        bound.arguments["w1"], bound.arguments["w2"] = packed
+        return _moe_originals["apply"](*bound.args, **bound.kwargs)
+    return _moe_originals["apply"](experts, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def plain_cpu_moe() -> Iterator[None]:
+    """While active, the CPU build's unquantized fused experts built by vLLM keep their plain
+    ``w13_weight`` [E, 2F, H] / ``w2_weight`` [E, H, F] (vLLM's layout on every device, this rank's
+    TP' shard of F) and compute with a packed copy made by vLLM's own processing; after weights
+    are written or loaded into them, :func:`repack_cpu_moe` renews the copies. Kept for the engine's
+    lifetime; re-entrant and shared between engines in one process (reference counted).
+    Costs a second copy of the expert weights (CPU memory)."""
+    global _moe_users
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cls = cpu_moe.CPUUnquantizedExperts
+    with _lock:
+        if _moe_users == 0:
+            _moe_originals.update(process=cls.__dict__["process_weights_after_loading"],
+                                  apply=cls.__dict__["apply"])
+            _moe_originals["signature"] = inspect.signature(_moe_originals["apply"])
+            cls.process_weights_after_loading = _plain_moe_process
+            cls.apply = _packed_moe_apply
+        _moe_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _moe_users -= 1
+            if _moe_users == 0:
+                cls.process_weights_after_loading = _moe_originals.pop("process")
+                cls.apply = _moe_originals.pop("apply")
+                _moe_originals.clear()
+
+
+def repack_cpu_moe(model: torch.nn.Module) -> int:
+    """Renew the packed copies of the plain fused experts of ``model`` from their weights (after a
+    weight update); returns the number of layers repacked. Runs inside :func:`plain_cpu_moe`."""
+    layers = [m for m in model.modules() if _EXPERTS in m.__dict__]
+    if layers and not _moe_originals:
+        raise RuntimeError("repack_cpu_moe outside plain_cpu_moe: vLLM's processing is not at hand")
+    with torch.no_grad():
+        for layer in layers:
+            _pack_copy(layer.__dict__[_EXPERTS], layer)
+    return len(layers)
 
 
 # ------------------------------------------------------------------------------ accelerator_hooks

@@ -218,10 +218,16 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
         for p in check_rollout_degrees(spec, tp)
     ]
     if spec.is_moe and arr.rollout.name == "vllm":
-        problems.append(
-            f"actor_rollout_ref.rollout.name=vllm with a Mixture-of-Experts model ({spec.model_type}): verl does not "
-            "push weights into vLLM's fused experts yet; use actor_rollout_ref.rollout.name=hf (the transformers engine)"
-        )
+        world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        ranks = len(cfg.trainer.placement.get("rollout", range(world)))
+        if ranks != tp:
+            problems.append(
+                f"actor_rollout_ref.rollout.name=vllm with a Mixture-of-Experts model ({spec.model_type}) runs one "
+                f"engine replica: set actor_rollout_ref.rollout.tensor_model_parallel_size={ranks} (the rollout's "
+                f"ranks; it is {tp}). vLLM couples the data-parallel replicas of a MoE model (its experts split over "
+                "every replica's ranks, each forward gathering across them), which verl's independent replicas "
+                "cannot follow; or use actor_rollout_ref.rollout.name=hf"
+            )
     return problems + _router_replay_problems(cfg, spec)
 
 
