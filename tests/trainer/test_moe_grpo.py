@@ -185,7 +185,7 @@ def test_moe_grpo_with_r3_router_replay(moe_model_dir, arithmetic_files, tmp_pat
     ("extra", "match"),
     [
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.name=vllm"),
-         "R3 cannot run here: rollout.name=vllm does not return the experts it routed to .*rollout.name=hf"),
+         "R3 cannot run here: rollout.name=vllm does not return the experts it routed to .*Model Runner V2, which needs Triton .*rollout.name=hf"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.multi_turn.enable=true"),
          "R3 cannot run here: rollout.multi_turn.enable=true: the agent loop assembles its turns itself"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "trainer.rollout_mode=async",

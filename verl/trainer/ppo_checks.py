@@ -253,7 +253,9 @@ def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
     if mode == "R3":  # the rollout engine records the experts while it generates (verl.rollout.hf_engine)
         if arr.rollout.name != "hf":
             why.append(f"rollout.name={arr.rollout.name} does not return the experts it routed to (only the transformers "
-                       "engine records them): set actor_rollout_ref.rollout.name=hf, or use R2")
+                       "engine records them; vLLM 0.32 returns them only under its Model Runner V2, which needs Triton "
+                       "and so not on the CPU build, and verl does not wire it): set actor_rollout_ref.rollout.name=hf, "
+                       "or use R2")
         if arr.rollout.multi_turn.enable:
             why.append("rollout.multi_turn.enable=true: the agent loop assembles its turns itself and the recording does "
                        "not follow them (single-turn only), or use R2")
