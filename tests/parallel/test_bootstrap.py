@@ -91,9 +91,14 @@ from verl.config import PPOConfig, load_config
 from verl.parallel.bootstrap import distributed_world, start_world
 cfg = load_config(PPOConfig, overrides=["trainer.device=cpu", "trainer.collective_timeout_s=37",
                                         "trainer.n_gpus_per_node=1"], world_size=1)
+from verl.parallel.bootstrap import CONNECT_TIMEOUT, end_startup
 with distributed_world(cfg.trainer) as started:
-    timeout = c10d._get_default_group()._get_backend(c10d.torch.device("cpu")).options._timeout
-    print(started, dist.get_backend(), timeout == datetime.timedelta(seconds=37), os.environ["CUDA_VISIBLE_DEVICES"] == "")
+    def timeout():
+        return c10d._get_default_group()._get_backend(c10d.torch.device("cpu")).options._timeout
+    starting = timeout() == CONNECT_TIMEOUT  # until the training loop ends the start-up
+    end_startup()
+    print(started, dist.get_backend(), starting and timeout() == datetime.timedelta(seconds=37),
+          os.environ["CUDA_VISIBLE_DEVICES"] == "")
     with distributed_world(cfg.trainer) as again:  # a world already up: used, not torn down
         print(again)
     print(dist.is_initialized(), start_world(cfg.trainer))
@@ -104,7 +109,8 @@ print(dist.is_initialized())
 def test_a_world_from_the_trainer_config_is_started_once_and_torn_down_by_its_starter():
     out = _python(_WORLD_OF_A_CONFIG, {})
     assert out.returncode == 0, out.stderr
-    # started, gloo, the config's collective timeout, CUDA hidden on cpu; the nested block found
+    # started, gloo, the connect's timeout during the start-up and then the config's collective
+    # timeout, CUDA hidden on cpu; the nested block found
     # the world up; the world is gone after the block that started it.
     assert out.stdout.splitlines() == ["True gloo True True", "False", "True False", "False"]
 
@@ -177,6 +183,59 @@ def test_a_rank_may_join_late_but_a_collective_waits_only_the_collective_timeout
     # 2 s plus scheduling on a loaded machine; the connect timeout would be 300 s, and rank 1
     # leaving (12 s) would show as a closed connection, not a timeout.
     assert all(int(line.rsplit(" ", 1)[1]) < 8 for line in lines), lines
+
+
+_SLOW_BUILD = """
+import os, sys, time, types
+import torch
+import torch.distributed as dist
+from verl.parallel.bootstrap import end_startup, new_group, start_world
+import datetime
+rank, late = int(os.environ["RANK"]), float(sys.argv[1])
+start_world(types.SimpleNamespace(device="cpu", collective_timeout_s=2.0))
+group = new_group([0, 1], timeout=datetime.timedelta(seconds=2))  # as the role groups are made
+for name, g in (("group", group), ("world", None)):
+    if rank == 1:
+        time.sleep(late)  # a build on a loaded machine: rank 1 reaches the gather 4 s after rank 0
+    out = [None, None]
+    dist.all_gather_object(out, rank, group=g)  # as Megatron's optimizer build does
+    print("start-up", name, "answered", out, flush=True)
+end_startup()
+if rank == 0:
+    for name, g in (("group", group), ("world", None)):
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=g)  # rank 1 never joins this one
+            print("step", name, "answered")
+        except RuntimeError as exc:
+            print("step", name, "timed out" if "Timed out" in str(exc) else str(exc)[:200], round(time.monotonic() - start))
+    sys.stdout.flush()
+    os._exit(0)  # as in _LATE_RANK: a pending timed-out gloo collective may abort the teardown
+else:
+    time.sleep(3 * late)  # alive (and silent) while rank 0 waits
+"""
+
+
+def test_a_start_up_waits_like_a_connect_and_the_steps_the_collective_timeout():
+    """suite19: ``trainer.collective_timeout_s=8`` failed a healthy start-up on a loaded machine,
+    where the two ranks reached Megatron's optimizer-build gather more than 8 s apart. From
+    ``start_world`` to ``end_startup`` (the training loop's first step) collectives wait as long as
+    a connect; after it, a collective a rank never joins raises after the collective timeout (2 s)."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items()}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, "4"], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=300) for p in procs]
+    lines = outs[0][0].splitlines()
+    assert procs[0].returncode == 0, (lines, outs[0][1][-3000:])
+    assert lines[:2] == ["start-up group answered [0, 1]", "start-up world answered [0, 1]"], outs[0]
+    assert [line.rsplit(" ", 1)[0] for line in lines[2:]] == ["step group timed out", "step world timed out"], outs[0]
+    # 2 s plus scheduling on a loaded machine; the start-up's timeout would be 300 s.
+    assert all(int(line.rsplit(" ", 1)[1]) < 30 for line in lines[2:]), lines
 
 
 def _state_of_the_other_rank(pid_file: str) -> str:

@@ -625,7 +625,8 @@ class RunConfig(ConfigBase):
     collective_timeout_s: float = option(
         600.0,
         "Seconds a collective (all-reduce, broadcast, barrier) may wait for the other ranks before the run "
-        "stops, naming the rank that stopped answering and its phase; a dead or hung rank never hangs the job.",
+        "stops, naming the rank that stopped answering and its phase; a dead or hung rank never hangs the job. "
+        "From the first training step on: the start-up (engines, optimizers, resume) waits at least 5 minutes.",
         gt=0,
     )
 

@@ -11,6 +11,11 @@
   ``trainer.collective_timeout_s``) unless one is already up, and tear down only what they
   started: every entry point (``main_ppo``, ``main_sft``, the Python API, the launcher, the
   benchmarks) starts its world through them.
+- The start-up (:func:`start_world` to :func:`end_startup`: the engines' build, the optimizers',
+  the resume) waits on its collectives as long as a group's connect (:data:`CONNECT_TIMEOUT`): the
+  ranks reach them as far apart as their builds differ, like the connect itself. Only from
+  :func:`end_startup` on (the training loop's first step) do they wait the short collective
+  timeout that notices a lost rank.
 - :func:`run_on_ranks` runs a function on N ranks: the ranks of an enclosing torchrun, or N
   spawned processes that each call :func:`init_distributed`.
 
@@ -40,6 +45,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "destroy_distributed",
     "distributed_world",
+    "end_startup",
     "free_port",
     "init_distributed",
     "new_group",
@@ -165,15 +171,35 @@ def init_distributed(
     return torch.device("cpu")
 
 
+_startup: list[tuple[dist.ProcessGroup | None, datetime.timedelta]] | None = None
+"""The collective timeouts held back until :func:`end_startup` (None: not starting up)."""
+
+
+def end_startup() -> None:
+    """The start-up :func:`start_world` began is over: every group made since waits its own
+    collective timeout from now on (no-op outside a start-up). Called by the training loop before
+    its first step, after the resume: Megatron's optimizer build gathers over the role's group, and
+    on a loaded machine its ranks reached that gather more than a short timeout apart (suite19:
+    ``trainer.collective_timeout_s=8`` failed a healthy start-up)."""
+    global _startup
+    pending, _startup = _startup, None
+    for group, timeout in pending or []:
+        set_collective_timeout(group, timeout)
+
+
 def set_collective_timeout(group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
     """Collectives of ``group`` (None: the default group) that wait longer than ``timeout`` raise
-    from now on; the group's connect used :data:`CONNECT_TIMEOUT`.
+    from now on, or from :func:`end_startup` on during a start-up; the group's connect used
+    :data:`CONNECT_TIMEOUT`.
 
     The one use of torch's private ``distributed_c10d._set_pg_timeout`` (checked against torch
     2.13 CPU/gloo and 2.11 CUDA; ``tests/parallel/test_bootstrap.py`` fails when it stops
     working). Where it is missing (another torch) the group keeps its connect timeout, logged once.
     """
     if group is None and dist.get_backend() == "fake":
+        return
+    if _startup is not None:
+        _startup.append((group, timeout))
         return
     current = dist.distributed_c10d._get_default_group() if group is None else group
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
@@ -204,16 +230,23 @@ def new_group(ranks: list[int], *, timeout: datetime.timedelta | None) -> dist.P
 def start_world(trainer: Any) -> bool:
     """Start the world ``trainer`` (a ``TrainerConfig``/``RunConfig``) describes, unless one is
     already initialised: its ``device`` (``cpu`` hides CUDA first: Megatron chooses CUDA whenever
-    it sees one) and ``collective_timeout_s``. Returns whether this call started it (then the
+    it sees one) and ``collective_timeout_s``, which its collectives wait from :func:`end_startup` on
+    (until then, as long as a connect). Returns whether this call started it (then the
     caller tears it down with :func:`destroy_distributed`). ValueError names a device that cannot
     serve the launch. Caps glibc's malloc arenas first (:mod:`verl.utils.malloc`)."""
+    global _startup
     if dist.is_initialized():
         return False
     # Before vLLM's, the saves' and the reward pool's threads exist: a long run's RSS stays flat.
     cap_malloc_arenas()
     if trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    init_distributed(device=trainer.device, timeout=datetime.timedelta(seconds=trainer.collective_timeout_s))
+    _startup = []  # until end_startup (module docstring)
+    try:
+        init_distributed(device=trainer.device, timeout=datetime.timedelta(seconds=trainer.collective_timeout_s))
+    except BaseException:
+        _startup = None
+        raise
     return True
 
 
@@ -231,6 +264,8 @@ def distributed_world(trainer: Any) -> Iterator[bool]:
 
 def destroy_distributed() -> None:
     """Tear down Megatron's parallel state (if it was built) and the default process group."""
+    global _startup
+    _startup = None  # the groups it held are going
     if "verl.parallel.megatron_state" in sys.modules or "megatron.core.parallel_state" in sys.modules:
         from verl.parallel import megatron_state
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from verl.parallel.bootstrap import end_startup
 from verl.trainer.resilience import StopSignals, is_collective_failure, log_stop, rank_failure
 from verl.trainer.run_checks import hf_export_dir
 from verl.trainer.tracking import progress_bar
@@ -209,6 +210,7 @@ class Loop:
             self._signals = StopSignals().__enter__()
             trainer.resume()
             self._run("on_train_begin")
+            end_startup()  # from here collectives wait trainer.collective_timeout_s (verl.parallel.bootstrap)
         if trainer.global_step >= trainer.total_steps:
             return self._finish()
         metrics = self.step_fn()

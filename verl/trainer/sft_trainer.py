@@ -279,8 +279,11 @@ class SFTTrainer:
         ``stop_after`` ends the loop after that global step without the end-of-run actions
         (validation, save, export), as if the run were interrupted there.
         """
+        from verl.parallel.bootstrap import end_startup
+
         t = self.cfg.trainer
         self.resume()
+        end_startup()  # from here collectives wait trainer.collective_timeout_s (verl.parallel.bootstrap)
         bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="sft", enabled=t.progress_bar)
         last: dict[str, float] = {}
         val: dict[str, float] = {}
