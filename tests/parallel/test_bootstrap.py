@@ -133,6 +133,19 @@ def test_verl_and_tools_start_worlds_in_one_place():
     assert calls == ["verl/parallel/bootstrap.py:" + calls[0].split(":")[1]] and len(calls) == 1, calls
 
 
+def _two_ranks(code: str, arg: str, *, timeout: float) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """``code`` as ranks 0 and 1 of a torchrun-like world on this machine; each rank's (stdout, stderr)."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items()}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen([sys.executable, "-c", code, arg], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs, [p.communicate(timeout=timeout) for p in procs]
+
+
 _LATE_RANK = """
 import datetime, os, sys, time
 import torch
@@ -168,15 +181,7 @@ def test_a_rank_may_join_late_but_a_collective_waits_only_the_collective_timeout
     arrives 4 s late at both with a 2 s collective timeout and the world starts; then a collective
     rank 1 never joins raises after ~2 s (not the connect's minutes). A connect that used the
     collective timeout failed healthy start-ups under load (tests/trainer/test_lost_rank.py)."""
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items()}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, "-c", _LATE_RANK, "4"], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = [p.communicate(timeout=120) for p in procs]
+    procs, outs = _two_ranks(_LATE_RANK, "4", timeout=120)
     lines = outs[0][0].splitlines()
     assert procs[0].returncode == 0, (lines, outs[0][1][-3000:])
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["group timed out", "world timed out"], outs[0]
@@ -221,15 +226,7 @@ def test_a_start_up_waits_like_a_connect_and_the_steps_the_collective_timeout():
     where the two ranks reached Megatron's optimizer-build gather more than 8 s apart. From
     ``start_world`` to ``end_startup`` (the training loop's first step) collectives wait as long as
     a connect; after it, a collective a rank never joins raises after the collective timeout (2 s)."""
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items()}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, "4"], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = [p.communicate(timeout=300) for p in procs]
+    procs, outs = _two_ranks(_SLOW_BUILD, "4", timeout=300)
     lines = outs[0][0].splitlines()
     assert procs[0].returncode == 0, (lines, outs[0][1][-3000:])
     assert lines[:2] == ["start-up group answered [0, 1]", "start-up world answered [0, 1]"], outs[0]
