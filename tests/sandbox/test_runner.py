@@ -223,6 +223,34 @@ def test_interruptible_lets_a_timeout_through_only_where_no_outer_deferral_holds
     assert limit.expired and reached == ["inner", "outer"]
 
 
+def test_another_threads_deferred_block_does_not_hold_back_the_main_threads_timeout():
+    """The agent loop runs tool calls (which may run the sandbox, deferred for its whole run) in
+    threads: their blocks must not hold back a scorer's limit in the main thread."""
+    from verl.rewards.timeout import time_limit
+    from verl.utils.signals import deferred, deferring
+
+    inside, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with deferred():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        assert not deferring()
+        start = time.monotonic()
+        with time_limit(0.2) as limit:
+            while time.monotonic() - start < 10:
+                time.sleep(0.005)
+        assert limit.expired and time.monotonic() - start < 5
+    finally:
+        release.set()
+        thread.join(30)
+
+
 def test_a_bwrap_that_cannot_create_namespaces_counts_as_missing(monkeypatch, tmp_path):
     # Some containers forbid user namespaces: bwrap is there but every start fails. (The fake lives
     # where the sandbox user can run it: as root, pytest's tmp_path is root's alone.)

@@ -11,21 +11,28 @@ layers of both the sandbox and the rewards, which each use it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
-_depth = 0  # deferred() blocks open in this (main) thread
+# deferred() blocks open, per thread: a timeout's signal handler runs in the main thread and asks
+# about the main thread's only. Other threads (the agent loop's tool calls, which may run the
+# sandbox) open and close their own blocks without holding back the main thread's timeouts.
+_local = threading.local()
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Hold back a due timeout while the body runs. Keep the body short and bounded: the limit
     cannot interrupt it (the timer keeps firing, so the timeout is raised right after it)."""
-    global _depth
-    _depth += 1
+    _local.depth = _depth() + 1
     try:
         yield
     finally:
-        _depth -= 1
+        _local.depth = _depth() - 1
 
 
 @contextlib.contextmanager
@@ -33,14 +40,14 @@ def interruptible() -> Iterator[None]:
     """Inside a :func:`deferred` block, let a due timeout raise again (one level: an enclosing
     caller's own ``deferred()`` still holds). For the waits of a clean-up-guarded body, where the
     raise leaves a state the clean-up handles."""
-    global _depth
-    _depth -= 1
+    _local.depth = _depth() - 1
     try:
         yield
     finally:
-        _depth += 1
+        _local.depth = _depth() + 1
 
 
 def deferring() -> bool:
-    """Whether a :func:`deferred` block is open (a timeout handler returns without raising)."""
-    return _depth > 0
+    """Whether a :func:`deferred` block is open in this thread (a timeout handler, which runs in the
+    main thread, returns without raising)."""
+    return _depth() > 0
