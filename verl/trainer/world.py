@@ -40,6 +40,7 @@ from verl.config.schema import ModelConfig, OptimConfig
 from verl.engine import lr_schedule_steps
 from verl.hybrid import DisaggregatedSync
 from verl.parallel import megatron_state
+from verl.parallel.bootstrap import new_group
 from verl.parallel.placement import role_ranks
 from verl.parallel.topology import RoleLayout, Topology
 from verl.protocol import Batch
@@ -247,8 +248,10 @@ def _trainer_group(cfg: PPOConfig, world: RLWorld) -> None:
     only = set(roles["rollout"].ranks) - busy
     if not only:
         return
-    world.trainer_group = dist.new_group(
-        ranks=sorted(set(range(world.world_size)) - only),
+    # Through bootstrap.new_group, like the role groups: its members have a connect's time to join
+    # and its collectives wait the collective timeout only once the start-up is over.
+    world.trainer_group = new_group(
+        sorted(set(range(world.world_size)) - only),
         timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s),
     )
     world.generates_only = dist.get_rank() in only
