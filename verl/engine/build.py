@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
-from verl.models.builder import HF_DTYPE_NAMES, ModelBuildConfig, build_model_chunks
+from verl.models.builder import HF_DTYPE_NAMES, ModelBuildConfig, build_model_chunks, mark_experts_replicated_over_tp
 from verl.models.checkpoint import load_hf_weights
 from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.lora import LoRASpec, apply_lora, resolve_target_modules
@@ -172,6 +172,7 @@ def build_trainable_chunks(
             chunk.requires_grad_(False)
             chunk.eval()
         return chunks
+    mark_experts_replicated_over_tp(chunks, pg)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

@@ -470,6 +470,35 @@ def _layer_offset(config: "TransformerConfig", split: PipelineSplit, vp_stage: i
     return get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 
+def mark_experts_replicated_over_tp(chunks: list["GPTModel"], pg: "ProcessGroupCollection") -> None:
+    """Before DDP wraps trainable ``chunks``: at TP > 1 and EP 1 with sequence parallel, give the
+    experts Megatron's expert-parallel marking. Nothing to do at TP 1 or EP > 1.
+
+    verl builds experts whole (expert TP 1), so at EP 1 each TP rank holds every expert. Under
+    sequence parallel (which Megatron requires for MoE training at TP > 1) each rank routes its own
+    slice of the tokens, so its expert gradients are partial sums. megatron-core 0.16.1 marks expert
+    parameters ``allreduce = not (is_expert and expert_model_parallel_size > 1)``: at EP 1 DDP
+    reduced them over data parallel only and the TP copies drifted apart. ``allreduce=False`` (read
+    by DDP and by the optimizer's parameter groups) puts them in DDP's expert buffers, reduced over
+    the expert-data-parallel group, which at expert TP 1 spans the TP ranks: the sum over the
+    slices, scaled by 1/dp like every gradient, as at EP > 1.
+
+    The gradient norm verl clips by (the optimizer's, ``verl.engine.step``) then counts each expert
+    once, as at EP > 1: the expert optimizer reduces its statistics over expert TP x EP x PP (at
+    EP 1 the pipeline stages, not the TP copies), or, with the distributed optimizer, over all ranks
+    with each shard of the expert-data-parallel group counted once.
+    """
+    ep_size = pg.ep.size() if getattr(pg, "ep", None) is not None else 1
+    if ep_size > 1 or pg.tp.size() == 1:
+        return
+    for chunk in chunks:
+        if not (unwrap_model(chunk).verl_spec.is_moe and chunk.config.sequence_parallel):
+            continue
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
+
+
 def build_model_chunks(
     spec: HFModelSpec,
     cfg: ModelBuildConfig,
