@@ -142,10 +142,9 @@ def test_moe_grpo_with_r2_router_replay(moe_model_dir, arithmetic_files, tmp_pat
         # the first update runs at the recording's weights: free routing would have chosen every recorded set
         assert first["actor/router_replay/agreement"] == 1.0 and 0.5 < second["actor/router_replay/agreement"] <= 1.0
         assert abs(first["actor/ppo_kl"]) <= kl_bound and first["actor/pg_clipfrac"] == 0.0
-        # At TP 2 + SP the second step's rollout (transformers, free routing) and old-policy pass (Megatron,
-        # free routing, recorded) differ by 5.4e-4 without R2 as well: a near tie routed apart, which replay
-        # does not touch; the first step is checked there.
-        for step in r["steps"][:1] if cut == TP2_SP else r["steps"]:
+        # Both steps, also at TP 2 + SP: the second step's rollout and old-policy pass differed by 5-7e-4
+        # there while the TP ranks' expert copies drifted apart (#34, experts reduced over DP only).
+        for step in r["steps"]:
             assert step["training/rollout_logprob_diff_max"] < LOGPROB_ATOL
         assert second["training/global_step"] == 2.0
 
