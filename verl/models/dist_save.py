@@ -86,8 +86,12 @@ def in_process_results_queue() -> Iterator[None]:
 
 def save_sharded(sharded_state_dict: dict[str, Any], ckpt_dir: str) -> None:
     """``dist_checkpointing.save(sharded_state_dict, ckpt_dir)`` (collective), in this process and
-    the writer's forked workers only: nothing imports ``__main__`` again."""
+    the writer's forked workers only: nothing imports ``__main__`` again. The workers die with this
+    process: one killed mid-save would leave them waiting for its queue items (the suite, 2026-12-05)."""
     from megatron.core import dist_checkpointing
 
+    from verl.utils.process import forks_exit_with_parent
+
+    forks_exit_with_parent()
     with in_process_results_queue():
         dist_checkpointing.save(sharded_state_dict, ckpt_dir)
