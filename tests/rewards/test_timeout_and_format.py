@@ -12,7 +12,7 @@ import pytest
 
 from verl.rewards import THINK_ANSWER_PATTERN, format_reward
 from verl.rewards.timeout import ScoreTimeout, time_limit
-from verl.utils.signals import deferred
+from verl.utils.signals import deferred, deferring, interruptible
 
 
 def _spin(seconds: float) -> None:
@@ -88,6 +88,22 @@ def test_deferred_clean_up_runs_to_its_end_while_the_timeout_fires_again():
         finally:
             clean_up_taking(0.4, cut)
     assert limit.expired and cut == []  # the re-firing timer ended the undeferred clean-up early
+
+
+def test_deferred_restores_its_callers_state_when_an_inner_interruptible_was_cut_short():
+    """A timeout can land in interruptible()'s finally before it restores the depth; the enclosing
+    deferred() still hands its caller the state it found (a count left at -1 would make every later
+    deferred() block hold nothing back)."""
+    from verl.utils import signals
+
+    with deferred():
+        signals._local.depth -= 1  # what an interruptible() whose finally was cut short leaves behind
+        assert not deferring()
+    assert not deferring()
+    with deferred():
+        assert deferring()
+    with deferred(), deferred(), interruptible():
+        assert deferring()  # one level only: the outer block still holds
 
 
 def test_outer_timer_survives_an_inner_limit():

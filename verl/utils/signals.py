@@ -28,11 +28,14 @@ def _depth() -> int:
 def deferred() -> Iterator[None]:
     """Hold back a due timeout while the body runs. Keep the body short and bounded: the limit
     cannot interrupt it (the timer keeps firing, so the timeout is raised right after it)."""
-    _local.depth = _depth() + 1
+    outer = _depth()
+    _local.depth = outer + 1
     try:
         yield
     finally:
-        _local.depth = _depth() - 1
+        # Restored, not decremented: a timeout raised inside an inner interruptible()'s finally,
+        # before it restored the depth, must not leave this thread's count off by one for good.
+        _local.depth = outer
 
 
 @contextlib.contextmanager
@@ -40,11 +43,12 @@ def interruptible() -> Iterator[None]:
     """Inside a :func:`deferred` block, let a due timeout raise again (one level: an enclosing
     caller's own ``deferred()`` still holds). For the waits of a clean-up-guarded body, where the
     raise leaves a state the clean-up handles."""
-    _local.depth = _depth() - 1
+    outer = _depth()
+    _local.depth = outer - 1
     try:
         yield
     finally:
-        _local.depth = _depth() + 1
+        _local.depth = outer
 
 
 def deferring() -> bool:
