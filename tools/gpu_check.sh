@@ -33,8 +33,8 @@
 #   agent        the agent loop's tests with the transformers engine on the GPU (tool calls, log-probs)
 #   moe          Megatron's MoE layers (Qwen3-MoE, Qwen2-MoE) on one CUDA rank without Transformer Engine against
 #                transformers; the uneven pipeline split against Megatron's own functions (unrun yet)
-#   moe-r3       R3 router replay: the transformers engine's recorded experts on CUDA against a CPU
-#                recomputation (unrun yet)
+#   moe-r3       R3 router replay: the transformers engine's and vLLM's recorded experts on CUDA
+#                against a CPU recomputation (vLLM: enable_return_routed_experts, Model Runner V2; unrun yet)
 #   async        the streaming rollout on the GPU (trainer.rollout_mode=async, bound 2; one rank, so
 #                colocated: generation ahead inside the update window, the CUDA engine's weights
 #                synced before the update); tools/bench.py async needs 2 GPUs (NCCL, a rank each)
@@ -109,7 +109,7 @@ step moe 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-
   tests/models/test_moe.py::test_one_rank_on_the_device_matches_transformers \
   tests/models/test_uneven_pipeline.py::test_stage_ranges_equal_megatrons
 # R3 router replay (#34): the transformers engine's routing recorded on the device (hooks, KV-cached decode).
-step moe-r3 90 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra \
+step moe-r3 420 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra \
   tests/models/test_router_replay_r3.py -k device
 step async 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
   actor_rollout_ref.rollout.name=hf trainer.device=cuda trainer.rollout_mode=async trainer.async_training.max_staleness=2

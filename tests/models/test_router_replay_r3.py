@@ -107,6 +107,44 @@ def test_the_engine_records_the_experts_it_routed_to(tmp_path, family, device):
     assert torch.equal(routed[mask], expected[mask])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM records routing on a GPU build only (Model Runner V2)")
+@pytest.mark.timeout(600)
+def test_vllm_records_the_experts_it_routed_to_on_the_device(tmp_path):
+    """vLLM's ``enable_return_routed_experts`` on CUDA (float32) against transformers' recomputation on the CPU:
+    every token vLLM ran through the model, in the router's order; the last sampled token is -1 (never fed
+    back), pads ``0..K-1``."""
+    pytest.importorskip("vllm")
+    from verl.config.schema import RolloutConfig
+    from verl.models.router_replay import NOT_ROUTED
+    from verl.protocol import Batch
+    from verl.rollout.base import left_pad
+    from verl.rollout.vllm_engine import VLLMRollout
+
+    from transformers import AutoTokenizer
+
+    model_dir = _tiny_moe(tmp_path, "qwen3_moe")
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    cfg = RolloutConfig(name="vllm", prompt_length=10, response_length=8, n=2, temperature=1.0, dtype="float32",
+                        stop_token_ids=list(range(vocab - vocab // 4, vocab)), gpu_memory_utilization=0.3)
+    gen = torch.Generator().manual_seed(0)
+    with VLLMRollout(cfg, model_dir, record_routing=True) as engine:
+        rows = [torch.randint(3, vocab // 2, (int(length),), generator=gen).tolist()
+                for length in torch.randint(3, 10, (6,), generator=gen)]
+        ids, mask = left_pad(rows, 10, engine.pad_token_id)
+        out = engine.generate(Batch.from_dict({"input_ids": ids, "attention_mask": mask}), seed=1)
+    routed, mask = out["routed_experts"].cpu(), out["attention_mask"].bool().cpu()
+    b, t = mask.shape
+    assert routed.dtype == torch.long and routed.shape == (b, t, 2, 2)
+    last = mask.long().cumsum(1).argmax(1)  # each row's last real column: its last sampled token
+    assert torch.equal(routed[torch.arange(b), last], torch.full((b, 2, 2), NOT_ROUTED))
+    assert torch.equal(routed[~mask], torch.arange(2).expand(int((~mask).sum()), 2, 2))
+    fed = mask.clone()
+    fed[torch.arange(b), last] = False
+    expected, gap = _recomputed_topk(model_dir, {k: out[k].cpu() for k in ("input_ids", "attention_mask", "position_ids")})
+    assert gap[fed].min() > 1e-5, "a near tie: the recomputation could pick other experts by rounding alone"
+    assert torch.equal(routed[fed], expected[fed])
+
+
 def test_recording_leaves_the_samples_alone(tmp_path):
     """The same seed samples the same tokens and log-probs with and without recording (the extra decode step
     is greedy and draws nothing); an engine not asked records nothing."""

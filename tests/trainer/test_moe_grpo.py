@@ -184,7 +184,7 @@ def test_moe_grpo_with_r3_router_replay(moe_model_dir, arithmetic_files, tmp_pat
     ("extra", "match"),
     [
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.name=vllm"),
-         "R3 cannot run here: rollout.name=vllm does not return the experts it routed to .*Model Runner V2, which needs Triton .*rollout.name=hf"),
+         "R3 cannot run here: rollout.name=vllm on CPU does not return the experts it routed to .*Model Runner V2, which needs Triton.*rollout.name=hf"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "actor_rollout_ref.rollout.multi_turn.enable=true"),
          "R3 cannot run here: rollout.multi_turn.enable=true: the agent loop assembles its turns itself"),
         (("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "trainer.rollout_mode=async",
@@ -213,6 +213,28 @@ def test_unsupported_router_replay_is_refused_before_any_model(moe_model_dir, ar
     )
     with pytest.raises(ValueError, match=match):
         preflight(cfg, 2)
+
+
+def test_r3_with_vllm_is_a_gpu_path(moe_model_dir, arithmetic_files):
+    """R3 with the vLLM engine: refused on CPU (the CPU build cannot return the routed experts), let through
+    on CUDA, where vLLM's enable_return_routed_experts records them (tools/gpu_check.sh moe-r3)."""
+    from verl.config import PPOConfig, load_config
+    from verl.models.hf_config import parse_hf_config
+    from verl.trainer.ppo_checks import _router_replay_problems
+
+    def problems(device: str) -> list[str]:
+        cfg = load_config(
+            PPOConfig, config_file="grpo_qwen3_moe_tiny_cpu", world_size=2,
+            overrides=[f"actor_rollout_ref.model.path={moe_model_dir}", f"data.train_files={arithmetic_files['train']}",
+                       "data.val_files=null", "actor_rollout_ref.rollout.name=vllm",
+                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                       "actor_rollout_ref.actor.megatron.router_replay.mode=R3", f"trainer.device={device}"],
+        )
+        return _router_replay_problems(cfg, parse_hf_config(moe_model_dir))
+
+    assert problems("cuda") == []
+    [refused] = problems("cpu")
+    assert "rollout.name=vllm on CPU does not return the experts" in refused
 
 
 def test_vllm_rollout_of_a_moe_model_passes_the_preflight_with_one_replica(moe_model_dir, arithmetic_files):

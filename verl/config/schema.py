@@ -156,7 +156,7 @@ class OptimConfig(ConfigBase):
 class RouterReplayConfig(ConfigBase):
     """Mixture-of-Experts router replay (the reference verl's ``megatron.router_replay``; verl.models.router_replay)."""
 
-    mode: Literal["disabled", "R2", "R3"] = option("disabled", "disabled; R2: the old-policy pass (actor.old_log_prob recompute) records each token's experts and the actor's update replays them; R3: the rollout engine records each token's experts while it generates (rollout.name=hf; single-turn, no partial rollout) and the old-policy pass and the update replay them.")
+    mode: Literal["disabled", "R2", "R3"] = option("disabled", "disabled; R2: the old-policy pass (actor.old_log_prob recompute) records each token's experts and the actor's update replays them; R3: the rollout engine records each token's experts while it generates (rollout.name=hf, or vllm on GPU; single-turn, no partial rollout) and the old-policy pass and the update replay them.")
 
 
 @dataclass(kw_only=True)

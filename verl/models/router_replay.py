@@ -11,7 +11,10 @@ so the trainer routes as the engine did.
 The batch carries the routing as ``routed_experts`` [B, T, L, K] (int64): for row b, column t, the k
 experts MoE layer l chose, in the router's top-k order; ``L`` counts every MoE layer of the model, so
 the tensor is independent of the pipeline split. Pad positions hold ``0..K-1`` (any valid set; their
-outputs are masked).
+outputs are masked). A real token the rollout engine never ran through the model holds ``-1``
+(:data:`NOT_ROUTED`: vLLM never feeds the last sampled token back): it is replayed as ``0..K-1``
+and left out of the agreement; its output would predict the token after the response, which no
+loss reads.
 
 Megatron-core's ``RouterReplay`` (``moe_enable_routing_replay``; megatron-core 0.16.1, the only version
 checked) does the routing: every router of a model built with it owns one instance; with the action
@@ -61,6 +64,8 @@ free choice, from the same pass's logits, would have taken too (1.0: the replay 
 AGREEMENT_COUNTS = ("router_replay/agreeing", "router_replay/routed")
 """A forward-only replay's ``ForwardResult.metrics`` (one dict for the pass): the agreeing and all (real token,
 MoE layer) pairs of the whole pass, as :data:`AGREEMENT` counts them, for a caller to sum over data parallel."""
+NOT_ROUTED = -1
+"""``routed_experts`` entry of a real token the engine did not route (module docstring)."""
 RoutingMode = Literal["record", "replay"]
 
 
@@ -150,14 +155,16 @@ def agreement(routers_: list, sp_group=None) -> tuple[float, float]:
 
 def set_targets(routers_: list, routed: torch.Tensor, model_mask: torch.Tensor, sp_group=None) -> None:
     """Give each router the experts of one micro-batch: ``routed`` [b, S, L, K] in the model's row layout,
-    ``model_mask`` [b, S] (1 = real token; pads get ``0..K-1``); ``sp_group``: the TP group when the
-    model runs sequence parallel (each rank routes its slice of S), else None."""
+    ``model_mask`` [b, S] (1 = real token; pads and :data:`NOT_ROUTED` tokens get ``0..K-1`` and are
+    left out of the agreement); ``sp_group``: the TP group when the model runs sequence parallel (each
+    rank routes its slice of S), else None."""
     b, s, layers, k = routed.shape
     if layers != len(routers_):
         raise ValueError(f"batch '{ROUTED_EXPERTS}' has {layers} layers of routing, the model {len(routers_)} MoE layers")
-    routed = torch.where(model_mask.bool()[..., None, None], routed, torch.arange(k, device=routed.device))
+    counted = model_mask.bool() & (routed != NOT_ROUTED).all(-1).all(-1)  # [b, S]
+    routed = torch.where(counted[..., None, None], routed, torch.arange(k, device=routed.device))
     tokens = routed.transpose(0, 1).reshape(s * b, layers, k)  # the router's [S, b] token order
-    real = model_mask.bool().transpose(0, 1).reshape(s * b)
+    real = counted.transpose(0, 1).reshape(s * b)
     if sp_group is not None and sp_group.size() > 1:
         share = s * b // sp_group.size()  # S is a multiple of TP under sequence parallel
         tokens = tokens[sp_group.rank() * share : (sp_group.rank() + 1) * share]

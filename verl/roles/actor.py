@@ -189,7 +189,7 @@ class Actor:
         if ROUTED_EXPERTS in batch:
             return
         source = {"R2": "the old-policy pass recorded (set actor.old_log_prob=recompute)",
-                  "R3": "the rollout engine recorded (actor_rollout_ref.rollout.name=hf records them)"}[self.router_replay]
+                  "R3": "the rollout engine recorded (rollout.name=hf records them, and vllm on GPU)"}[self.router_replay]
         raise ValueError(
             f"actor.megatron.router_replay.mode={self.router_replay}: {where} replays the experts {source}, but the "
             f"batch has no '{ROUTED_EXPERTS}'"

@@ -96,7 +96,7 @@ class Rollout:
         world: the group of the actor's ranks when they are part of the world (None: the world);
             every call of this role runs with it as the default group.
         record_routing: R3 router replay (``actor.megatron.router_replay.mode=R3``): the engine records
-            the experts of every sample (``routed_experts``; the transformers engine only).
+            the experts of every sample (``routed_experts``; the transformers engine, and vLLM on GPU).
     """
 
     def __init__(
@@ -114,13 +114,14 @@ class Rollout:
         self.dp_group = dp_group
         self.world = world
         with role_world(world):
-            self._build(cfg, model_path, tokenizer, trust_remote_code)
+            self._build(cfg, model_path, tokenizer, trust_remote_code, record_routing)
         if record_routing:  # R3 router replay: every sample carries the experts it was generated with
             if not hasattr(self.engine, "record_routing") or cfg.multi_turn.enable:
                 raise ValueError(
                     f"actor.megatron.router_replay.mode=R3: the {cfg.name!r} rollout engine"
                     f"{' behind the multi-turn agent loop' if cfg.multi_turn.enable else ''} does not record the "
-                    "experts it routes to; use actor_rollout_ref.rollout.name=hf (single-turn) or router_replay.mode=R2"
+                    "experts it routes to; use actor_rollout_ref.rollout.name=hf (single-turn), vllm on GPU, or "
+                    "router_replay.mode=R2"
                 )
             self.engine.record_routing = True
         self.sync: WeightSync | GatheredSync | _SharedModule | None = None
@@ -148,7 +149,9 @@ class Rollout:
             with role_world(world):
                 self.agent.replica = _replica_share(cfg.tensor_model_parallel_size)
 
-    def _build(self, cfg: "RolloutConfig", model_path: str, tokenizer: Any, trust_remote_code: bool) -> None:
+    def _build(
+        self, cfg: "RolloutConfig", model_path: str, tokenizer: Any, trust_remote_code: bool, record_routing: bool
+    ) -> None:
         module = registered_module(model_path)
         if module is not None:  # a plain nn.Module: it generates itself (verl.rollout.module_engine)
             from verl.rollout.module_engine import ModuleRollout
@@ -160,7 +163,9 @@ class Rollout:
                 )
             self.engine: RolloutEngine = ModuleRollout(cfg, module, tokenizer=tokenizer)
         else:
-            self.engine = build_rollout_engine(cfg, model_path, tokenizer, trust_remote_code=trust_remote_code)
+            # vLLM records routing only when started to (enable_return_routed_experts); the others are told after.
+            extra = {"record_routing": True} if record_routing and cfg.name == "vllm" else {}
+            self.engine = build_rollout_engine(cfg, model_path, tokenizer, trust_remote_code=trust_remote_code, **extra)
 
     def attach(self, actor: "MegatronEngine") -> None:
         """Plan the weight transfer from ``actor`` (collective), then release the KV cache until

@@ -124,7 +124,8 @@ class Sample:
     """True when the response ended because it reached ``max_tokens``."""
     routed_experts: torch.Tensor | None = None
     """An engine that records routing (R3, ``verl.models.router_replay``): [prompt + response tokens, L, K]
-    int64, the experts each MoE layer sent each real token to while generating; None otherwise."""
+    int64, the experts each MoE layer sent each real token to while generating (-1 for a token the
+    engine never ran through the model: vLLM's last sampled one); None otherwise."""
 
 
 def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:

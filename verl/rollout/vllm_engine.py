@@ -68,6 +68,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl.models.router_replay import NOT_ROUTED
 from verl.rollout import vllm_internals as internals
 from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
 from verl.utils.env import environ
@@ -197,6 +198,28 @@ def _is_moe(model_path: str) -> bool:
     return bool(config.get("num_experts") or config.get("num_local_experts"))
 
 
+def _engine_routing(routed: Any, prompt_len: int, response_len: int) -> torch.Tensor:
+    """R3: a request's ``CompletionOutput.routed_experts`` (vLLM 0.32: [tokens, MoE layers, K], the
+    experts each MoE layer chose for every token the engine ran through the model) as
+    ``Sample.routed_experts`` [prompt + response, L, K] int64. vLLM never feeds the last sampled token
+    back, so it has no routing for it: that row is ``NOT_ROUTED`` (-1; the trainer replays it as any
+    set and leaves it out of the agreement; its output predicts nothing the loss reads)."""
+    if routed is None:
+        raise RuntimeError(
+            "R3 router replay: vLLM returned no routed experts for a request; the engine was started without "
+            "enable_return_routed_experts, or this vLLM does not return them (Model Runner V2 only)"
+        )
+    routed = torch.as_tensor(np.asarray(routed)).to(torch.long)
+    want = prompt_len + response_len - 1
+    if routed.ndim != 3 or routed.shape[0] != want:
+        raise RuntimeError(
+            f"R3 router replay: vLLM returned routed experts of shape {list(routed.shape)} for {prompt_len} prompt + "
+            f"{response_len} response tokens; expected [{want}, MoE layers, top-k] (every token but the last sampled one)"
+        )
+    missing = torch.full((1, *routed.shape[1:]), NOT_ROUTED, dtype=torch.long)
+    return torch.cat([routed, missing])
+
+
 def _engine_dtype(cfg: RolloutConfig, on_cpu: bool) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
@@ -213,6 +236,10 @@ class VLLMRollout(RolloutEngine):
         tokenizer: the policy's tokenizer (for pad/eos ids); loaded from ``model_path`` if None.
         load_format: vLLM's ``load_format``.
         trust_remote_code: allow custom modelling code of the checkpoint.
+        record_routing: R3 router replay (``verl.models.router_replay``): every sample carries the
+            experts each MoE layer routed its tokens to (``Sample.routed_experts``), from vLLM's
+            ``enable_return_routed_experts``. Set at construction only; GPU builds only (vLLM 0.32
+            returns them under its Model Runner V2, which needs Triton, absent from the CPU build).
     """
 
     weights_layout = "vllm"
@@ -225,6 +252,7 @@ class VLLMRollout(RolloutEngine):
         tokenizer: Any = None,
         load_format: str = "auto",
         trust_remote_code: bool = False,
+        record_routing: bool = False,
     ) -> None:
         require_vllm()
         if tokenizer is None:
@@ -238,6 +266,14 @@ class VLLMRollout(RolloutEngine):
         from vllm.platforms import current_platform
 
         self.on_cpu = bool(current_platform.is_cpu())
+        if record_routing and self.on_cpu:
+            raise ValueError(
+                "actor.megatron.router_replay.mode=R3 with rollout.name=vllm needs a GPU build of vLLM: vLLM 0.32 returns "
+                "the routed experts only under its Model Runner V2, which needs Triton, absent from the CPU build "
+                "(measured: 'AuxOutput Connector requires Model Runner V2', then 'Model Runner V2 requires Triton'); "
+                "use actor_rollout_ref.rollout.name=hf on CPU, or router_replay.mode=R2"
+            )
+        self._record_routing = bool(record_routing)
         self._lifetime = contextlib.ExitStack()
         self._released = False
         self._kv_cache_config: Any = None
@@ -319,6 +355,13 @@ class VLLMRollout(RolloutEngine):
             # only where verl draws bars, never into a log file.
             use_tqdm_on_load=bar_allowed(),
         )
+        if self._record_routing:
+            if not _is_moe(model_path):
+                raise ValueError(
+                    f"R3 router replay: {model_path} has no Mixture-of-Experts layers to record; set "
+                    "actor_rollout_ref.actor.megatron.router_replay.mode=disabled"
+                )
+            kwargs["enable_return_routed_experts"] = True
         if world // tp > 1 and _is_moe(model_path):
             raise ValueError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} makes {world // tp} vLLM replicas of a "
@@ -459,8 +502,25 @@ class VLLMRollout(RolloutEngine):
                 lps = _sampled_logprobs(ids, c.logprobs)
             else:
                 lps = _captured_logprobs(captured, request_id, ids)
-            samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length"))
+            routed = None
+            if self._record_routing:
+                routed = _engine_routing(getattr(c, "routed_experts", None), len(out.prompt_token_ids), len(ids))
+            samples.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=c.finish_reason == "length",
+                                  routed_experts=routed))
         return samples
+
+    @property
+    def record_routing(self) -> bool:
+        """R3: whether samples carry ``routed_experts`` (fixed at construction: ``record_routing``)."""
+        return self._record_routing
+
+    @record_routing.setter
+    def record_routing(self, value: bool) -> None:
+        if bool(value) != self._record_routing:
+            raise ValueError(
+                "VLLMRollout.record_routing is fixed when the engine starts (vLLM's enable_return_routed_experts): "
+                "build it with record_routing=True"
+            )
 
     # ------------------------------------------------------------------ weights
     def _model(self) -> torch.nn.Module:

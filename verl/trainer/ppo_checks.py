@@ -231,6 +231,15 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
     return problems + _router_replay_problems(cfg, spec)
 
 
+def _runs_on_cuda(device: str) -> bool:
+    """Whether ``trainer.device`` resolves to CUDA here (``auto``: when torch sees a GPU)."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
+
+
 def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
     """``megatron.router_replay`` (verl.models.router_replay): R2 or R3 on the actor of a MoE model, where it is built."""
     arr = cfg.actor_rollout_ref
@@ -250,12 +259,14 @@ def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
         why.append(f"actor.strategy={arr.actor.strategy} (the Megatron engine only)")
     if mode == "R2" and cfg.old_log_prob_source != "recompute":
         why.append(f"actor.old_log_prob resolves to {cfg.old_log_prob_source} (R2 records in the recompute pass: set recompute)")
-    if mode == "R3":  # the rollout engine records the experts while it generates (verl.rollout.hf_engine)
-        if arr.rollout.name != "hf":
-            why.append(f"rollout.name={arr.rollout.name} does not return the experts it routed to (only the transformers "
-                       "engine records them; vLLM 0.32 returns them only under its Model Runner V2, which needs Triton "
-                       "and so not on the CPU build, and verl does not wire it): set actor_rollout_ref.rollout.name=hf, "
-                       "or use R2")
+    if mode == "R3":  # the rollout engine records the experts while it generates (hf_engine; vllm_engine on GPU)
+        if arr.rollout.name == "vllm" and not _runs_on_cuda(cfg.trainer.device):
+            why.append("rollout.name=vllm on CPU does not return the experts it routed to (vLLM 0.32 returns them only "
+                       "under its Model Runner V2, which needs Triton, absent from the CPU build): set "
+                       "actor_rollout_ref.rollout.name=hf, or use R2")
+        elif arr.rollout.name not in ("hf", "vllm"):
+            why.append(f"rollout.name={arr.rollout.name} does not return the experts it routed to (the transformers "
+                       "engine records them, and vLLM on GPU): set actor_rollout_ref.rollout.name=hf, or use R2")
         if arr.rollout.multi_turn.enable:
             why.append("rollout.multi_turn.enable=true: the agent loop assembles its turns itself and the recording does "
                        "not follow them (single-turn only), or use R2")
