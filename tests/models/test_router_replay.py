@@ -88,7 +88,7 @@ def _hf_logprobs(model_dir, batch, routers=None, forced=None):
             with torch.no_grad():
                 gate.weight.copy_(routers[index])
         if forced is not None:
-            experts = forced[:, :, index].reshape(-1, TOPK)  # transformers' tokens: [B * T] row-major
+            experts = forced[:, :, index].reshape(-1, TOPK).long()  # transformers' tokens: [B * T] row-major
 
             def forward(hidden, gate=gate, experts=experts):
                 logits = torch.nn.functional.linear(hidden.reshape(-1, HIDDEN), gate.weight)
@@ -125,7 +125,7 @@ def test_replayed_routing_decides_the_update_pass(model_dir, world, tp, ep):
         mask = batch["attention_mask"].bool()
         expected, hf_chosen = _hf_logprobs(model_dir, batch)
         rec = r["recorded"]
-        assert rec["routed_experts"].shape == (4, 12, LAYERS, TOPK) and rec["routed_experts"].dtype == torch.long
+        assert rec["routed_experts"].shape == (4, 12, LAYERS, TOPK) and rec["routed_experts"].dtype == torch.int16
         for layer in range(LAYERS):  # the recorded experts are transformers' (in any order within the top k)
             actual = rec["routed_experts"][:, :, layer][mask].sort(-1).values
             assert torch.equal(actual, hf_chosen[layer][mask].sort(-1).values), layer

@@ -95,7 +95,7 @@ def test_the_engine_records_the_experts_it_routed_to(tmp_path, family, device):
     out = _generate(model_dir, stop_share=0.25, device=device)
     routed, mask = out["routed_experts"], out["attention_mask"].bool()
     b, t = mask.shape
-    assert routed.dtype == torch.long and routed.shape == (b, t, 2, 2)  # 12 rows, P + R columns, 2 layers, top 2
+    assert routed.dtype == torch.int16 and routed.shape == (b, t, 2, 2)  # 12 rows, P + R columns, 2 layers, top 2
     assert (~mask).any(), "no pads: the layout of pads is not checked"
     assert (out["response_mask"].sum(-1) < 8).any(), "no response stopped early"
     # pads: 0..K-1 (router_replay's documented filler)
@@ -134,7 +134,7 @@ def test_vllm_records_the_experts_it_routed_to_on_the_device(tmp_path):
         out = engine.generate(Batch.from_dict({"input_ids": ids, "attention_mask": mask}), seed=1)
     routed, mask = out["routed_experts"].cpu(), out["attention_mask"].bool().cpu()
     b, t = mask.shape
-    assert routed.dtype == torch.long and routed.shape == (b, t, 2, 2)
+    assert routed.dtype == torch.int16 and routed.shape == (b, t, 2, 2)
     last = mask.long().cumsum(1).argmax(1)  # each row's last real column: its last sampled token
     assert torch.equal(routed[torch.arange(b), last], torch.full((b, 2, 2), NOT_ROUTED))
     assert torch.equal(routed[~mask], torch.arange(2).expand(int((~mask).sum()), 2, 2))

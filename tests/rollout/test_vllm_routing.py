@@ -18,8 +18,8 @@ from verl.rollout.vllm_engine import _engine_routing
 def test_the_engines_routing_becomes_the_samples_with_the_last_token_not_routed():
     engine = np.arange(6 * 2 * 2, dtype=np.int32).reshape(6, 2, 2) % 4  # 4 prompt + 3 response tokens - 1
     routed = _engine_routing(engine, prompt_len=4, response_len=3)
-    assert routed.dtype == torch.long and routed.shape == (7, 2, 2)
-    assert torch.equal(routed[:6], torch.from_numpy(engine).long())
+    assert routed.dtype == torch.int16 and routed.shape == (7, 2, 2)
+    assert torch.equal(routed[:6], torch.from_numpy(engine).short())
     assert torch.equal(routed[6], torch.full((2, 2), router_replay.NOT_ROUTED))
 
 

@@ -41,7 +41,7 @@ Outputs (all [B, T], float32, aligned with ``input_ids``):
   0 where ``logprobs`` is 0.
 
 - with ``routing='record'`` (a Mixture-of-Experts model built with ``moe_enable_routing_replay``):
-  ``routed_experts`` [B, T, L, K] (int64), the experts each MoE layer sent each token to; with
+  ``routed_experts`` [B, T, L, K] (int16), the experts each MoE layer sent each token to; with
   ``routing='replay'`` the batch's ``routed_experts`` decide the experts instead of the routers
   (``verl.models.router_replay``).
 

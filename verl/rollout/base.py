@@ -124,7 +124,7 @@ class Sample:
     """True when the response ended because it reached ``max_tokens``."""
     routed_experts: torch.Tensor | None = None
     """An engine that records routing (R3, ``verl.models.router_replay``): [prompt + response tokens, L, K]
-    int64, the experts each MoE layer sent each real token to while generating (-1 for a token the
+    (``router_replay.ROUTING_DTYPE``), the experts each MoE layer sent each real token to while generating (-1 for a token the
     engine never ran through the model: vLLM's last sampled one); None otherwise."""
 
 
@@ -223,7 +223,9 @@ def _routed_columns(samples: list[Sample], prompt_mask: torch.Tensor, response_l
     column P (prompts are left-padded), its response part starts there; pads hold ``0..K-1``."""
     p = prompt_mask.shape[1]
     layers, k = samples[0].routed_experts.shape[1:]
-    out = torch.arange(k, dtype=torch.long).expand(len(samples), p + response_length, layers, k).clone()
+    from verl.models.router_replay import ROUTING_DTYPE
+
+    out = torch.arange(k, dtype=ROUTING_DTYPE).expand(len(samples), p + response_length, layers, k).clone()
     for i, s in enumerate(samples):
         routed, prompt_len = s.routed_experts, int(prompt_mask[i].sum())
         if routed is None or routed.shape != (prompt_len + len(s.token_ids), layers, k):

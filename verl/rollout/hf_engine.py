@@ -301,7 +301,8 @@ class RoutingRecorder:
     (every row's prompt columns) and each decode step (one new column, the KV-cached incremental forward the
     engine sampled from). ``generate`` never feeds its last sampled token back, so
     :meth:`feed_last_token` runs that one more decode step (the step ``generate`` would take next, from its
-    cache). :meth:`routing` lays the calls side by side: [rows, columns, L, K] int64 on the CPU.
+    cache). :meth:`routing` lays the calls side by side: [rows, columns, L, K] on the CPU
+    (``router_replay.ROUTING_DTYPE``).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -346,7 +347,9 @@ class RoutingRecorder:
     def routing(self, rows: int) -> torch.Tensor:
         """[rows, columns, L, K]: each layer's calls concatenated along the columns."""
         per_layer = [torch.cat([c.reshape(rows, -1, c.shape[-1]) for c in calls], dim=1) for calls in self.calls]
-        return torch.stack(per_layer, dim=2).to("cpu", torch.long)
+        from verl.models.router_replay import as_routing
+
+        return as_routing(torch.stack(per_layer, dim=2).to("cpu"))
 
 
 def hf_response_logprobs(

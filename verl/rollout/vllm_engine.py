@@ -68,7 +68,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl.models.router_replay import NOT_ROUTED
+from verl.models.router_replay import NOT_ROUTED, ROUTING_DTYPE, as_routing
 from verl.rollout import vllm_internals as internals
 from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
 from verl.utils.env import environ
@@ -201,7 +201,7 @@ def _is_moe(model_path: str) -> bool:
 def _engine_routing(routed: Any, prompt_len: int, response_len: int) -> torch.Tensor:
     """R3: a request's ``CompletionOutput.routed_experts`` (vLLM 0.32: [tokens, MoE layers, K], the
     experts each MoE layer chose for every token the engine ran through the model) as
-    ``Sample.routed_experts`` [prompt + response, L, K] int64. vLLM never feeds the last sampled token
+    ``Sample.routed_experts`` [prompt + response, L, K] (``ROUTING_DTYPE``). vLLM never feeds the last sampled token
     back, so it has no routing for it: that row is ``NOT_ROUTED`` (-1; the trainer replays it as any
     set and leaves it out of the agreement; its output predicts nothing the loss reads)."""
     if routed is None:
@@ -209,14 +209,14 @@ def _engine_routing(routed: Any, prompt_len: int, response_len: int) -> torch.Te
             "R3 router replay: vLLM returned no routed experts for a request; the engine was started without "
             "enable_return_routed_experts, or this vLLM does not return them (Model Runner V2 only)"
         )
-    routed = torch.as_tensor(np.asarray(routed)).to(torch.long)
+    routed = as_routing(torch.as_tensor(np.asarray(routed)))
     want = prompt_len + response_len - 1
     if routed.ndim != 3 or routed.shape[0] != want:
         raise RuntimeError(
             f"R3 router replay: vLLM returned routed experts of shape {list(routed.shape)} for {prompt_len} prompt + "
             f"{response_len} response tokens; expected [{want}, MoE layers, top-k] (every token but the last sampled one)"
         )
-    missing = torch.full((1, *routed.shape[1:]), NOT_ROUTED, dtype=torch.long)
+    missing = torch.full((1, *routed.shape[1:]), NOT_ROUTED, dtype=ROUTING_DTYPE)
     return torch.cat([routed, missing])
 
 
