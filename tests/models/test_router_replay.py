@@ -37,7 +37,7 @@ def _new_routers() -> list[torch.Tensor]:
     return [torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.3 for _ in range(LAYERS)]
 
 
-def _replay_body(model_dir, tp, ep, batches, new_routers):
+def _replay_body(model_dir, tp, ep, pp, batches, new_routers):
     import torch.distributed as dist
 
     from verl.engine import LossShare
@@ -47,11 +47,12 @@ def _replay_body(model_dir, tp, ep, batches, new_routers):
     from verl.models.hf_config import parse_hf_config
     from verl.parallel.megatron_state import initialize_model_parallel
 
-    pg = initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                   pipeline_model_parallel_size=pp)
     build = ModelBuildConfig(moe_enable_routing_replay=True, sequence_parallel=tp > 1)
     chunks = build_model_chunks(parse_hf_config(model_dir), build, pg)
     load_hf_weights(chunks, model_dir, pg=pg)
-    batch = batches[dist.get_rank() // tp]  # a TP group's ranks share their data-parallel rank's batch
+    batch = batches[pg.dp.rank()]  # a TP group's (and pipeline's) ranks share their data-parallel rank's batch
 
     def run(b, mbs, routing, loss=False, pack=False):
         def loss_fn(outputs, mb):  # any loss: the pass runs forward and backward
@@ -68,11 +69,12 @@ def _replay_body(model_dir, tp, ep, batches, new_routers):
     replayed = {**batch, "routed_experts": recorded["routed_experts"]}
     same = run(replayed, 4, "replay", loss=True, pack=True)["logprobs"]  # packed: another cut of S under SP
     with torch.no_grad():
-        for layer, weight in zip(chunks[0].decoder.layers, new_routers):
-            layer.mlp.router.weight.copy_(weight)
+        for layer in (layer for chunk in chunks for layer in chunk.decoder.layers):  # a stage's own layers
+            layer.mlp.router.weight.copy_(new_routers[layer.layer_number - 1])
     free = run(batch, 2, None)["logprobs"]
     update = run(replayed, 2, "replay", loss=True)["logprobs"]
-    return {"recorded": recorded, "same": same, "free": free, "update": update, "agreement": agreement}
+    return {"recorded": recorded, "same": same, "free": free, "update": update, "agreement": agreement,
+            "dp": pg.dp.rank(), "last_stage": pg.pp.rank() == pp - 1}
 
 
 def _hf_logprobs(model_dir, batch, routers=None, forced=None):
@@ -110,18 +112,20 @@ def _hf_logprobs(model_dir, batch, routers=None, forced=None):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world", "tp", "ep"),
-    [(1, 1, 1), (2, 1, 2), (2, 2, 1), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
-    ids=["one-rank", "ep2", "tp2-sp", "ep2-tp2-sp"],
+    ("world", "tp", "ep", "pp"),
+    [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 1), (2, 1, 1, 2), pytest.param(4, 2, 2, 1, marks=pytest.mark.slow)],
+    ids=["one-rank", "ep2", "tp2-sp", "pp2", "ep2-tp2-sp"],
 )
-def test_replayed_routing_decides_the_update_pass(model_dir, world, tp, ep):
+def test_replayed_routing_decides_the_update_pass(model_dir, world, tp, ep, pp):
     """Under TP + sequence parallel each TP rank routes a slice of the sequence: the recording is
-    gathered (every TP rank returns the whole routing) and each rank replays its own slice."""
-    batches = [padded_batch(4, 12, seed=20 + r) for r in range(world // tp)]
+    gathered (every TP rank returns the whole routing) and each rank replays its own slice. Under
+    pipeline parallel each stage records and replays its own layers, the recording is gathered over the
+    stages, and the agreement of a training pass (the last stage's metrics) is the whole pass's share."""
+    batches = [padded_batch(4, 12, seed=20 + r) for r in range(world // (tp * pp))]
     new_routers = _new_routers()
-    results = run_distributed(_replay_body, world, model_dir, tp, ep, batches, new_routers, timeout=300)
-    for rank, r in enumerate(results):
-        batch = batches[rank // tp]
+    results = run_distributed(_replay_body, world, model_dir, tp, ep, pp, batches, new_routers, timeout=300)
+    for r in results:
+        batch = batches[r["dp"]]
         mask = batch["attention_mask"].bool()
         expected, hf_chosen = _hf_logprobs(model_dir, batch)
         rec = r["recorded"]
@@ -143,6 +147,11 @@ def test_replayed_routing_decides_the_update_pass(model_dir, world, tp, ep):
         same_set = torch.stack([(f.sort(-1).values == rec["routed_experts"][:, :, layer].sort(-1).values).all(-1)
                                 for layer, f in enumerate(free_there)], -1)  # [B, T, L]
         expected_agreement = [float(same_set[rows][mask[rows]].float().mean()) for rows in (slice(0, 2), slice(2, 4))]
+        if pp > 1:  # per micro-batch, the whole pass's share (the stages' counts are summed after it)
+            if not r["last_stage"]:
+                assert r["agreement"][1] == r["agreement"][3] == []  # metrics live on the last stage
+                continue
+            expected_agreement = [float(same_set[mask].float().mean())] * 2
         assert r["agreement"][1] == [1.0]  # the packed replay at the recording's weights: one micro-batch of 4
         assert r["agreement"][3] == pytest.approx(expected_agreement, abs=1e-12) and min(expected_agreement) < 1
         assert (free_expected - forced_expected).abs().max() > 100 * ATOL  # the replay changed the experts
@@ -214,6 +223,54 @@ def test_routing_recorded_under_one_packing_replays_under_another(model_dir):
     for name in ("update_padded", "update_packed", "update_budget"):
         torch.testing.assert_close(r[name], forced_expected, rtol=0, atol=ATOL)
     assert (r["free"] - forced_expected).abs().max() > 100 * ATOL  # the replay changed the experts
+
+
+def _chunks_body(model_dir, pp, vpp, batch, new_routers):
+    """Record, swap in ``new_routers`` (by each layer's model-wide number), replay in a training pass."""
+    from verl.engine import LossShare
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.checkpoint import load_hf_weights
+    from verl.models.forward import forward_backward
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(moe_enable_routing_replay=True), pg,
+                              vpp_size=vpp)
+    load_hf_weights(chunks, model_dir, pg=pg)
+
+    def loss_fn(outputs, mb):
+        return LossShare(loss=-(outputs["logprobs"] * mb["attention_mask"]).sum() / 100.0)
+
+    recorded = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs", routing="record").outputs
+    with torch.no_grad():
+        for layer in (layer for chunk in chunks for layer in chunk.decoder.layers):
+            layer.mlp.router.weight.copy_(new_routers[layer.layer_number - 1])
+    replayed = {**batch, "routed_experts": recorded["routed_experts"]}
+    update = forward_backward(chunks, replayed, pg=pg, micro_batch_size=2, output="logprobs", routing="replay",
+                              loss_fn=loss_fn)
+    return {"routed": recorded["routed_experts"], "logprobs": recorded["logprobs"], "update": update.outputs["logprobs"],
+            "chunks": len(chunks)}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("layers", "pp", "vpp"), [(4, 2, 2), (3, 2, None)], ids=["pp2-vpp2", "3-layers-on-pp2"])
+def test_routing_over_pipeline_chunks_equals_one_stage(tmp_path, layers, pp, vpp):
+    """Virtual pipeline chunks and uneven stages: each chunk records and replays its own layers of L; the
+    recording and the replayed update equal one rank's."""
+    model = make_tiny_model(str(tmp_path / "m"), "qwen3_moe", seed=7, num_hidden_layers=layers)
+    batch = padded_batch(4, 12, seed=41)
+    gen = torch.Generator().manual_seed(321)
+    new_routers = [torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.3 for _ in range(layers)]
+    [one] = run_distributed(_chunks_body, 1, model, 1, None, batch, new_routers, timeout=300)
+    staged = run_distributed(_chunks_body, pp, model, pp, vpp, batch, new_routers, timeout=300)
+    for r in staged:
+        assert r["chunks"] == (vpp or 1)
+        assert r["routed"].shape == (4, 12, layers, TOPK) and torch.equal(r["routed"], one["routed"])
+        torch.testing.assert_close(r["logprobs"], one["logprobs"], rtol=0, atol=ATOL)
+        torch.testing.assert_close(r["update"], one["update"], rtol=0, atol=ATOL)
+    assert (one["update"] - one["logprobs"]).abs().max() > 100 * ATOL  # the new routers' weights changed the output
 
 
 def _refusal_body(model_dir, batch):

@@ -160,7 +160,8 @@ class _MicroBatch:
     order: torch.Tensor | None  # [b, T]: rows packed left (pack_left)
     mask: torch.Tensor  # [b, T] float
     packed: PackedMicroBatch | None = None  # sequences packed into one row (verl.models.packing)
-    routing: torch.Tensor | None = None  # [b, T, L, K]: the experts this micro-batch's pass recorded
+    # (layers, [b, T, L_chunk, K]) per model chunk: the experts this micro-batch's pass recorded
+    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token model outputs ([rows, S, ...]) -> the micro-batch's layout ([b, T, ...])."""
@@ -453,7 +454,9 @@ def forward_backward(
         multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
         widths = packed_widths(lengths, split, multiple, common=pp_size > 1)
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
-    replay_routers = _routing_setup(chunks, batch, pg, routing)
+    replay_chunks = _routing_setup(chunks, batch, pg, routing)  # per chunk: (its layers of L, its routers)
+    replay_routers = [router for _, routers in replay_chunks for router in routers]
+    chunk_of = {id(chunk): i for i, chunk in enumerate(chunks)}
     micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths, lengths)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
@@ -472,8 +475,6 @@ def forward_backward(
     def collect(mb: _MicroBatch, output_tensor: torch.Tensor):
         outputs = head(output_tensor, mb)
         record = {"outputs": {k: v.detach() for k, v in outputs.items()}}
-        if mb.routing is not None:
-            record["outputs"][router_replay.ROUTED_EXPERTS] = mb.routing
         if loss_fn is None:
             return output_tensor.new_zeros((), dtype=torch.float32), record
         share = loss_fn(outputs, mb.tensors)
@@ -490,7 +491,7 @@ def forward_backward(
             k: v.detach().float() if torch.is_tensor(v) else output_tensor.new_tensor(float(v), dtype=f32)
             for k, v in share.metrics.items()
         }
-        if routing == "replay":  # the share of this micro-batch's (token, layer) sets free routing would keep
+        if routing == "replay" and pp_size == 1:  # the share of this micro-batch's sets free routing would keep
             agree, total = router_replay.agreement(replay_routers, sp_group)
             record["metrics"][router_replay.AGREEMENT] = output_tensor.new_tensor(agree / max(total, 1.0), dtype=f32)
         # Megatron's schedule divides every micro-batch loss by the number of micro-batches; the
@@ -501,17 +502,19 @@ def forward_backward(
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
+        if routing is not None:
+            layers, routers_ = replay_chunks[chunk_of[id(chunk)]]
         if routing == "replay":
             model_mask = mb.to_model(mb.tensors["attention_mask"])
             routed = mb.to_model(mb.tensors[router_replay.ROUTED_EXPERTS])
-            router_replay.set_targets(replay_routers, routed, model_mask, sp_group)
+            router_replay.set_targets(routers_, routed[:, :, layers.to(routed.device)], model_mask, sp_group)
         if mb.packed is None:
             out = chunk(mb.input_ids, mb.position_ids, None)
         else:
             out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed.seq_params())
         if routing == "record":
-            rows = router_replay.recorded(replay_routers, mb.input_ids.shape[0], sp_group)  # [b, S, L, K]
-            mb.routing = router_replay.pad_positions(mb.to_rows(rows), mb.mask)
+            rows = router_replay.recorded(routers_, mb.input_ids.shape[0], sp_group)  # [b, S, L_chunk, K]
+            mb.routing.append((layers, router_replay.pad_positions(mb.to_rows(rows), mb.mask)))
         return out, functools.partial(collect, mb)
 
     schedule = get_forward_backward_func(pp_size=pp_size, vp_size=len(chunks) if len(chunks) > 1 else None)
@@ -528,11 +531,15 @@ def forward_backward(
     if pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
     replay_counts = None
+    recorded = None
+    pp_group = pg.pp if pp_size > 1 else None
     try:
         with torch.no_grad() if forward_only else torch.enable_grad():
             records = schedule(**kwargs)
-        if routing == "replay" and forward_only:  # the whole pass's counts (a training pass: per micro-batch)
-            replay_counts = router_replay.agreement(replay_routers, sp_group)
+        if routing == "replay" and (forward_only or pp_size > 1):  # the whole pass's counts, every stage's layers
+            replay_counts = router_replay.agreement(replay_routers, sp_group, pp_group)
+        if routing == "record":
+            recorded = _recorded_routing(micro_batches, split, pg.pp, inner.config.num_layers)
     finally:
         if routing is not None:
             router_replay.end(replay_routers)
@@ -545,6 +552,11 @@ def forward_backward(
         if not forward_only:
             result.losses = [r["loss"] for r in records]
             result.metrics = [r["metrics"] for r in records]
+            if replay_counts is not None:  # pipeline stages: the pass's share on every micro-batch
+                share = replay_counts[0] / max(replay_counts[1], 1.0)
+                for m in result.metrics:
+                    device = next(iter(m.values())).device if m else None  # beside the loss's metrics
+                    m[router_replay.AGREEMENT] = torch.tensor(share, dtype=torch.float32, device=device)
         elif replay_counts is not None:
             result.metrics = [{k: torch.tensor(v, dtype=torch.float32) for k, v in zip(router_replay.AGREEMENT_COUNTS, replay_counts)}]
     if broadcast and pp_size > 1:
@@ -554,11 +566,52 @@ def forward_backward(
         if score_ids is not None:
             extra["score_logprobs"] = (batch[score_ids].shape[-1], torch.float32)
         result.outputs = _broadcast_from_last_stage(result.outputs, batch, output, with_entropy, pg, inner, extra)
+    if recorded is not None and (last_stage or broadcast):
+        result.outputs[router_replay.ROUTED_EXPERTS] = recorded
     return result
 
 
-def _routing_setup(chunks, batch, pg, routing) -> list:
-    """The routers to record or replay (``routing``), their action set; [] without routing."""
+def _recorded_routing(micro_batches: list[_MicroBatch], split: MicroBatchSplit, pp_group, num_layers: int) -> torch.Tensor:
+    """The pass's recording, [B, T, L, K] in batch order, on every pipeline stage: each stage's chunks hold
+    their own layers of L; the stages' parts are gathered over ``pp_group`` (a collective when it has
+    several ranks). As bytes: gloo has no int16 collectives."""
+    parts = []
+    for mb in micro_batches:
+        pieces = sorted(mb.routing, key=lambda piece: int(piece[0][0]))
+        parts.append((torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces], dim=2)))
+    layers = parts[0][0]
+    local = _in_batch_order([routed for _, routed in parts], split)  # [B, T, L_stage, K]
+    if pp_group.size() == 1:
+        return local
+    from verl.protocol.collectives import comm_device
+
+    device = comm_device(pp_group)
+    b, t, _, k = local.shape
+    most = torch.tensor([len(layers)], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pp_group)
+    most = int(most)
+    index = torch.full((most,), -1, dtype=torch.long, device=device)
+    index[: len(layers)] = layers.to(device)
+    padded = torch.zeros((b, t, most, k), dtype=local.dtype, device=device)
+    padded[:, :, : len(layers)] = local.to(device)
+    indices = [torch.empty_like(index) for _ in range(pp_group.size())]
+    dist.all_gather(indices, index, group=pp_group)
+    stages = [torch.empty_like(padded).view(torch.uint8) for _ in range(pp_group.size())]
+    dist.all_gather(stages, padded.view(torch.uint8), group=pp_group)
+    out = torch.empty((b, t, num_layers, k), dtype=local.dtype, device=local.device)
+    seen = torch.zeros(num_layers, dtype=torch.bool)
+    for index, stage in zip(indices, stages):
+        mine = index[index >= 0].cpu()
+        out[:, :, mine] = stage.view(local.dtype)[:, :, : len(mine)].to(local.device)
+        seen[mine] = True
+    if not bool(seen.all()):
+        raise RuntimeError(f"router replay: the pipeline stages recorded layers {seen.nonzero().flatten().tolist()} of {num_layers}")
+    return out
+
+
+def _routing_setup(chunks, batch, pg, routing) -> list[tuple[torch.Tensor, list]]:
+    """Per chunk, its MoE layers' indices in ``routed_experts``' L and their routers, to record or replay
+    (``routing``), their action set; [] without routing."""
     if routing is None:
         return []
     if routing not in ("record", "replay"):
@@ -573,9 +626,17 @@ def _routing_setup(chunks, batch, pg, routing) -> list:
             f"routing='replay' needs the batch's '{key}' [B, T, layers, k] from a recording pass (got {shape} "
             f"for input_ids {tuple(batch['input_ids'].shape)})"
         )
-    found = router_replay.routers(chunks)
-    router_replay.begin(found, routing)
-    return found
+    from verl.models.builder import unwrap_model
+
+    num_layers = unwrap_model(chunks[0]).config.num_layers
+    if routing == "replay" and batch[key].shape[2] != num_layers:
+        raise ValueError(f"batch '{key}' has {batch[key].shape[2]} layers of routing, the model {num_layers} MoE layers")
+    per_chunk = []
+    for chunk in chunks:
+        found = router_replay.routers([chunk])
+        router_replay.begin(found, routing)
+        per_chunk.append((torch.tensor(router_replay.chunk_layers(chunk), dtype=torch.long), found))
+    return per_chunk
 
 
 def _broadcast_from_last_stage(

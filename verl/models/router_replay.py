@@ -41,9 +41,13 @@ router scores is the replayed set: each replaying instance gets an instance-leve
 that calls the class's and compares (removed by :func:`end`); Megatron reaches it through the
 instance (if it stopped, the replay tests, which expect 1.0 at the recording's weights, would read 0).
 
-Covered: one pipeline stage, no context parallelism, tensor (with or without sequence) and expert
-parallel any, padded or packed sequences, without activation recomputation (Megatron's backward replay
-is not wired); anything else is refused by :func:`routing_problems` before the pass.
+Pipeline parallelism (and virtual chunks): each chunk's routers take and give their own layers' slice
+of L (:func:`chunk_layers`); a recording is gathered over the pipeline stages so every stage returns the
+whole [B, T, L, K], and the agreement is summed over the stages.
+
+Covered: no context parallelism, tensor (with or without sequence), pipeline and expert parallel any,
+padded or packed sequences, without activation recomputation (Megatron's backward replay is not wired);
+anything else is refused by :func:`routing_problems` before the pass.
 """
 
 from __future__ import annotations
@@ -91,14 +95,21 @@ def routers(chunks: list[torch.nn.Module]) -> list:
     return out
 
 
+def chunk_layers(chunk: torch.nn.Module) -> list[int]:
+    """The model-wide MoE layer index (``routed_experts``' L dimension) of each router of ``chunk``, in the
+    order :func:`routers` gives them: Megatron's global ``layer_number`` - 1 (every layer is MoE), so a
+    pipeline stage or virtual chunk reads and writes its own layers' slice."""
+    from verl.models.builder import unwrap_model
+
+    return [int(layer.layer_number) - 1 for layer in unwrap_model(chunk).decoder.layers]
+
+
 def routing_problems(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection") -> list[str]:
     """Why this pass cannot record or replay routing ([] when it can)."""
     from verl.models.builder import unwrap_model
 
     config = unwrap_model(chunks[0]).config
     problems = []
-    if pg.pp.size() > 1 or len(chunks) > 1:
-        problems.append(f"pipeline parallel {pg.pp.size()} (x {len(chunks)} chunks): routing is replayed on one stage only")
     if pg.cp.size() > 1:
         problems.append(f"context parallel {pg.cp.size()}")
     if config.recompute_granularity is not None:
@@ -151,17 +162,23 @@ def _counted_replay_topk(router, replay_topk, scores, topk, num_groups=None, gro
     return probs, indices
 
 
-def agreement(routers_: list, sp_group=None) -> tuple[float, float]:
+def agreement(routers_: list, sp_group=None, pp_group=None) -> tuple[float, float]:
     """(agreeing, all) (real token, MoE layer) pairs of the replay since the last call, summed over the
-    layers (and the TP ranks' slices of S with ``sp_group``): a pair agrees when the router's free top-k
-    would have chosen the replayed experts. Counters reset."""
+    layers (and the TP ranks' slices of S with ``sp_group``, the pipeline stages' layers with ``pp_group``;
+    collectives over those groups): a pair agrees when the router's free top-k would have chosen the
+    replayed experts. Counters reset."""
     import torch.distributed as dist
+
+    from verl.protocol.collectives import comm_device
 
     counts = torch.stack([router.verl_counts for router in routers_]).sum(0)
     for router in routers_:
         router.verl_counts.zero_()
-    if sp_group is not None and sp_group.size() > 1:
-        dist.all_reduce(counts, group=sp_group)
+    for group in (sp_group, pp_group):
+        if group is not None and group.size() > 1:
+            on_device = counts.to(comm_device(group))  # NCCL reduces CUDA tensors only
+            dist.all_reduce(on_device, group=group)
+            counts = on_device.cpu()
     return float(counts[0]), float(counts[1])
 
 

@@ -273,9 +273,9 @@ def _router_replay_problems(cfg: PPOConfig, spec) -> list[str]:
         if cfg.trainer.rollout_mode == "async" and cfg.trainer.async_training.partial_rollout:
             why.append("trainer.async_training.partial_rollout=true: a resumed segment reads its tokens so far as a "
                        "prompt, so their routing would be recomputed, not the one that sampled them; turn it off, or use R2")
-    if m.pipeline_model_parallel_size > 1 or m.context_parallel_size > 1:
-        why.append(f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} (1 x 1 only; tensor, "
-                   "sequence and expert parallel are fine): set pipeline/context_parallel_size=1")
+    if m.context_parallel_size > 1:
+        why.append(f"CP {m.context_parallel_size} (1 only; tensor, sequence, pipeline and expert parallel are fine): "
+                   "set context_parallel_size=1")
     if arr.model.enable_gradient_checkpointing:
         why.append("model.enable_gradient_checkpointing=true (Megatron's backward replay is not wired)")
     if why:
