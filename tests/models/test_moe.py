@@ -331,3 +331,35 @@ def test_value_head_on_experts_at_ep2_matches_sequence_classification(tmp_path):
     mask = batch["attention_mask"].bool()
     for values in results:
         torch.testing.assert_close(values[mask], expected[mask], rtol=0, atol=ATOL)
+
+
+def _two_depths_body(shallow, deep, batch):
+    """A training pass of a 2-layer MoE model, then of a 3-layer one, in one process (an actor and a deeper
+    critic, or a test worker that trained another model before)."""
+    from verl.engine import LossShare
+    from verl.models.builder import ModelBuildConfig, build_model_chunks
+    from verl.models.checkpoint import load_hf_weights
+    from verl.models.forward import forward_backward
+    from verl.models.hf_config import parse_hf_config
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel()
+    losses = []
+    for model_dir in (shallow, deep):
+        chunks = build_model_chunks(parse_hf_config(model_dir), ModelBuildConfig(), pg)
+        load_hf_weights(chunks, model_dir, pg=pg)
+        result = forward_backward(chunks, batch, pg=pg, micro_batch_size=2, output="logprobs",
+                                  loss_fn=lambda out, mb: LossShare(loss=-(out["logprobs"] * mb["attention_mask"]).sum()))
+        losses.append(float(sum(result.losses)))
+    return losses
+
+
+@pytest.mark.distributed
+def test_moe_models_of_different_depths_train_in_one_process(tmp_path):
+    """megatron-core's process-wide load-balancing-loss tracker is sized by the first MoE model trained;
+    verl empties it before each training pass (``verl.models.forward``), else the deeper model's third layer
+    indexes past it (IndexError)."""
+    shallow = make_tiny_model(str(tmp_path / "two"), "qwen3_moe", seed=3)
+    deep = make_tiny_model(str(tmp_path / "three"), "qwen3_moe", seed=3, num_hidden_layers=3)
+    [losses] = run_distributed(_two_depths_body, 1, shallow, deep, padded_batch(4, 12, seed=8), timeout=300)
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)

@@ -530,6 +530,8 @@ def forward_backward(
     )
     if pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
+    if not forward_only and spec.is_moe:
+        _reset_moe_aux_loss_tracker()
     replay_counts = None
     recorded = None
     pp_group = pg.pp if pp_size > 1 else None
@@ -569,6 +571,17 @@ def forward_backward(
     if recorded is not None and (last_stage or broadcast):
         result.outputs[router_replay.ROUTED_EXPERTS] = recorded
     return result
+
+
+def _reset_moe_aux_loss_tracker() -> None:
+    """Empty megatron-core's process-wide tracker of the load-balancing loss per layer (``moe_utils``,
+    0.16.1). Its first training pass sizes each entry by that model's layer count and never resizes it, so
+    a deeper MoE model trained later in the same process (a critic beside an actor, a test worker) indexed
+    past it (IndexError in ``save_to_aux_losses_tracker``). verl does not read the tracker; emptied before
+    each training pass, it is sized by the model being trained."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def _recorded_routing(micro_batches: list[_MicroBatch], split: MicroBatchSplit, pp_group, num_layers: int) -> torch.Tensor:
