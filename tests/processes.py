@@ -26,14 +26,31 @@ def run_tree(cmd: Sequence[str], timeout: float, **kwargs) -> subprocess.Complet
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired as left:  # something beyond the tree holds the pipes
+            out, err = left.output, left.stderr
+            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x for x in (out, err))
         raise subprocess.TimeoutExpired(list(cmd), timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the session ``proc`` leads (started with ``start_new_session=True``), itself included."""
+    """SIGKILL the session ``proc`` leads (started with ``start_new_session=True``), itself included,
+    and every descendant of ``proc`` that started its own session or group (torchrun starts its
+    workers so: suite23's launcher run left its trainer holding the test's pipes)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

@@ -12,13 +12,17 @@ import pytest
 from tests.processes import run_tree
 
 
-@pytest.mark.timeout(120)  # without the tree's kill, the grandchild holds the pipes for 600 s
+@pytest.mark.timeout(300)  # without the tree's kill, the grandchildren hold the pipes for 600 s
 def test_a_time_limit_kills_the_grandchildren_too_and_keeps_the_output():
-    # bash starts a grandchild that would outlive bash (subprocess.run's timeout kills bash only).
-    code = "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('pid', os.getpid(), flush=True); time.sleep(600)"
+    # bash starts grandchildren that would outlive bash (subprocess.run's timeout kills bash only), one
+    # of them in its own session (as torchrun starts its workers), out of reach of the group's kill.
+    code = ("import os, subprocess, sys, time; "
+            "[subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=s) for s in (False, True)]; "
+            "print('pid', os.getpid(), flush=True); time.sleep(600)")
     start = time.time()
     with pytest.raises(subprocess.TimeoutExpired) as info:
-        run_tree(["bash", "-c", f"{sys.executable} -c \"{code}\""], timeout=3)
+        # 20 s: the output must be there when the limit fires (3 s was too short at load 17, suite23)
+        run_tree(["bash", "-c", f"{sys.executable} -c \"{code}\""], timeout=20)
     assert "pid" in info.value.output
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

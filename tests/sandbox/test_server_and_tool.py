@@ -50,7 +50,8 @@ def test_run_code_answers_as_sandbox_fusion(server):
     assert body["run_result"]["status"] == "Finished" and body["run_result"]["return_code"] == 0
     assert body["run_result"]["stdout"] == "hi 5\n"
 
-    status, body = _post(server.url + "/run_code", {"code": "1/0", "language": "python"}, key)
+    # 60 s: the default limit was too short for bwrap and Python to start at load 17 (suite23)
+    status, body = _post(server.url + "/run_code", {"code": "1/0", "language": "python", "run_timeout": 60}, key)
     assert body["status"] == "Failed" and body["run_result"]["status"] == "Finished"
     assert body["run_result"]["return_code"] == 1 and "ZeroDivisionError" in body["run_result"]["stderr"]
 

@@ -19,18 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 FORKED = """
 import multiprocessing, os, sys, time
 sys.path.insert(0, {root!r})
-from verl.utils.process import forks_exit_with_parent
+from verl.utils.process import forks_die_with_this_process
 
 def wait_for_an_item(q):  # as Megatron's forked checkpoint writer waits on its count queue
     q.get()
 
 if __name__ == "__main__":
-    forks_exit_with_parent()
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    child = ctx.Process(target=wait_for_an_item, args=(q,))
-    child.start()
-    print(child.pid, flush=True)
+    outside = ctx.Process(target=wait_for_an_item, args=(q,))
+    outside.start()  # outside the block: no parent-death signal
+    with forks_die_with_this_process():
+        child = ctx.Process(target=wait_for_an_item, args=(q,))
+        child.start()
+    print(child.pid, outside.pid, flush=True)
     time.sleep(600)
 """
 
@@ -62,12 +64,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _child_of(script: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+def _children_of(script: str, tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     path = tmp_path / "parent.py"
     path.write_text(textwrap.dedent(script.format(root=str(ROOT))))
     proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
-    return proc, int(proc.stdout.readline())
+    return proc, [int(pid) for pid in proc.stdout.readline().split()]
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -79,22 +81,24 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_a_forked_child_dies_with_its_killed_parent(tmp_path):
-    proc, child = _child_of(FORKED, tmp_path)
+def test_a_child_forked_in_the_block_dies_with_its_killed_parent(tmp_path):
+    proc, (child, outside) = _children_of(FORKED, tmp_path)
     try:
-        assert _alive(child)
+        assert _alive(child) and _alive(outside)
         proc.kill()
         proc.wait()
         assert _gone_within(child, 120), "the forked child outlived its parent"
+        assert _alive(outside)  # forked outside the block: left alone (the hook does nothing there)
     finally:
         kill_tree(proc)
-        if _alive(child):
-            os.kill(child, 9)
+        for pid in (child, outside):
+            if _alive(pid):
+                os.kill(pid, 9)
 
 
 @pytest.mark.timeout(300)
 def test_a_spawned_child_dies_when_its_parent_went_before_it_imported_main(tmp_path):
-    proc, child = _child_of(SPAWNED, tmp_path)
+    proc, [child] = _children_of(SPAWNED, tmp_path)
     try:
         proc.wait()
         assert _gone_within(child, 120), "the spawned child outlived its parent"

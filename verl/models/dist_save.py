@@ -90,8 +90,7 @@ def save_sharded(sharded_state_dict: dict[str, Any], ckpt_dir: str) -> None:
     process: one killed mid-save would leave them waiting for its queue items (the suite, 2026-12-05)."""
     from megatron.core import dist_checkpointing
 
-    from verl.utils.process import forks_exit_with_parent
+    from verl.utils.process import forks_die_with_this_process
 
-    forks_exit_with_parent()
-    with in_process_results_queue():
+    with in_process_results_queue(), forks_die_with_this_process():
         dist_checkpointing.save(sharded_state_dict, ckpt_dir)

@@ -11,22 +11,24 @@ for a queue item its dead parent never sent).
   spawned multiprocessing child: such a child imports the parent's ``__main__`` module under the
   name ``__mp_main__``, so ``if __name__ == "__mp_main__": exit_with_parent()`` in the entry
   module covers every child, whoever starts it.
-- :func:`forks_exit_with_parent`, called in the parent, does the same for every process it forks
-  from then on (``os.fork``, multiprocessing's fork context: Megatron's checkpoint writers, which
-  run no module of ours).
+- :func:`forks_die_with_this_process`, a block in the parent: the processes a thread forks inside
+  it (``os.fork``, multiprocessing's fork context: Megatron's checkpoint writers, which run no
+  module of ours) get Linux's parent-death signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["exit_with_parent", "forks_exit_with_parent"]
+__all__ = ["exit_with_parent", "forks_die_with_this_process"]
 
 _watching = False
-_forks_hooked = False
 _forking_pid: int | None = None
 
 
@@ -83,22 +85,50 @@ def exit_with_parent(*, poll_s: float = 1.0, kill_group: bool = False) -> None:
     _start_watcher(parent, poll_s, kill_group)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_prctl: Any = None  # libc's prctl, looked up in the parent: the child calls it and nothing else
+_forks_hooked = False
+_hook_state = threading.local()  # per thread: whether its forks get the parent-death signal
+
+
+def _in_forked_child() -> None:
+    # Runs in every forked child of this process (os.register_at_fork), between the fork and
+    # anything else: only a ctypes call there (no thread, no allocation-heavy code; a fork for a
+    # subprocess with preexec_fn passes here too, and its exec would keep the signal).
+    expected = _forking_pid
+    if expected is None:
+        return
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != expected:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _note_forking_pid() -> None:
     global _forking_pid
-    _forking_pid = os.getpid()
+    _forking_pid = os.getpid() if getattr(_hook_state, "on", False) else None
 
 
-def forks_exit_with_parent(*, poll_s: float = 1.0) -> None:
-    """Every process this one forks from now on is killed within ``poll_s`` of this one's death.
+@contextlib.contextmanager
+def forks_die_with_this_process() -> Iterator[None]:
+    """While open, every process this thread forks (``os.fork``, multiprocessing's fork context:
+    Megatron's checkpoint writers, which run no module of ours) is killed (SIGKILL) when this
+    thread's process dies: Linux's parent-death signal, armed in the child right after the fork.
+    Linux only (elsewhere a no-op). The signal is tied to the forking thread: keep the children
+    inside the block (Megatron's save joins its writers before it returns)."""
+    global _forks_hooked, _prctl
+    if not _forks_hooked:
+        try:
+            import ctypes
 
-    Idempotent; a fork hook cannot be removed, so it holds for the rest of the process. A fork
-    that execs at once (``subprocess``) runs no hook: a program it starts is not watched.
-    """
-    global _forks_hooked
-    if _forks_hooked:
-        return
-    _forks_hooked = True
-    os.register_at_fork(
-        before=_note_forking_pid,
-        after_in_child=lambda: _start_watcher(_forking_pid, poll_s, False),
-    )
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # no prctl: not Linux
+            yield
+            return
+        os.register_at_fork(before=_note_forking_pid, after_in_child=_in_forked_child)
+        _forks_hooked = True
+    was = getattr(_hook_state, "on", False)
+    _hook_state.on = True
+    try:
+        yield
+    finally:
+        _hook_state.on = was
