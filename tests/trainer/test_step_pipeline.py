@@ -285,3 +285,47 @@ def test_streaming_modes_without_rollout_correction_warn(overrides, warned, capl
     if warned:
         assert "algorithm.rollout_correction.rollout_is=token" in said[0] and "docs/async.md" in said[0]
 
+
+
+def test_a_non_finite_score_is_refused_at_the_reward_step():
+    """Every reward step ends in ``StepPieces.place_scores`` (RewardOperator, MultiRewardScorer,
+    the trainer's compute_reward): the scores plus an agent rollout's interaction rewards become
+    ``token_level_scores``, and a non-finite one on a response token (a reward model's, an
+    interaction's) stops the step there, with the step and sample named, on every rank alike:
+    with the rollout on ranks of its own it was refused on those ranks only after the update they
+    generate through. A rule-based scorer's NaN is already a failed score of 0 (verl.rewards)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from verl.protocol import Batch
+    from verl.roles.reward_model import RewardResult
+    from verl.trainer.step.ops import RewardOperator
+    from verl.trainer.step.pieces import StepPieces
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    turns = torch.zeros(2, 3)
+    turns[0, 2] = float("nan")  # beyond sample 0's response: never read
+    batch = Batch.from_dict({"response_mask": mask, "interaction_scores": turns},
+                            {"data_source": np.array(["a", "b"], dtype=object)})
+    trainer = SimpleNamespace(global_step=4)
+    placed, more = StepPieces.place_scores(trainer, batch, torch.ones(2, 3))
+    assert torch.equal(placed["token_level_scores"][1], torch.ones(3)) and "reward/interaction/mean" in more
+
+    batch["interaction_scores"][1, 1] = float("inf")  # an interaction's reward on sample 1
+    with pytest.raises(ValueError, match=r"step 5: token_level_scores is inf for sample 1 \(data_source='b'\); "
+                                         r"the update was not made"):
+        StepPieces.place_scores(trainer, batch, torch.ones(2, 3))
+
+    # The reward operator goes through it (its scorer isolated: a reward model's NaN for sample 0).
+    op = RewardOperator()
+    batch.pop(["interaction_scores"])
+    nan = torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, 1.0]])
+    op._role = SimpleNamespace(score=lambda b: RewardResult(token_level_scores=nan, scores=nan.sum(-1)))
+    fake = SimpleNamespace(global_step=0, phase=lambda name: nullcontext())
+    fake.place_scores = lambda b, s: StepPieces.place_scores(fake, b, s)
+    op._trainer = fake  # (bind() would build the scorers from a trainer's config)
+    with pytest.raises(ValueError, match=r"step 1: token_level_scores is nan for sample 0 \(data_source='a'\)"):
+        op.process(batch)

@@ -264,11 +264,9 @@ class RewardOperator(Operator):
     def process(self, batch: "Batch") -> "tuple[Batch, dict[str, float]]":
         with self.trainer.phase("reward"):
             scores, metrics, extra = self._score(batch)
-        from verl.rollout.agent.interaction import fold_turn_scores
-
-        scores, more = fold_turn_scores(batch, scores)  # an agent rollout's interaction rewards
+        batch, more = self.trainer.place_scores(batch, scores)  # (an agent rollout's interaction rewards added)
+        scores = batch["token_level_scores"]
         metrics.update(more)
-        batch["token_level_scores"] = scores
         for key, values in extra.items():  # the scorers' per-sample fields (acc, pred), as compute_reward adds them
             if key not in batch:
                 batch[key] = values
@@ -401,12 +399,9 @@ class MultiRewardScorer(Operator):
             metrics.update(more)
             metrics[f"reward/{op.name}/weight"] = weight
             total = weight * scores if total is None else total + weight * scores
-        from verl.rollout.agent.interaction import fold_turn_scores
-
-        total, more = fold_turn_scores(batch, total)  # an agent rollout's interaction rewards, once
+        batch, more = self.trainer.place_scores(batch, total)  # an agent rollout's interaction rewards, once
         metrics.update(more)
-        batch["token_level_scores"] = total
-        metrics["reward_mean"] = float(total.sum(-1).mean())
+        metrics["reward_mean"] = float(batch["token_level_scores"].sum(-1).mean())
         return batch, metrics
 
 

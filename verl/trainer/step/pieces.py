@@ -274,15 +274,30 @@ class StepPieces:
 
     def compute_reward(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` [B, R] and the scorers' per-sample extras (``acc`` ...) as columns."""
-        from verl.rollout.agent.interaction import fold_turn_scores
-
         result = self.reward.score(batch)
-        scores, more = fold_turn_scores(batch, result.token_level_scores)  # an agent rollout's interaction rewards
-        batch["token_level_scores"] = scores
+        batch, more = self.place_scores(batch, result.token_level_scores)
         for key, values in result.extra.items():
             if key not in batch:
                 batch[key] = values
         return batch, {**result.metrics, **more}
+
+    def place_scores(self, batch: Batch, scores: torch.Tensor) -> tuple[Batch, dict[str, float]]:
+        """``scores`` [B, R] plus an agent rollout's interaction rewards into ``token_level_scores``
+        (every reward step's last act); returns the batch and the folding's metrics. A non-finite
+        score on a response token (a reward model's, an interaction's, a user operator's) is refused
+        here, on every rank alike, since each holds the same scores: with the rollout on ranks of its
+        own it was refused on those ranks only after the update they generate through."""
+        from verl.rollout.agent.interaction import fold_turn_scores
+
+        scores, more = fold_turn_scores(batch, scores)
+        check_finite_rewards(
+            self.global_step + 1,  # the step being made (update_step advances the count)
+            {"token_level_scores": scores},
+            batch["response_mask"],
+            batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
+        )
+        batch["token_level_scores"] = scores
+        return batch, more
 
     def compute_old_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``old_log_probs`` [B, R] from the actor, ``actor/entropy`` and the rollout agreement metrics."""
