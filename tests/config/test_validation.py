@@ -118,16 +118,17 @@ FILL = ["trainer.rollout_mode=async", "trainer.async_training.partial_rollout=tr
         (FILL, r"the rollout on ranks of its own \(trainer\.placement\.rollout; colocated there is no update to overlap\)"),
         ([*FILL[::2], "trainer.placement.rollout=[1]"], r"partial_rollout=true"),
         ([*FILL, "trainer.rollout_mode=one_step_off", "trainer.placement.rollout=[1]"], r"trainer\.rollout_mode=async \(it is one_step_off\)"),
-        ([*FILL, "trainer.n_gpus_per_node=4", "trainer.placement.rollout=[2, 3]"], r"the rollout on one rank \(it is on 2: "),
     ],
 )
-def test_fill_update_window_needs_partial_rollout_on_one_rank_apart(overrides, why):
+def test_fill_update_window_needs_partial_rollout_on_ranks_apart(overrides, why):
     with pytest.raises(ConfigError, match=r"(?m)trainer\.async_training\.fill_update_window=true needs " + why + r"[^\n]*: set fill_update_window=false$"):
         _load("trainer.n_gpus_per_node=2", *overrides)
 
 
-def test_fill_update_window_passes_with_the_rollout_on_one_rank_apart():
-    cfg = _load("trainer.n_gpus_per_node=2", *FILL, "trainer.placement.rollout=[1]")
+@pytest.mark.parametrize("placement", [["trainer.n_gpus_per_node=2", "trainer.placement.rollout=[1]"],
+                                       ["trainer.n_gpus_per_node=4", "trainer.placement.rollout=[2, 3]"]])
+def test_fill_update_window_passes_with_the_rollout_on_ranks_apart(placement):
+    cfg = _load(*placement, *FILL)  # several rollout ranks agree on when the update ends (test_fill_update_window.py)
     assert cfg.trainer.async_training.fill_update_window is True
 
 

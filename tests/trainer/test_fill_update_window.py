@@ -1,5 +1,5 @@
 """``trainer.async_training.fill_update_window``: async GRPO with partial rollout on 2 ranks, the
-rollout on rank 1, ``max_staleness=2``, responses of 12 tokens in segments of 5, and an actor update
+rollout on rank 1 (and on 3 ranks, the rollout on ranks 1 and 2, data parallel), ``max_staleness=2``, responses of 12 tokens in segments of 5, and an actor update
 slowed by a sleep (patched into rank 0's ``update_actor``). The rollout's rank keeps running
 segments while the update runs, until the actor's rank signals that it is done.
 
@@ -8,7 +8,8 @@ pattern: the rollout's rank ran more than one segment of a batch in one update w
 schedule runs exactly one); per sample, the bound; per token, versions non-decreasing, the first
 the sample's ``rollout_version``, each at most the version its update starts from; and every
 segment ran on the weights of the version it records (the engine's weights, summed, at each
-segment: one sum per version, a different one for each).
+segment: one sum per version, a different one for each). With two rollout ranks, both ran the same
+segments (each segment is a collective of theirs: a rank that stopped alone would hang the other).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ DEPTH = 2
 SLOW_UPDATE_S = 3.0
 
 
-def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
+def _body(model_dir: str, files: dict[str, str], root: str, world: int) -> dict:
     import time
 
     import torch
@@ -44,12 +45,12 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
             "data.val_files=null",
             *FAST,
             *PARTIAL,
-            *APART,
+            *(APART if world == 2 else ["trainer.placement.rollout=[1,2]", "trainer.n_gpus_per_node=3"]),
             "trainer.async_training.fill_update_window=true",
             f"trainer.default_local_dir={root}/fill",
             f"trainer.log_dir={root}/fill/logs",
         ],
-        world_size=2,
+        world_size=world,
     )
     seen: dict[int, dict[str, list]] = {}
     window: list[int | None] = [None]  # the step whose update runs now
@@ -91,10 +92,15 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_fill_update_window_keeps_generating_until_the_update_ends(tiny_model_dir, arithmetic_files, tmp_path):
-    [actor, rollout] = run_distributed(_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+@pytest.mark.parametrize("world", [2, 3])
+def test_fill_update_window_keeps_generating_until_the_update_ends(tiny_model_dir, arithmetic_files, tmp_path, world):
+    [actor, rollout, *more] = run_distributed(_body, world, tiny_model_dir, arithmetic_files, str(tmp_path), world,
+                                              timeout=560)
     assert actor["steps"] == rollout["steps"] == 4
     assert actor["segments"] == []  # the actor's rank generates nothing
+    for other in more:  # the second rollout rank: the same segments, in the same windows, on the same weights
+        assert other["steps"] == 4 and other["seen"] == rollout["seen"]
+        assert [s[:1] + s[2:] for s in other["segments"]] == [s[:1] + s[2:] for s in rollout["segments"]]
     segments = rollout["segments"]
     # more than one segment of a batch in one update window (the fixed schedule runs one of each)
     per_window: dict[tuple[int, int], int] = {}

@@ -520,9 +520,7 @@ def _rollout_mode(cfg: PPOConfig, problems: list[str]) -> None:
         rollout_ranks = cfg.trainer.placement.get("rollout", [])
         why = (f"trainer.rollout_mode=async (it is {mode})" if mode != "async" else "partial_rollout=true"
                if not at.partial_rollout else "the rollout on ranks of its own (trainer.placement.rollout; colocated "
-               "there is no update to overlap)" if not rollout_ranks else "the rollout on one rank (it is on "
-               f"{len(rollout_ranks)}: their segments would have to agree on when the update ends)"
-               if len(rollout_ranks) != 1 else None)
+               "there is no update to overlap)" if not rollout_ranks else None)
         if why is not None:
             problems.append(f"{key}.fill_update_window=true needs {why}: set fill_update_window=false")
     if mode == "sync":

@@ -47,13 +47,14 @@ applies to the oldest token. A weight update never discards what was generated. 
 checkpoint holds the batches in flight (their tokens, log-probs and versions so far).
 
 Filling the update window (``async_training.fill_update_window``, partial rollout with the rollout
-on one rank apart; the window is ``update_step`` from its start, the passes included, on a rank that
+on ranks apart; the window is ``update_step`` from its start, the passes included, on a rank that
 only generates): after the window's fixed work above (one segment of each batch in flight, the
-batches the bound lets begin), the rollout's rank keeps running segments of the unfinished batches
+batches the bound lets begin), the rollout's ranks keep running segments of the unfinished batches
 in flight, the next step's first, with the window's weights, until the actor's first rank signals
 that its update is done (:meth:`_update_done` counts the update on torch.distributed's default
-store; the rollout's rank reads the count, without blocking, before each segment) or nothing is
-left to generate. The step then proceeds to the weight push as before. The pace is the actor's, not
+store; each rollout rank reads the count, without blocking, before each segment, and several agree
+over the rollout's group, done when any has seen it: :meth:`_update_is_done`) or nothing is left
+to generate. The step then proceeds to the weight push as before. The pace is the actor's, not
 a fixed amount of work, so in this mode *how many segments run in each window, hence which version
 samples which token* (``rollout_token_versions``, the ``rollout_log_probs`` with them, the
 responses themselves and everything trained from them) depends on timing. What does not: the
@@ -357,10 +358,24 @@ class StreamRolloutOperator(Operator):
                 if not pending:
                     return ran
                 for partial in pending:
-                    if int(store.add(_UPDATES_KEY, 0)) > self._updates_before:  # the update is done
+                    if self._update_is_done(store):
                         return ran
                     partial.advance(trainer.rollout.generate_segment, version)
                     ran += 1
+
+    def _update_is_done(self, store: Any) -> bool:
+        """``fill_window``, on the rollout's ranks before each segment: whether the actor's update
+        is done. Several rollout ranks make each segment together (their engine calls are
+        collectives), so they agree: done once any of them has read the count's change."""
+        done = int(store.add(_UPDATES_KEY, 0)) > self._updates_before
+        group = self.trainer.rollout.world
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            from verl.protocol.collectives import comm_device
+
+            flag = torch.tensor([int(done)], device=comm_device(group))
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            done = bool(flag.item())
+        return done
 
     def _update_done(self) -> None:
         """``fill_window``, on every rank once its updates are done: the actor's first rank counts
