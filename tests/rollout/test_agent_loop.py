@@ -1077,11 +1077,13 @@ def test_reward_steps_fold_interaction_scores_once():
 
     base = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
     extra = torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    batch = Batch.from_dict({"responses": torch.zeros(2, 3, dtype=torch.long), "interaction_scores": extra})
+    batch = Batch.from_dict({"responses": torch.zeros(2, 3, dtype=torch.long), "response_mask": torch.ones(2, 3),
+                             "interaction_scores": extra})
     fake = types.SimpleNamespace(
         reward=types.SimpleNamespace(score=lambda b: RewardResult(token_level_scores=base.clone(), scores=base.sum(-1))),
-        phase=lambda name: contextlib.nullcontext(),
+        phase=lambda name: contextlib.nullcontext(), global_step=0,
     )
+    fake.place_scores = lambda b, scores: StepPieces.place_scores(fake, b, scores)  # (each path ends in it)
     out, m = StepPieces.compute_reward(fake, batch)
     assert torch.equal(out["token_level_scores"], base + extra) and m["reward/interaction/mean"] == 0.25
 
@@ -1094,5 +1096,6 @@ def test_reward_steps_fold_interaction_scores_once():
     out, m = op.process(batch)
     assert torch.equal(out["token_level_scores"], base + extra) and m["reward_mean"] == 1.75
     multi = MultiRewardScorer([(Fixed(name="a"), 0.5), (Fixed(name="b"), 0.5)])
+    multi._trainer = fake
     out, m = multi.process(batch)
     assert torch.equal(out["token_level_scores"], base + extra) and m["reward_mean"] == 1.75
