@@ -17,9 +17,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
-STACKS_LIMIT_S = 30  # one py-spy dump; quiet it takes well under a second
+STACKS_LIMIT_S = 30  # the py-spy dumps of one tree, run at once; quiet each takes well under a second
 MAX_STACKS = 12  # the processes dumped, oldest first (bash, torchrun, the trainer, its workers)
 
 
@@ -98,14 +99,28 @@ def python_stacks(pid: int) -> str:
                 found.append(process)
         except psutil.Error:
             pass
-    parts = []
+    # All dumps at once, under one deadline: one after another, a dozen stuck ones would add minutes
+    # to a failing test's report.
+    spies = []
     for process in found[:MAX_STACKS]:
         try:
-            out = subprocess.run([spy, "dump", "--pid", str(process.pid)], capture_output=True, text=True,
-                                 timeout=STACKS_LIMIT_S)
-            parts.append(out.stdout.strip() or f"pid {process.pid}: {out.stderr.strip()[-500:]}")
-        except (subprocess.TimeoutExpired, OSError) as exc:
-            parts.append(f"pid {process.pid}: py-spy dump failed ({exc})")
+            spies.append((process.pid, subprocess.Popen([spy, "dump", "--pid", str(process.pid)],
+                                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        except OSError as exc:
+            spies.append((process.pid, exc))
+    deadline = time.monotonic() + STACKS_LIMIT_S
+    parts = []
+    for pid_, spy_run in spies:
+        if isinstance(spy_run, OSError):
+            parts.append(f"pid {pid_}: py-spy dump failed ({spy_run})")
+            continue
+        try:
+            out, err = spy_run.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            parts.append(out.strip() or f"pid {pid_}: {err.strip()[-500:]}")
+        except subprocess.TimeoutExpired:
+            spy_run.kill()
+            spy_run.communicate()
+            parts.append(f"pid {pid_}: py-spy dump gave nothing within {STACKS_LIMIT_S} s")
     if len(found) > MAX_STACKS:
         parts.append(f"({len(found) - MAX_STACKS} more Python processes not dumped)")
     return "\n\n".join(parts) or "(no Python process was left in the tree)"

@@ -129,3 +129,30 @@ def test_fill_update_window_keeps_generating_until_the_update_ends(tiny_model_di
             assert all(v <= min(began + j // SEGMENT, step - 1) for j, v in enumerate(sampled)), (step, versions)
     metrics = actor["metrics"]
     assert [metrics[s]["staleness/max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+
+
+def _agree_body(agree: bool) -> bool:
+    """Rank 0 has read the actor's update count change on the store, rank 1 not yet (its
+    ``_updates_before`` is the count now): ``_update_is_done`` on each, with the rollout's group
+    (``agree``) or without one."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from verl.trainer.step.stream import _UPDATES_KEY, StreamRolloutOperator
+
+    store = StreamRolloutOperator._store()
+    count = int(store.add(_UPDATES_KEY, 0))
+    dist.barrier()  # both read the same count before either compares
+    op = StreamRolloutOperator.__new__(StreamRolloutOperator)
+    op._updates_before = count - 1 if dist.get_rank() == 0 else count
+    op._trainer = SimpleNamespace(rollout=SimpleNamespace(world=dist.group.WORLD if agree else None))
+    return op._update_is_done(store)
+
+
+@pytest.mark.timeout(300)
+def test_rollout_ranks_stop_together_when_only_one_has_seen_the_update_end():
+    # Without the agreement the two ranks answer differently (one would run a segment, a collective,
+    # that the other never joins); with it both stop.
+    assert run_distributed(_agree_body, 2, False) == [True, False]
+    assert run_distributed(_agree_body, 2, True) == [True, True]
