@@ -70,20 +70,26 @@ def test_a_role_world_is_the_world_inside_and_leaves_no_trace():
     assert "global rank 1 is not one of the group's ranks [0]" in actual[1]["refused"]
 
 
-def _counters_after_the_world_ends() -> tuple[int, int]:
+def _counters_after_the_world_ends() -> tuple[int, int, bool]:
     import gc
+    import weakref
 
     from verl.parallel import role_world as rw
 
     rank = dist.get_rank()
+    # Another call's world may still be alive in this pooled worker (an object a test kept): its
+    # counter is its own, keyed by that world's group, and no concern of this one.
+    before = len(rw._COUNTERS)
+    world = weakref.ref(dist.group.WORLD)
     groups = {(0,): dist.new_group([0]), (1, 2): dist.new_group([1, 2])}
     with rw.role_world(groups[(0,)] if rank == 0 else groups[(1, 2)]):
         dist.new_group(list(range(dist.get_world_size())))  # advances the role world's counter
-    during = len(rw._COUNTERS)
+    during = len(rw._COUNTERS) - before
     del groups
     dist.destroy_process_group()
     gc.collect()
-    return during, len(rw._COUNTERS)
+    gone = world() is None or world() not in rw._COUNTERS
+    return during, len(rw._COUNTERS) - before, gone
 
 
 def test_a_role_worlds_group_counter_ends_with_its_world():
@@ -92,33 +98,9 @@ def test_a_role_worlds_group_counter_ends_with_its_world():
     Kept past the world (it was keyed by the id of the world's group), it was picked up by a later
     world whose group reused that id, on some ranks and not others: those ranks named the role's
     next group differently and waited for each other in new_group until the test timed out (1 in
-    ~13 runs of two roles apart on a loaded machine). Nothing of a world may outlive it.
+    ~13 runs of two roles apart on a loaded machine). Nothing of a world may outlive it. (Counted
+    against the counters present before: a loaded pass found another call's world still alive in
+    the pooled worker, its counter with it.)
     """
     actual = run_distributed(_counters_after_the_world_ends, 3)
-    assert actual == [(1, 0)] * 3
-
-
-def _recorded_then_restored() -> tuple[list[tuple[str, int, bool]], float]:
-    from verl.testing.collectives import record_collectives
-
-    rank = dist.get_rank()
-    pair = dist.new_group([0, 1])  # every rank makes every group (torch names them by a counter)
-    value = torch.tensor([1.0])
-    with record_collectives() as calls:
-        dist.all_reduce(value)
-        gathered: list[object] = [None] * 3
-        dist.all_gather_object(gathered, rank)
-        if rank < 2:
-            dist.barrier(group=pair)
-    seen = [(c.op, c.size, c.group is dist.group.WORLD) for c in calls]
-    after = torch.tensor([2.0])
-    dist.all_reduce(after)  # the methods work again once the block is left
-    return seen, after.item()
-
-
-def test_the_collective_recorder_sees_each_group_and_restores_torch():
-    """``verl.testing.collectives`` (the tests' check that roles apart stay off the world's group)."""
-    actual = run_distributed(_recorded_then_restored, 3)
-    world = [("allreduce", 3, True), ("allgather", 3, True), ("allgather", 3, True)]
-    assert [seen for seen, _ in actual] == [world + [("barrier", 2, False)]] * 2 + [world]
-    assert [after for _, after in actual] == [6.0] * 3
+    assert actual == [(1, 0, True)] * 3
