@@ -104,3 +104,29 @@ def test_a_role_worlds_group_counter_ends_with_its_world():
     """
     actual = run_distributed(_counters_after_the_world_ends, 3)
     assert actual == [(1, 0, True)] * 3
+
+
+def _recorded_then_restored() -> tuple[list[tuple[str, int, bool]], float]:
+    from verl.testing.collectives import record_collectives
+
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])  # every rank makes every group (torch names them by a counter)
+    value = torch.tensor([1.0])
+    with record_collectives() as calls:
+        dist.all_reduce(value)
+        gathered: list[object] = [None] * 3
+        dist.all_gather_object(gathered, rank)
+        if rank < 2:
+            dist.barrier(group=pair)
+    seen = [(c.op, c.size, c.group is dist.group.WORLD) for c in calls]
+    after = torch.tensor([2.0])
+    dist.all_reduce(after)  # the methods work again once the block is left
+    return seen, after.item()
+
+
+def test_the_collective_recorder_sees_each_group_and_restores_torch():
+    """``verl.testing.collectives`` (the tests' check that roles apart stay off the world's group)."""
+    actual = run_distributed(_recorded_then_restored, 3)
+    world = [("allreduce", 3, True), ("allgather", 3, True), ("allgather", 3, True)]
+    assert [seen for seen, _ in actual] == [world + [("barrier", 2, False)]] * 2 + [world]
+    assert [after for _, after in actual] == [6.0] * 3
