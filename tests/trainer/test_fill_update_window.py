@@ -19,7 +19,7 @@ import pytest
 from verl.testing.distributed import run_distributed
 
 from .test_partial_rollout_trainer import PARTIAL, SEGMENT
-from .test_rollout_modes import APART, FAST, _metrics
+from .test_rollout_modes import APART, _metrics, config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -32,24 +32,13 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int) -> dict:
 
     import torch
 
-    from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_trainer import PPOTrainer
     from verl.trainer.step.partial import PartialBatch
 
-    cfg = load_config(
-        PPOConfig,
-        config_file="grpo_tiny_cpu",
-        overrides=[
-            f"actor_rollout_ref.model.path={model_dir}",
-            f"data.train_files={files['train']}",
-            "data.val_files=null",
-            *FAST,
-            *PARTIAL,
-            *(APART if world == 2 else ["trainer.placement.rollout=[1,2]", "trainer.n_gpus_per_node=3"]),
-            "trainer.async_training.fill_update_window=true",
-            f"trainer.default_local_dir={root}/fill",
-            f"trainer.log_dir={root}/fill/logs",
-        ],
+    cfg = config(
+        model_dir, files, f"{root}/fill", *PARTIAL,
+        *(APART if world == 2 else ["trainer.placement.rollout=[1,2]", "trainer.n_gpus_per_node=3"]),
+        "trainer.async_training.fill_update_window=true",
         world_size=world,
     )
     seen: dict[int, dict[str, list]] = {}

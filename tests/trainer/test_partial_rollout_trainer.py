@@ -22,7 +22,7 @@ import pytest
 
 from verl.testing.distributed import run_distributed
 
-from .test_rollout_modes import APART, FAST, _metrics
+from .test_rollout_modes import APART, _metrics, config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -39,27 +39,10 @@ PARTIAL = [
 def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
     import torch
 
-    from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_trainer import PPOTrainer
 
     def run(name: str, *extra: str, stop_after: int | None = None, resume: str = "disable") -> dict:
-        cfg = load_config(
-            PPOConfig,
-            config_file="grpo_tiny_cpu",
-            overrides=[
-                f"actor_rollout_ref.model.path={model_dir}",
-                f"data.train_files={files['train']}",
-                "data.val_files=null",
-                *FAST,
-                *PARTIAL,
-                *([] if name == "colocated" else APART),
-                f"trainer.default_local_dir={root}/{name}",
-                f"trainer.log_dir={root}/{name}/logs",
-                f"trainer.resume_mode={resume}",
-                *extra,
-            ],
-            world_size=2,
-        )
+        cfg = config(model_dir, files, f"{root}/{name}", *PARTIAL, *([] if name == "colocated" else APART), *extra, resume=resume)
         seen: dict[int, dict[str, list]] = {}
         with PPOTrainer(cfg) as trainer:
             update_step = trainer.update_step

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from verl.testing.distributed import run_distributed
+
+if TYPE_CHECKING:
+    from verl.config import PPOConfig
 
 from .test_rl_trainer import FAST as RL_FAST
 
@@ -50,26 +54,50 @@ def _metrics(log_dir: str, *, keep_all: bool = False) -> dict[int, dict[str, flo
     return out
 
 
-def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
+def config(
+    model_dir: str, files: dict[str, str], folder: str, *extra: str, resume: str = "disable", world_size: int = 2
+) -> "PPOConfig":
+    """``grpo_tiny_cpu`` with ``FAST``, checkpoints and logs under ``folder``, then ``extra``."""
     from verl.config import PPOConfig, load_config
+
+    return load_config(
+        PPOConfig,
+        config_file="grpo_tiny_cpu",
+        overrides=[
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"data.train_files={files['train']}",
+            "data.val_files=null",
+            *FAST,
+            f"trainer.default_local_dir={folder}",
+            f"trainer.log_dir={folder}/logs",
+            f"trainer.resume_mode={resume}",
+            *extra,
+        ],
+        world_size=world_size,
+    )
+
+
+def mark_overlap(trainer: Any) -> list[bool]:
+    """Wrap ``trainer.overlap`` (the generation ahead inside ``update_step``); the returned flag's
+    ``[0]`` is True while it runs."""
+    overlap, inside = trainer.overlap, [False]
+
+    def ahead(batch):
+        inside[0] = True
+        try:
+            return overlap(batch)
+        finally:
+            inside[0] = False
+
+    trainer.overlap = ahead
+    return inside
+
+
+def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
     from verl.trainer.ppo_trainer import PPOTrainer
 
     def run(name: str, *extra: str, stop_after: int | None = None, resume: str = "disable") -> tuple[int, int]:
-        cfg = load_config(
-            PPOConfig,
-            config_file="grpo_tiny_cpu",
-            overrides=[
-                f"actor_rollout_ref.model.path={model_dir}",
-                f"data.train_files={files['train']}",
-                "data.val_files=null",
-                *FAST,
-                f"trainer.default_local_dir={root}/{name}",
-                f"trainer.log_dir={root}/{name}/logs",
-                f"trainer.resume_mode={resume}",
-                *extra,
-            ],
-            world_size=2,
-        )
+        cfg = config(model_dir, files, f"{root}/{name}", *extra, resume=resume)
         with PPOTrainer(cfg) as trainer:
             start = trainer.resume()
             trainer.fit(stop_after=stop_after)

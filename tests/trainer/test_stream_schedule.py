@@ -17,7 +17,7 @@ import pytest
 
 from verl.testing.distributed import run_distributed
 
-from .test_rollout_modes import APART, FAST, _metrics
+from .test_rollout_modes import APART, _metrics, config, mark_overlap
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -30,39 +30,19 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
     import torch
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_trainer import PPOTrainer
 
-    cfg = load_config(
-        PPOConfig,
-        config_file="grpo_tiny_cpu",
-        overrides=[
-            f"actor_rollout_ref.model.path={model_dir}",
-            f"data.train_files={files['train']}",
-            "data.val_files=null",
-            *FAST,
-            *APART,
-            "trainer.rollout_mode=one_step_off",
-            "actor_rollout_ref.actor.old_log_prob=recompute",  # (FAST's one mini-batch would take them from the update)
-            f"trainer.default_local_dir={root}/off",
-            f"trainer.log_dir={root}/off/logs",
-        ],
-        world_size=2,
+    cfg = config(
+        model_dir, files, f"{root}/off", *APART, "trainer.rollout_mode=one_step_off",
+        "actor_rollout_ref.actor.old_log_prob=recompute",  # (FAST's one mini-batch would take them from the update)
     )
     store = _get_default_store()
     events: list[tuple] = []
     with PPOTrainer(cfg) as trainer:
         rank = torch.distributed.get_rank()
         if trainer.rollout is not None:  # rank 1: mark the generation ahead as it begins
-            overlap, generate = trainer.overlap, trainer.rollout.generate
-            inside = [False]
-
-            def ahead(batch):
-                inside[0] = True
-                try:
-                    return overlap(batch)
-                finally:
-                    inside[0] = False
+            generate = trainer.rollout.generate
+            inside = mark_overlap(trainer)
 
             def generating(*args, **kwargs):
                 if inside[0]:
@@ -71,7 +51,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
                     store.set(f"test/gen_ahead/{step}", "1")
                 return generate(*args, **kwargs)
 
-            trainer.overlap, trainer.rollout.generate = ahead, generating
+            trainer.rollout.generate = generating
         if trainer.runs("actor"):  # rank 0: the old-log-prob pass ends only once rank 1 generates ahead
             old_log_prob = trainer.compute_old_log_prob
 

@@ -693,7 +693,9 @@ class TrainerConfig(RunConfig):
         "sync: each step generates, then trains; one_step_off: the batch of step k+1 is generated with the "
         "weights before update k while update k trains (every sample one version stale; overlapped when the "
         "rollout is on ranks of its own, trainer.placement.rollout); async: generation runs up to "
-        "async_training.max_staleness batches ahead of training.",
+        "async_training.max_staleness batches ahead of training. In both, a reference placed on the rollout's "
+        "ranks (trainer.placement.ref=[1] with rollout=[1]) computes each batch's reference log-probs as it is "
+        "generated, so the actor's ranks run no reference pass.",
     )
     async_training: AsyncTrainingConfig = section(AsyncTrainingConfig, "rollout_mode=async's staleness bound, partial rollout and stale samples.")
 

@@ -19,7 +19,8 @@ A role on part of the world computes on its ranks and hands its columns and metr
 rank (:meth:`RLWorld.exchange`) after the passes that can run side by side on disjoint ranks. In
 the streaming modes, ranks that hold the rollout alone get them after the updates instead (they
 generate meanwhile), and the others exchange over :attr:`RLWorld.trainer_group`
-(``verl.trainer.step.stream``).
+(``verl.trainer.step.stream``); a reference on those ranks computes each batch's log-probs with
+the batch (:attr:`RLWorld.ref_ahead`), so they still count as ranks that only generate.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class RLWorld:
     # (verl.trainer.step.stream). None: no such ranks, or the synchronous mode.
     trainer_group: Any = None
     generates_only: bool = False  # this rank is one of those (it holds the rollout and none of the three)
+    # A streaming rollout with the reference on the rollout's ranks apart from the actor (its ranks
+    # among the rollout's, the rollout's first included): the rollout's ranks compute each batch's
+    # reference log-probs as they generate it (the reference never changes), and the batch brings
+    # them to every rank; the update step computes none (verl.trainer.step.stream). Same on every rank.
+    ref_ahead: bool = False
 
     def runs(self, role: str) -> bool:
         """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
@@ -237,6 +243,16 @@ def _reward(cfg: PPOConfig, world: RLWorld, groups: dict[str, Any], tokenizer: A
     )
 
 
+def _ref_with_rollout(roles: dict[str, RoleLayout]) -> bool:
+    """Whether the reference lives on the rollout's ranks apart from the actor: its ranks among the
+    rollout's, the rollout's first (the one that hands the batch over) included, none of them the
+    actor's (:attr:`RLWorld.ref_ahead`)."""
+    if "ref" not in roles:
+        return False
+    ref, rollout, actor = (set(roles[role].ranks) for role in ("ref", "rollout", "actor"))
+    return ref <= rollout and min(rollout) in ref and not rollout & actor
+
+
 def _trainer_group(cfg: PPOConfig, world: RLWorld) -> None:
     """:attr:`RLWorld.trainer_group` and :attr:`RLWorld.generates_only` (streaming modes only)."""
     import torch.distributed as dist
@@ -244,7 +260,9 @@ def _trainer_group(cfg: PPOConfig, world: RLWorld) -> None:
     if cfg.trainer.rollout_mode == "sync" or world.world_size == 1:
         return
     roles = world.topology.roles
-    busy = {r for role in ("actor", "ref", "critic") if role in roles for r in roles[role].ranks}
+    world.ref_ahead = _ref_with_rollout(roles)
+    passes = ("actor", "critic") if world.ref_ahead else ("actor", "ref", "critic")
+    busy = {r for role in passes if role in roles for r in roles[role].ranks}
     only = set(roles["rollout"].ranks) - busy
     if not only:
         return

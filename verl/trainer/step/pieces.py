@@ -546,7 +546,15 @@ class StepPieces:
                 )
             batch["old_log_probs"] = batch["rollout_log_probs"].float()
         # source == "current": the actor's update takes them from its own forward
-        if self.use_reference:
+        if self.use_reference and self.world.ref_ahead:  # the rollout's ranks computed them with the batch
+            if "ref_log_prob" not in batch:
+                raise ValueError(
+                    "the reference is placed on the rollout's ranks (trainer.placement), so the streaming rollout "
+                    "computes each batch's ref_log_prob as it generates it, but this batch has none: its first "
+                    "operator must be the config's streaming rollout (StreamRolloutOperator), or place the "
+                    "reference with the actor"
+                )
+        elif self.use_reference:
             with timer("ref"):
                 if self.runs("ref"):
                     batch = self.compute_ref_log_prob(batch)

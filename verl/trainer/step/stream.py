@@ -30,6 +30,14 @@ or sharing a rank with the reference or critic) ``update_step`` calls it between
 the updates, and the same schedule runs one after the other (the samples are those of the
 overlapped run).
 
+The reference on the rollout's ranks (``trainer.placement.ref`` among ``trainer.placement.rollout``,
+the rollout's first rank included; ``RLWorld.ref_ahead``): the reference never changes, so those
+ranks compute a batch's ``ref_log_prob`` as soon as the batch is finished (right after generating
+it ahead, or at its step for the first batch, a partial rollout's and one whose samples were dropped
+as stale), and the batch brings them to every rank: ``update_step`` runs no reference pass, and
+those ranks count as ranks that only generate (above). The same rows in the same micro-batches
+give the same log-probs as the pass on the actor's ranks would (tests/trainer/test_ref_ahead.py).
+
 Each batch samples with the seed and the prompts the synchronous step ``t`` would use
 (``sampling_seed(step=t)``, uid ``t-1/0/i``); only the weights differ. Checkpoints hold the queue
 (``rollout_queue/``, :meth:`save_state`), so a killed and resumed run trains exactly the batches
@@ -201,6 +209,7 @@ class StreamRolloutOperator(Operator):
                     self._finish(item, trainer.global_step)
             if self.stale_samples == "drop":
                 self._drop_stale(item, step)
+            self._reference(item)  # (a batch generated ahead has them already)
             item.generated[2].update(pushed)  # the push's metrics as the rollout's ranks see them (as generate's)
         with trainer.phase("share"):
             out, metrics = trainer.share_generated(item.generated)
@@ -236,7 +245,24 @@ class StreamRolloutOperator(Operator):
             item.generated[2].update(push)
         batch = item.generated[0]
         batch["rollout_version"] = torch.full((len(batch),), version, dtype=torch.long)
+        self._reference(item)
         return item
+
+    def _reference(self, item: _Ahead) -> None:
+        """With the reference on the rollout's ranks (``RLWorld.ref_ahead``): ``item``'s finished
+        batch gets its ``ref_log_prob`` here, on those ranks, when it has none yet; the reference
+        never changes, so a batch generated ahead has them before its step begins
+        (``timing_s/ref_ahead`` in its metrics)."""
+        import time
+
+        trainer = self.trainer
+        batch = item.generated[0]
+        if not trainer.world.ref_ahead or trainer.reference is None or batch is None or "ref_log_prob" in batch:
+            return
+        start = time.perf_counter()
+        with trainer.phase("ref_ahead"):
+            trainer.compute_ref_log_prob(batch)
+        item.generated[2]["timing_s/ref_ahead"] = item.generated[2].get("timing_s/ref_ahead", 0.0) + time.perf_counter() - start
 
     def _version(self) -> int:
         """The policy version the engine holds now: ``global_step`` at step start; inside
@@ -307,6 +333,8 @@ class StreamRolloutOperator(Operator):
                 again = trainer.rollout.generate(prompts, seed=seed)
                 again["rollout_version"] = torch.full((len(again),), version, dtype=torch.long)
         rows = torch.tensor([g * n + j for g in groups for j in range(n)], dtype=torch.long)
+        if "ref_log_prob" in batch and "ref_log_prob" not in again:  # computed anew for the batch (_reference)
+            batch.pop(["ref_log_prob"])
         for key in list(batch.tensors):
             if key not in again:
                 raise RuntimeError(f"stale_samples=drop: the samples drawn again have no {key!r} column")
