@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.processes import run_tree
+from tests.processes import python_stacks, run_tree
 from verl.testing.distributed import run_distributed
 
 
@@ -226,6 +226,16 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _stuck(pid: int, stderr: os.PathLike) -> str:
+    """What a hang guard reports of the trainer ``pid``: its processes with their command lines, the
+    Python stacks and the end of its stderr (a file, never a pipe: an undrained pipe that fills
+    would stop the trainer itself)."""
+    tree = "\n".join(f"  {c}: {_cmdline(c)[:160]}" for c in sorted({pid, *_descendants(pid)}))
+    with open(stderr, encoding="utf-8", errors="replace") as f:
+        tail = f.read()[-3000:]
+    return f"\n-- processes:\n{tree}\n-- stacks:\n{python_stacks(pid)}\n-- stderr ends:\n{tail}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_once(
@@ -247,13 +257,15 @@ def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_onc
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    stderr = tmp_path / "trainer.stderr"
+    with open(stderr, "w", encoding="utf-8") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + 600  # hang guards sized for a loaded machine (tests/processes.py)
         while not (run / "global_step_3").is_dir():
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            assert proc.poll() is None, stderr.read_text(errors="replace")[-4000:]
+            if time.monotonic() > deadline:
+                raise AssertionError("no checkpoint within 600 s" + _stuck(proc.pid, stderr))
             time.sleep(0.2)
         children = _descendants(proc.pid)
         proc.kill()  # SIGKILL of the trainer only, as an OOM killer or a user would
@@ -303,16 +315,18 @@ def test_a_run_killed_during_a_save_leaves_no_checkpoint_writer_behind(tiny_mode
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    stderr = tmp_path / "trainer.stderr"
+    with open(stderr, "w", encoding="utf-8") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + 600  # hang guard sized for a loaded machine (quiet: ~10 s)
         # A writer is a fork of the trainer (its command line); other children come and go (the
         # `ldconfig -p` of a library lookup at import, which the first version of this test took for one).
         trainer = _cmdline(proc.pid)
         while not (writers := {c for c in _descendants(proc.pid) if _cmdline(c) == trainer}):
-            assert proc.poll() is None, "the run ended before a writer was seen: " + proc.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "no checkpoint writer within 600 s"
+            assert proc.poll() is None, "the run ended before a writer was seen: " + stderr.read_text(errors="replace")[-2000:]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no checkpoint writer (a fork: {trainer[:160]}) within 600 s" + _stuck(proc.pid, stderr))
             time.sleep(0.005)
         proc.kill()
         proc.wait()
