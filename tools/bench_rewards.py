@@ -10,10 +10,17 @@ it does not saturate: ``tests/trainer/words_reward.py``'s count (spaces over 8, 
 8-token responses, but the bench's raw models write 11-17 spaces in 32 tokens and 52-65 in 128
 (measured on the made 247k and 34.5M Qwen2s), so that count scored 0.97-1.0 from the first step and
 its curve could not move. Sampled at temperature 1, those models' responses are 11-14% spaces.
+
+``compute_score_waiting`` is the same score after a wait of ``VERL_BENCH_REWARD_WAIT_S`` seconds per
+sample (``bench.py async --reward-wait-ms``, which sets it): a reward whose scorer waits on something
+else (a sandbox running the response's code, a remote judge) rather than computing, so the rank
+scoring it is idle meanwhile.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 
@@ -24,4 +31,10 @@ def words_score(text: str) -> float:
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """verl's ``custom_reward_function`` contract; the data source and answer are not used."""
+    return words_score(solution_str)
+
+
+def compute_score_waiting(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """:func:`compute_score` after waiting ``VERL_BENCH_REWARD_WAIT_S`` seconds (module docstring)."""
+    time.sleep(float(os.environ.get("VERL_BENCH_REWARD_WAIT_S", "0")))
     return words_score(solution_str)

@@ -39,7 +39,12 @@
 #                colocated: generation ahead inside the update window, the CUDA engine's weights
 #                synced before the update); tools/bench.py async needs 2 GPUs (NCCL, a rank each)
 #   async-partial the same with partial rollout (segments of 8 tokens resumed from their prefix under
-#                the new weights, each token's policy version recorded; unrun on a GPU yet)
+#                the new weights, each token's policy version recorded; unrun on a GPU yet). The
+#                free-running generator (async_training.free_running: a thread on ranks that only
+#                generate) needs the rollout apart, so 2 GPUs (NCCL, a rank each), like bench.py async:
+#                not covered on one GPU
+#   role-world-threads torch's default-group slots answering per thread (verl.parallel.role_world,
+#                which the free-running generator's thread relies on) on the GPU image's torch (unrun yet)
 #   lora         LoRA adapters on a bf16 Megatron engine on one CUDA rank (NCCL): fp32 masters of the
 #                adapters only, base bit-identical after a step, bf16 vs fp32 LoRA engine (unrun yet)
 set -uo pipefail
@@ -116,6 +121,11 @@ step async 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs 
 step async-partial 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \
   actor_rollout_ref.rollout.name=hf trainer.device=cuda trainer.rollout_mode=async trainer.async_training.max_staleness=2 \
   trainer.async_training.partial_rollout=true trainer.async_training.partial_rollout_tokens=8
+# The free-running generator's thread (#33) runs the rollout's engine in the rollout's world while the main
+# thread takes part in the world's collectives: torch's default-group slots per thread, checked on the GPU
+# image's torch (gloo ranks, as on CPU: the slots are the same for every backend; NCCL needs a GPU per rank).
+step role-world-threads 240 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra \
+  tests/parallel/test_role_world.py
 # LoRA (#35) on the device: the adapters' hooks, Megatron's bf16 optimizer over the adapters only.
 step lora 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/trainer/test_engine_lora_bf16.py
 # MoE weights into GPU vLLM's fused experts (#34): after update_weights the engine samples exactly what an

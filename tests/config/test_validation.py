@@ -132,6 +132,35 @@ def test_fill_update_window_passes_with_the_rollout_on_ranks_apart(placement):
     assert cfg.trainer.async_training.fill_update_window is True
 
 
+FREE = ["trainer.rollout_mode=async", "trainer.async_training.partial_rollout=true", "trainer.async_training.free_running=true"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (["trainer.n_gpus_per_node=2", *FREE], r"needs the rollout on ranks of its own \(trainer\.placement\.rollout\): set free_running=false"),
+        (["trainer.n_gpus_per_node=2", *FREE[2:], "trainer.placement.rollout=[1]"], r"needs trainer\.rollout_mode=async \(it is sync\): set free_running=false"),
+        (["trainer.n_gpus_per_node=2", *FREE, "trainer.placement.rollout=[1]", "trainer.async_training.fill_update_window=true"],
+         r"already generates through the update window: set fill_update_window=false"),
+        (["trainer.n_gpus_per_node=3", *FREE, "trainer.placement.rollout=[1, 2]", "trainer.placement.critic=[1, 2]",
+          "algorithm.adv_estimator=gae"],
+         r"needs ranks that only generate, but the rollout's ranks \[1, 2\] also hold the critic \(trainer\.placement\); place it"),
+    ],
+)
+def test_free_running_needs_partial_rollout_on_ranks_that_only_generate(overrides, why):
+    with pytest.raises(ConfigError, match=r"trainer\.async_training\.(free_running|fill_update_window)=true " + why):
+        _load(*overrides)
+
+
+@pytest.mark.parametrize("placement", [["trainer.n_gpus_per_node=2", "trainer.placement.rollout=[1]"],
+                                       ["trainer.n_gpus_per_node=3", "trainer.placement.rollout=[1, 2]",
+                                        "trainer.placement.ref=[1, 2]", "actor_rollout_ref.actor.use_kl_loss=true"]])
+@pytest.mark.parametrize("partial", [True, False])
+def test_free_running_passes_on_ranks_that_only_generate(placement, partial):
+    cfg = _load(*placement, *(FREE if partial else FREE[::2]))  # the reference may share all of its ranks with the rollout (RLWorld.ref_ahead)
+    assert cfg.trainer.async_training.free_running is True
+
+
 def test_partial_rollout_and_drop_pass_in_async():
     cfg = _load("trainer.rollout_mode=async", "trainer.async_training.partial_rollout=true",
                 "trainer.async_training.partial_rollout_tokens=8", "trainer.async_training.stale_samples=drop")

@@ -130,3 +130,53 @@ def test_the_collective_recorder_sees_each_group_and_restores_torch():
     world = [("allreduce", 3, True), ("allgather", 3, True), ("allgather", 3, True)]
     assert [seen for seen, _ in actual] == [world + [("barrier", 2, False)]] * 2 + [world]
     assert [after for _, after in actual] == [6.0] * 3
+
+
+def _two_threads_two_worlds() -> dict[str, object]:
+    """Ranks 1 and 2 hold a role apart: a second thread runs group-less collectives inside the
+    role's world while the main thread runs group-less collectives of the whole world."""
+    import threading
+
+    from verl.parallel.role_world import role_world
+
+    rank = dist.get_rank()
+    pair = dist.new_group([1, 2])
+    rounds = 30
+    out: dict[str, object] = {}
+    started = threading.Barrier(2) if rank > 0 else None
+
+    def role() -> None:
+        with role_world(pair):
+            started.wait()
+            sums, ranks = [], set()
+            for _ in range(rounds):
+                value = torch.tensor([10.0 * rank])
+                dist.all_reduce(value)  # no group: the role's ranks only
+                sums.append(value.item())
+                ranks.add((dist.get_rank(), dist.get_world_size()))
+            out["role"] = (sorted(set(sums)), sorted(ranks))
+
+    thread = threading.Thread(target=role) if rank > 0 else None
+    if thread is not None:
+        thread.start()
+        started.wait()  # the role's block is open on the other thread from here
+    sums, ranks = [], set()
+    for _ in range(rounds):
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value)  # no group: the whole world
+        sums.append(value.item())
+        ranks.add((dist.get_rank(), dist.get_world_size()))
+    out["world"] = (sorted(set(sums)), sorted(ranks))
+    if thread is not None:
+        thread.join()
+    out["after"] = dist.get_process_group_ranks(pair) if rank > 0 else None
+    return out
+
+
+def test_a_role_world_on_one_thread_leaves_the_other_threads_in_the_world():
+    """The free-running generator's engine runs in the rollout's world on a thread of its own while
+    the main thread takes part in the world's collectives (``verl.trainer.step.generator``)."""
+    actual = run_distributed(_two_threads_two_worlds, 3)
+    assert [a["world"] for a in actual] == [([3.0], [(r, 3)]) for r in range(3)]
+    assert [a.get("role") for a in actual] == [None, ([30.0], [(0, 2)]), ([30.0], [(1, 2)])]
+    assert [a["after"] for a in actual] == [None, [1, 2], [1, 2]]

@@ -18,12 +18,12 @@ import pytest
 
 from verl.testing.distributed import run_distributed
 
+from .test_free_running import _check_batches, _check_weights
 from .test_partial_rollout_trainer import PARTIAL, SEGMENT
 from .test_rollout_modes import APART, _metrics, config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-DEPTH = 2
 SLOW_UPDATE_S = 3.0
 
 
@@ -98,23 +98,14 @@ def test_fill_update_window_keeps_generating_until_the_update_ends(tiny_model_di
             per_window[(step, batch)] = per_window.get((step, batch), 0) + 1
     assert max(per_window.values()) > 1, per_window
     # every segment ran on the weights of the version it records
-    weights: dict[int, set[float]] = {}
-    for _, _, version, total in segments:
-        weights.setdefault(version, set()).add(total)
-    assert all(len(sums) == 1 for sums in weights.values()), weights
-    assert len({next(iter(sums)) for sums in weights.values()}) == len(weights), weights
+    _check_weights(segments)
     # window s generates with the weights its update starts from (version s - 1)
     assert all(version == step - 1 for step, _, version, _ in segments if step is not None)
     assert actor["seen"] == rollout["seen"]  # every rank trains the same batch
-    for step, batch in actor["seen"].items():
-        assert all(0 <= (step - 1) - began <= DEPTH for began in batch["rollout_version"]), (step, batch["rollout_version"])
+    _check_batches(actor["seen"])  # the bound per sample, the per-token invariants
+    for step, batch in actor["seen"].items():  # a token j comes no earlier than the fixed schedule's: segments only move earlier
         for versions, mask, began in zip(batch["rollout_token_versions"], batch["response_mask"], batch["rollout_version"]):
-            length = int(sum(mask))
-            sampled, pads = versions[:length], versions[length:]
-            assert length > 0 and sampled[0] == began and pads == [-1] * len(pads), (step, versions)
-            assert all(a <= b for a, b in zip(sampled, sampled[1:])), (step, versions)
-            assert max(sampled) <= step - 1, (step, versions)
-            # a token j comes no earlier than the fixed schedule's: segments only move earlier
+            sampled = versions[: int(sum(mask))]
             assert all(v <= min(began + j // SEGMENT, step - 1) for j, v in enumerate(sampled)), (step, versions)
     metrics = actor["metrics"]
     assert [metrics[s]["staleness/max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]

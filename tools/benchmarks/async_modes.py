@@ -29,12 +29,15 @@ from verl.utils.cli import positive_int
 logger = logging.getLogger(__name__)
 
 MODES = ("sync", "one_step_off", "async")
-# Modes beyond trainer.rollout_mode's own (asked for with --modes): async with partial rollout, and
-# with it filling each update window until the update ends (async_training.fill_update_window).
-EXTRA_MODES = ("async_partial", "async_fill")
+# Modes beyond trainer.rollout_mode's own (asked for with --modes): async with partial rollout, with
+# it filling each update window until the update ends (async_training.fill_update_window), and async
+# with a generator thread that never stops at step boundaries (async_training.free_running), in whole
+# batches and with partial rollout.
+EXTRA_MODES = ("async_partial", "async_fill", "async_free", "async_free_partial")
+_PARTIAL_MODES = ("async_partial", "async_fill", "async_free_partial")
 BENCH_REWARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_rewards.py")
 # Per-rank phases gathered each step (seconds): what ran where.
-_PHASES = ("gen", "push", "share", "reward", "gen_ahead", "old_log_prob", "ref", "exchange", "update_actor", "step")
+_PHASES = ("gen", "push", "share", "reward", "gen_ahead", "gen_free", "old_log_prob", "ref", "exchange", "update_actor", "step")
 
 
 def _one_mode(args: argparse.Namespace, mode: str, overrides: list[str], root: str, world: int) -> dict[str, Any]:
@@ -49,8 +52,9 @@ def _one_mode(args: argparse.Namespace, mode: str, overrides: list[str], root: s
             f"trainer.rollout_mode={'async' if mode in EXTRA_MODES else mode}",
             f"trainer.async_training.max_staleness={args.max_staleness}",
             *(["trainer.async_training.partial_rollout=true",
-               f"trainer.async_training.partial_rollout_tokens={args.partial_tokens}"] if mode in EXTRA_MODES else []),
+               f"trainer.async_training.partial_rollout_tokens={args.partial_tokens}"] if mode in _PARTIAL_MODES else []),
             *(["trainer.async_training.fill_update_window=true"] if mode == "async_fill" else []),
+            *(["trainer.async_training.free_running=true"] if mode in ("async_free", "async_free_partial") else []),
             # past the measured steps, so the streaming modes keep generating ahead through the last
             # measured one (a run's final steps have nothing left to generate: not the steady state)
             f"trainer.total_training_steps={args.warmup + args.steps + max(1, args.max_staleness)}",
@@ -112,9 +116,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if mode not in MODES + EXTRA_MODES:
             raise ValueError(f"--modes {mode!r}: choose from {list(MODES + EXTRA_MODES)}")
     overrides = list(args.overrides)
+    if args.reward_wait_ms and args.reward != "words":
+        raise ValueError("--reward-wait-ms waits inside the words reward: use --reward words")
     if args.reward == "words":  # a reward a random model earns, so the curves can move
-        overrides = [f"custom_reward_function.path={BENCH_REWARDS}", "custom_reward_function.name=compute_score",
-                     *overrides]
+        name = "compute_score_waiting" if args.reward_wait_ms else "compute_score"
+        os.environ["VERL_BENCH_REWARD_WAIT_S"] = str(args.reward_wait_ms / 1000)  # (read by tools/bench_rewards.py)
+        overrides = [f"custom_reward_function.path={BENCH_REWARDS}", f"custom_reward_function.name={name}", *overrides]
     root = tempfile.mkdtemp(prefix="verl-bench-async-")
     before = machine()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
@@ -167,6 +174,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "max_staleness": args.max_staleness,
         "reward": args.reward,
+        "reward_wait_ms": args.reward_wait_ms,
         # what bounds the speed-up: the share of the first mode's step its generation took
         "first_mode_generation_share": gen_share,
         "modes": modes,
@@ -179,11 +187,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _table(result: dict[str, Any]) -> str:
     rows = [f"{'mode':<14}{'gen tok/s':>11}{'speed-up':>10}{'step s':>9}{'stale max':>11}{'gen@r1':>9}"
-            f"{'ahead@r1':>10}{'update@r0':>11}{'exch@r0':>9}"]
+            f"{'ahead@r1':>10}{'free@r1':>9}{'reward@r0':>11}{'update@r0':>11}{'exch@r0':>9}"]
     for name, m in result["modes"].items():
         r0, r1 = m["phases_by_rank"]
         rows.append(f"{name:<14}{m['generated_tokens_per_s']:>11.0f}{m['speedup']:>10.2f}{m['step_s']:>9.3f}"
-                    f"{m['staleness_max']:>11.0f}{r1['gen']:>9.3f}{r1['gen_ahead']:>10.3f}{r0['update_actor']:>11.3f}"
+                    f"{m['staleness_max']:>11.0f}{r1['gen']:>9.3f}{r1['gen_ahead']:>10.3f}{r1['gen_free']:>9.3f}"
+                    f"{r0['reward']:>11.3f}{r0['update_actor']:>11.3f}"
                     f"{r0['exchange']:>9.3f}")
     return "\n".join(rows)
 
@@ -196,16 +205,21 @@ def _async(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("overrides", nargs="*", help="key=value overrides, as main_ppo takes them")
     p.add_argument("--modes", nargs="+", default=list(MODES),
                    help="modes, the first the baseline (default: %(default)s; also async_partial: async with partial rollout; async_fill: "
-                        "async_partial filling each update window, async_training.fill_update_window)")
+                        "async_partial filling each update window, async_training.fill_update_window; async_free: async with a "
+                        "generator thread that never stops at step boundaries, async_training.free_running; async_free_partial: "
+                        "the same with partial rollout)")
     p.add_argument("--steps", type=positive_int, default=6, help="measured steps per mode (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=1, help="repeat the modes, order alternating (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=2, help="async's trainer.async_training.max_staleness (default %(default)s)")
     p.add_argument("--partial-tokens", type=positive_int, default=16,
-                   help="modes async_partial and async_fill (async with partial rollout): their async_training.partial_rollout_tokens (default %(default)s)")
+                   help="modes async_partial, async_fill and async_free_partial (async with partial rollout): their async_training.partial_rollout_tokens (default %(default)s)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default %(default)s)")
     p.add_argument("--reward", choices=("words", "arithmetic"), default="words",
                    help="words: tools/bench_rewards.py (a random model earns it, the curves move); arithmetic: the task's scorer")
+    p.add_argument("--reward-wait-ms", type=float, default=0.0,
+                   help="words reward: wait this long per sample before scoring, as a scorer that waits on a sandbox or a "
+                        "remote judge does (default %(default)s)")
     p.add_argument("--inputs", default=None,
                    help="make (once) a random tiny Qwen2 and 2-digit arithmetic prompts in this folder and use them")
     p.add_argument("--hidden", type=positive_int, default=64, help="--inputs model hidden size (default %(default)s)")

@@ -523,6 +523,13 @@ def _rollout_mode(cfg: PPOConfig, problems: list[str]) -> None:
                "there is no update to overlap)" if not rollout_ranks else None)
         if why is not None:
             problems.append(f"{key}.fill_update_window=true needs {why}: set fill_update_window=false")
+    if at.free_running:
+        why = (f"trainer.rollout_mode=async (it is {mode})" if mode != "async" else "the rollout on ranks of its own "
+               "(trainer.placement.rollout)" if not cfg.trainer.placement.get("rollout") else None)
+        if why is not None:
+            problems.append(f"{key}.free_running=true needs {why}: set free_running=false")
+        elif at.fill_update_window:
+            problems.append(f"{key}.free_running=true already generates through the update window: set fill_update_window=false")
     if mode == "sync":
         return
     kind = ("data.pairs=true (DPO)" if cfg.data.pairs else "algorithm.hybrid.enable=true" if cfg.algorithm.hybrid.enable
@@ -569,6 +576,24 @@ def _rollout_correction(cfg: PPOConfig, problems: list[str]) -> None:
         )
 
 
+def _free_running_ranks(ranks: dict[str, tuple[int, ...]], problems: list[str]) -> None:
+    """``free_running``: the rollout's ranks run no pass of the step (the generator thread holds
+    the engine beside the main thread's collectives): none of the actor and critic. (A reference on
+    them owns the same ranks, as placement allows only, so it computes with the batch:
+    ``RLWorld.ref_ahead``.)"""
+    from verl.parallel.placement import show_ranks
+
+    rollout = set(ranks["rollout"])
+    shared = [role for role in ("actor", "critic") if role in ranks and rollout & set(ranks[role])]
+    if shared:
+        problems.append(
+            f"trainer.async_training.free_running=true needs ranks that only generate, but the rollout's ranks "
+            f"{show_ranks(ranks['rollout'])} also hold the {' and the '.join(shared)} (trainer.placement); place "
+            f"{'it' if len(shared) == 1 else 'them'} on other ranks (the reference may share the rollout's), or set "
+            "free_running=false"
+        )
+
+
 def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str]) -> None:
     """Every check of a PPO config that depends on the world size (and ``trainer.placement``)."""
     from verl.parallel.placement import placement_problems, show_ranks
@@ -584,6 +609,9 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
     if placed:
         problems.extend(placed)
         return
+
+    if cfg.trainer.async_training.free_running and cfg.trainer.placement.get("rollout"):
+        _free_running_ranks(ranks, problems)
 
     placed = bool(cfg.trainer.placement)
 

@@ -29,6 +29,15 @@ This is the one place verl touches torch's private default-group state. Checked 
 | 2.13 (CPU), 2.11 (CUDA) | ``distributed_c10d._world.group_count`` (property with a setter) | the counter ``new_group`` names groups by |
 | 2.13 (CPU), 2.11 (CUDA) | ``distributed_c10d._world.pg_group_ranks[group]`` (global rank -> group rank) | the role's world numbers its members 0 .. size - 1 inside (sharded checkpoints check the default group's members) |
 
+Per thread: the default group and the group counter a block sets belong to the thread that
+entered it (the two slots above answer per thread while one of its blocks is open; torch's own
+setters, outside any block, still write the process-wide value). So one thread can run a role's
+engine inside its world while another makes the world's collectives (the free-running generator,
+``verl.trainer.step.generator``). The members' numbering (``pg_group_ranks[group]``) is one dict
+for the process: while any thread is inside ``group``'s block, every thread sees ``group``'s
+members numbered 0 .. size - 1, so code on another thread must not ask for that group's ranks then
+(the generator's owner pauses it before any call of the rollout's own).
+
 ``tests/parallel/test_role_world.py`` fails when this behaviour changes. Where the slot is missing
 (another torch), :func:`role_world` raises for a group that is not the world, naming the torch
 version, so a split placement fails at build time instead of hanging later.
@@ -37,6 +46,7 @@ version, so a split placement fails at build time instead of hanging later.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -60,6 +70,47 @@ def spans_world(group: dist.ProcessGroup | None) -> bool:
 # for ever (in new_group, under load).
 _COUNTERS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], int]] = weakref.WeakKeyDictionary()
 _COUNTER_BASE = 1_000_000
+# The blocks this thread is inside, innermost last: [group, its group counter] each.
+_LOCAL = threading.local()
+_LOCK = threading.Lock()
+# A group whose block some thread is inside -> [threads inside, its members' numbering outside].
+_NUMBERED: dict[dist.ProcessGroup, list] = {}
+
+
+def _blocks() -> list[list]:
+    blocks = getattr(_LOCAL, "blocks", None)
+    if blocks is None:
+        blocks = _LOCAL.blocks = []
+    return blocks
+
+
+def _per_thread(world) -> None:
+    """Make ``world``'s ``default_pg`` and ``group_count`` slots answer the innermost block of the
+    asking thread, and the process-wide value outside any (once per process)."""
+    cls = type(world)
+    with _LOCK:
+        if getattr(cls, "_verl_per_thread", False):
+            return
+        default_pg, group_count = cls.default_pg, cls.group_count
+
+        def get_pg(self):
+            blocks = getattr(_LOCAL, "blocks", None)
+            return blocks[-1][0] if blocks else default_pg.fget(self)
+
+        def get_count(self):
+            blocks = getattr(_LOCAL, "blocks", None)
+            return blocks[-1][1] if blocks else group_count.fget(self)
+
+        def set_count(self, value):
+            blocks = getattr(_LOCAL, "blocks", None)
+            if blocks:
+                blocks[-1][1] = value
+            else:
+                group_count.fset(self, value)
+
+        cls.default_pg = property(get_pg, default_pg.fset, doc=default_pg.__doc__)
+        cls.group_count = property(get_count, set_count, doc=group_count.__doc__)
+        cls._verl_per_thread = True
 
 
 def _slot():
@@ -87,23 +138,34 @@ def role_world(group: dist.ProcessGroup | None) -> Iterator[None]:
     if spans_world(group):
         yield
         return
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"role_world: global rank {dist.get_rank()} is not one of the group's ranks "
-            f"{dist.get_process_group_ranks(group)}; only the role's ranks run its calls"
-        )
     world = _slot()
-    previous, count = world.default_pg, world.group_count
-    ranks = tuple(dist.get_process_group_ranks(group))
-    members = world.pg_group_ranks[group]
-    world.default_pg = group
-    # Inside, the role's world numbers its ranks 0 .. size - 1, its own members included.
-    world.pg_group_ranks[group] = {i: i for i in range(len(ranks))}
+    blocks = _blocks()
+    if blocks and blocks[-1][0] is group:  # nested in this thread: the same world, unchanged
+        yield
+        return
+    _per_thread(world)
+    previous = world.default_pg
+    with _LOCK:  # inside, the role's world numbers its ranks 0 .. size - 1, its own members included
+        entry = _NUMBERED.get(group)
+        numbering = entry[1] if entry is not None else world.pg_group_ranks[group]  # (another thread may be inside)
+        if dist.get_rank() not in numbering:
+            raise ValueError(
+                f"role_world: global rank {dist.get_rank()} is not one of the group's ranks "
+                f"{sorted(numbering)}; only the role's ranks run its calls"
+            )
+        ranks = tuple(sorted(numbering, key=numbering.__getitem__))
+        if entry is None:
+            entry = _NUMBERED[group] = [0, numbering]
+            world.pg_group_ranks[group] = {i: i for i in range(len(ranks))}
+        entry[0] += 1
     counters = _COUNTERS.setdefault(previous, {})
-    world.group_count = counters.get(ranks, _COUNTER_BASE * (1 + ranks[0]))
+    blocks.append([group, counters.get(ranks, _COUNTER_BASE * (1 + ranks[0]))])
     try:
         yield
     finally:
-        counters[ranks] = world.group_count
-        world.pg_group_ranks[group] = members
-        world.default_pg, world.group_count = previous, count
+        counters[ranks] = blocks.pop()[1]
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                world.pg_group_ranks[group] = entry[1]
+                del _NUMBERED[group]

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -125,7 +126,10 @@ class Rollout:
                 )
             self.engine.record_routing = True
         self.sync: WeightSync | GatheredSync | _SharedModule | None = None
-        self._in_phase = False
+        self._local = threading.local()  # per thread: inside phase() (the free-running generator has its own)
+        # One engine call at a time across threads (the free-running generator's segments and the
+        # owner's calls while it is paused: verl.trainer.step.generator).
+        self.lock = threading.RLock()
         self.last_metrics: dict[str, float] = {}
         # Multi-turn rollouts with tools (``rollout.multi_turn.enable``): the agent loop drives the engine.
         self.agent = None
@@ -195,6 +199,14 @@ class Rollout:
         the trainer sends it the actor's weights before each phase (``verl.hybrid.DisaggregatedSync``)."""
         self.sync = _SharedModule()
 
+    @property
+    def _in_phase(self) -> bool:
+        return getattr(self._local, "in_phase", False)
+
+    @_in_phase.setter
+    def _in_phase(self, value: bool) -> None:
+        self._local.in_phase = value
+
     @contextlib.contextmanager
     def phase(self) -> Iterator[dict[str, float]]:
         """The rollout phase (collective): KV cache back, actor weights pushed; released on exit.
@@ -224,6 +236,10 @@ class Rollout:
         if not self._in_phase:
             with self.phase():
                 return self.generate(prompts, seed=seed, validate=validate, greedy=greedy)
+        with self.lock:
+            return self._generate(prompts, seed=seed, validate=validate, greedy=greedy)
+
+    def _generate(self, prompts: Batch, *, seed: int, validate: bool, greedy: bool) -> Batch:
         start = time.perf_counter()
         piece = shard(prompts, self.dp_group)
         generate = self.engine.generate if self.agent is None else functools.partial(self.agent.generate, self.engine)
@@ -243,9 +259,10 @@ class Rollout:
         partial rollout's engine call (``verl.trainer.step.stream``). A row is a prompt, or a
         prompt and the response sampled so far (left-padded, up to ``prompt_length +
         response_length`` wide), which the engine continues as it would a prompt."""
-        cfg = self.engine.cfg
-        with self._sampling(n=n, response_length=max_tokens, prompt_length=cfg.prompt_length + cfg.response_length):
-            return self.generate(rows, seed=seed)
+        with self.lock:
+            cfg = self.engine.cfg
+            with self._sampling(n=n, response_length=max_tokens, prompt_length=cfg.prompt_length + cfg.response_length):
+                return self.generate(rows, seed=seed)
 
     def add_tools(self, tools: list[Any]) -> None:
         """Offer ``tools`` (``verl.rollout.agent.Tool`` objects or plain functions) besides those of

@@ -34,6 +34,7 @@ reference verl, converted to the engine's optimizer updates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -155,7 +156,14 @@ class PPOTrainer(StepPieces):
 
     def validate(self) -> dict[str, float]:
         """Validation with ``rollout.val_kwargs`` (``verl.trainer.validation``): ``val-core/{data_source}/...``."""
-        return validate(self)
+        with self._engine_held():
+            return validate(self)
+
+    def _engine_held(self) -> contextlib.AbstractContextManager:
+        """A block in which the streaming rollout's free-running generator is paused (it holds the
+        engine and the queue otherwise; ``verl.trainer.step.generator``)."""
+        stream = getattr(self, "stream", None)
+        return stream.held() if stream is not None else contextlib.nullcontext()
 
     def write_report(self) -> str | None:
         """Rewrite ``report.html`` in ``trainer.log_dir`` from what the run logged (rank 0); its path."""
@@ -194,9 +202,10 @@ class PPOTrainer(StepPieces):
             if self.stream is not None:  # the batches generated ahead (trainer.rollout_mode)
                 self.stream.save_state(tmp)
 
-        state = {"dataloader": self.data.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(), "total_steps": self.total_steps}
-        self.post_phase("save_checkpoint")
-        path = self.checkpoints.save(self.global_step, write, state)
+        with self._engine_held():  # the queue and the data position as one picture
+            state = {"dataloader": self.data.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(), "total_steps": self.total_steps}
+            self.post_phase("save_checkpoint")
+            path = self.checkpoints.save(self.global_step, write, state)
         self._last_saved_step, self._last_checkpoint = self.global_step, path
         return path
 
@@ -288,8 +297,12 @@ class PPOTrainer(StepPieces):
         if self.closed:
             return
         self.closed = True
-        self.tracking.close()
-        self.world.close()
+        try:
+            if getattr(self, "stream", None) is not None:  # (an __init__ that failed early has none)
+                self.stream.close()
+        finally:
+            self.tracking.close()
+            self.world.close()
 
     def __enter__(self) -> "PPOTrainer":
         return self

@@ -168,6 +168,7 @@ def build_step(cfg: "PPOConfig") -> StepPipeline:
             partial_tokens=at.partial_rollout_tokens if at.partial_rollout else None,
             stale_samples=at.stale_samples,
             fill_window=at.fill_update_window,
+            free_running=at.free_running,
         )
         _warn_uncorrected(cfg)
     else:

@@ -79,18 +79,40 @@ keeps its size and no group mixes policies. Within one run the pacing above give
 a queue saved with a looser bound (a run resumed with a smaller ``max_staleness``) is the case it
 serves here.
 
-Not here: generation during the weight push, the batch's hand-over and the reward (collectives the
-rollout's ranks take part in: the reward is scored on every rank), and a free-running generator
-that would also run across the step boundary (with it, samples could outrun the bound within a
-run, and ``drop`` would act on them the same way). When one step's generation outlasts the actor's
-passes and updates, the actor's ranks wait for it at the exchange after the updates.
+The free-running generator (``async_training.free_running``, the rollout on ranks that only
+generate; ``verl.trainer.step.generator``): a thread on each rollout rank works on the oldest
+unfinished batch in the queue, one unit at a time, with the version the engine holds then (partial
+rollout: one segment, its first if it is not begun; else the whole batch, so the push waits for a
+batch the thread is generating), without stopping at step boundaries: through
+the batch's hand-over, the reward, the actor's passes and updates, the exchanges, logging and the
+next step's start. Every rank draws the prompts of each batch the bound allows as the step's batch
+is taken (:meth:`_head`, so every rank's data position is the same and a checkpoint's is that of the
+queue it holds), and the thread begins them. It pauses only while the main thread holds it:
+:meth:`_head` (the weight push, which writes into the engine's tensors in place, and the step's own
+batch finished with the pushed weights when the thread has not finished it), validation and
+checkpoints (``PPOTrainer._engine_held``), the end of the run (:meth:`close`). With the reference on
+the rollout's ranks the thread computes each batch's log-probs as it finishes it (the main thread
+meanwhile runs no model: the two would share the rank's cores). Timing decides how many segments run
+between two pushes, so, as with ``fill_window``, which version samples which token; the bound per
+sample and the per-token invariants hold, a batch begins as soon as the bound allows it and the
+thread reaches it (so its staleness is mostly the bound itself), and the checkpoint holds every batch in
+flight with its tokens so far (nothing generated is lost on resume). ``async/free_segments`` and
+``timing_s/gen_free`` are the thread's segments and seconds since the step before's push.
+
+Not here: generation during the weight push (the push writes into the engine's tensors in place; a
+second copy of the weights would let generation go on meanwhile), and the ranks that only generate
+still take part in the reward (scored on every rank; with ``free_running`` the thread generates
+meanwhile). When one step's generation outlasts the actor's passes and updates, the actor's ranks
+wait for it at the exchange after the updates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,6 +122,7 @@ from verl.trainer.step.ops import ROLLOUT_FIELDS
 
 if TYPE_CHECKING:
     from verl.protocol import Batch
+    from verl.trainer.step.generator import Generator
     from verl.trainer.step.partial import PartialBatch
     from verl.trainer.ppo_trainer import PPOTrainer
 
@@ -135,6 +158,8 @@ class StreamRolloutOperator(Operator):
             ``async/stale_dropped``, and its prompt sampled again with the current weights).
         fill_window: partial rollout with the rollout apart: keep running segments of the batches in
             flight until the actor's update is done (module docstring; timing-paced).
+        free_running: partial rollout with the rollout on ranks that only generate: a generator
+            thread runs segments without stopping (module docstring; ``verl.trainer.step.generator``).
     """
 
     outputs = ROLLOUT_FIELDS + ("rollout_version",)
@@ -147,6 +172,7 @@ class StreamRolloutOperator(Operator):
         partial_tokens: int | None = None,
         stale_samples: str = "wait",
         fill_window: bool = False,
+        free_running: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -159,11 +185,16 @@ class StreamRolloutOperator(Operator):
             raise ValueError("StreamRolloutOperator: partial rollout makes one engine call per segment; use call_sizes=None")
         if fill_window and partial_tokens is None:
             raise ValueError("StreamRolloutOperator(fill_window=True) fills the update window with segments: set partial_tokens")
+        if free_running and fill_window:
+            raise ValueError("StreamRolloutOperator(free_running=True) fills every window itself: use fill_window=False")
         self.depth = depth
         self.call_sizes = call_sizes
         self.partial_tokens = partial_tokens
         self.stale_samples = stale_samples
         self.fill_window = fill_window
+        self.free_running = free_running
+        self._generator: "Generator | None" = None  # free_running, on the rollout's ranks
+        self._engine_version = 0  # free_running: the policy version the engine holds (set inside holds)
         self._updates_before = 0  # fill_window: the store's update count when this step began
         self.queue: list[_Ahead] = []
         self.exhausted = False
@@ -173,6 +204,27 @@ class StreamRolloutOperator(Operator):
         trainer.overlap = self._ahead
         if self.fill_window:
             trainer.update_done = self._update_done
+        if self.free_running and trainer.rollout is not None:
+            from verl.trainer.step.generator import Generator
+
+            if not trainer.world.generates_only:  # (the config's pre-flight says so before any model is built)
+                raise ValueError(
+                    "trainer.async_training.free_running=true needs the rollout on ranks that only generate: place the "
+                    "actor and the critic on other ranks (trainer.placement)"
+                )
+            self._generator = Generator(
+                self._work, group=trainer.rollout.world, stop_timeout_s=trainer.cfg.trainer.collective_timeout_s
+            )
+
+    def held(self) -> "contextlib.AbstractContextManager[None]":
+        """free_running: a block in which the generator thread is paused (validation, checkpoints,
+        anything that needs the engine or the queue still); elsewhere the block just runs."""
+        return self._generator.held() if self._generator is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """free_running: stop the generator thread (every rank calls it at the end of the run)."""
+        if self._generator is not None:
+            self._generator.stop()
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -187,21 +239,39 @@ class StreamRolloutOperator(Operator):
             # update (it needs this step's batch), and its earlier updates were counted before
             # the collective that ended the step before.
             self._updates_before = int(self._store().add(_UPDATES_KEY, 0))
+        with self.held():  # free_running: the generator thread waits from here to the hand-over
+            item = self._head(step)
+        if item is None:
+            return None, {}
+        with trainer.phase("share"):
+            out, metrics = trainer.share_generated(item.generated)
+        metrics["async/generated_ahead"] = self._was_ahead
+        metrics["async/queue_size"] = float(len(self.queue))
+        return out, metrics
+
+    def _head(self, step: int) -> _Ahead | None:
+        """The weight push and step ``step``'s batch, finished, its reference log-probs computed
+        (the rollout's ranks); with free_running the next batches' prompts are drawn too. None when
+        the data is used up."""
+        trainer = self.trainer
         pushed: dict[str, float] = {}
         if trainer.world.send is not None:  # the current weights to the engine apart (collective)
             with trainer.phase("push"):
                 pushed = trainer.world.send.push()
+        self._engine_version = trainer.global_step
         if self.queue:
             item = self.queue.pop(0)
             if item.step != step:
                 raise RuntimeError(f"the streaming rollout's next batch is for step {item.step}, not step {step}")
-            ahead = 1.0
+            self._was_ahead = 1.0
         else:
-            item = self._generate(step)
+            item = self._draw(step)
             if item is None:
-                return None, {}
-            ahead = 0.0
+                return None
+            self._was_ahead = 0.0
         if trainer.rollout is not None:
+            if item.partial is None and item.generated[0] is None:  # not begun yet: now, with the weights just pushed
+                self._start(item)
             if item.partial is not None:  # its last segments with the weights pushed for this step
                 if self.stale_samples == "drop" and (step - 1) - item.version > self.depth:
                     self._restart(item, step)  # every sample began with item.version: finishing them is wasted
@@ -209,17 +279,25 @@ class StreamRolloutOperator(Operator):
                     self._finish(item, trainer.global_step)
             if self.stale_samples == "drop":
                 self._drop_stale(item, step)
-            self._reference(item)  # (a batch generated ahead has them already)
+            self._reference(item)  # (a batch generated ahead may have them already)
             item.generated[2].update(pushed)  # the push's metrics as the rollout's ranks see them (as generate's)
-        with trainer.phase("share"):
-            out, metrics = trainer.share_generated(item.generated)
-        metrics["async/generated_ahead"] = ahead
-        metrics["async/queue_size"] = float(len(self.queue))
-        return out, metrics
+            if self._generator is not None:  # what the thread did since the last push
+                busy, units = self._generator.take_busy()
+                item.generated[2]["timing_s/gen_free"] = busy
+                item.generated[2]["async/free_segments"] = float(units)
+        if self.free_running:  # the prompts of every batch the bound allows now; the thread begins them
+            while len(self.queue) < self.depth:
+                more = self._draw(step + len(self.queue) + 1)
+                if more is None:
+                    break
+                self.queue.append(more)
+        if self._generator is not None:
+            self._generator.start()
+        return item
 
-    def _generate(self, step: int) -> _Ahead | None:
-        """The batch of ``step`` generated now with the current weights (version ``global_step`` at
-        step start, ``global_step - 1`` inside ``update_step``); None when the data is used up."""
+    def _draw(self, step: int) -> _Ahead | None:
+        """The prompts of ``step``'s batch (every rank draws them; the rollout's keep them), not yet
+        begun; None when the data is used up."""
         trainer = self.trainer
         if self.exhausted or step > trainer.total_steps:
             return None
@@ -228,24 +306,70 @@ class StreamRolloutOperator(Operator):
         if prompts is None:
             self.exhausted = True
             return None
+        item = _Ahead(step=step, version=-1, generated=(None, None, {}))
+        if trainer.rollout is not None:
+            item.prompts = prompts
+        return item
+
+    def _start(self, item: _Ahead) -> None:
+        """Begin ``item`` with the weights the engine holds now (the rollout's ranks): its first
+        segment (partial rollout), or the whole batch and its reference log-probs."""
+        trainer = self.trainer
         version = self._version()
-        generated: tuple[Any, Any, dict[str, float]] = (None, None, {})
-        item = _Ahead(step=step, version=version, generated=generated)
-        if trainer.rollout is None:
-            return item
-        item.prompts = prompts
-        seed = trainer.sampling_seed(0, step=step)
+        item.version = version
+        seed = trainer.sampling_seed(0, step=item.step)
         if self.partial_tokens is not None:  # its first segment now, the rest in later windows or at its step
-            item.partial = self._partial(prompts, seed)
+            item.partial = self._partial(item.prompts, seed)
             with trainer.phase("gen"), trainer.rollout.phase():
                 item.partial.advance(trainer.rollout.generate_segment, version)
-            return item
+            return
         with trainer.phase("gen"), trainer.rollout.phase() as push:
-            item.generated = trainer.generate_here(prompts, seed=seed, call_sizes=self.call_sizes)
+            item.generated = trainer.generate_here(item.prompts, seed=seed, call_sizes=self.call_sizes)
             item.generated[2].update(push)
         batch = item.generated[0]
         batch["rollout_version"] = torch.full((len(batch),), version, dtype=torch.long)
         self._reference(item)
+
+    def _work(self) -> bool:
+        """free_running, on the generator thread: one unit of the oldest unfinished batch in the
+        queue, with the version the engine holds (partial rollout: one segment, its first if it is
+        not begun; else the whole batch); False when every batch in the queue is finished. The queue
+        changes only while the thread is held."""
+        trainer = self.trainer
+        for item in self.queue:
+            if item.generated[0] is not None:
+                continue
+            version = self._engine_version
+            with trainer.rollout.phase():
+                if self.partial_tokens is None:
+                    generated = trainer.generate_here(
+                        item.prompts, seed=trainer.sampling_seed(0, step=item.step), call_sizes=self.call_sizes
+                    )
+                    generated[0]["rollout_version"] = torch.full((len(generated[0]),), version, dtype=torch.long)
+                    item.version = version
+                else:
+                    if item.partial is None:
+                        item.version = version
+                        item.partial = self._partial(item.prompts, trainer.sampling_seed(0, step=item.step))
+                    item.partial.advance(trainer.rollout.generate_segment, version)
+                    if not item.partial.finished:
+                        return True
+                    batch, metrics = item.partial.assemble()
+                    generated = (batch, None, metrics)
+            if trainer.world.ref_ahead and trainer.reference is not None:  # as _reference, off the step's timer
+                start = time.perf_counter()
+                trainer.compute_ref_log_prob(generated[0])
+                generated[2]["timing_s/ref_ahead"] = time.perf_counter() - start
+            item.generated, item.partial = generated, None  # (the main thread reads the queue only in holds)
+            return True
+        return False
+
+    def _generate(self, step: int) -> _Ahead | None:
+        """The batch of ``step`` begun now with the current weights (version ``global_step`` at
+        step start, ``global_step - 1`` inside ``update_step``); None when the data is used up."""
+        item = self._draw(step)
+        if item is not None and self.trainer.rollout is not None:
+            self._start(item)
         return item
 
     def _reference(self, item: _Ahead) -> None:
@@ -253,8 +377,6 @@ class StreamRolloutOperator(Operator):
         batch gets its ``ref_log_prob`` here, on those ranks, when it has none yet; the reference
         never changes, so a batch generated ahead has them before its step begins
         (``timing_s/ref_ahead`` in its metrics)."""
-        import time
-
         trainer = self.trainer
         batch = item.generated[0]
         if not trainer.world.ref_ahead or trainer.reference is None or batch is None or "ref_log_prob" in batch:
@@ -344,6 +466,7 @@ class StreamRolloutOperator(Operator):
         item.generated = (batch, greedy, metrics)
 
     _in_update = False  # inside update_step (_ahead)
+    _was_ahead = 0.0  # whether this step's batch came from the queue
     _active_step = 0  # the step this operator's process() began
 
     def _ahead(self, batch: "Batch") -> dict[str, float]:
@@ -351,6 +474,8 @@ class StreamRolloutOperator(Operator):
         steps' batches while the bound allows."""
         trainer = self.trainer
         if self._active_step != trainer.global_step:  # another pipeline's step (a DataStream's)
+            return {}
+        if self.free_running:  # the thread generates (and computes the reference log-probs)
             return {}
         self._in_update = True
         made = 0
@@ -434,9 +559,10 @@ class StreamRolloutOperator(Operator):
         index = []
         for i, item in enumerate(self.queue):
             batch, greedy, metrics = item.generated
+            begun = item.partial is not None or batch is not None  # free_running: drawn, not yet begun
             if item.partial is not None:  # in flight: its samples so far, per-token versions included
                 item.partial.save(os.path.join(folder, f"{i}.partial"))
-            else:
+            elif batch is not None:
                 batch.save(os.path.join(folder, f"{i}.batch"))
             if greedy is not None:
                 greedy.save(os.path.join(folder, f"{i}.greedy"))
@@ -444,7 +570,7 @@ class StreamRolloutOperator(Operator):
                 item.prompts.save(os.path.join(folder, f"{i}.prompts"))
             index.append({
                 "step": item.step, "version": item.version, "metrics": metrics, "greedy": greedy is not None,
-                "partial": item.partial is not None, "prompts": item.prompts is not None,
+                "partial": item.partial is not None, "prompts": item.prompts is not None, "begun": begun,
             })
         with open(os.path.join(folder, "index.json"), "w", encoding="utf-8") as f:
             json.dump({"exhausted": self.exhausted, "batches": index}, f)
@@ -484,6 +610,8 @@ class StreamRolloutOperator(Operator):
                             "trainer.async_training.partial_rollout=true"
                         )
                     item.partial = PartialBatch.load(os.path.join(folder, f"{i}.partial"))
+                    item.generated = (None, greedy, entry["metrics"])
+                elif not entry.get("begun", True):  # its prompts only: begun by the thread, or at its step
                     item.generated = (None, greedy, entry["metrics"])
                 else:
                     item.generated = (Batch.load(os.path.join(folder, f"{i}.batch")), greedy, entry["metrics"])
