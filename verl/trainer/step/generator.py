@@ -64,6 +64,7 @@ class Generator:
         self._rounds = 0  # holds the thread paused for
         self._paused = False  # the thread waits between two units of work
         self._stopping = False
+        self._holding = False  # the main thread is inside held()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.busy_s = 0.0  # seconds in work since the last take_busy()
@@ -91,7 +92,7 @@ class Generator:
     def held(self) -> Iterator[None]:
         """The block runs with the thread paused between two units of work (module docstring).
         Before the thread starts (and after it stops) the block just runs."""
-        if self._thread is None or self._stopping:
+        if self._thread is None or self._stopping or self._holding:  # (a hold inside a hold: already paused)
             self._raise()
             yield
             return
@@ -101,10 +102,12 @@ class Generator:
             self._cv.notify_all()
             while not (self._rounds >= target and self._paused) and self._error is None and self._thread.is_alive():
                 self._cv.wait(timeout=1.0)
-        self._raise()
         try:
+            self._raise()
+            self._holding = True
             yield
         finally:
+            self._holding = False
             with self._cv:
                 self._released += 1
                 self._cv.notify_all()

@@ -158,8 +158,9 @@ class StreamRolloutOperator(Operator):
             ``async/stale_dropped``, and its prompt sampled again with the current weights).
         fill_window: partial rollout with the rollout apart: keep running segments of the batches in
             flight until the actor's update is done (module docstring; timing-paced).
-        free_running: partial rollout with the rollout on ranks that only generate: a generator
-            thread runs segments without stopping (module docstring; ``verl.trainer.step.generator``).
+        free_running: the rollout on ranks that only generate: a generator thread generates without
+            stopping at step boundaries, in segments with ``partial_tokens``, else in whole batches
+            (module docstring; ``verl.trainer.step.generator``).
     """
 
     outputs = ROLLOUT_FIELDS + ("rollout_version",)
