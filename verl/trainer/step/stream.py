@@ -95,7 +95,7 @@ the rollout's ranks the thread computes each batch's log-probs as it finishes it
 meanwhile runs no model: the two would share the rank's cores). Timing decides how many segments run
 between two pushes, so, as with ``fill_window``, which version samples which token; the bound per
 sample and the per-token invariants hold, a batch begins as soon as the bound allows it and the
-thread reaches it (so its staleness is mostly the bound itself), and the checkpoint holds every batch in
+thread reaches it (so its staleness is the bound or less), and the checkpoint holds every batch in
 flight with its tokens so far (nothing generated is lost on resume). ``async/free_segments`` and
 ``timing_s/gen_free`` are the thread's segments and seconds since the step before's push.
 
