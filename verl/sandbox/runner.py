@@ -52,7 +52,7 @@ from verl.utils.signals import deferred, interruptible
 
 logger = logging.getLogger(__name__)
 
-Reason = Literal["ok", "error", "timeout", "memory", "output_limit", "killed", "sandbox_error"]
+Reason = Literal["ok", "error", "timeout", "memory", "output_limit", "killed", "sandbox_error", "cancelled"]
 
 NOBODY_UID = 65534
 # Where the program runs inside the sandbox (a private tmpfs).
@@ -62,6 +62,7 @@ MAIN_FILE = "main.py"
 _SIGNAL_BASE = 128
 # How often the runner wakes to check the deadline while waiting on output.
 _POLL_S = 0.05
+_CANCELLED = "cancelled by its caller (its client left, or the server stops)"
 # How long bwrap may take to reap its killed init and exit before it is killed too.
 _REAP_WAIT_S = 5.0
 
@@ -77,7 +78,9 @@ class RunResult:
     ``reason``: ok (exit status 0), error (another exit status), timeout (wall or CPU time),
     memory (the address-space limit: a MemoryError or an allocation failure), output_limit
     (stdout or stderr over ``output_bytes``), killed (a signal not sent by a limit),
-    sandbox_error (the sandbox itself failed to start). ``exit_code`` is the program's status
+    sandbox_error (the sandbox itself failed to start: bubblewrap, prlimit or the interpreter
+    failed before the program's first line; ``detail`` holds their message), cancelled (the
+    caller's ``cancel`` event ended it: a server's client left, or the server stops). ``exit_code`` is the program's status
     (None when it was killed by the runner), ``signal`` the signal that ended it, if any.
     """
 
@@ -292,15 +295,25 @@ def _bwrap_argv(
     return argv + _rlimit_args(prlimit, limits) + [python, "-I", *program_args]
 
 
-# The sandboxed entry point: copy the inputs into the writable work dir, then run main.py as
-# __main__ in this same interpreter (one interpreter start per execution).
-_BOOT = (
-    "import os,shutil,runpy,sys\n"
-    "shutil.copytree('/.in','.',dirs_exist_ok=True)\n"
-    f"sys.argv=[{MAIN_FILE!r}]\n"
-    "sys.path.insert(0,os.getcwd())\n"
-    f"runpy.run_path({MAIN_FILE!r},run_name='__main__')\n"
-)
+def _boot(started_fd: int, copy_inputs: bool) -> str:
+    """The entry point the interpreter runs (``python -I -c``): copy the inputs into the writable
+    work dir (confined), write one byte to ``started_fd`` and close it, then run main.py as
+    __main__ in this same interpreter (one interpreter start per execution).
+
+    The byte tells the runner that the sandbox and the interpreter are up: a run that ends
+    without it failed before the program's first line (bubblewrap's or prlimit's error, an
+    interpreter that cannot start under ``memory_mb``), which is the sandbox's error
+    (``sandbox_error``), not the program's output.
+    """
+    copy = "shutil.copytree('/.in','.',dirs_exist_ok=True)\n" if copy_inputs else ""
+    return (
+        "import os,shutil,runpy,sys\n"
+        f"{copy}"
+        f"os.write({started_fd},b'1');os.close({started_fd})\n"
+        f"sys.argv=[{MAIN_FILE!r}]\n"
+        "sys.path.insert(0,os.getcwd())\n"
+        f"runpy.run_path({MAIN_FILE!r},run_name='__main__')\n"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,9 +332,10 @@ class _Slots:
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
 
-    def acquire(self) -> int:
+    def acquire(self, cancel: threading.Event | None = None) -> int | None:
+        """A held slot's fd; None once ``cancel`` is set while waiting for one."""
         delay = 0.005
-        while True:
+        while cancel is None or not cancel.is_set():
             for i in range(self.n):
                 fd = os.open(os.path.join(self.directory, f"slot{i}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
                 try:
@@ -333,6 +347,7 @@ class _Slots:
                         raise
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+        return None
 
     @staticmethod
     def release(fd: int) -> None:
@@ -470,15 +485,33 @@ def _to_bytes(text: str | bytes | None) -> bytes:
     return text if isinstance(text, bytes) else text.encode("utf-8", errors="replace")
 
 
-def _write_inputs(directory: str, code: str, files: Mapping[str, str | bytes] | None) -> None:
-    for name, content in (files or {}).items():
-        norm = os.path.normpath(name)
-        if os.path.isabs(norm) or norm.startswith(".."):
+def _write_inputs(
+    directory: str, code: str, files: Mapping[str, str | bytes] | None, limits: SandboxLimitsConfig
+) -> None:
+    """The program and its ``files`` into ``directory``; ValueError for a name or a size the
+    work dir cannot take (refused here, not left to fail inside the sandbox)."""
+    files = {name: _to_bytes(content) for name, content in (files or {}).items()}
+    total = sum(len(content) for content in files.values()) + len(_to_bytes(code))
+    if total > limits.tmp_size_mb << 20:
+        raise ValueError(
+            f"the program and its files are {total} bytes, more than the work dir's {limits.tmp_size_mb} MiB "
+            "(limits.tmp_size_mb)"
+        )
+    for name, content in files.items():
+        norm = os.path.normpath(name) if isinstance(name, str) else ""
+        if not norm or norm == "." or os.path.isabs(norm) or norm.startswith(".."):
             raise ValueError(f"sandbox file name {name!r} must be a relative path inside the work dir")
+        if norm == MAIN_FILE:
+            raise ValueError(f"sandbox file name {name!r} is the program's own file; give the file another name")
         path = os.path.join(directory, norm)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(_to_bytes(content))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(content)
+        except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+            raise ValueError(
+                f"sandbox file name {name!r} clashes with another file's name (one is a folder of the other)"
+            ) from exc
     with open(os.path.join(directory, MAIN_FILE), "wb") as f:
         f.write(_to_bytes(code))
 
@@ -593,9 +626,12 @@ class Sandbox:
         stdin: str | bytes | None = None,
         files: Mapping[str, str | bytes] | None = None,
         limits: SandboxLimitsConfig | None = None,
+        cancel: threading.Event | None = None,
     ) -> RunResult:
         """Run the Python program ``code`` with ``stdin``, the extra ``files`` in its work dir, and ``limits``.
 
+        Setting ``cancel`` (from another thread) ends the run within ``_POLL_S`` and its whole
+        process tree with it (reason cancelled), also while it waits for a free slot.
         Never raises for anything the program does; raises ValueError for bad arguments and
         SandboxUnavailable when confinement is impossible and not waived.
         """
@@ -606,9 +642,14 @@ class Sandbox:
                 self.config.max_concurrent or os.cpu_count() or 1,
                 self.config.slots_dir or _default_slots_dir(),
             )
-        slot = self._slots.acquire()
+        slot = self._slots.acquire(cancel)
+        if slot is None:
+            return RunResult(
+                "", "", None, "cancelled", 0.0, confined=backend.bwrap is not None,
+                detail="cancelled while waiting for a free slot",
+            )
         try:
-            return self._run_in_slot(backend, code, stdin, files, limits)
+            return self._run_in_slot(backend, code, stdin, files, limits, cancel)
         finally:
             self._slots.release(slot)
 
@@ -619,12 +660,13 @@ class Sandbox:
         stdin: str | bytes | None,
         files: Mapping[str, str | bytes] | None,
         limits: SandboxLimitsConfig,
+        cancel: threading.Event | None = None,
     ) -> RunResult:
         confined = backend.bwrap is not None
         with tempfile.TemporaryDirectory(prefix="verl-sbx-") as host_dir:
             in_dir = os.path.join(host_dir, "in")
             os.mkdir(in_dir)
-            _write_inputs(in_dir, code, files)
+            _write_inputs(in_dir, code, files, limits)
             stdin_path = os.path.join(host_dir, "stdin")
             with open(stdin_path, "wb") as f:
                 f.write(_to_bytes(stdin))
@@ -638,16 +680,24 @@ class Sandbox:
                             os.chmod(os.path.join(dirpath, name), 0o755)
                         for name in filenames:
                             os.chmod(os.path.join(dirpath, name), 0o644)
+            started_r, started_w = os.pipe()
+            if confined:
                 info_r, info_w = os.pipe()
                 argv = _bwrap_argv(
-                    backend.bwrap, backend.prlimit, self.python, limits, ["-c", _BOOT], in_dir, info_w
+                    backend.bwrap,
+                    backend.prlimit,
+                    self.python,
+                    limits,
+                    ["-c", _boot(started_w, copy_inputs=True)],
+                    in_dir,
+                    info_w,
                 )
-                kwargs = {**_popen_user_kwargs(), "pass_fds": [info_w]}
+                kwargs = {**_popen_user_kwargs(), "pass_fds": [info_w, started_w]}
                 cwd = host_dir
             else:
                 info_r = info_w = None
-                argv = [self.python, "-I", MAIN_FILE]
-                kwargs = {"preexec_fn": _preexec_unconfined(limits)}
+                argv = [self.python, "-I", "-c", _boot(started_w, copy_inputs=False)]
+                kwargs = {"preexec_fn": _preexec_unconfined(limits), "pass_fds": [started_w]}
                 cwd = in_dir
             env = {
                 "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -657,8 +707,11 @@ class Sandbox:
             }
             try:
                 with open(stdin_path, "rb") as stdin_file:
-                    return self._supervise(argv, stdin_file, cwd, env, kwargs, limits, info_r, info_w)
+                    return self._supervise(
+                        argv, stdin_file, cwd, env, kwargs, limits, info_r, info_w, (started_r, started_w), cancel
+                    )
             finally:
+                os.close(started_r)
                 if info_r is not None:
                     os.close(info_r)
 
@@ -672,6 +725,8 @@ class Sandbox:
         limits: SandboxLimitsConfig,
         info_r: int | None,
         info_w: int | None,
+        started_pipe: tuple[int, int],
+        cancel: threading.Event | None,
     ) -> RunResult:
         """Start ``argv`` and watch it to the end: wall time, output size, the confinement's start
         report; kill the whole tree at a limit; the result with its reason.
@@ -681,6 +736,7 @@ class Sandbox:
         repeated per exit.
         """
         confined = info_r is not None
+        started_r, started_w = started_pipe
         start = time.monotonic()
         # A scorer's time limit raises from a signal handler, between any two bytecodes. Here it is
         # held back (deferred) from the start to the end of the clean-up and let through only in the
@@ -705,11 +761,12 @@ class Sandbox:
                     "", "", None, "sandbox_error", 0.0, confined=confined, detail=f"could not start: {exc}"
                 )
             finally:
+                os.close(started_w)  # the boot code holds its own copy
                 if info_w is not None:
                     os.close(info_w)  # bwrap holds its own copy; EOF on info_r once it has written
             init_pid: int | None = None
             init_stat = None
-            out, err = bytearray(), bytearray()
+            out, err, started = bytearray(), bytearray(), bytearray()
             killed_for: Reason | None = None
             detail = ""
             try:
@@ -720,12 +777,16 @@ class Sandbox:
                 sel = selectors.DefaultSelector()
                 sel.register(proc.stdout, selectors.EVENT_READ, out)
                 sel.register(proc.stderr, selectors.EVENT_READ, err)
+                sel.register(started_r, selectors.EVENT_READ, started)
                 deadline = start + limits.wall_time_s
                 open_streams = 2
                 while open_streams:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
+                        break
+                    if cancel is not None and cancel.is_set():
+                        killed_for, detail = "cancelled", _CANCELLED
                         break
                     with interruptible():
                         events = sel.select(min(left, _POLL_S))
@@ -737,9 +798,13 @@ class Sandbox:
                         chunk = os.read(key.fd, 65536)
                         if not chunk:
                             sel.unregister(key.fileobj)
-                            open_streams -= 1
+                            if key.data is not started:
+                                open_streams -= 1
                             continue
                         buf = key.data
+                        if buf is started:
+                            started += chunk
+                            continue
                         buf += chunk
                         if len(buf) > limits.output_bytes:
                             del buf[limits.output_bytes :]
@@ -748,13 +813,23 @@ class Sandbox:
                             break
                     if killed_for:
                         break
-                if killed_for is None:
-                    # Output closed: the program is done (or closed its pipes); wait what is left of the wall time.
+                # Output closed: the program is done (or closed its pipes); wait what is left of the
+                # wall time, watching ``cancel``.
+                while killed_for is None:
                     try:
                         with interruptible():
-                            proc.wait(timeout=max(deadline - time.monotonic(), 0.001))
+                            proc.wait(timeout=min(max(deadline - time.monotonic(), 0.001), _POLL_S))
+                        break
                     except subprocess.TimeoutExpired:
-                        killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
+                        if time.monotonic() >= deadline:
+                            killed_for, detail = "timeout", f"wall time over {limits.wall_time_s:g} s"
+                        elif cancel is not None and cancel.is_set():
+                            killed_for, detail = "cancelled", _CANCELLED
+                if not started and proc.poll() is not None:
+                    # A start byte may be in the pipe still when the program ended at once.
+                    ready, _, _ = select.select([started_r], [], [], 0)
+                    if ready:
+                        started += os.read(started_r, 1)
                 sel.close()
             finally:
                 # On every exit, a scorer's time limit included: never leave the tree running. Still
@@ -763,6 +838,21 @@ class Sandbox:
                 # after bwrap was stopped, leaving it stopped and the program running).
                 self._clean_up(proc, init_pid, init_stat, confined)
         wall = time.monotonic() - start
+        if killed_for is None and not started and proc.returncode != 0:
+            # It ended before the program's first line: the sandbox's failure, not the program's.
+            message = err.decode("utf-8", errors="replace").strip().splitlines()
+            return RunResult(
+                out.decode("utf-8", errors="replace"),
+                err.decode("utf-8", errors="replace"),
+                None,
+                "sandbox_error",
+                time.monotonic() - start,
+                confined=confined,
+                detail=(
+                    f"the sandbox failed to start the program (exit status {proc.returncode}): "
+                    f"{message[-1] if message else 'no message'}"
+                ),
+            )
         reason, exit_code, sig = _classify(
             proc.returncode if killed_for is None else None, killed_for, bytes(err), confined
         )
@@ -790,7 +880,15 @@ class Sandbox:
     def _clean_up(proc: subprocess.Popen, init_pid: int | None, init_stat, confined: bool) -> None:
         """:meth:`_supervise`'s end, on every exit: kill the tree if it still runs, reap it, close the pipes."""
         if proc.poll() is None:
-            _kill_tree(proc, init_pid)
+            if confined:
+                _kill_tree(proc, init_pid)
+            else:
+                # The program itself is the group's leader: killing only its children (as for bwrap,
+                # whose children are the sandbox) left it running until the 5 s reap wait ran out.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         # bwrap's outer process exits once its init has reported the program's exit status; the init
         # exits only after every process of its pid namespace, and _finish_init waits for it: once
         # this returns, nothing of the program is left.
@@ -860,6 +958,7 @@ def run(
     stdin: str | bytes | None = None,
     files: Mapping[str, str | bytes] | None = None,
     limits: SandboxLimitsConfig | None = None,
+    cancel: threading.Event | None = None,
 ) -> RunResult:
     """Run the Python program ``code`` confined, with the process-wide sandbox (see ``Sandbox.run``)."""
-    return default_sandbox().run(code, stdin=stdin, files=files, limits=limits)
+    return default_sandbox().run(code, stdin=stdin, files=files, limits=limits, cancel=cancel)
