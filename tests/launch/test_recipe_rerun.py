@@ -15,7 +15,7 @@ import pytest
 from verl.config import PPOConfig, load_config
 from verl.trainer.launcher import set_aside_earlier_run
 from verl.trainer.run_checks import check_run_outputs
-from verl.utils.outputs import OutputPathError
+from verl.utils.outputs import OutputPathError, commit_output, staging_dir
 
 
 def _recipe_args(out) -> list[str]:
@@ -32,8 +32,10 @@ def _earlier_run(out) -> None:
     (out / "checkpoints" / "global_step_60" / "state.pt").write_bytes(b"weights")
     (out / "logs").mkdir()
     (out / "logs" / "metrics.jsonl").write_text('{"step": 1}\n')
-    (out / "grpo_model").mkdir()
-    (out / "grpo_model" / "config.json").write_text("{}")
+    export = staging_dir(str(out / "grpo_model"))
+    with open(os.path.join(export, "config.json"), "w") as f:
+        f.write("{}")
+    commit_output(export, str(out / "grpo_model"), what="test export")
     (out / "data").mkdir()  # an input of the recipe: stays
     (out / "data" / "train.parquet").write_bytes(b"rows")
 
@@ -77,3 +79,26 @@ def test_a_resumed_run_or_a_first_run_moves_nothing(tmp_path):
     (fresh / "logs").mkdir(parents=True)
     assert set_aside_earlier_run(_recipe_args(fresh)) is None
     assert not (fresh / "earlier_runs").exists()
+
+
+def test_a_rerun_moves_only_the_folders_verl_wrote(tmp_path, capsys):
+    """#58: a recipe moved a user's folder given as ``trainer.log_dir`` (a model folder) into
+    ``OUT/earlier_runs/`` as "an earlier run's logs"."""
+    out = tmp_path / "out"
+    _earlier_run(out)
+    mine = tmp_path / "my_model"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"model_type": "llama"}')
+    (mine / "model.safetensors").write_bytes(b"weights")
+    args = [*_recipe_args(out), f"trainer.log_dir={mine}"]
+    where = set_aside_earlier_run(args)
+    assert sorted(os.listdir(where)) == ["checkpoints", "grpo_model"]  # verl's folders moved
+    assert sorted(os.listdir(mine)) == ["config.json", "model.safetensors"]  # the user's stays
+    assert f"== {mine} stays where it is, not moved to earlier_runs/: trainer.log_dir holds config.json, " in capsys.readouterr().out
+    with pytest.raises(OutputPathError, match=r"holds config.json, which verl did not write"):
+        check_run_outputs(_trainer(args), inputs={})  # and the run refuses to replace its config.json
+    # An export folder the user wrote is not moved either.
+    (out / "grpo_model").mkdir()
+    (out / "grpo_model" / "weights.bin").write_bytes(b"mine")
+    assert set_aside_earlier_run(args) is None
+    assert (out / "grpo_model" / "weights.bin").read_bytes() == b"mine"

@@ -161,3 +161,70 @@ def test_a_checkpoint_root_may_hold_an_input_beside_the_entries_it_writes(tmp_pa
     for entry in ("global_step_3", ".tmp_global_step_3", "huggingface"):
         with pytest.raises(OutputPathError, match=r"trainer.default_local_dir=.* contains the input"):
             check_run_outputs(cfg.trainer, inputs={"actor_rollout_ref.model.path": str(root / entry / "model")})
+
+
+def test_a_file_the_user_put_in_a_verl_output_is_never_deleted_by_a_replace(tmp_path):
+    """#58: ``tools/megatron2hf.py --overwrite`` onto a folder verl exported, into which the user had
+    since put a file of their own, deleted that file without a word."""
+    out = tmp_path / "hf"
+    tmp = staging_dir(str(out))
+    (Path(tmp) / "model.safetensors").write_text("weights")
+    commit_output(tmp, str(out), what="Hugging Face checkpoint (tools/megatron2hf.py)")
+    (out / "notes.md").write_text("mine")
+    for kwargs in ({"overwrite": True}, {"replace_verl_outputs": True}):
+        with pytest.raises(OutputPathError) as exc:
+            check_output_dir(str(out), key="--out-dir", **kwargs)
+        assert str(exc.value) == (
+            f"--out-dir={out} holds notes.md, which verl did not write (added after its Hugging Face checkpoint "
+            "(tools/megatron2hf.py) written by verl); replacing the folder would delete it: move it out, or choose "
+            "another --out-dir (nothing was changed)"
+        )
+    assert (out / "notes.md").read_text() == "mine"
+    # Put there after the start-up check (a trainer's export at the end of a long run): kept, not deleted.
+    new = staging_dir(str(out))
+    (Path(new) / "model.safetensors").write_text("new weights")
+    commit_output(new, str(out), what="test")
+    assert (out / "notes.md").read_text() == "mine" and (out / "model.safetensors").read_text() == "new weights"
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def _run_trainer(tmp_path, log_dir):
+    from verl.config import PPOConfig, load_config
+
+    return load_config(PPOConfig, overrides=[f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={log_dir}",
+                                             "trainer.logger=[console,jsonl]", "trainer.n_gpus_per_node=1"],
+                       world_size=1).trainer
+
+
+def test_a_log_dir_holding_a_file_verl_did_not_write_is_refused(tmp_path, model):
+    """#58: ``trainer.log_dir`` at a model folder (not an input of the run) exited 0 and replaced its
+    ``config.json`` with the run's config."""
+    from verl.trainer.run_checks import check_run_outputs
+
+    with pytest.raises(OutputPathError) as exc:
+        check_run_outputs(_run_trainer(tmp_path, model), inputs={})
+    assert str(exc.value) == (
+        f"trainer.log_dir={model} holds config.json, which verl did not write (a model's or another tool's?); this "
+        "run would replace it: choose a trainer.log_dir of its own, e.g. an empty folder (nothing was changed)"
+    )
+    assert (model / "config.json").read_text() == "{}"
+    # Files verl never writes may sit beside its logs; a run's own config.json and report are replaced.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "train.log").write_text("stdout of the launcher")
+    (logs / "config.json").write_text('{"trainer": {"project_name": "p"}}')
+    check_run_outputs(_run_trainer(tmp_path, logs), inputs={})
+    (logs / "report.html").write_text("<html>my page</html>")
+    with pytest.raises(OutputPathError, match=r"holds report.html, which verl did not write"):
+        check_run_outputs(_run_trainer(tmp_path, logs), inputs={})
+
+
+def test_a_checkpoint_folder_holding_a_tracker_verl_did_not_write_is_refused(tmp_path):
+    from verl.trainer.run_checks import check_run_outputs
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("my notes")
+    trainer = _run_trainer(tmp_path, tmp_path / "logs")
+    trainer.save_freq = 5
+    with pytest.raises(OutputPathError, match=r"trainer.default_local_dir=.*/ckpt holds latest_checkpointed_iteration.txt, which verl did not write"):
+        check_run_outputs(trainer, inputs={})

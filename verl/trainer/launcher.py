@@ -130,7 +130,9 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
     writes its checkpoints, logs and export where ``args`` say (``trainer.default_local_dir``,
     ``log_dir``, ``hf_export_dir``). The trainer refuses to start over an earlier run's outputs (it
     would replace them step by step), so a rerun of the recipe moves every such folder that is not
-    empty into ``<default_local_dir's parent>/earlier_runs/<time>/`` (nothing is deleted). With
+    empty into ``<default_local_dir's parent>/earlier_runs/<time>/`` (nothing is deleted). Only a
+    folder verl wrote moves (:func:`verl_run_folder`): a user's folder given as one of them stays where
+    it is, said in one line (the trainer then refuses it if it would replace a file there). With
     ``trainer.resume_mode`` set to anything else (a resumed run) nothing moves. Returns the folder
     they moved to, or None.
     """
@@ -144,27 +146,52 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
             values[key.lstrip("+")] = value
     if values.get("trainer.resume_mode") != "disable":
         return None
-    present = [
-        os.path.abspath(os.path.expanduser(values[k]))
-        for k in _RUN_OUTPUT_KEYS
-        if values.get(k) and os.path.isdir(os.path.expanduser(values[k])) and os.listdir(os.path.expanduser(values[k]))
-    ]
+    present: dict[str, str] = {}  # folder -> the setting naming it (a folder named twice moves once)
+    for key in _RUN_OUTPUT_KEYS:
+        folder = os.path.expanduser(values.get(key) or "")
+        if folder and os.path.isdir(folder) and os.listdir(folder):
+            present.setdefault(os.path.abspath(folder), key)
+    kept = {path: why for path, key in present.items() if (why := verl_run_folder(path, key))}
+    if kept:
+        from verl.utils.cli import report
+
+        report([f"== {path} stays where it is, not moved to earlier_runs/: {why}" for path, why in kept.items()])
+    present = {path: key for path, key in present.items() if path not in kept}
     if not present:
         return None
-    anchor = values.get("trainer.default_local_dir") or present[0]
+    anchor = values.get("trainer.default_local_dir") or next(iter(present))
     base = os.path.join(os.path.dirname(os.path.abspath(os.path.expanduser(anchor))), "earlier_runs", time.strftime("%Y%m%d-%H%M%S"))
     target, n = base, 1
     while os.path.exists(target):
         n += 1
         target = f"{base}-{n}"
     os.makedirs(target)
-    for path in dict.fromkeys(present):  # a folder named twice moves once
+    for path in present:
         name, k = os.path.basename(path), 1
         while os.path.exists(os.path.join(target, name)):
             k += 1
             name = f"{os.path.basename(path)}-{k}"
         shutil.move(path, os.path.join(target, name))
     return target
+
+
+def verl_run_folder(path: str, key: str) -> str | None:
+    """None when the folder ``path``, given as ``key`` (one of the run's output settings), holds only
+    what a verl run writes there; else why it is not (the entries verl did not write)."""
+    from verl.trainer.run_checks import checkpoint_entry, log_dir_foreign_files, log_entry
+    from verl.utils.outputs import added_since_written, written_by_verl
+
+    names = sorted(os.listdir(path))
+    if key == "trainer.hf_export_dir":
+        others = names if not written_by_verl(path) else added_since_written(path)
+    elif key == "trainer.default_local_dir":
+        others = [n for n in names if not checkpoint_entry(n)]
+    else:
+        others = sorted({n for n in names if not log_entry(n)} | set(log_dir_foreign_files(path)))
+    if not others:
+        return None
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return f"{key} holds {shown}, which verl did not write"
 
 
 def _prepare_once(command: Sequence[str], device: str, then: Callable[[], None] | None = None) -> None:

@@ -10,7 +10,10 @@
   ``config.json``); the export may not replace another output of the run or a non-empty
   directory verl did not write (``verl.utils.outputs``); and a run that starts at step 0 may
   not write into an earlier run's checkpoints (its ``global_step_N`` would be replaced one by
-  one, the later ones left beside them) or logs (its metrics would be dropped as re-done steps).
+  one, the later ones left beside them) or logs (its metrics would be dropped as re-done steps);
+  and no file the run would replace may be one verl did not write (a model's ``config.json`` in the
+  folder named as ``trainer.log_dir``, a ``latest_checkpointed_iteration.txt`` of the user's in the
+  checkpoint folder): other files beside verl's are left alone.
 
 Both raise ``ValueError`` (``OutputPathError`` for outputs) naming the setting at fault.
 """
@@ -18,13 +21,24 @@ Both raise ``ValueError`` (``OutputPathError`` for outputs) naming the setting a
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from verl.config.schema import RunConfig
 from verl.utils.outputs import OutputPathError, check_output_apart, check_output_dir, probe_writable
 from verl.utils.paths import check_model_dir
 
-__all__ = ["as_file_list", "check_resume_path", "check_run_outputs", "hf_export_dir", "missing_inputs", "show_files"]
+__all__ = [
+    "as_file_list",
+    "checkpoint_entry",
+    "check_resume_path",
+    "check_run_outputs",
+    "foreign_files",
+    "hf_export_dir",
+    "log_dir_foreign_files",
+    "log_entry",
+    "missing_inputs",
+    "show_files",
+]
 
 
 def as_file_list(files: str | Sequence[str] | None) -> list[str]:
@@ -87,12 +101,98 @@ def _earlier_run_logs(log_dir: str) -> list[str]:
     return found
 
 
+def _jsonl_records(path: str) -> bool:
+    """Whether the JSON-lines file ``path`` is empty or starts with a ``{"step": N, ...}`` record."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        return not first.strip() or "step" in json.loads(first)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _run_config(path: str) -> bool:
+    """Whether ``path`` is a run's ``config.json`` as the trainer writes it (a ``trainer`` section;
+    a model's config.json has none)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("trainer"), dict)
+
+
+def _report_page(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return '<p id="summary">' in f.read(1 << 20)
+    except OSError:
+        return False
+
+
+# The files a run replaces or rewinds in trainer.log_dir, each with how to tell one verl wrote.
+_LOG_FILES = {
+    "metrics.jsonl": _jsonl_records,
+    "scores.jsonl": _jsonl_records,
+    "samples.jsonl": _jsonl_records,
+    "config.json": _run_config,
+    "report.html": _report_page,
+}
+
+
+def _tracker_file(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip().isdigit()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def foreign_files(folder: str, checks: Mapping[str, Callable[[str], bool]]) -> list[str]:
+    """The names of ``checks`` ({file name: whether verl wrote the file at a path}) that are files in
+    ``folder`` verl did not write: a run would replace them."""
+    found = []
+    for name, wrote in checks.items():
+        path = os.path.join(folder, name)
+        if os.path.lexists(path) and not (os.path.isfile(path) and wrote(path)):
+            found.append(name)
+    return found
+
+
+def _refuse_foreign(folder: str, key: str, checks: Mapping[str, Callable[[str], bool]]) -> None:
+    names = foreign_files(os.path.expanduser(folder), checks)
+    if names:
+        raise OutputPathError(
+            f"{key}={folder} holds {', '.join(names)}, which verl did not write (a model's or another tool's?); this "
+            f"run would replace {'it' if len(names) == 1 else 'them'}: choose a {key} of its own, e.g. an empty "
+            "folder (nothing was changed)"
+        )
+
+
+# What else a run writes in trainer.log_dir (appended to or purged, never replaced whole).
+_LOG_FOLDERS = ("tensorboard", "wandb", "mlflow.db", "mlartifacts")
+
+
+def log_entry(name: str) -> bool:
+    """Whether ``name``, an entry of ``trainer.log_dir``, is one a run writes there."""
+    return name in _LOG_FILES or name in _LOG_FOLDERS or name.removesuffix(".tmp") in _LOG_FILES
+
+
+def log_dir_foreign_files(log_dir: str) -> list[str]:
+    """The files in ``log_dir`` that a run's logs would replace and verl did not write."""
+    return foreign_files(os.path.expanduser(log_dir), _LOG_FILES)
+
+
 def hf_export_dir(t: RunConfig) -> str:
     """Where ``trainer.save_hf`` writes the final model (``<default_local_dir>/huggingface`` by default)."""
     return os.path.expanduser(t.hf_export_dir or os.path.join(t.default_local_dir, "huggingface"))
 
 
-def _checkpoint_entry(name: str) -> bool:
+def checkpoint_entry(name: str) -> bool:
     """Whether ``name``, an entry of the checkpoint root, is one the checkpoints write or replace
     (``global_step_N``, its staging and replaced copies, the tracker, the default HF export)."""
     from verl.utils.checkpoint import TRACKER_FILE, step_of_dir_name
@@ -141,7 +241,10 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     earlier_steps = _checkpoint_steps(t.default_local_dir)
     fresh = t.resume_mode == "disable" or (t.resume_mode == "auto" and not earlier_steps)
     if saves:
-        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs, owns=_checkpoint_entry)
+        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs, owns=checkpoint_entry)
+        from verl.utils.checkpoint import TRACKER_FILE
+
+        _refuse_foreign(t.default_local_dir, "trainer.default_local_dir", {TRACKER_FILE: _tracker_file})
         if fresh and earlier_steps:
             shown = ", ".join(f"global_step_{s}" for s in earlier_steps[:3]) + (", ..." if len(earlier_steps) > 3 else "")
             raise OutputPathError(
@@ -154,6 +257,7 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
         probe_writable(t.default_local_dir, key="trainer.default_local_dir")
     if logs:
         check_output_apart(t.log_dir, "trainer.log_dir", inputs)
+        _refuse_foreign(t.log_dir, "trainer.log_dir", _LOG_FILES)
         earlier_logs = _earlier_run_logs(t.log_dir) if t.resume_mode != "resume_path" else []
         if fresh and earlier_logs:
             raise OutputPathError(

@@ -7,7 +7,8 @@ through three steps:
    sit inside one (exporting onto the model being trained would delete its tokenizer); an
    existing non-empty directory verl did not write (no :data:`MARKER_FILE`) is always refused,
    an explicit overwrite included (it would delete the user's files); one verl wrote is replaced
-   when the caller allows replacing such outputs or the user passed an explicit overwrite.
+   when the caller allows replacing such outputs or the user passed an explicit overwrite, unless
+   it holds a file its marker does not list (put there by the user since: refused, naming it).
 2. :func:`staging_dir`: the work is written into a hidden sibling of the target.
 3. :func:`commit_output`: the finished sibling is renamed to the target (an old verl output is
    moved aside first and deleted only once the new one is in place), so an interrupted run
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 __all__ = [
     "MARKER_FILE",
     "OutputLocation",
+    "added_since_written",
     "OutputPathError",
     "check_output_apart",
     "check_output_dir",
@@ -41,6 +43,8 @@ __all__ = [
     "probe_writable",
     "staging_dir",
 ]
+
+logger = logging.getLogger(__name__)
 
 MARKER_FILE = ".verl_output.json"
 """Written into every directory :func:`commit_output` puts in place: who wrote it, and when."""
@@ -137,12 +141,40 @@ def check_output_dir(
                 f"{key}={path} already exists, is not empty and was not written by verl (it holds {shown}){asked}: "
                 f"choose another {key} (nothing was changed)"
             )
+        added = added_since_written(target)
+        if added:
+            # The folder is verl's, but these were put in it since: replacing it would delete them.
+            shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+            raise OutputPathError(
+                f"{key}={path} holds {shown}, which verl did not write (added after its {_what_verl_wrote(target)}); "
+                f"replacing the folder would delete {'it' if len(added) == 1 else 'them'}: move "
+                f"{'it' if len(added) == 1 else 'them'} out, or choose another {key} (nothing was changed)"
+            )
         if names and not (overwrite or replace_verl_outputs):
             raise OutputPathError(
                 f"{key}={path} holds an earlier {_what_verl_wrote(target)}; pass --overwrite to replace it "
                 f"(once the new one is complete) or choose another {key} (nothing was changed)"
             )
     return target
+
+
+def _marker(path: str) -> dict:
+    """The marker file of the verl output ``path`` ({} when it cannot be read)."""
+    try:
+        with open(os.path.join(path, MARKER_FILE), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def added_since_written(path: str) -> list[str]:
+    """The entries of the verl output ``path`` that its marker does not list: put there after
+    verl wrote it. (A marker from before the list was kept lists nothing: nothing is reported.)"""
+    listed = _marker(path).get("files")
+    if not isinstance(listed, list) or not os.path.isdir(path):
+        return []
+    return sorted(set(os.listdir(path)) - set(listed) - {MARKER_FILE})
 
 
 def _what_verl_wrote(path: str) -> str:
@@ -194,7 +226,8 @@ def commit_output(tmp_dir: str, out_dir: str, *, what: str) -> None:
     """
     target = os.path.abspath(out_dir)
     with open(os.path.join(tmp_dir, MARKER_FILE), "w", encoding="utf-8") as f:
-        json.dump({"written_by": "verl", "what": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+        files = sorted(os.listdir(tmp_dir))  # what verl put there; anything else found later is the user's
+        json.dump({"written_by": "verl", "what": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}, f)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
@@ -205,6 +238,10 @@ def commit_output(tmp_dir: str, out_dir: str, *, what: str) -> None:
         os.rename(target, old)
     os.rename(tmp_dir, target)
     if old is not None:
+        for name in added_since_written(old):  # put there since verl wrote it (after the start-up check)
+            kept = name if not os.path.lexists(os.path.join(target, name)) else f"{name}.kept"
+            os.rename(os.path.join(old, name), os.path.join(target, kept))
+            logger.warning("%s: kept %s, which verl did not write, in the new output (as %s)", target, name, kept)
         shutil.rmtree(old, ignore_errors=True)
 
 
