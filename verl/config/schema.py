@@ -676,6 +676,12 @@ class TrainerConfig(RunConfig):
         "gradient norm (each skip is counted in training/skipped_steps); 0: never stop.",
         ge=0,
     )
+    log_freq: int = option(
+        1,
+        "Send the step's metrics to the loggers (trainer.logger: console, jsonl, tensorboard, ...) every this many "
+        "steps, and always at a step that validates, the last step and a stop (the Python API's logging_steps).",
+        ge=1,
+    )
     report_freq: int = option(
         10,
         "Rewrite report.html (plots of the run, in trainer.log_dir) every this many steps and at the end; "

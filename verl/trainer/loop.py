@@ -118,22 +118,41 @@ class ExportCallback(Callback):
 
 
 class LoggerCallback(Callback):
-    """The step's metrics to the trainer's loggers (console, JSONL, TensorBoard, ...) and the
-    progress bar (on a terminal)."""
+    """The step's metrics to the trainer's loggers (console, JSONL, TensorBoard, ...) every
+    ``trainer.log_freq`` steps (and at a step that validates, the last step and a stop), and the
+    progress bar (on a terminal) every step."""
 
     def __init__(self) -> None:
         self.bar: Any = None
+        self.logged_step = -1
 
     def on_train_begin(self, loop: "Loop") -> None:
         t = loop.trainer
         self.bar = progress_bar(total=t.total_steps, initial=t.global_step, desc="rl", enabled=t.cfg.trainer.progress_bar)
 
-    def on_step_end(self, loop: "Loop", metrics: dict[str, float]) -> None:
+    def _log(self, loop: "Loop", metrics: dict[str, float]) -> None:
         loop.trainer.tracking.log(metrics, loop.trainer.global_step)
+        self.logged_step = loop.trainer.global_step
+
+    def on_step_end(self, loop: "Loop", metrics: dict[str, float]) -> None:
+        trainer, t = loop.trainer, loop.trainer.cfg.trainer
+        step = trainer.global_step
+        if _due(t.log_freq, step) or _due(t.test_freq, step) or step >= trainer.total_steps:
+            self._log(loop, metrics)
         if self.bar is not None:
             if "critic/score/mean" in metrics:  # DPO's steps have no reward
                 self.bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")
             self.bar.update(1)
+
+    def on_stop(self, loop: "Loop") -> None:
+        self._log_last(loop)
+
+    def on_train_end(self, loop: "Loop") -> None:  # the data used up between two logged steps
+        self._log_last(loop)
+
+    def _log_last(self, loop: "Loop") -> None:
+        if loop.last and self.logged_step != loop.trainer.global_step:
+            self._log(loop, loop.last)
 
     def close(self) -> None:
         if self.bar is not None:
