@@ -175,8 +175,8 @@ def test_unknown_algorithm_names_the_choices():
 
     with pytest.raises(ValueError, match=r"unknown algorithm='sac'; choose one of \[.*'grpo'.*'ppo'.*'rloo'"):
         verl.RLTrainer("model", algorithm="sac")
-    with pytest.raises(ValueError, match=r"'hybrid_ppo' routes each sample by hybrid_condition\(sample\).*pass hybrid_condition="):
-        verl.RLTrainer("model", algorithm="hybrid_ppo")
+    with pytest.raises(ValueError, match=r"'hybrid_ppo': hybrid_condition=1 is not callable; it routes each sample"):
+        verl.RLTrainer("model", algorithm="hybrid_ppo", hybrid_condition=1)
     with pytest.raises(ValueError, match="its DPO half needs the reference policy; give kl_coef > 0"):
         verl.RLTrainer("model", algorithm="hybrid_ppo", hybrid_condition=bool, kl_coef=0)
     with pytest.raises(ValueError, match="DPO's beta must be a positive number"):

@@ -40,7 +40,9 @@ PREFERENCE_ALGORITHMS = ("dpo",)
 """``algorithm=`` names that train on preference pairs (``prompt``, ``chosen``, ``rejected``), not rewards."""
 
 HYBRID_ALGORITHMS = ("hybrid_ppo",)
-"""``algorithm=`` names whose step routes each sample to PPO (GRPO) or DPO (``ConditionalUpdateOperator``)."""
+"""``algorithm=`` names of HybridFlow: with a ``hybrid_condition`` the step routes each sample to PPO (GRPO) or
+DPO (``ConditionalUpdateOperator``); without one it is HybridFlow's PPO (actor, critic with GAE, the reward,
+the reference: ``ppo``'s step on the default colocated placement)."""
 
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -49,6 +51,7 @@ RUN_FILE = "verl_rl_trainer.json"
 
 _FIT_DEFAULTS: dict[str, Any] = {
     "save_steps": -1,
+    "logging_steps": 1,
     "output_dir": "outputs/verl",
     "val_dataset_path": None,
     "eval_steps": -1,
@@ -111,6 +114,22 @@ def _model_source(model: Any, arg: str, head: str) -> tuple[Any, str | None]:
     raise TypeError(f"{what} takes {kind}, got {type(model).__name__}")
 
 
+def _check_logging_steps(logging_steps: Any) -> None:
+    if isinstance(logging_steps, bool) or not isinstance(logging_steps, int) or logging_steps < 1:
+        raise ValueError(
+            f"RLTrainer.fit: logging_steps={logging_steps!r}; give an int >= 1 (metrics are logged and printed "
+            "every logging_steps steps)"
+        )
+
+
+def _estimator(algorithm: str, hybrid_condition: Any) -> str:
+    """``algorithm.adv_estimator`` of a reward-based ``algorithm=`` (``hybrid_ppo``: GRPO beside DPO with a
+    condition, HybridFlow's PPO (GAE) without one)."""
+    if algorithm in HYBRID_ALGORITHMS:
+        return "grpo" if hybrid_condition is not None else "gae"
+    return ALGORITHMS[algorithm]
+
+
 def _check_algorithm(
     algorithm: str, *, hybrid_condition: Any, kl_coef: float, beta: Any, preference_dataset_path: Any
 ) -> None:
@@ -118,16 +137,16 @@ def _check_algorithm(
     choices = sorted([*ALGORITHMS, *PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS])
     if algorithm not in choices:
         raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {choices}")
-    if algorithm in HYBRID_ALGORITHMS:
+    if algorithm in HYBRID_ALGORITHMS and hybrid_condition is not None:
         if not callable(hybrid_condition):
             raise ValueError(
-                f"algorithm={algorithm!r} routes each sample by hybrid_condition(sample) (true: the PPO/GRPO "
-                "update, false: DPO on the best-vs-worst pair of its group); pass hybrid_condition=, e.g. "
-                "lambda s: s['reward'] > 0"
+                f"algorithm={algorithm!r}: hybrid_condition={hybrid_condition!r} is not callable; it routes each "
+                "sample (true: the PPO/GRPO update, false: DPO on the best-vs-worst pair of its group), e.g. "
+                "lambda s: s['reward'] > 0; or leave it out for HybridFlow's PPO"
             )
         if not kl_coef > 0:
             raise ValueError(f"algorithm={algorithm!r}: its DPO half needs the reference policy; give kl_coef > 0")
-    elif hybrid_condition is not None:
+    elif algorithm not in HYBRID_ALGORITHMS and hybrid_condition is not None:
         raise ValueError(f"hybrid_condition= is for algorithm='hybrid_ppo', not {algorithm!r}")
     if algorithm in PREFERENCE_ALGORITHMS and not (isinstance(beta, (int, float)) and beta > 0):
         raise ValueError(f"RLTrainer(beta={beta!r}): DPO's beta must be a positive number")
@@ -315,7 +334,9 @@ class RLTrainer:
                 {"tensor_model_parallel_size": 2}}}``); ``python -m verl.config --help`` lists them.
             algorithm: one of :data:`ALGORITHMS` (``"ppo"`` trains a critic; the others are critic-free),
                 or ``"dpo"``: DPO on preference pairs (``DPOUpdateOperator``'s step in the trainer's loop),
-                or ``"hybrid_ppo"``: GRPO and DPO in one step, by ``hybrid_condition``.
+                or ``"hybrid_ppo"``: HybridFlow's PPO (actor, critic with GAE, ``reward_model`` or the
+                rule-based scorers, the reference when ``kl_coef > 0``; the same step as ``"ppo"``), or with
+                ``hybrid_condition``, GRPO and DPO in one step, by that condition.
             use_vllm: rollout with vLLM (``True``) or the transformers ``generate`` engine.
             rollout_batch_size: prompts per step (``data.train_batch_size``).
             n_samples: responses per prompt (``actor_rollout_ref.rollout.n``).
@@ -326,7 +347,7 @@ class RLTrainer:
             kl_coef: KL-to-reference loss coefficient (0: no reference model, no KL loss).
             clip_range: PPO's policy-ratio clip.
             beta: DPO's beta (``algorithm="dpo"`` and the DPO half of ``"hybrid_ppo"``).
-            hybrid_condition: ``algorithm="hybrid_ppo"``: ``f(sample) -> bool`` (a sample as
+            hybrid_condition: ``algorithm="hybrid_ppo"``, optional: ``f(sample) -> bool`` (a sample as
                 ``FilterOperator``'s predicate sees it, with ``reward``); true: the sample trains with
                 GRPO, false: its group's best and worst such samples make a DPO pair
                 (``verl.ConditionalUpdateOperator``). Not saved for :meth:`from_checkpoint`: pass it again.
@@ -363,7 +384,9 @@ class RLTrainer:
         self.teacher = None if teacher is None else _teacher_path(teacher)
         self._init_args["teacher"] = self.teacher
         self._init_args["distillation"] = None if distillation is None else dict(distillation)
-        if self.teacher is not None and algorithm in (*PREFERENCE_ALGORITHMS, *HYBRID_ALGORITHMS):
+        if self.teacher is not None and (
+            algorithm in PREFERENCE_ALGORITHMS or (algorithm in HYBRID_ALGORITHMS and hybrid_condition is not None)
+        ):
             raise ValueError(
                 f"RLTrainer(teacher=...) distils on the policy's own samples, which algorithm={algorithm!r} does "
                 "not train on (DPO learns from pairs); use a reward-based algorithm (grpo, ppo, ...) or drop teacher="
@@ -384,7 +407,7 @@ class RLTrainer:
             *(
                 ["data.pairs=true", "data.val_files=null", f"algorithm.dpo.beta={float(beta)}"]
                 if algorithm in PREFERENCE_ALGORITHMS
-                else [f"algorithm.adv_estimator={ALGORITHMS.get(algorithm, 'grpo')}"]
+                else [f"algorithm.adv_estimator={_estimator(algorithm, hybrid_condition)}"]
             ),
             f"{a}.rollout.name={'vllm' if use_vllm else 'hf'}",
             f"data.train_batch_size={rollout_batch_size}",
@@ -453,6 +476,11 @@ class RLTrainer:
                 f"RLTrainer.from_checkpoint: cannot read {run_file} ({exc}); it is written by verl.RLTrainer.fit "
                 "beside its checkpoints. For a main_ppo run, resume with trainer.resume_mode=resume_path"
             ) from None
+        if saved.get("hybrid_condition") and hybrid_condition is None:
+            raise ValueError(
+                f"RLTrainer.from_checkpoint: the run in {os.path.dirname(path)} routed its samples by a "
+                "hybrid_condition, which is not saved; pass it again: from_checkpoint(path, hybrid_condition=f)"
+            )
         trainer = cls(**saved["init"], hybrid_condition=hybrid_condition)
         trainer._resume_path = path
         trainer._fit_defaults = dict(saved["fit"])
@@ -462,8 +490,9 @@ class RLTrainer:
         self,
         *,
         dataset_path: str | Sequence[str],
-        max_steps: int,
+        max_steps: int | None = None,
         save_steps: int = -1,
+        logging_steps: int = 1,
         output_dir: str = "outputs/verl",
         val_dataset_path: str | None = None,
         eval_steps: int = -1,
@@ -474,6 +503,7 @@ class RLTrainer:
         """The ``PPOConfig`` :meth:`fit` trains with these arguments (see :meth:`fit`)."""
         from verl.api.stream import build_config
 
+        _check_logging_steps(logging_steps)
         if self.actor_model is None:
             raise ValueError(
                 "RLTrainer.build_config: actor_model is a model object, written to output_dir/model_init/ by fit(); "
@@ -484,10 +514,14 @@ class RLTrainer:
             resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={self._resume_path}"]
         else:
             resume = [f"trainer.resume_mode={'auto' if resume_from_checkpoint else 'disable'}"]
+        if max_steps is None:  # one pass over the data, as a tutorial's fit(dataset_path=...) means
+            length = ["trainer.total_training_steps=null", "trainer.total_epochs=1"]
+        else:  # max_steps ends the run, not the epochs
+            length = [f"trainer.total_training_steps={max_steps}", "trainer.total_epochs=1000000"]
         run = [
-            f"trainer.total_training_steps={max_steps}",
-            "trainer.total_epochs=1000000",  # max_steps ends the run, not the epochs
+            *length,
             f"trainer.save_freq={save_steps}",
+            f"trainer.log_freq={logging_steps}",
             f"trainer.default_local_dir={out}",
             f"trainer.log_dir={os.path.join(out, 'logs')}",
             "trainer.logger=[console,jsonl]",
@@ -520,6 +554,7 @@ class RLTrainer:
         dataset_path: str | Sequence[str] | None = None,
         max_steps: int | None = None,
         save_steps: int | None = None,
+        logging_steps: int | None = None,
         output_dir: str | None = None,
         val_dataset_path: Any = None,
         eval_steps: int | None = None,
@@ -531,14 +566,19 @@ class RLTrainer:
         ``prompt``, ``data_source`` and ``reward_model.ground_truth``, as ``main_ppo`` reads).
 
         An argument left None takes the value of the run :meth:`from_checkpoint` read, else its
-        default: ``save_steps=-1``, ``output_dir="outputs/verl"``, ``eval_steps=-1``, ``save_hf=True``.
+        default: ``save_steps=-1``, ``logging_steps=1``, ``output_dir="outputs/verl"``, ``eval_steps=-1``,
+        ``save_hf=True``.
 
         Args:
             dataset: training prompts: file path(s), or what ``verl.utils.load_hf_dataset`` returned
                 (written to ``output_dir/data/train.parquet`` for the trainer, batch by batch).
             dataset_path: the same as ``dataset`` for files (the earlier name).
-            max_steps: trainer steps to run (each: ``rollout_batch_size`` prompts).
+            max_steps: trainer steps to run (each: ``rollout_batch_size`` prompts); None: one pass over
+                the dataset.
             save_steps: checkpoint every this many steps and at the end (-1: no checkpoints).
+            logging_steps: send the metrics to the loggers (the console line, ``metrics.jsonl``,
+                TensorBoard, a ``monitor``, ...) every this many steps, and at a step that validates,
+                the last step and a stop (``trainer.log_freq``); the progress bar moves every step.
             output_dir: checkpoints ``output_dir/global_step_N/`` (``from_checkpoint`` also takes
                 ``output_dir/checkpoint-N``), logs ``output_dir/logs/``, the final Hugging Face model
                 ``output_dir/huggingface/`` (with ``save_hf``).
@@ -565,10 +605,13 @@ class RLTrainer:
 
         if dataset is not None and dataset_path is not None:
             raise ValueError("RLTrainer.fit: pass dataset= or dataset_path=, not both")
+        if logging_steps is not None:
+            _check_logging_steps(logging_steps)
         given = dict(
             dataset_path=dataset if dataset is not None else dataset_path,
             max_steps=max_steps,
             save_steps=save_steps,
+            logging_steps=logging_steps,
             output_dir=output_dir,
             val_dataset_path=val_dataset_path,
             eval_steps=eval_steps,
@@ -579,8 +622,6 @@ class RLTrainer:
             args["dataset_path"] = self.preference_dataset_path
         if args.get("dataset_path") is None:
             raise ValueError("RLTrainer.fit needs dataset= (prompt files, or verl.utils.load_hf_dataset(...))")
-        if args.get("max_steps") is None:
-            raise ValueError("RLTrainer.fit needs max_steps=")
         args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
         self._write_model_objects(args)
         args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
@@ -590,7 +631,8 @@ class RLTrainer:
         self.last_config = cfg
         os.makedirs(args["output_dir"], exist_ok=True)
         with open(os.path.join(args["output_dir"], RUN_FILE), "w", encoding="utf-8") as f:
-            json.dump({"init": self._init_args, "fit": args}, f, indent=2)
+            json.dump({"init": self._init_args, "fit": args, "hybrid_condition": self.hybrid_condition is not None}, f,
+                      indent=2)
         trainer, started = build_trainer(cfg)
         try:
             with trainer:
@@ -650,8 +692,8 @@ class RLTrainer:
 
     def _step_fn(self, trainer: Any) -> Any:
         """The loop's step: the config's own (None: the RL step, or DPO's with ``data.pairs``), or
-        for ``hybrid_ppo`` a stream whose condition is the Python function given."""
-        if self.algorithm not in HYBRID_ALGORITHMS:
+        for ``hybrid_ppo`` with a ``hybrid_condition`` a stream whose condition is that function."""
+        if self.algorithm not in HYBRID_ALGORITHMS or self.hybrid_condition is None:
             return None
         from verl.api.operators import (
             ConditionalUpdateOperator,
