@@ -308,6 +308,8 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _lora_targets({"actor_rollout_ref.model": cfg.actor_rollout_ref.model, "critic.model": cfg.critic.model}, problems)
+    _lora_without_rank(cfg, ("actor_rollout_ref.model", "critic.model"), problems)
+    _moe_aux_loss(cfg, problems)
     if cfg.actor_rollout_ref.model.lora_rank > 0 and cfg.actor_rollout_ref.actor.strategy != "megatron":
         problems.append(
             f"actor_rollout_ref.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank} with "
@@ -335,6 +337,52 @@ def _lora_targets(models: dict[str, Any], problems: list[str]) -> None:
                     f"Llama/Qwen2/Mistral layers, one or more of {list(LORA_TARGET_MODULES)}, or 'all-linear'"
                     + (f" (unknown: {unknown})" if unknown else " (the list is empty)")
                 )
+
+
+def _lora_without_rank(cfg: Any, keys: Iterable[str], problems: list[str]) -> None:
+    """LoRA settings given to a model without adapters (``lora_rank=0``): every weight would train
+    while the user believes adapters do."""
+    for key in keys:
+        model = _get(cfg, key)
+        if model.lora_rank > 0:
+            continue
+        given = [
+            f"{key}.{name}={getattr(model, name)!r}"
+            for name in ("lora_alpha", "target_modules", "lora_dropout")
+            if getattr(model, name) != _default(type(cfg), f"{key}.{name}")
+        ]
+        if given:
+            problems.append(
+                f"{' and '.join(given)} set, but {key}.lora_rank=0 builds no adapters and trains every weight: set "
+                f"{key}.lora_rank (e.g. {key}.lora_rank=16) to train LoRA adapters, or drop the LoRA settings"
+            )
+
+
+def _moe_aux_loss(cfg: PPOConfig, problems: list[str]) -> None:
+    """The Mixture-of-Experts load-balancing loss weight is a number >= 0 wherever it is set (a negative
+    one turned the loss off in silence: Megatron balances only with a positive weight)."""
+    arr, d = cfg.actor_rollout_ref, cfg.distillation
+    settings = [
+        (f"{prefix}.override_transformer_config.moe_aux_loss_coeff", m.override_transformer_config.get("moe_aux_loss_coeff"))
+        for prefix, m in (("actor_rollout_ref.actor.megatron", arr.actor.megatron),
+                          ("actor_rollout_ref.ref.megatron", arr.ref.megatron), ("critic.megatron", cfg.critic.megatron),
+                          ("reward_model.megatron", cfg.reward_model.megatron),
+                          ("distillation.teacher_model.megatron", d.teacher_model.megatron))
+    ] + [
+        (f"{prefix}.override_config.router_aux_loss_coef", overrides.get("router_aux_loss_coef"))
+        for prefix, overrides in (("actor_rollout_ref.model", arr.model.override_config),
+                                  ("critic.model", cfg.critic.model.override_config),
+                                  ("reward_model.model", cfg.reward_model.model.override_config),
+                                  ("distillation.teacher_model", d.teacher_model.override_config))
+    ]
+    for key, value in settings:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            problems.append(
+                f"{key}={value!r}: the Mixture-of-Experts load-balancing loss weight must be a number >= 0 (0 turns "
+                f"the loss off; the usual weight is 0.001): set {key}=0.001, or drop it to keep the model config's"
+            )
 
 
 def _step_kind(cfg: PPOConfig, problems: list[str]) -> None:
@@ -370,7 +418,13 @@ def _distillation(cfg: PPOConfig, problems: list[str]) -> None:
     d = cfg.distillation
     key = "distillation"
     if not d.enabled:
-        if d.teacher_model.model_path and "teacher" in cfg.trainer.placement:
+        if d.teacher_model.model_path:
+            problems.append(
+                f"{key}.teacher_model.model_path={d.teacher_model.model_path} is set, but {key}.enabled=false builds no "
+                f"teacher and distils nothing: set {key}.enabled=true, or {key}.teacher_model.model_path=null to train "
+                "without a teacher"
+            )
+        elif "teacher" in cfg.trainer.placement:
             problems.append(f"trainer.placement.teacher places a teacher, but {key}.enabled=false; set it true")
         return
     if not d.teacher_model.model_path:
@@ -473,6 +527,15 @@ def _policy_loss(cfg: PPOConfig, problems: list[str]) -> None:
             problems.append(f"{key}.rollout_correction: {exc}")
 
 
+def _rs_threshold_alone(key: str, rc: Any, problems: list[str]) -> None:
+    """A rejection bound with no rejection test to bound: nothing would be rejected."""
+    if rc.rollout_rs_threshold is not None and rc.rollout_rs is None:
+        problems.append(
+            f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold} is set, but {key}.rollout_rs=null runs no rejection "
+            f"test, so nothing is rejected: set {key}.rollout_rs (e.g. token_k1 or seq_max_k2), or drop the threshold"
+        )
+
+
 def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     key = "actor_rollout_ref.actor.old_log_prob"
@@ -545,6 +608,11 @@ def _rollout_correction(cfg: PPOConfig, problems: list[str]) -> None:
     """``algorithm.rollout_correction``: bounds parse; bypass and decoupled modes fit the old log-probs' source."""
     rc = cfg.algorithm.rollout_correction
     key, old_key = "algorithm.rollout_correction", "actor_rollout_ref.actor.old_log_prob"
+    _rs_threshold_alone(key, rc, problems)
+    _rs_threshold_alone(
+        "actor_rollout_ref.actor.policy_loss.rollout_correction", cfg.actor_rollout_ref.actor.policy_loss.rollout_correction,
+        problems,
+    )
     old, loss_mode = cfg.actor_rollout_ref.actor.old_log_prob, cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if rc.rollout_is is not None or rc.rollout_rs is not None:  # (a default config imports no registry)
         from verl.algos.rollout_correction import parse_is_threshold, parse_rs
@@ -666,4 +734,5 @@ def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:
     _resume(cfg.trainer, problems)
     _check_names(cfg, problems)
     _lora_targets({"model": cfg.model}, problems)
+    _lora_without_rank(cfg, ("model",), problems)
     _raise(problems)
