@@ -168,3 +168,18 @@ def test_the_loggers_get_every_log_freq_th_step_and_the_last():
     assert _logged_steps(3) == [3, 6, 7]
     assert _logged_steps(3, test_freq=5) == [3, 5, 6, 7]  # a validated step's metrics are not lost
     assert _logged_steps(3, stop_at=4) == [3, 4]  # a stop logs the step it ends at
+
+
+def test_a_routed_hybrid_run_does_not_resume_as_plain_ppo(tmp_path):
+    """A run whose samples a ``hybrid_condition`` routed resumes only with it: without it the run would
+    turn into HybridFlow's PPO (another estimator, a critic its checkpoint lacks)."""
+    import verl
+    from verl.api.facade import RUN_FILE
+
+    (tmp_path / "global_step_1").mkdir()
+    saved = {"init": {"actor_model": "model", "algorithm": "hybrid_ppo"}, "fit": {}, "hybrid_condition": True}
+    (tmp_path / RUN_FILE).write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"routed its samples by a hybrid_condition, which is not saved; pass it again"):
+        verl.RLTrainer.from_checkpoint(str(tmp_path / "global_step_1"))
+    resumed = verl.RLTrainer.from_checkpoint(str(tmp_path / "global_step_1"), hybrid_condition=lambda s: True)
+    assert resumed.algorithm == "hybrid_ppo" and resumed.hybrid_condition is not None
