@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from verl.serving.engine import ServedModel, ServeLimits
@@ -209,10 +210,15 @@ class BodyLimit:
     in its place. A header-only check let chunked bodies of any size through.
     """
 
-    def __init__(self, app: Any, *, max_bytes: int) -> None:
+    def __init__(
+        self, app: Any, *, max_bytes: int, error_body: Callable[[str], dict[str, Any]] | None = None
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"BodyLimit: max_bytes={max_bytes}; it must be >= 1")
         self.app, self.max_bytes = app, max_bytes
+        # The 413's JSON from its one-line message; OpenAI's error shape by default (the sandbox
+        # server answers in SandboxFusion's).
+        self.error_body = error_body or (lambda message: _error_body(message, "body", "invalid_request_error"))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -253,9 +259,7 @@ class BodyLimit:
     async def _refuse(self, send: Any, what: str) -> None:
         import json
 
-        body = json.dumps(
-            _error_body(f"{what}; this server takes at most {self.max_bytes}", "body", "invalid_request_error")
-        ).encode()
+        body = json.dumps(self.error_body(f"{what}; this server takes at most {self.max_bytes}")).encode()
         await send(
             {
                 "type": "http.response.start",

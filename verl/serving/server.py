@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -46,12 +47,27 @@ def _config(app: Any, host: str, port: int) -> Any:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", access_log=False)
 
 
-def run(app: Any, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve ``app`` in the foreground until interrupted (checks the bind rule first)."""
+def run(
+    app: Any, *, host: str = "127.0.0.1", port: int = 8000, on_exit: Callable[[], None] | None = None
+) -> None:
+    """Serve ``app`` in the foreground until interrupted (checks the bind rule first).
+
+    ``on_exit`` is called at SIGINT/SIGTERM, before uvicorn's own shutdown, which waits for every
+    open request to be answered: a server whose requests can run long (the sandbox's) ends them there.
+    """
     import uvicorn
 
     check_bind(host, getattr(app.state, "api_key", None))
-    uvicorn.Server(_config(app, host, port)).run()
+    server = uvicorn.Server(_config(app, host, port))
+    if on_exit is not None:
+        handle_exit = server.handle_exit
+
+        def _handle_exit(sig: int, frame: Any) -> None:
+            on_exit()
+            handle_exit(sig, frame)
+
+        server.handle_exit = _handle_exit  # uvicorn installs it as the signal handler at run()
+    server.run()
 
 
 class BackgroundServer:
