@@ -204,3 +204,29 @@ def test_sigterm_ends_the_server_and_every_run_it_started(tmp_path):
             os.kill(server.pid, signal.SIGKILL)
             server.wait(10)
         log.close()
+
+
+def test_the_keys_the_command_lines_hints_name_are_accepted(monkeypatch, capsys, tmp_path):
+    """The runner's hint names a PPO config's key (sandbox.allow_unconfined=true), which the server
+    refused as unknown; the bind hint named a Python argument (api_key=) the command line has not."""
+    from verl.sandbox import runner
+    from verl.serving import sandbox as server_module
+    from verl.serving import server as serving_server
+
+    real_which = runner.shutil.which
+    monkeypatch.setattr(runner.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
+    monkeypatch.setattr(runner, "_backend_cache", {})
+    monkeypatch.delenv(server_module.API_KEY_ENV, raising=False)
+    slots = f"slots_dir={tmp_path}"
+    with pytest.raises(SystemExit) as exit_info:
+        server_module.main([slots])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "sandbox.allow_unconfined=true" in err, err
+    served: list[dict] = []
+    monkeypatch.setattr(serving_server, "run", lambda app, **kw: served.append(kw))
+    server_module.main([slots, "sandbox.allow_unconfined=true", "--port", "9"])
+    assert served and served[0]["port"] == 9 and callable(served[0]["on_exit"])
+    with pytest.raises(SystemExit):
+        server_module.main(["--host", "0.0.0.0", slots, "allow_unconfined=true"])
+    err = capsys.readouterr().err
+    assert "VERL_SANDBOX_API_KEY" in err and "api_key=" not in err and len(err.strip().splitlines()) == 1, err
