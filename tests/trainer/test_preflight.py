@@ -23,7 +23,7 @@ def _cfg(tiny_model_dir, files, *extra: str) -> PPOConfig:
 def counted(monkeypatch):
     calls = []
     real = ppo_checks.check_ppo_inputs
-    monkeypatch.setattr(ppo_checks, "check_ppo_inputs", lambda cfg: (calls.append(cfg), real(cfg))[1])
+    monkeypatch.setattr(ppo_checks, "check_ppo_inputs", lambda cfg, **kw: (calls.append(cfg), real(cfg, **kw))[1])
     return calls
 
 

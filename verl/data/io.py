@@ -488,7 +488,7 @@ class JsonlSource(FileSource):
         with open(self.path, "rb") as f:
             pos = 0
             first = True
-            for line in f:
+            for line_no, line in enumerate(f, 1):
                 if line.strip():
                     if first:
                         first = False
@@ -498,18 +498,24 @@ class JsonlSource(FileSource):
                                 f"object per line (e.g. pandas to_json(orient='records', lines=True))"
                             )
                         # Column names come from the first record; later records may add more.
-                        names.update(dict.fromkeys(self._parse(line, 0)))
+                        names.update(dict.fromkeys(self._parse(line, 0, line_no)))
                     offsets.append(pos)
                 pos += len(line)
         self._h_offsets = np.asarray(offsets, dtype=np.int64)
         self.column_names = list(names)
         self.num_rows = len(offsets)
 
-    def _parse(self, line: bytes, i: int) -> dict[str, Any]:
+    def _parse(self, line: bytes, i: int, line_no: int | None = None) -> dict[str, Any]:
+        where = f"{self.path}: record {i}" + (f" (line {line_no})" if line_no is not None else "")
         try:
             record = json.loads(line)
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{where} is not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); JSON lines are UTF-8: "
+                f"convert the file (e.g. iconv -f latin1 -t utf-8 {self.path} > out.jsonl)"
+            ) from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.path}: record {i} is not valid JSON: {e}") from e
+            raise ValueError(f"{where} is not valid JSON: {e}") from e
         if not isinstance(record, dict):
             raise ValueError(f"{self.path}: record {i} is a {type(record).__name__}, not a JSON object")
         return record
@@ -532,10 +538,10 @@ class JsonlSource(FileSource):
         count = 0
         with open(self.path, "rb") as f:
             i = 0
-            for line in f:
+            for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                record = self._parse(line, i)
+                record = self._parse(line, i, line_no)
                 for name in names:
                     out[name].append(record.get(name))
                 i += 1

@@ -44,6 +44,7 @@ __all__ = [
     "ToolArgumentError",
     "as_tools",
     "check_arguments",
+    "check_tool",
     "load_tool_config",
     "register_tool",
     "safe_calculate",
@@ -390,11 +391,16 @@ def _build_tool(entry: Any, where: str) -> Tool:
             tool = factory(**config)
         except TypeError as exc:
             raise ValueError(f"{where}: {class_name}(**config) failed: {exc}; check the tool's config keys") from exc
+        except Exception as exc:  # the tool's own __init__: the user's code, said in one line
+            raise ValueError(
+                f"{where}: {class_name}(**{config!r:.200}) raised {type(exc).__name__}: {exc}; fix the tool's config "
+                "or its __init__"
+            ) from exc
         if not isinstance(tool, Tool):
             raise ValueError(f"{where}: {class_name} made a {type(tool).__name__}, not a verl.rollout.agent.Tool")
         if schema is not None:
             tool.schema = _check_schema(schema, where)
-        return tool
+        return check_tool(tool, f"{where} ({class_name})")
     if callable(factory):
         if config:
             raise ValueError(f"{where}: {class_name} is a function; functions take no config")
@@ -426,10 +432,29 @@ def load_tool_config(path: str) -> list[Tool]:
     return as_tools([_build_tool(e, f"{where}, tools[{i}]") for i, e in enumerate(entries)])
 
 
+def check_tool(tool: Tool, where: str) -> Tool:
+    """``tool`` has a valid schema (``function.name`` an identifier, ...) and its own ``call``;
+    ValueError naming ``where`` otherwise (a missing name was a KeyError when the tool was first
+    named, a missing ``call`` a NotImplementedError turned into an error turn at every call)."""
+    if type(tool).call is Tool.call:
+        raise ValueError(
+            f"{where}: {type(tool).__name__} does not define call(self, instance_id, arguments) -> str, the method "
+            "the agent loop runs for each of the model's calls: add it (or give a plain function as the tool)"
+        )
+    schema = getattr(tool, "schema", None)
+    if schema is None:
+        raise ValueError(
+            f"{where}: {type(tool).__name__} has no schema; set schema = {{'type': 'function', 'function': "
+            "{'name', 'description', 'parameters'}} on the class, or give tool_schema in the tool config"
+        )
+    _check_schema(schema, f"{where}: {type(tool).__name__}.schema")
+    return tool
+
+
 def as_tools(tools: Sequence[Tool | Callable[..., Any]]) -> list[Tool]:
     """Tools and plain functions (wrapped in :class:`FunctionTool`) as a list of tools with
-    distinct names (ValueError on a repeated name)."""
-    out = [t if isinstance(t, Tool) else FunctionTool(t) for t in tools]
+    distinct names (ValueError on a repeated name, a bad schema or a tool without ``call``)."""
+    out = [check_tool(t, f"tools[{i}]") if isinstance(t, Tool) else FunctionTool(t) for i, t in enumerate(tools)]
     seen: dict[str, int] = {}
     for i, t in enumerate(out):
         if t.name in seen:

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None, *, on_config: Callable[[PPOConfig], 
     return run_trainer(
         cfg,
         prog=PROG,
-        check=lambda c: preflight(c, world_size),  # once: the trainer finds this config checked
+        check=lambda c: preflight(c, world_size, whole_run=True),  # once: the trainer finds this config checked
         make_trainer=PPOTrainer,
         summary=lambda _, m: _summary(m),
     )

@@ -231,6 +231,28 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
     return problems + _router_replay_problems(cfg, spec)
 
 
+def _lora_size_problems(cfg: PPOConfig) -> list[str]:
+    """A LoRA rank above the model's hidden size: an adapter of rank r on a d-wide layer has rank
+    min(r, d) at most, so the rest is memory and time spent on nothing (and no longer low-rank)."""
+    from verl.engine.build import load_model_spec
+
+    problems = []
+    models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if cfg.use_critic:
+        models.append(("critic.model", cfg.critic.model))
+    for key, model in models:
+        if model.lora_rank <= 0 or registered_module(model.path) is not None:
+            continue
+        hidden = load_model_spec(model, key=f"{key}.path").hidden_size
+        if model.lora_rank > hidden:
+            problems.append(
+                f"{key}.lora_rank={model.lora_rank} is larger than the model's hidden size ({hidden}, {model.path}): an "
+                f"adapter cannot have a rank above its layer's width, so it trains nothing more than a full update "
+                f"would, with more memory; set {key}.lora_rank <= {hidden} (usually 8 to 64)"
+            )
+    return problems
+
+
 def _runs_on_cuda(device: str) -> bool:
     """Whether ``trainer.device`` resolves to CUDA here (``auto``: when torch sees a GPU)."""
     if device == "auto":
@@ -799,39 +821,46 @@ def _teacher_problems(cfg: PPOConfig) -> list[str]:
     return problems
 
 
-def preflight(cfg: PPOConfig, world_size: int | None = None) -> None:
+def preflight(cfg: PPOConfig, world_size: int | None = None, *, whole_run: bool = False) -> None:
     """Every check of ``cfg`` and its inputs before any model is built: ``cfg.validate`` against
     ``world_size`` (the launched world; None: ``trainer.nnodes x n_gpus_per_node``), then
-    :func:`check_ppo_inputs`. Runs once per config object and world size; a later call returns
-    at once. Raises ``ConfigError``/``ValueError`` listing every problem."""
+    :func:`check_ppo_inputs` (``whole_run``: ``main_ppo``'s config, to which no Python operator adds
+    tools). Runs once per config object and world size; a later call returns at once. Raises
+    ``ConfigError``/``ValueError`` listing every problem."""
     if getattr(cfg, _PASSED, object()) == world_size:
         return
     cfg.validate(world_size=world_size)
-    check_ppo_inputs(cfg)
+    check_ppo_inputs(cfg, whole_run=whole_run)
     setattr(cfg, _PASSED, world_size)
 
 
-def _multi_turn_problems(cfg: PPOConfig) -> list[str]:
+def _multi_turn_problems(cfg: PPOConfig, *, whole_run: bool = False) -> list[str]:
     """The agent loop's tool, interaction and agent loop configs load (file, YAML, each class or
-    function), and every ``extra_info.agent_name`` of the data names a known agent loop."""
+    function), every ``extra_info.agent_name`` of the data names a known agent loop, and with
+    ``whole_run`` (``main_ppo``: no Python operator adds tools later) the agent loop has something
+    to do (a tool, an interaction or an agent loop) and every tool ``extra_info.tools_kwargs`` names
+    is configured."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return []
+    key = "actor_rollout_ref.rollout.multi_turn"
     problems = []
+    tool_names: list[str] | None = []  # None: the file did not load (reported)
     if mt.tool_config_path:
         from verl.rollout.agent import load_tool_config
 
         try:
-            load_tool_config(os.path.expanduser(mt.tool_config_path))
+            tool_names = [t.name for t in load_tool_config(os.path.expanduser(mt.tool_config_path))]
         except ValueError as exc:
-            problems.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {exc}")
+            problems.append(f"{key}.tool_config_path: {exc}")
+            tool_names = None
     if mt.interaction_config_path:
         from verl.rollout.agent import load_interaction_config
 
         try:
             load_interaction_config(os.path.expanduser(mt.interaction_config_path))
         except ValueError as exc:
-            problems.append(f"actor_rollout_ref.rollout.multi_turn.interaction_config_path: {exc}")
+            problems.append(f"{key}.interaction_config_path: {exc}")
     from verl.rollout.agent import known_agent_names, load_agent_loop_config
 
     loops: dict[str, Any] = {}
@@ -841,17 +870,44 @@ def _multi_turn_problems(cfg: PPOConfig) -> list[str]:
             loops = load_agent_loop_config(os.path.expanduser(path))
         except ValueError as exc:
             problems.append(f"actor_rollout_ref.rollout.agent.agent_loop_config_path: {exc}")
-    if not cfg.data.custom_cls.path:  # a custom dataset class reads the files its own way
-        problems += _agent_name_problems(cfg, known_agent_names(loops))
+    if cfg.data.custom_cls.path:  # a custom dataset class reads the files its own way
+        return problems
+    known = known_agent_names(loops)
+    scan = _extra_info_scan(cfg)
+    for (setting, file), (names, tools) in scan.items():
+        for name, first in names.items():
+            if name not in known:
+                problems.append(
+                    f"data.{setting}: {file} row {first}: extra_info.agent_name={name!r} is not an agent loop; "
+                    f"known: {known} (register one with verl.rollout.agent.register or list it in "
+                    "actor_rollout_ref.rollout.agent.agent_loop_config_path)"
+                )
+        if whole_run and tool_names is not None:
+            for tool, first in tools.items():
+                if tool not in tool_names:
+                    problems.append(
+                        f"data.{setting}: {file} row {first}: extra_info.tools_kwargs names the tool {tool!r}, which is "
+                        f"not configured (tools: {tool_names or 'none'}; {key}.tool_config_path="
+                        f"{mt.tool_config_path}): add it to the tool config, or fix the name in the data"
+                    )
+    named = {name for names, _ in scan.values() for name in names} - {"tool_agent"}
+    if whole_run and not (mt.tool_config_path or mt.interaction_config_path or path or named):
+        problems.append(
+            f"{key}.enable=true, but no tool, interaction or agent loop is configured: the agent loop would sample "
+            f"one plain response per prompt. Set {key}.tool_config_path (tools the model may call), "
+            f"{key}.interaction_config_path or actor_rollout_ref.rollout.agent.agent_loop_config_path, or "
+            f"{key}.enable=false"
+        )
     return problems
 
 
-def _agent_name_problems(cfg: PPOConfig, known: list[str]) -> list[str]:
-    """The data files' ``extra_info.agent_name`` values that name no agent loop (one pass over the
-    ``extra_info`` column; files without it, or that do not read, are left to the other checks)."""
+def _extra_info_scan(cfg: PPOConfig) -> dict[tuple[str, str], tuple[dict[str, int], dict[str, int]]]:
+    """{(setting, file): ({extra_info.agent_name: its first row}, {tool named in extra_info.tools_kwargs:
+    its first row})} of the data files, in one pass over the ``extra_info`` column (files without
+    it, or that do not read, are left to the other checks)."""
     from verl.data.io import TableStore
 
-    problems = []
+    found = {}
     for setting in ("train_files", "val_files"):
         paths = as_file_list(getattr(cfg.data, setting))
         if not paths:
@@ -863,25 +919,26 @@ def _agent_name_problems(cfg: PPOConfig, known: list[str]) -> list[str]:
         for source in store.sources:
             if "extra_info" not in source.column_names:
                 continue
-            unknown: dict[str, int] = {}  # name -> its first row
+            names: dict[str, int] = {}
+            tools: dict[str, int] = {}
             row = 0
             for values in source.iter_column("extra_info"):
                 for value in values.to_pylist() if hasattr(values, "to_pylist") else values:
-                    name = value.get("agent_name") if isinstance(value, Mapping) else None
-                    if name is not None and str(name) not in known:
-                        unknown.setdefault(str(name), row)
+                    if isinstance(value, Mapping):
+                        if value.get("agent_name") is not None:
+                            names.setdefault(str(value["agent_name"]), row)
+                        kwargs = value.get("tools_kwargs")
+                        for tool in kwargs if isinstance(kwargs, Mapping) else ():
+                            if kwargs[tool] is not None:  # parquet structs fill absent tools with null
+                                tools.setdefault(str(tool), row)
                     row += 1
-            for name, first in unknown.items():
-                problems.append(
-                    f"data.{setting}: {source.path} row {first}: extra_info.agent_name={name!r} is not an agent loop; "
-                    f"known: {known} (register one with verl.rollout.agent.register or list it in "
-                    "actor_rollout_ref.rollout.agent.agent_loop_config_path)"
-                )
-    return problems
+            found[(setting, source.path)] = (names, tools)
+    return found
 
 
-def check_ppo_inputs(cfg: PPOConfig) -> None:
-    """Fail (ValueError listing every problem, each naming its setting) before any model is built."""
+def check_ppo_inputs(cfg: PPOConfig, *, whole_run: bool = False) -> None:
+    """Fail (ValueError listing every problem, each naming its setting) before any model is built.
+    ``whole_run``: the config is the whole run (``main_ppo``), no Python operator adds tools to it."""
     arr = cfg.actor_rollout_ref
     # A plain nn.Module's directory holds its tokenizer, not a config.json (verl.engine.torch_engine).
     models = {} if registered_module(arr.model.path) is not None else {"actor_rollout_ref.model.path": arr.model.path}
@@ -902,12 +959,13 @@ def check_ppo_inputs(cfg: PPOConfig) -> None:
             load_dataset_class(cfg.data.custom_cls.path, cfg.data.custom_cls.name)
         except ValueError as exc:
             problems.append(str(exc))
-    problems += _multi_turn_problems(cfg)
+    problems += _multi_turn_problems(cfg, whole_run=whole_run)
     if not problems:  # the files below exist
         problems += _preference_problems(cfg)
     if not problems:
         problems += _model_folder_problems(cfg)
     if not problems:
+        problems += _lora_size_problems(cfg)
         problems += _split_problems(cfg)
         if not cfg.data.pairs:  # pairs have no data sources to score
             problems += _scorer_problems(cfg)

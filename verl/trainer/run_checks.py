@@ -20,6 +20,7 @@ Both raise ``ValueError`` (``OutputPathError`` for outputs) naming the setting a
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -70,7 +71,16 @@ def missing_inputs(
             problems.append(str(exc))
     for key, files in data.items():
         for f in as_file_list(files):
-            if not os.path.exists(f):
+            if os.path.exists(f):
+                continue
+            if glob.has_magic(f):  # a shell pattern reaches here quoted, or from a YAML file
+                found = sorted(glob.glob(f))
+                matches = (
+                    f"it matches {len(found)} file(s): list them, e.g. {key}=[{','.join(found[:2])}{',...' if len(found) > 2 else ''}]"
+                    if found else "it matches no file either: list the files, e.g. " + f"{key}=[a.parquet,b.parquet]"
+                )
+                problems.append(f"{key}: {f} is a pattern, and verl reads the files named, not patterns; {matches}")
+            else:
                 problems.append(f"{key}: {f} does not exist")
     return problems
 

@@ -338,6 +338,27 @@ class AgentLoop:
         return [t.schema for t in self.tools.values()]
 
     # ------------------------------------------------------------------ the conversations
+    def _check_tools_kwargs(self, names: Sequence[str], tools_kwargs: Sequence[Mapping[str, Any] | None] | None) -> None:
+        """Before anything runs: every tool a prompt's ``extra_info.tools_kwargs`` names is offered,
+        and a ``tool_agent`` conversation has a tool or an interaction to go beyond one turn."""
+        for i, kwargs in enumerate(tools_kwargs or ()):
+            unknown = sorted(str(k) for k, v in (kwargs or {}).items() if v is not None and k not in self.tools)
+            if unknown:
+                raise ValueError(
+                    f"rollout: extra_info.tools_kwargs of prompt {i} names the tool(s) {unknown}, which are not "
+                    f"configured (tools: {sorted(self.tools) or 'none'}); add them "
+                    "(actor_rollout_ref.rollout.multi_turn.tool_config_path or RolloutOperator(tools=...)) or fix the "
+                    "names in the data"
+                )
+        if not self.tools and not self.interactions and "tool_agent" in names:
+            raise ValueError(
+                "rollout: actor_rollout_ref.rollout.multi_turn.enable=true, but no tool or interaction is configured: "
+                "the agent loop would sample one plain response per prompt. Give tools "
+                "(actor_rollout_ref.rollout.multi_turn.tool_config_path or RolloutOperator(tools=...)), an interaction "
+                "(multi_turn.interaction_config_path) or an agent loop (extra_info.agent_name), or set "
+                "multi_turn.enable=false"
+            )
+
     def run(
         self,
         engine: RolloutEngine,
@@ -370,6 +391,7 @@ class AgentLoop:
         names = [(agent_names[i] if agent_names is not None else None) or "tool_agent" for i in range(len(prompts))]
         for i, name in enumerate(names):
             self._agent_loop(name, i)  # every name is known before anything runs
+        self._check_tools_kwargs(names, tools_kwargs)
         picked = [
             None if names[i] == "single_turn_agent" else pick_interaction(self.interactions, interaction_kwargs[i] if interaction_kwargs is not None else None)
             for i in range(len(prompts))
