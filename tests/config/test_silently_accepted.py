@@ -64,3 +64,25 @@ def test_a_rejection_threshold_without_a_rejection_test_is_refused(key):
         f"{key}.rollout_rs_threshold=0.5 is set, but {key}.rollout_rs=null runs no rejection test, so nothing is "
         f"rejected: set {key}.rollout_rs (e.g. token_k1 or seq_max_k2), or drop the threshold"
     )
+
+
+def test_an_output_folder_that_is_a_file_is_refused(tmp_path):
+    """#58: the Python API's ``output_dir`` that is a file ended in a raw FileExistsError."""
+    (tmp_path / "afile").write_text("x")
+    assert _refused(f"trainer.default_local_dir={tmp_path}/afile", f"trainer.log_dir={tmp_path}/afile/logs") == (
+        f"trainer.default_local_dir={tmp_path}/afile is a file, not a folder (the Python API's output_dir is "
+        "trainer.default_local_dir): the run writes its checkpoints and logs into a folder; choose a folder path, "
+        "new or existing"
+    )
+    assert _refused(f"trainer.log_dir={tmp_path}/afile/logs").startswith(
+        f"trainer.log_dir={tmp_path}/afile/logs lies inside {tmp_path}/afile, which is a file, not a folder"
+    )
+
+
+def test_the_python_apis_output_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
+    import verl
+
+    (tmp_path / "afile").write_text("x")
+    trainer = verl.RLTrainer(actor_model=str(tmp_path / "model"), algorithm="grpo")  # not read before the check
+    with pytest.raises(ConfigError, match=rf"^trainer.default_local_dir={tmp_path}/afile is a file, not a folder \(the Python API's output_dir"):
+        trainer.fit(dataset=str(tmp_path / "train.parquet"), max_steps=1, output_dir=str(tmp_path / "afile"))

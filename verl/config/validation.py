@@ -249,6 +249,29 @@ def _resume(trainer: Any, problems: list[str]) -> None:
         )
 
 
+def _output_folders(trainer: Any, problems: list[str]) -> None:
+    """An output folder of the run that is a file (or lies below one): nothing could be written there
+    (the Python API's ``output_dir`` is ``trainer.default_local_dir``; its logs are under it)."""
+    import os
+
+    blocked: dict[str, str] = {}  # the file -> the first setting at or below it, and how
+    for key in ("default_local_dir", "log_dir", "hf_export_dir"):
+        value = getattr(trainer, key, None)
+        if not value:
+            continue
+        target = path = os.path.abspath(os.path.expanduser(value))
+        while not os.path.lexists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            where = "is" if path == target else f"lies inside {path}, which is"
+            blocked.setdefault(path, f"trainer.{key}={value} {where}")
+    for setting in blocked.values():
+        problems.append(
+            f"{setting} a file, not a folder (the Python API's output_dir is trainer.default_local_dir): "
+            "the run writes its checkpoints and logs into a folder; choose a folder path, new or existing"
+        )
+
+
 def _data_files(data: Any, problems: list[str]) -> None:
     """Data file lists that name nothing (``[]``, ``''``); whether the files exist is checked at load."""
     for key in ("train_files", "val_files"):
@@ -306,6 +329,7 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
     _distillation(cfg, problems)
     _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
+    _output_folders(cfg.trainer, problems)
     _check_names(cfg, problems)
     _lora_targets({"actor_rollout_ref.model": cfg.actor_rollout_ref.model, "critic.model": cfg.critic.model}, problems)
     _lora_without_rank(cfg, ("actor_rollout_ref.model", "critic.model"), problems)
@@ -732,6 +756,7 @@ def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:
             )
     _data_files(cfg.data, problems)
     _resume(cfg.trainer, problems)
+    _output_folders(cfg.trainer, problems)
     _check_names(cfg, problems)
     _lora_targets({"model": cfg.model}, problems)
     _lora_without_rank(cfg, ("model",), problems)
