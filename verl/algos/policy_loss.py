@@ -17,7 +17,9 @@ the loss and metrics of an all-masked micro-batch are 0. ``clip_ratio_low``/``cl
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -86,6 +88,10 @@ def _clip_range(
     return low, high
 
 
+def _zero_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype, device=t.device)
+
+
 def _metrics(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         "pg_clipfrac": clipfrac.detach(),
@@ -101,6 +107,97 @@ def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None, 
     zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
     weights = torch.where(mask != 0, rollout_is_weights.detach(), zero)
     return pg_losses * weights
+
+
+class _Agg(NamedTuple):
+    """A loss's arguments for ``agg_loss``, and the token weights applied before it."""
+
+    loss_agg_mode: str
+    global_batch_info: GlobalBatchInfo | None
+    loss_scale_factor: float | None
+    rollout_is_weights: torch.Tensor | None  # [B, T]
+    sample_weight: torch.Tensor | None  # [B]
+
+
+@dataclass(frozen=True)
+class _Prologue:
+    """What a policy loss starts from (built by ``_prologue``), and the steps shared after its formula."""
+
+    old_log_prob: torch.Tensor  # [B, T], padding zeroed
+    log_prob: torch.Tensor  # [B, T], padding zeroed
+    advantages: torch.Tensor  # [B, T], padding zeroed
+    mask: torch.Tensor  # [B, T]
+    low: float  # the clip range is [1 - low, 1 + high]; both 0 for a loss without one
+    high: float
+    agg: _Agg
+
+    # computed on first read, once: only the losses that read them pay for them
+    @cached_property
+    def neg_kl(self) -> torch.Tensor:
+        """log(ratio) = log_prob - old_log_prob [B, T], clamped to +-_LOG_RATIO_BOUND."""
+        return torch.clamp(self.log_prob - self.old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+
+    @cached_property
+    def ratio(self) -> torch.Tensor:
+        return torch.exp(self.neg_kl)  # [B, T]
+
+    @cached_property
+    def ppo_kl(self) -> torch.Tensor:
+        """The ppo_kl metric of most losses: the masked mean of -neg_kl (a scalar)."""
+        return masked_mean(-self.neg_kl, self.mask)
+
+    @cached_property
+    def zero(self) -> torch.Tensor:
+        return _zero_like(self.log_prob)
+
+    def ppo_clip(self, ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """PPO's two surrogates -A * r and -A * clamp(r, 1 - low, 1 + high) [B, T] for ``ratio`` r [B, T]."""
+        clipped = torch.clamp(ratio, 1.0 - self.low, 1.0 + self.high)
+        return -self.advantages * ratio, -self.advantages * clipped
+
+    def finish(
+        self,
+        pg_losses: torch.Tensor,
+        ppo_kl: torch.Tensor,
+        clipfrac: torch.Tensor | None = None,
+        clipfrac_lower: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics): ``pg_losses`` [B, T] weighted and aggregated as ``agg`` says; a clip share
+        left None is 0."""
+        agg = self.agg
+        loss = agg_loss(
+            _weighted(pg_losses, agg.rollout_is_weights, self.mask), self.mask, agg.loss_agg_mode,
+            global_batch_info=agg.global_batch_info, loss_scale_factor=agg.loss_scale_factor,
+            sample_weight=agg.sample_weight,
+        )
+        zero = self.zero
+        return loss, _metrics(
+            zero if clipfrac is None else clipfrac, ppo_kl, zero if clipfrac_lower is None else clipfrac_lower
+        )
+
+
+def _prologue(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    agg: _Agg,
+    clip: tuple[float, float | None, float | None] | None = None,
+) -> _Prologue:
+    """The inputs checked and their padding zeroed (``_inputs``), then ``clip`` = (clip_ratio,
+    clip_ratio_low, clip_ratio_high) resolved to (low, high) and checked (``_clip_range``).
+
+    Every loss starts here, so a bad input or clip range is refused before any loss's own checks.
+    """
+    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    low, high = (0.0, 0.0) if clip is None else _clip_range(*clip)
+    return _Prologue(old_log_prob, log_prob, advantages, mask, low, high, agg)
+
+
+def _ignored_agg_mode(loss_agg_mode: str, why: str) -> None:
+    if loss_agg_mode != "seq-mean-token-mean":
+        warn_once(logger, "%s; loss_agg_mode=%s is ignored", why, loss_agg_mode)
 
 
 @register_policy_loss("vanilla")
@@ -129,31 +226,22 @@ def vanilla(
     the dual clip bound is active (A < 0); ppo_kl = masked mean of old_log_prob - log_prob.
     ``rollout_is_weights`` [B, T] (optional, detached) scale the per-token losses.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
+    )
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor.clip_ratio_c (dual-clip lower bound) must be > 1.0, got {clip_ratio_c}")
 
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
-    ratio = torch.exp(neg_kl)
-    ppo_kl = masked_mean(-neg_kl, mask)
-
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    loss1, loss2 = x.ppo_clip(x.ratio)
     clipped = torch.maximum(loss1, loss2)
-    clipfrac = masked_mean((loss2 > loss1).to(log_prob.dtype), mask)
+    clipfrac = masked_mean((loss2 > loss1).to(x.log_prob.dtype), x.mask)
 
-    loss3 = -advantages * clip_ratio_c
+    loss3 = -x.advantages * clip_ratio_c
     dual = torch.minimum(loss3, clipped)
-    negative = advantages < 0
-    clipfrac_lower = masked_mean(((clipped > loss3) & negative).to(log_prob.dtype), mask)
-
-    pg_losses = _weighted(torch.where(negative, dual, clipped), rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
-    )
-    return loss, _metrics(clipfrac, ppo_kl, clipfrac_lower)
+    negative = x.advantages < 0
+    clipfrac_lower = masked_mean(((clipped > loss3) & negative).to(x.log_prob.dtype), x.mask)
+    return x.finish(torch.where(negative, dual, clipped), x.ppo_kl, clipfrac, clipfrac_lower)
 
 
 @register_policy_loss("gspo")
@@ -181,26 +269,18 @@ def gspo(
 
     GSPO's clip ranges are much tighter than PPO's (the paper uses 3e-4 / 4e-4).
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    if loss_agg_mode != "seq-mean-token-mean":
-        warn_once(logger, "gspo always aggregates with seq-mean-token-mean; loss_agg_mode=%s is ignored", loss_agg_mode)
-
-    neg_kl = log_prob - old_log_prob  # [B, T]
-    seq_neg_kl = masked_mean(neg_kl, mask, dim=-1)  # [B]
-    log_seq_ratio = log_prob - log_prob.detach() + seq_neg_kl.detach().unsqueeze(-1)
-    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
-
-    loss1 = -advantages * seq_ratio
-    loss2 = -advantages * torch.clamp(seq_ratio, 1.0 - low, 1.0 + high)
-    pg_losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, "seq-mean-token-mean", global_batch_info=global_batch_info, sample_weight=sample_weight
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg("seq-mean-token-mean", global_batch_info, None, rollout_is_weights, sample_weight),
     )
+    _ignored_agg_mode(loss_agg_mode, "gspo always aggregates with seq-mean-token-mean")
 
-    clipfrac = masked_mean((loss2 > loss1).to(log_prob.dtype), mask)
-    ppo_kl = masked_mean(-neg_kl, mask)
-    return loss, _metrics(clipfrac, ppo_kl, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device))
+    neg_kl = x.log_prob - x.old_log_prob  # [B, T], unclamped: the sequence mean is clamped below
+    seq_neg_kl = masked_mean(neg_kl, x.mask, dim=-1)  # [B]
+    log_seq_ratio = x.log_prob - x.log_prob.detach() + seq_neg_kl.detach().unsqueeze(-1)
+    loss1, loss2 = x.ppo_clip(torch.exp(torch.clamp(log_seq_ratio, max=10.0)))
+    clipfrac = masked_mean((loss2 > loss1).to(x.log_prob.dtype), x.mask)
+    return x.finish(torch.maximum(loss1, loss2), masked_mean(-neg_kl, x.mask), clipfrac)
 
 
 @register_policy_loss("cispo")
@@ -226,21 +306,13 @@ def cispo(
     (PPO's clip would zero it). ratio = exp(clamp(log_prob - old_log_prob, -20, 20)).
     pg_clipfrac = share of valid tokens whose weight was clipped; pg_clipfrac_lower is 0.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
-    ratio = torch.exp(neg_kl)
-    ppo_kl = masked_mean(-neg_kl, mask)
-    weight = torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    clipfrac = masked_mean((ratio != weight).to(log_prob.dtype), mask)
-
-    pg_losses = _weighted(-weight.detach() * advantages * log_prob, rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
     )
-    return loss, _metrics(clipfrac, ppo_kl, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device))
+    weight = torch.clamp(x.ratio, 1.0 - x.low, 1.0 + x.high)
+    clipfrac = masked_mean((x.ratio != weight).to(x.log_prob.dtype), x.mask)
+    return x.finish(-weight.detach() * x.advantages * x.log_prob, x.ppo_kl, clipfrac)
 
 
 @register_policy_loss("gpg")
@@ -261,19 +333,11 @@ def gpg(
     No ratio, no clipping: pg_clipfrac and pg_clipfrac_lower are 0. ppo_kl is still reported
     (masked mean of old_log_prob - log_prob) to watch drift; the reference reports nothing.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    pg_losses = _weighted(-advantages * log_prob, rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask,
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
     )
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    ppo_kl = masked_mean((old_log_prob - log_prob).detach(), mask)
-    return loss, _metrics(zero, ppo_kl, zero)
-
-
-def _zero_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=t.dtype, device=t.device)
+    return x.finish(-x.advantages * x.log_prob, masked_mean(x.old_log_prob - x.log_prob, x.mask))
 
 
 @register_policy_loss("sapo")
@@ -301,25 +365,21 @@ def sapo(
     except for the reference's clamp of log r at +-20, which we keep. pg_clipfrac and
     pg_clipfrac_lower are 0 (nothing is clipped).
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask,
+        agg=_Agg("seq-mean-token-mean", global_batch_info, None, rollout_is_weights, sample_weight),
+    )
     tau_pos = check_positive("actor.tau_pos", tau_pos)
     tau_neg = check_positive("actor.tau_neg", tau_neg)
-    if loss_agg_mode != "seq-mean-token-mean":
-        warn_once(logger, "sapo always aggregates with seq-mean-token-mean; loss_agg_mode=%s is ignored", loss_agg_mode)
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
-    ratio = torch.exp(neg_kl)
+    _ignored_agg_mode(loss_agg_mode, "sapo always aggregates with seq-mean-token-mean")
+    ratio = x.ratio
     tau = torch.where(
-        advantages > 0,
+        x.advantages > 0,
         torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
         torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    pg_losses = _weighted(-gate * advantages, rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, "seq-mean-token-mean", global_batch_info=global_batch_info, sample_weight=sample_weight
-    )
-    zero = _zero_like(log_prob)
-    return loss, _metrics(zero, masked_mean(-neg_kl, mask), zero)
+    return x.finish(-gate * x.advantages, x.ppo_kl)
 
 
 @register_policy_loss("geo_mean")
@@ -356,31 +416,29 @@ def geo_mean(
     empty rows. Metrics: pg_clipfrac / pg_clipfrac_lower = share of valid tokens whose d_t was
     clipped with A_t > 0 / A_t < 0.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    if loss_agg_mode != "seq-mean-token-mean":
-        warn_once(logger, "geo_mean always averages per sequence; loss_agg_mode=%s is ignored", loss_agg_mode)
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)  # [B, T]
+    # rollout_is_weights enter per sequence below, not per token as ``finish`` would apply them
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg("seq-mean-token-mean", global_batch_info, None, None, sample_weight),
+    )
+    _ignored_agg_mode(loss_agg_mode, "geo_mean always averages per sequence")
+    mask, advantages, neg_kl = x.mask, x.advantages, x.neg_kl  # [B, T]
     sign = torch.sign(advantages)
-    clipped_kl = torch.clamp(neg_kl, -low, high)
+    clipped_kl = torch.clamp(neg_kl, -x.low, x.high)
     kept_kl = sign * torch.minimum(sign * neg_kl, sign * clipped_kl)
     lengths = mask.sum(dim=-1).clamp(min=1)  # [B]
     seq_ratio = torch.exp(masked_sum(kept_kl, mask, dim=-1) / lengths)  # [B]
     seq_adv = masked_sum(advantages, mask, dim=-1) / lengths  # [B]
     seq_loss = -seq_adv * seq_ratio  # [B]
     if rollout_is_weights is not None:
-        check_token_level("rollout_is_weights", rollout_is_weights, like=log_prob)
+        check_token_level("rollout_is_weights", rollout_is_weights, like=x.log_prob)
         log_w = torch.log(rollout_is_weights.detach() + 1e-10)
         seq_loss = seq_loss * torch.exp(masked_sum(log_w, mask, dim=-1) / lengths)
+    clipped = (neg_kl != clipped_kl).to(x.log_prob.dtype)
+    clipfrac = masked_mean(clipped * (advantages > 0).to(x.log_prob.dtype), mask)
+    clipfrac_lower = masked_mean(clipped * (advantages < 0).to(x.log_prob.dtype), mask)
     # each sequence's loss on every one of its valid tokens: the token mean is loss_i again
-    loss_mat = seq_loss.unsqueeze(-1).expand_as(log_prob)
-    loss = agg_loss(
-        loss_mat, mask, "seq-mean-token-mean", global_batch_info=global_batch_info, sample_weight=sample_weight
-    )
-    clipped = (neg_kl != clipped_kl).to(log_prob.dtype)
-    clipfrac = masked_mean(clipped * (advantages > 0).to(log_prob.dtype), mask)
-    clipfrac_lower = masked_mean(clipped * (advantages < 0).to(log_prob.dtype), mask)
-    return loss, _metrics(clipfrac, masked_mean(-neg_kl, mask), clipfrac_lower)
+    return x.finish(seq_loss.unsqueeze(-1).expand_as(x.log_prob), x.ppo_kl, clipfrac, clipfrac_lower)
 
 
 def _centred_product(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -423,28 +481,21 @@ def clip_cov(
     loss is not micro-batch invariant). log r is clamped at +-20 as in ``vanilla`` (the reference does
     not clamp here). pg_clipfrac = share of valid tokens chosen; pg_clipfrac_lower = 0.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
+    )
     ratio_share = check_positive("actor.policy_loss.clip_cov_ratio", clip_cov_ratio)
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
-    ratio = torch.exp(neg_kl)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    valid = mask != 0
-    cov = _centred_product(advantages, log_prob, mask)
+    loss1, loss2 = x.ppo_clip(x.ratio)
+    valid = x.mask != 0
+    cov = _centred_product(x.advantages, x.log_prob, x.mask)
     candidates = torch.nonzero(valid & ~(loss2 > loss1) & (cov > clip_cov_lb) & (cov < clip_cov_ub))  # [K, 2]
-    keep = torch.ones_like(log_prob)
+    keep = torch.ones_like(x.log_prob)
     if candidates.shape[0] > 0:
-        count = max(int(ratio_share * float(mask.sum())), 1)
+        count = max(int(ratio_share * float(x.mask.sum())), 1)
         chosen = candidates[torch.randperm(candidates.shape[0])[:count].to(candidates.device)]
         keep[chosen[:, 0], chosen[:, 1]] = 0.0
-    pg_losses = _weighted(torch.maximum(loss1, loss2) * keep, rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
-    )
-    clipfrac = masked_mean(1.0 - keep, mask)
-    return loss, _metrics(clipfrac, masked_mean(-neg_kl, mask), _zero_like(log_prob))
+    return x.finish(torch.maximum(loss1, loss2) * keep, x.ppo_kl, masked_mean(1.0 - keep, x.mask))
 
 
 @register_policy_loss("kl_cov")
@@ -472,51 +523,30 @@ def kl_cov(
     is per micro-batch (not micro-batch invariant). Metrics: ppo_kl is the masked mean of |log r|
     (the reference's choice for this loss), pg_clipfrac and pg_clipfrac_lower are 0.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask,
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
+    )
     ratio_share = check_positive("actor.policy_loss.kl_cov_ratio", kl_cov_ratio)
     coef = check_positive("actor.policy_loss.ppo_kl_coef", ppo_kl_coef, allow_zero=True)
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
-    abs_kl = neg_kl.abs()
-    pg_losses = -advantages * torch.exp(neg_kl)
-    valid = mask != 0
+    abs_kl = x.neg_kl.abs()
+    pg_losses = -x.advantages * x.ratio
+    valid = x.mask != 0
     positions = torch.nonzero(valid.flatten()).flatten()  # row-major, the order of cov[valid]
     if positions.numel() > 0:
-        cov = _centred_product(advantages, log_prob, mask)[valid]
+        cov = _centred_product(x.advantages, x.log_prob, x.mask)[valid]
         count = min(max(1, int(positions.numel() * ratio_share)), positions.numel())
         chosen = positions[torch.topk(cov, count).indices]
         penalised = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
         penalised[chosen] = True
         pg_losses = torch.where(penalised.view_as(valid), pg_losses + coef * abs_kl, pg_losses)
-    pg_losses = _weighted(pg_losses, rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
-    )
-    zero = _zero_like(log_prob)
-    return loss, _metrics(zero, masked_mean(abs_kl, mask), zero)
+    return x.finish(pg_losses, masked_mean(abs_kl, x.mask))
 
 
-def _dppo(
-    kind: str,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    clip_ratio: float,
-    clip_ratio_low: float | None,
-    clip_ratio_high: float | None,
-    clip_ratio_c: float,
-    global_batch_info: GlobalBatchInfo | None,
-    loss_scale_factor: float | None,
-    rollout_is_weights: torch.Tensor | None,
-    sample_weight: torch.Tensor | None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
-    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+def _dppo(kind: str, x: _Prologue, clip_ratio_c: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     cap = check_positive("actor.clip_ratio_c", clip_ratio_c)
-    neg_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
-    ratio = torch.exp(neg_kl)
+    old_log_prob, log_prob, advantages, low, high = x.old_log_prob, x.log_prob, x.advantages, x.low, x.high
+    ratio = x.ratio
     with torch.no_grad():
         prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
         if kind == "tv":
@@ -531,14 +561,9 @@ def _dppo(
             down_ok = (binary_kl <= low) | (prob >= old_prob)
         keep = torch.where(advantages > 0, up_ok, down_ok).to(log_prob.dtype)
         weight = torch.clamp(ratio, max=cap)
-    pg_losses = _weighted(-advantages * weight * log_prob * keep, rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
-    )
-    clipfrac = masked_mean(1.0 - keep, mask)
-    clipfrac_lower = masked_mean((ratio > cap).to(log_prob.dtype) * keep, mask)
-    return loss, _metrics(clipfrac, masked_mean(-neg_kl, mask), clipfrac_lower)
+    clipfrac = masked_mean(1.0 - keep, x.mask)
+    clipfrac_lower = masked_mean((ratio > cap).to(log_prob.dtype) * keep, x.mask)
+    return x.finish(-advantages * weight * log_prob * keep, x.ppo_kl, clipfrac, clipfrac_lower)
 
 
 @register_policy_loss("dppo_tv")
@@ -574,10 +599,11 @@ def dppo_tv(
     always exists there with default 3.0, so 3.0 is what a reference run uses unless set. We read
     the same key with the same default (set ``clip_ratio_c`` high to follow the paper).
     """
-    return _dppo(
-        "tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio, clip_ratio_low,
-        clip_ratio_high, clip_ratio_c, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight,
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
     )
+    return _dppo("tv", x, clip_ratio_c)
 
 
 @register_policy_loss("dppo_kl")
@@ -605,10 +631,11 @@ def dppo_kl(
     (it moved against its advantage), one with A <= 0 while D <= ``clip_ratio_low`` or p >= p_old.
     Same loss, metrics and truncation cap (``clip_ratio_c``, see ``dppo_tv``) as ``dppo_tv``.
     """
-    return _dppo(
-        "kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio, clip_ratio_low,
-        clip_ratio_high, clip_ratio_c, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight,
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask, clip=(clip_ratio, clip_ratio_low, clip_ratio_high),
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
     )
+    return _dppo("kl", x, clip_ratio_c)
 
 
 @register_policy_loss("dro")
@@ -636,18 +663,16 @@ def dro(
     we follow the reference. ``dro_beta`` (``actor.policy_loss.dro_beta``) has no default and must
     be > 0. No clamp of log r (as in the reference). pg_clipfrac and pg_clipfrac_lower are 0.
     """
-    old_log_prob, log_prob, advantages, mask = _inputs(old_log_prob, log_prob, advantages, response_mask)
+    x = _prologue(
+        old_log_prob, log_prob, advantages, response_mask,
+        agg=_Agg(loss_agg_mode, global_batch_info, loss_scale_factor, rollout_is_weights, sample_weight),
+    )
     if dro_beta is None:
         raise ValueError("loss_mode=dro needs actor_rollout_ref.actor.policy_loss.dro_beta (> 0); it has no default")
     beta = check_positive("actor_rollout_ref.actor.policy_loss.dro_beta", dro_beta)
-    log_ratio = log_prob - old_log_prob
-    pg_losses = _weighted(-(advantages * log_prob - 0.5 * beta * log_ratio * log_ratio), rollout_is_weights, mask)
-    loss = agg_loss(
-        pg_losses, mask, loss_agg_mode, global_batch_info=global_batch_info, loss_scale_factor=loss_scale_factor,
-        sample_weight=sample_weight,
-    )
-    zero = _zero_like(log_prob)
-    return loss, _metrics(zero, masked_mean(-log_ratio, mask), zero)
+    log_ratio = x.log_prob - x.old_log_prob  # [B, T], unclamped as in the reference
+    pg_losses = -(x.advantages * x.log_prob - 0.5 * beta * log_ratio * log_ratio)
+    return x.finish(pg_losses, masked_mean(-log_ratio, x.mask))
 
 
 @register_policy_loss("bypass_mode")
