@@ -8,8 +8,8 @@ Each fault is a JSON object; ``rank`` (default: every rank) limits it to one glo
 - ``kill`` / ``term`` / ``hang``: on entering ``phase`` (a ``timing_s/`` phase of the step: ``gen``,
   ``reward``, ``old_log_prob``, ``adv``, ``update_actor`` ..., or ``save_checkpoint``,
   ``end_of_step``) once ``after_step`` steps are done, SIGKILL this process / send it SIGTERM
-  (``count`` times, default 1) / sleep for an hour. ``gen`` and ``reward`` of step k+1 run with k
-  steps done; the update phases of step k with k done too (the counter moves after the reward).
+  (``count`` times, default 1) / sleep for an hour. ``gen`` of step k+1 runs with k steps done;
+  the reward and the update phases of step k with k (the counter moves once the step's batch is drawn).
 - ``kill_in_checkpoint``: SIGKILL right after the actor's part of the checkpoint of step ``step``
   is written (its staging directory exists, the manifest does not).
 - ``nan_loss``: the actor's loss is NaN (so are its gradients) at each step in ``steps``.

@@ -48,7 +48,7 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int) -> dict:
         update_step, advance = trainer.update_step, PartialBatch.advance
 
         def recording(batch, metrics=None):
-            step = trainer.global_step + 1
+            step = trainer.step_in_progress()
             seen[step] = {key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask")}
             window[0] = step
             try:

@@ -69,7 +69,7 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int, name: st
         update_step, advance, reward = trainer.update_step, PartialBatch.advance, ops.RewardOperator.process
 
         def recording(batch, metrics=None):
-            step = trainer.global_step + 1
+            step = trainer.step_in_progress()
             seen[step] = {key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask", "responses")
                           if key in batch}
             if trainer.world.ref_ahead and trainer.reference is not None:  # computed on the thread: again here

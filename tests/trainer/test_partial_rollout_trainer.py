@@ -48,7 +48,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
             update_step = trainer.update_step
 
             def recording(batch, metrics=None):  # the batch each update trains, as every rank holds it
-                seen[trainer.global_step + 1] = {
+                seen[trainer.step_in_progress()] = {
                     key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask", "responses")
                 }
                 return update_step(batch, metrics)

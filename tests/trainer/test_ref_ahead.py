@@ -43,7 +43,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
             assert trainer.use_reference
             seen = calls.setdefault(name, [])
             reference = trainer.compute_ref_log_prob
-            inside = mark_overlap(trainer) if trainer.overlap is not None else [False]
+            inside = mark_overlap(trainer) if trainer.stream is not None else [False]
 
             def counted(batch):  # (the step the batch is for: uid "step-1/draw/i", inside an update step)
                 seen.append((int(batch.non_tensors["uid"][0].split("/")[0]) + 1, inside[0]))

@@ -78,18 +78,19 @@ def config(
 
 
 def mark_overlap(trainer: Any) -> list[bool]:
-    """Wrap ``trainer.overlap`` (the generation ahead inside ``update_step``); the returned flag's
-    ``[0]`` is True while it runs."""
-    overlap, inside = trainer.overlap, [False]
+    """Wrap the streaming rollout's ``generate_ahead`` (the generation ahead inside ``update_step``,
+    called by the step's schedule); the returned flag's ``[0]`` is True while it runs."""
+    stream = trainer.stream
+    overlap, inside = stream.generate_ahead, [False]
 
-    def ahead(batch):
+    def ahead(ctx):
         inside[0] = True
         try:
-            return overlap(batch)
+            return overlap(ctx)
         finally:
             inside[0] = False
 
-    trainer.overlap = ahead
+    stream.generate_ahead = ahead
     return inside
 
 

@@ -191,7 +191,7 @@ class HumanReviewOperator(Operator):
 
     def _step(self) -> int:
         if self._trainer is not None:
-            return int(self._trainer.global_step) + 1  # the step this batch is for
+            return self._trainer.step_in_progress()  # the step this batch is for
         self._calls += 1
         return self._calls
 

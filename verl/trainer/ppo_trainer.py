@@ -160,10 +160,10 @@ class PPOTrainer(StepPieces):
             return validate(self)
 
     def _engine_held(self) -> contextlib.AbstractContextManager:
-        """A block in which the streaming rollout's free-running generator is paused (it holds the
-        engine and the queue otherwise; ``verl.trainer.step.generator``)."""
-        stream = getattr(self, "stream", None)
-        return stream.held() if stream is not None else contextlib.nullcontext()
+        """A block in which nothing runs beside the main thread: the step's schedule's hold (the
+        free-running generator holds the engine and the queue otherwise; ``verl.trainer.step.schedule``)."""
+        pipeline = getattr(self, "pipeline", None)
+        return pipeline.schedule(self.world).hold() if pipeline is not None else contextlib.nullcontext()
 
     def write_report(self) -> str | None:
         """Rewrite ``report.html`` in ``trainer.log_dir`` from what the run logged (rank 0); its path."""
@@ -298,8 +298,8 @@ class PPOTrainer(StepPieces):
             return
         self.closed = True
         try:
-            if getattr(self, "stream", None) is not None:  # (an __init__ that failed early has none)
-                self.stream.close()
+            if getattr(self, "pipeline", None) is not None:  # (an __init__ that failed early has none)
+                self.pipeline.schedule(self.world).close()
         finally:
             self.tracking.close()
             self.world.close()

@@ -37,6 +37,9 @@ class Operator:
 
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    # The step's schedule this operator brings (verl.trainer.step.schedule), set when it is bound;
+    # None: it runs under the pipeline's (the synchronous one unless another operator brings one).
+    schedule: Any = None
 
     def __init__(self) -> None:
         self._trainer: "PPOTrainer | None" = None

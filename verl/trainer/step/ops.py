@@ -889,13 +889,12 @@ class ConditionalUpdateOperator(Operator):
             # Nothing to train this step (every sample went to DPO, and no group has a reward
             # spread): the step is counted and skipped, the run goes on.
             trainer = self.trainer
-            trainer.global_step += 1
             logger.warning(
                 "step %d: ConditionalUpdateOperator had nothing to train (no sample for the PPO branch; the DPO "
                 "branch's %d samples make no pair: no prompt group has a reward spread); the step is skipped",
-                trainer.global_step, len(dpo_rows),
+                trainer.step_in_progress(), len(dpo_rows),
             )
-            metrics.update({"conditional/skipped": 1.0, "training/global_step": float(trainer.global_step)})
+            metrics.update({"conditional/skipped": 1.0, "training/global_step": float(trainer.step_in_progress())})
             return batch, metrics
         out = batch
         if ppo_rows:
@@ -911,7 +910,6 @@ class ConditionalUpdateOperator(Operator):
                 beta=dpo.beta,
                 loss_type=dpo.loss_type,
                 label_smoothing=dpo.label_smoothing,
-                advance_step=not ppo_rows,
             )
             for key, value in more.items():
                 if key.startswith("dpo/"):

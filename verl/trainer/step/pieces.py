@@ -43,8 +43,9 @@ from verl.roles.teacher import TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROB
 from verl.rollout.base import merge_rollout_metrics
 from verl.trainer.ppo_metrics import data_metrics, rollout_agreement_metrics, throughput_metrics
 from verl.trainer.resilience import check_finite_rewards
+from verl.trainer.step.context import PhaseTimer, StepContext
 
-__all__ = ["PhaseTimer", "StepPieces"]
+__all__ = ["PhaseTimer", "StepContext", "StepPieces"]
 
 # Per-call sampling seeds: rollout.seed + step * _STEP_STRIDE + draw; validation is offset by VAL_SEED_OFFSET.
 _STEP_STRIDE = 1000
@@ -55,40 +56,17 @@ _REMAX_OFFSET = 500
 _CALL_STRIDE = 100_003
 
 
-class PhaseTimer:
-    """``with timer("gen"):`` adds the block's seconds to ``timing_s/gen`` (and tells ``on_enter``
-    the phase's name)."""
-
-    def __init__(self, on_enter: Callable[[str], None] | None = None) -> None:
-        self.seconds: dict[str, float] = {}
-        self.on_enter = on_enter
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if self.on_enter is not None:
-            self.on_enter(name)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+def _step_being_made(host: Any) -> int:
+    """:meth:`StepPieces.step_in_progress` of ``host`` (a trainer, or a test's stand-in with only
+    ``global_step``)."""
+    ctx = getattr(host, "step_ctx", None)
+    return ctx.step if ctx is not None else host.global_step + 1
 
 
 class StepPieces:
     """The step's pieces (module docstring); ``PPOTrainer`` builds the state they use."""
 
-    step_timer: PhaseTimer | None = None  # the current step's phases (begin_step)
-    step_start = 0.0
-    # Called by update_step on every rank, on the rollout's ranks to generate ahead (a streaming
-    # rollout); returns metrics. None: nothing. First thing in update_step when the world has ranks
-    # that only generate (RLWorld.trainer_group), else between the advantages and the updates.
-    overlap: Callable[[Batch], dict[str, float]] | None = None
-    # Called by update_step on every rank once this rank's updates are done, before the collective
-    # that gathers their metrics (a streaming rollout that fills the update window stops there).
-    update_done: Callable[[], None] | None = None
+    step_ctx: StepContext | None = None  # the step in progress (begin_step .. end_step)
 
     def runs(self, role: str) -> bool:
         """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
@@ -96,11 +74,11 @@ class StepPieces:
 
     def prompt_batch(self, draw: int = 0) -> Batch | None:
         """The step's next prompts (``uid`` ``step/draw/i``); None when the epochs are used up."""
-        return self.data.prompt_batch(self.global_step, draw)
+        return self.data.prompt_batch(self.step_in_progress() - 1, draw)
 
     def preference_batch(self) -> Batch | None:
         """The step's next preference pairs (``verl.trainer.rl_data.RLData.preference_batch``)."""
-        return self.data.preference_batch(self.global_step)
+        return self.data.preference_batch(self.step_in_progress() - 1)
 
     def _exchange_phase(self, timer: PhaseTimer) -> contextlib.AbstractContextManager:
         """The ``exchange`` phase's timer when some role is apart; nothing to time otherwise (no
@@ -114,11 +92,9 @@ class StepPieces:
         beta: float,
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
-        advance_step: bool = True,
     ) -> dict[str, float]:
         """DPO's step on :meth:`preference_batch`'s pairs: the reference's log-probs, then
-        ``Actor.update_preference``; advances :attr:`global_step` (unless ``advance_step=False``: a
-        second update within a step that already advanced it) and returns the step's metrics."""
+        ``Actor.update_preference``; returns the step's metrics."""
         if not self.use_reference:
             raise ValueError(
                 "DPO needs the frozen reference policy, which this trainer does not build: train on "
@@ -126,8 +102,6 @@ class StepPieces:
             )
         timer = PhaseTimer(self.post_phase)
         start = time.perf_counter()
-        if advance_step:
-            self.global_step += 1
         with timer("ref"):
             if self.runs("ref"):
                 batch["ref_log_prob"] = self.reference.compute_log_prob(batch, temperature=1.0)
@@ -145,17 +119,22 @@ class StepPieces:
                 _, metrics = self.world.exchange(None, [("actor", [], metrics)])
         metrics.update(
             self.skipped.record(
-                self.global_step, metrics.get("actor/num_skipped_updates", 0) > 0, last_checkpoint=self._last_checkpoint
+                self.step_in_progress(), metrics.get("actor/num_skipped_updates", 0) > 0,
+                last_checkpoint=self._last_checkpoint,
             )
         )
         timer.seconds["step"] = time.perf_counter() - start
         metrics.update(timer.metrics())
-        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/global_step"] = float(self.step_in_progress())
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
 
+    def step_in_progress(self) -> int:
+        """The step being made (1-based): the step context's inside a step, the next one between steps."""
+        return _step_being_made(self)
+
     def _seed(self, draw: int, step: int | None = None) -> int:
-        done = self.global_step if step is None else step - 1  # steps finished before the one sampled for
+        done = (self.step_in_progress() if step is None else step) - 1  # steps finished before the one sampled for
         return self.cfg.actor_rollout_ref.rollout.seed + done * _STEP_STRIDE + draw
 
     def sampling_seed(self, draw: int = 0, step: int | None = None) -> int:
@@ -291,7 +270,7 @@ class StepPieces:
 
         scores, more = fold_turn_scores(batch, scores)
         check_finite_rewards(
-            self.global_step + 1,  # the step being made (update_step advances the count)
+            _step_being_made(self),
             {"token_level_scores": scores},
             batch["response_mask"],
             batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
@@ -418,13 +397,14 @@ class StepPieces:
         that sampled each (``rollout_version``: the actor updates done before its generation) and
         the one this update starts from; a sample beyond the mode's bound (``trainer.rollout_mode``,
         ``trainer.async_training.max_staleness``) is an internal error, raised before the update."""
-        staleness = (self.global_step - 1) - batch["rollout_version"].long()  # [B]
+        step = self.step_in_progress()
+        staleness = (step - 1) - batch["rollout_version"].long()  # [B]
         bound = self.cfg.staleness_bound
         if int(staleness.max()) > bound or int(staleness.min()) < 0:
             worst = int(staleness.argmax()) if int(staleness.max()) > bound else int(staleness.argmin())
             raise RuntimeError(
-                f"step {self.global_step}: sample {batch.non_tensors['uid'][worst]} was generated by policy version "
-                f"{int(batch['rollout_version'][worst])} and would train from version {self.global_step - 1} "
+                f"step {step}: sample {batch.non_tensors['uid'][worst]} was generated by policy version "
+                f"{int(batch['rollout_version'][worst])} and would train from version {step - 1} "
                 f"(staleness {int(staleness[worst])}; trainer.rollout_mode={self.cfg.trainer.rollout_mode} allows 0.."
                 f"{bound}): the streaming rollout broke its bound"
             )
@@ -440,7 +420,7 @@ class StepPieces:
         return self.actor.update(batch, shuffle_seed=self._shuffle_seed(0), rollout_n=self.n)
 
     def _shuffle_seed(self, role: int) -> int:
-        return (self.cfg.trainer.seed * 1_000_003 + self.global_step) * 2 + role
+        return (self.cfg.trainer.seed * 1_000_003 + self.step_in_progress()) * 2 + role
 
     # -- a whole step ---------------------------------------------------------------------
 
@@ -473,23 +453,27 @@ class StepPieces:
         its metrics, or None when the data is used up."""
         return self.pipeline.run(self)
 
-    def begin_step(self) -> PhaseTimer:
-        """Start a step's clock and phase timer (the pipeline calls it first); returns the timer."""
-        self.step_timer = PhaseTimer(self.post_phase)
-        self.step_start = time.perf_counter()
-        return self.step_timer
+    def begin_step(self, schedule: Any) -> StepContext:
+        """Begin the step after :attr:`global_step` (the pipeline calls it first) under ``schedule``
+        (``verl.trainer.step.schedule``); returns its context."""
+        self.step_ctx = StepContext(step=self.global_step + 1, timer=PhaseTimer(self.post_phase), schedule=schedule)
+        return self.step_ctx
+
+    def end_step(self) -> None:
+        """The step's context is over (the pipeline calls it last, also when an operator raised)."""
+        self.step_ctx = None
 
     def phase(self, name: str) -> contextlib.AbstractContextManager:
         """``with trainer.phase("gen"):`` adds the block's seconds to the step's ``timing_s/gen``
         (and posts the phase for failure reports); outside a step it only posts the phase."""
-        if self.step_timer is None:
+        if self.step_ctx is None:
             self.post_phase(name)
             return contextlib.nullcontext()
-        return self.step_timer(name)
+        return self.step_ctx.timer(name)
 
-    def _advantages(self, batch: Batch, source: str, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+    def _advantages(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
         """:meth:`update_step`'s rollout correction and advantages (their metrics into ``metrics``)."""
-        if source == "recompute":
+        if self.cfg.old_log_prob_source == "recompute":
             with timer("rollout_corr"):
                 batch, more = self.apply_rollout_correction(batch)
                 metrics.update(more)
@@ -497,41 +481,18 @@ class StepPieces:
             batch, more = self.compute_advantage(batch)
             metrics.update(more)
             check_finite_rewards(
-                self.global_step,
+                self.step_in_progress(),
                 {"token_level_rewards": batch["token_level_rewards"], "advantages": batch["advantages"]},
                 batch["response_mask"],
                 batch.non_tensors.get(DATA_SOURCE_COLUMN, ["?"] * len(batch)),
             )
         return batch
 
-    def update_step(self, batch: Batch, metrics: dict[str, float] | None = None) -> dict[str, float]:
-        """The step after rollout and reward (``batch`` has ``token_level_scores``): old, reference
-        log-probs and values, advantages, the critic and actor updates; returns ``metrics`` with the
-        step's added. Advances :attr:`global_step`. Inside a step (:meth:`begin_step`) its phases
-        and throughput count from the step's start."""
-        timer = self.step_timer or PhaseTimer(self.post_phase)
-        start = self.step_start if self.step_timer is not None else time.perf_counter()
-        metrics = dict(metrics or {})
-        missing = [key for key in self.teacher_fields() if key not in batch] if self.cfg.use_teacher else []
-        if missing:
-            raise ValueError(
-                f"distillation.enabled=true, but the batch has no {' / '.join(missing)}: put a DistillationOperator "
-                "before the PPOUpdateOperator (the config's own step has one)"
-            )
-        self.global_step += 1
-        if "rollout_version" in batch:
-            metrics.update(self.staleness_metrics(batch))
-        # A streaming rollout with ranks that only generate (RLWorld.trainer_group): the rollout
-        # generates ahead from here (no collective of theirs comes before the updates end), so on
-        # those ranks through the passes and the updates below; they get the passes' columns after
-        # the updates, and the other ranks hand them to each other over the trainer group.
-        early = self.overlap is not None and self.world.trainer_group is not None
-        generating = early and self.world.generates_only
-        if early:
-            with timer("gen_ahead"):
-                metrics.update(self.overlap(batch))
+    def _passes(self, batch: Batch, timer: PhaseTimer) -> tuple[Batch, list[tuple[str, list[str], dict[str, float]]]]:
+        """The old and reference log-probs and the values, each on its role's ranks; returns the
+        batch and what each role hands to the other ranks (``RLWorld.exchange``'s shares)."""
         source = self.cfg.old_log_prob_source
-        shares: list[tuple[str, list[str], dict[str, float]]] = []  # what roles apart hand to every rank
+        shares: list[tuple[str, list[str], dict[str, float]]] = []
         if source == "recompute":
             with timer("old_log_prob"):
                 more = {}
@@ -564,48 +525,67 @@ class StepPieces:
                 if self.runs("critic"):
                     batch = self.compute_values(batch)
                 shares.append(("critic", ["values"], {}))
-        if not generating:
-            with self._exchange_phase(timer):
-                if early:
-                    batch, more = self.world.exchange_among_trainers(batch, shares)
-                else:
-                    batch, more = self.world.exchange(batch, shares)
-                metrics.update(more)
-            batch = self._advantages(batch, source, timer, metrics)
-        if self.overlap is not None and not early:  # a streaming rollout's work while the updates run (verl.trainer.step.stream)
-            with timer("gen_ahead"):
-                metrics.update(self.overlap(batch))
+        return batch, shares
+
+    def _updates(self, batch: Batch, timer: PhaseTimer) -> list[tuple[str, list[str], dict[str, float]]]:
+        """The critic's and (after ``trainer.critic_warmup`` steps) the actor's update on their ranks;
+        their metrics as shares."""
         updates: list[tuple[str, list[str], dict[str, float]]] = []
         if self.use_critic:
             with timer("update_critic"):
                 updates.append(("critic", [], self.update_critic(batch) if self.runs("critic") else {}))
-        if self.global_step > self.cfg.trainer.critic_warmup:
+        if self.step_in_progress() > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 updates.append(("actor", [], self.update_actor(batch) if self.runs("actor") else {}))
-        if self.update_done is not None:
-            self.update_done()
+        return updates
+
+    def _records(self, batch: Batch, metrics: dict[str, float]) -> None:
+        """The skip count and the run report's per-sample scores."""
+        step = self.step_in_progress()
+        skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
+        metrics.update(self.skipped.record(step, skipped, last_checkpoint=self._last_checkpoint))
+        if self.reporting and self.is_rank0:
+            self.scores_file.append(step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}])
+
+    def update_step(self, batch: Batch, metrics: dict[str, float] | None = None) -> dict[str, float]:
+        """The step after rollout and reward (``batch`` has ``token_level_scores``): old, reference
+        log-probs and values, advantages, the critic and actor updates; returns ``metrics`` with the
+        step's added. Runs inside a step (:meth:`begin_step`); what runs beside it is the step's
+        schedule's (``verl.trainer.step.schedule``), at the points named below."""
+        ctx = self.step_ctx
+        if ctx is None:
+            raise RuntimeError("update_step runs inside a step: run it from the step's pipeline (StepPipeline.run)")
+        timer, schedule, metrics = ctx.timer, ctx.schedule, dict(metrics or {})
+        missing = [key for key in self.teacher_fields() if key not in batch] if self.cfg.use_teacher else []
+        if missing:
+            raise ValueError(
+                f"distillation.enabled=true, but the batch has no {' / '.join(missing)}: put a DistillationOperator "
+                "before the PPOUpdateOperator (the config's own step has one)"
+            )
+        if "rollout_version" in batch:
+            metrics.update(self.staleness_metrics(batch))
+        metrics.update(schedule.before_passes(ctx, batch))
+        batch, shares = self._passes(batch, timer)
         with self._exchange_phase(timer):
-            if early:  # the passes' columns reach the ranks that only generate (the others keep their own)
-                keys = [key for _, names, _ in shares for key in names]
-                got, more = self.world.exchange(batch if generating else batch.select(keys), shares)
-                if generating:
-                    batch = got
-                    metrics.update(more)
-            metrics.update(self.world.exchange(None, updates)[1])
-        if generating:
-            batch = self._advantages(batch, source, timer, metrics)
-        with timer("records"):  # the skip count, the run report's per-sample scores
-            skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
-            metrics.update(self.skipped.record(self.global_step, skipped, last_checkpoint=self._last_checkpoint))
-            if self.reporting and self.is_rank0:
-                self.scores_file.append(
-                    self.global_step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}]
-                )
-        seconds = time.perf_counter() - start
+            batch, more, have_columns = schedule.share_passes(ctx, batch, shares)
+        metrics.update(more)
+        if have_columns:
+            batch = self._advantages(batch, timer, metrics)
+        metrics.update(schedule.before_updates(ctx, batch))
+        updates = self._updates(batch, timer)
+        schedule.after_updates(ctx)
+        with self._exchange_phase(timer):
+            batch, more = schedule.share_updates(ctx, batch, shares, updates)
+        metrics.update(more)
+        if not have_columns:  # a rank that only generates: the columns came with the updates' metrics
+            batch = self._advantages(batch, timer, metrics)
+        with timer("records"):
+            self._records(batch, metrics)
+        seconds = ctx.seconds()
         timer.seconds["step"] = seconds
         metrics.update(data_metrics(batch, use_critic=self.use_critic))
         metrics.update(throughput_metrics(batch, step_seconds=seconds, world_size=self.world_size))
         metrics.update(timer.metrics())
-        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/global_step"] = float(ctx.step)
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics

@@ -51,6 +51,7 @@ class StepPipeline:
         self.fields: set[str] = set()
         self.time_operators = time_operators
         self.last_batch: "Batch | None" = None
+        self._sync: Any = None  # the synchronous schedule, made on first use
         for op in operators:
             self.add(op)
 
@@ -93,32 +94,50 @@ class StepPipeline:
             if isinstance(op, Operator):
                 op.bind(trainer)
 
+    def schedule(self, world: Any) -> Any:
+        """The step's schedule (``verl.trainer.step.schedule``): the one an operator brings (the
+        streaming rollout's, once bound), else the synchronous one."""
+        for op in self.operators:
+            if isinstance(op, Operator) and op.schedule is not None:
+                return op.schedule
+        if self._sync is None or self._sync.world is not world:
+            from verl.trainer.step.schedule import SyncSchedule
+
+            self._sync = SyncSchedule(world)
+        return self._sync
+
     def run(self, trainer: "PPOTrainer") -> dict[str, float] | None:
         """One step: every operator in order on the step's batch; the step's metrics (the
         operators' and the trainer's phase timings, ``timing_s/step``), or None when the first
-        operator found no more data."""
+        operator found no more data. The trainer's ``global_step`` advances here, and only here,
+        once the first operator has drawn the step's batch."""
         if not self.operators:
             raise ValueError("the step has no operators: add_operator(RolloutOperator()) first")
-        timer = trainer.begin_step()
-        metrics: dict[str, float] = {}
-        batch: "Batch | None" = None
-        for name, op in zip(self.names, self.operators):
-            t0 = time.perf_counter()
-            out = op.process(batch)
-            if isinstance(out, tuple):
-                out, more = out
-                metrics.update(more)
-            if self.time_operators:
-                metrics[f"timing_s/op/{name}"] = time.perf_counter() - t0
-            if out is None:
-                if batch is None:  # the first operator found no more data
-                    return None
-                raise ValueError(f"operator {name} returned None; process(batch) must return the batch")
-            batch = out
-        timer.seconds["step"] = time.perf_counter() - trainer.step_start
-        metrics.update(timer.metrics())
-        self.last_batch = batch
-        return metrics
+        ctx = trainer.begin_step(self.schedule(trainer.world))
+        try:
+            metrics: dict[str, float] = {}
+            batch: "Batch | None" = None
+            for name, op in zip(self.names, self.operators):
+                t0 = time.perf_counter()
+                out = op.process(batch)
+                if isinstance(out, tuple):
+                    out, more = out
+                    metrics.update(more)
+                if self.time_operators:
+                    metrics[f"timing_s/op/{name}"] = time.perf_counter() - t0
+                if out is None:
+                    if batch is None:  # the first operator found no more data
+                        return None
+                    raise ValueError(f"operator {name} returned None; process(batch) must return the batch")
+                if batch is None:  # the step's batch is drawn: the step has begun
+                    trainer.global_step = ctx.step
+                batch = out
+            ctx.timer.seconds["step"] = ctx.seconds()
+            metrics.update(ctx.timer.metrics())
+            self.last_batch = batch
+            return metrics
+        finally:
+            trainer.end_step()
 
 
 def step_kind(cfg: "PPOConfig") -> str:

@@ -9,7 +9,8 @@ weights that sampled it). In step ``s``:
 1. the actor's weights (version ``s - 1``) go to an engine on ranks of its own (collective);
 2. the head of the queue (generated for step ``s``) is handed to every rank; with an empty queue
    (the first step) the batch is generated now, with version ``s - 1``;
-3. while the rest of step ``s`` runs (``StepPieces.update_step`` calls :meth:`_ahead`), the
+3. while the rest of step ``s`` runs (the step's schedule calls :meth:`generate_ahead` inside
+   ``StepPieces.update_step``: ``verl.trainer.step.schedule``), the
    rollout's ranks generate the batches of the next steps with version ``s - 1`` weights, as long
    as every such sample stays within the bound: a batch for step ``t`` trains from version
    ``t - 1``, ``t - s`` versions later, so the queue holds at most ``depth`` batches (1 for
@@ -17,7 +18,7 @@ weights that sampled it). In step ``s``:
    the bound-0 async run is the sync run).
 
 With the rollout on ranks that hold none of the actor, the reference and the critic
-(``trainer.placement.rollout``; ``RLWorld.generates_only``), ``update_step`` calls :meth:`_ahead`
+(``trainer.placement.rollout``; ``RLWorld.generates_only``), the schedule calls :meth:`generate_ahead`
 first, right after the reward: those ranks join no collective from there until the updates end
 (the other ranks hand each other the old/reference log-probs and values over
 ``RLWorld.trainer_group``; the ranks that only generate get them, with the updates' metrics, after
@@ -59,7 +60,7 @@ on ranks apart; the window is ``update_step`` from its start, the passes include
 only generates): after the window's fixed work above (one segment of each batch in flight, the
 batches the bound lets begin), the rollout's ranks keep running segments of the unfinished batches
 in flight, the next step's first, with the window's weights, until the actor's first rank signals
-that its update is done (:meth:`_update_done` counts the update on torch.distributed's default
+that its update is done (:meth:`update_done` counts the update on torch.distributed's default
 store; each rollout rank reads the count, without blocking, before each segment, and several agree
 over the rollout's group, done when any has seen it: :meth:`_update_is_done`) or nothing is left
 to generate. The step then proceeds to the weight push as before. The pace is the actor's, not
@@ -90,7 +91,7 @@ is taken (:meth:`_head`, so every rank's data position is the same and a checkpo
 queue it holds), and the thread begins them. It pauses only while the main thread holds it:
 :meth:`_head` (the weight push, which writes into the engine's tensors in place, and the step's own
 batch finished with the pushed weights when the thread has not finished it), validation and
-checkpoints (``PPOTrainer._engine_held``), the end of the run (:meth:`close`). With the reference on
+checkpoints (``PPOTrainer._engine_held``), the end of the run (the schedule's ``close``). With the reference on
 the rollout's ranks the thread computes each batch's log-probs as it finishes it (the main thread
 meanwhile runs no model: the two would share the rank's cores). Timing decides how many segments run
 between two pushes, so, as with ``fill_window``, which version samples which token; the bound per
@@ -123,6 +124,7 @@ from verl.trainer.step.ops import ROLLOUT_FIELDS
 if TYPE_CHECKING:
     from verl.protocol import Batch
     from verl.trainer.step.generator import Generator
+    from verl.trainer.step.context import StepContext
     from verl.trainer.step.partial import PartialBatch
     from verl.trainer.ppo_trainer import PPOTrainer
 
@@ -201,31 +203,33 @@ class StreamRolloutOperator(Operator):
         self.exhausted = False
 
     def bind(self, trainer: "PPOTrainer") -> None:
-        super().bind(trainer)
-        trainer.overlap = self._ahead
-        if self.fill_window:
-            trainer.update_done = self._update_done
-        if self.free_running and trainer.rollout is not None:
-            from verl.trainer.step.generator import Generator
+        """Attach the trainer and make the step's schedule of this mode (``verl.trainer.step.schedule``)."""
+        from verl.trainer.step import schedule
 
-            if not trainer.world.generates_only:  # (the config's pre-flight says so before any model is built)
-                raise ValueError(
-                    "trainer.async_training.free_running=true needs the rollout on ranks that only generate: place the "
-                    "actor and the critic on other ranks (trainer.placement)"
+        super().bind(trainer)
+        world = trainer.world
+        if self.free_running:
+            if trainer.rollout is not None:
+                from verl.trainer.step.generator import Generator
+
+                if not world.generates_only:  # (the config's pre-flight says so before any model is built)
+                    raise ValueError(
+                        "trainer.async_training.free_running=true needs the rollout on ranks that only generate: place "
+                        "the actor and the critic on other ranks (trainer.placement)"
+                    )
+                self._generator = Generator(
+                    self._work, group=trainer.rollout.world, stop_timeout_s=trainer.cfg.trainer.collective_timeout_s
                 )
-            self._generator = Generator(
-                self._work, group=trainer.rollout.world, stop_timeout_s=trainer.cfg.trainer.collective_timeout_s
-            )
+            self.schedule = schedule.FreeRunningSchedule(world, self, self._generator)
+        elif world.trainer_group is not None:  # ranks that only generate: from the start of the update step
+            self.schedule = schedule.StepPacedApartSchedule(world, self)
+        else:
+            self.schedule = schedule.StepPacedSchedule(world, self)
 
     def held(self) -> "contextlib.AbstractContextManager[None]":
-        """free_running: a block in which the generator thread is paused (validation, checkpoints,
-        anything that needs the engine or the queue still); elsewhere the block just runs."""
+        """free_running: a block in which the generator thread is paused (the step's schedule's hold);
+        elsewhere the block just runs."""
         return self._generator.held() if self._generator is not None else contextlib.nullcontext()
-
-    def close(self) -> None:
-        """free_running: stop the generator thread (every rank calls it at the end of the run)."""
-        if self._generator is not None:
-            self._generator.stop()
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -233,8 +237,7 @@ class StreamRolloutOperator(Operator):
         if batch is not None:
             raise ValueError("StreamRolloutOperator makes the step's batch: it must be the stream's first operator")
         trainer = self.trainer
-        step = trainer.global_step + 1
-        self._active_step = step
+        step = trainer.step_ctx.step
         if self.fill_window and trainer.rollout is not None:
             # Before any collective of this step: the actor cannot have finished this step's
             # update (it needs this step's batch), and its earlier updates were counted before
@@ -259,7 +262,7 @@ class StreamRolloutOperator(Operator):
         if trainer.world.send is not None:  # the current weights to the engine apart (collective)
             with trainer.phase("push"):
                 pushed = trainer.world.send.push()
-        self._engine_version = trainer.global_step
+        self._engine_version = trainer.step_ctx.version
         if self.queue:
             item = self.queue.pop(0)
             if item.step != step:
@@ -277,7 +280,7 @@ class StreamRolloutOperator(Operator):
                 if self.stale_samples == "drop" and (step - 1) - item.version > self.depth:
                     self._restart(item, step)  # every sample began with item.version: finishing them is wasted
                 else:
-                    self._finish(item, trainer.global_step)
+                    self._finish(item, trainer.step_ctx.version)
             if self.stale_samples == "drop":
                 self._drop_stale(item, step)
             self._reference(item)  # (a batch generated ahead may have them already)
@@ -316,7 +319,7 @@ class StreamRolloutOperator(Operator):
         """Begin ``item`` with the weights the engine holds now (the rollout's ranks): its first
         segment (partial rollout), or the whole batch and its reference log-probs."""
         trainer = self.trainer
-        version = self._version()
+        version = trainer.step_ctx.version
         item.version = version
         seed = trainer.sampling_seed(0, step=item.step)
         if self.partial_tokens is not None:  # its first segment now, the rest in later windows or at its step
@@ -366,8 +369,8 @@ class StreamRolloutOperator(Operator):
         return False
 
     def _generate(self, step: int) -> _Ahead | None:
-        """The batch of ``step`` begun now with the current weights (version ``global_step`` at
-        step start, ``global_step - 1`` inside ``update_step``); None when the data is used up."""
+        """The batch of ``step`` begun now with the current weights (the step in progress's version);
+        None when the data is used up."""
         item = self._draw(step)
         if item is not None and self.trainer.rollout is not None:
             self._start(item)
@@ -386,11 +389,6 @@ class StreamRolloutOperator(Operator):
         with trainer.phase("ref_ahead"):
             trainer.compute_ref_log_prob(batch)
         item.generated[2]["timing_s/ref_ahead"] = item.generated[2].get("timing_s/ref_ahead", 0.0) + time.perf_counter() - start
-
-    def _version(self) -> int:
-        """The policy version the engine holds now: ``global_step`` at step start; inside
-        ``update_step``, which has advanced ``global_step`` before its updates run, one behind it."""
-        return self.trainer.global_step - 1 if self._in_update else self.trainer.global_step
 
     def _partial(self, prompts: "Batch", seed: int) -> "PartialBatch":
         """A batch in flight for ``prompts`` (partial rollout), sampling with ``seed``."""
@@ -422,7 +420,7 @@ class StreamRolloutOperator(Operator):
         after finishing them, without the segments it would throw away)."""
         dropped = float(len(item.partial.tokens))
         item.partial = self._partial(item.partial.prompts, self.trainer.sampling_seed(0, step=step) + _REFILL_SEED)
-        self._finish(item, self.trainer.global_step)
+        self._finish(item, self.trainer.step_ctx.version)
         item.generated[2]["async/stale_dropped"] = dropped
 
     def _drop_stale(self, item: _Ahead, step: int) -> None:
@@ -446,7 +444,7 @@ class StreamRolloutOperator(Operator):
             )
         prompts = item.prompts[groups]
         seed = trainer.sampling_seed(0, step=step) + _REFILL_SEED
-        version = trainer.global_step
+        version = trainer.step_ctx.version
         with trainer.phase("gen"), trainer.rollout.phase():
             if self.partial_tokens is not None:
                 fresh = self._partial(prompts, seed)
@@ -466,37 +464,27 @@ class StreamRolloutOperator(Operator):
             batch[key] = column
         item.generated = (batch, greedy, metrics)
 
-    _in_update = False  # inside update_step (_ahead)
     _was_ahead = 0.0  # whether this step's batch came from the queue
-    _active_step = 0  # the step this operator's process() began
 
-    def _ahead(self, batch: "Batch") -> dict[str, float]:
-        """Inside ``update_step`` (before the updates of step ``global_step``): generate the next
-        steps' batches while the bound allows."""
+    def generate_ahead(self, ctx: "StepContext") -> dict[str, float]:
+        """Inside ``update_step`` of step ``ctx.step`` (the step-paced schedules call it): a segment of
+        each batch in flight, then the next steps' batches while the bound allows, with the weights of
+        ``ctx.version``."""
         trainer = self.trainer
-        if self._active_step != trainer.global_step:  # another pipeline's step (a DataStream's)
-            return {}
-        if self.free_running:  # the thread generates (and computes the reference log-probs)
-            return {}
-        self._in_update = True
         made = 0
-        try:
-            if self.partial_tokens is not None and trainer.rollout is not None:  # a segment of each batch in flight
-                version = self._version()
-                with trainer.phase("gen"), trainer.rollout.phase():  # one weight sync for them all
-                    for item in self.queue:
-                        if item.partial is not None:
-                            item.partial.advance(trainer.rollout.generate_segment, version)
-            while len(self.queue) < self.depth:
-                item = self._generate(trainer.global_step + len(self.queue) + 1)
-                if item is None:
-                    break
-                self.queue.append(item)
-                made += 1
-            if self.fill_window and trainer.rollout is not None:
-                self._fill(self._version())
-        finally:
-            self._in_update = False
+        if self.partial_tokens is not None and trainer.rollout is not None:  # a segment of each batch in flight
+            with trainer.phase("gen"), trainer.rollout.phase():  # one weight sync for them all
+                for item in self.queue:
+                    if item.partial is not None:
+                        item.partial.advance(trainer.rollout.generate_segment, ctx.version)
+        while len(self.queue) < self.depth:
+            item = self._generate(ctx.step + len(self.queue) + 1)
+            if item is None:
+                break
+            self.queue.append(item)
+            made += 1
+        if self.fill_window and trainer.rollout is not None:
+            self._fill(ctx.version)
         return {"async/generated_in_update": float(made)}
 
     def _fill(self, version: int) -> int:
@@ -531,13 +519,11 @@ class StreamRolloutOperator(Operator):
             done = bool(flag.item())
         return done
 
-    def _update_done(self) -> None:
+    def update_done(self, ctx: "StepContext") -> None:
         """``fill_window``, on every rank once its updates are done: the actor's first rank counts
         the update on the store (the rollout's rank stops filling at the count's change)."""
         trainer = self.trainer
-        if self._active_step != trainer.global_step:  # another pipeline's step (a DataStream's)
-            return
-        if torch.distributed.get_rank() == trainer.world.source["actor"]:
+        if self.fill_window and torch.distributed.get_rank() == trainer.world.source["actor"]:
             self._store().add(_UPDATES_KEY, 1)
 
     @staticmethod
