@@ -84,5 +84,12 @@ def test_the_python_apis_output_dir_that_is_a_file_is_refused_in_one_line(tmp_pa
 
     (tmp_path / "afile").write_text("x")
     trainer = verl.RLTrainer(actor_model=str(tmp_path / "model"), algorithm="grpo")  # not read before the check
-    with pytest.raises(ConfigError, match=rf"^trainer.default_local_dir={tmp_path}/afile is a file, not a folder \(the Python API's output_dir"):
+    with pytest.raises(ValueError) as info:
         trainer.fit(dataset=str(tmp_path / "train.parquet"), max_steps=1, output_dir=str(tmp_path / "afile"))
+    assert str(info.value) == (
+        f"RLTrainer.fit: output_dir={tmp_path}/afile is a file, not a folder: the run writes its checkpoints and logs "
+        "into a folder; give output_dir= a folder path, new or existing"
+    )
+    with pytest.raises(ValueError, match=rf"^RLTrainer.build_config: output_dir={tmp_path}/afile/run lies inside "
+                                         rf"{tmp_path}/afile, a file, not a folder"):
+        trainer.build_config(dataset_path=str(tmp_path / "train.parquet"), output_dir=str(tmp_path / "afile" / "run"))

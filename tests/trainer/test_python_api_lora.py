@@ -56,3 +56,49 @@ def test_rl_trainer_refuses_bad_lora_arguments(tmp_path, kwargs, message):
 
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         verl.RLTrainer(str(tmp_path / "not_read"), device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "given", "drop"),
+    [
+        ({"lora_alpha": 32, "target_modules": ["q_proj"]}, "lora_alpha=32 and target_modules=['q_proj']",
+         "lora_alpha= and target_modules="),
+        ({"lora_alpha": 16}, "lora_alpha=16", "lora_alpha="),  # the value rank > 0 defaults to: still given
+        ({"target_modules": "all-linear"}, "target_modules='all-linear'", "target_modules="),
+    ],
+)
+def test_rl_trainer_refuses_lora_arguments_without_a_rank(tmp_path, kwargs, given, drop):
+    """#58: they were dropped before any config existed, so the config's own check never saw them."""
+    import verl
+
+    with pytest.raises(ValueError) as info:
+        verl.RLTrainer(str(tmp_path / "not_read"), device="cpu", **kwargs)
+    assert str(info.value) == (
+        f"RLTrainer: {given} given, but lora_rank=0 builds no adapters and trains every weight: give lora_rank= "
+        f"(e.g. lora_rank=16) to train LoRA adapters, or drop {drop}"
+    )
+
+
+def test_rl_trainer_lora_defaults_with_a_rank_only(tmp_path):
+    import verl
+
+    trainer = verl.RLTrainer(str(tmp_path / "not_read"), device="cpu", lora_rank=4)
+    assert {"actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.model.target_modules=all-linear"} <= set(
+        trainer._settings
+    )
+    assert verl.RLTrainer(str(tmp_path / "not_read"), device="cpu")._settings == [
+        s for s in trainer._settings if "lora" not in s and "target_modules" not in s
+    ]
+
+
+def test_from_checkpoint_reads_a_run_file_written_with_the_old_lora_defaults(tmp_path):
+    """Run files written before lora_alpha/target_modules defaulted to None hold 16 and "all-linear"."""
+    import verl
+
+    os.makedirs(tmp_path / "global_step_1")
+    init = {"actor_model": str(tmp_path / "not_read"), "device": "cpu", "lora_rank": 0, "lora_alpha": 16,
+            "target_modules": "all-linear"}
+    with open(tmp_path / "verl_rl_trainer.json", "w", encoding="utf-8") as f:
+        json.dump({"init": init, "fit": {}, "hybrid_condition": False}, f)
+    trainer = verl.RLTrainer.from_checkpoint(str(tmp_path / "global_step_1"))
+    assert not any("lora" in s for s in trainer._settings)

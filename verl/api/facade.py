@@ -122,6 +122,20 @@ def _check_logging_steps(logging_steps: Any) -> None:
         )
 
 
+def _check_output_dir(output_dir: str, where: str) -> None:
+    """ValueError naming ``output_dir`` when it is a file or lies below one (nothing could be written
+    there); checked before ``fit`` writes anything into it (data, model objects)."""
+    path = os.path.abspath(os.path.expanduser(output_dir))
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        how = "is a file" if path == os.path.abspath(os.path.expanduser(output_dir)) else f"lies inside {path}, a file"
+        raise ValueError(
+            f"RLTrainer.{where}: output_dir={output_dir} {how}, not a folder: the run writes its checkpoints and logs "
+            "into a folder; give output_dir= a folder path, new or existing"
+        )
+
+
 def _estimator(algorithm: str, hybrid_condition: Any) -> str:
     """``algorithm.adv_estimator`` of a reward-based ``algorithm=`` (``hybrid_ppo``: GRPO beside DPO with a
     condition, HybridFlow's PPO (GAE) without one)."""
@@ -165,17 +179,31 @@ def _files_setting(files: str | Sequence[str]) -> str:
     return "[" + ",".join(os.fspath(f) for f in files) + "]"
 
 
+_LORA_ALPHA, _TARGET_MODULES = 16, "all-linear"
+"""``RLTrainer``'s ``lora_alpha`` and ``target_modules`` when a ``lora_rank`` is given without them."""
+
+
 def _lora_settings(rank: Any, alpha: Any, target_modules: Any) -> list[str]:
     """``actor_rollout_ref.model.lora_*`` settings of RLTrainer's LoRA arguments; ValueError naming
-    the argument when one is not usable (before any model is read)."""
+    the argument when one is not usable (before any model is read). ``alpha`` and ``target_modules``
+    are None when not given: given without a rank they would be dropped and every weight trained."""
     from verl.models.lora import resolve_target_modules
 
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"RLTrainer: lora_rank={rank!r}; give an int >= 0 (0 trains every weight)")
+    if rank == 0:
+        given = [f"{k}={v!r}" for k, v in (("lora_alpha", alpha), ("target_modules", target_modules)) if v is not None]
+        if given:
+            raise ValueError(
+                f"RLTrainer: {' and '.join(given)} given, but lora_rank=0 builds no adapters and trains every "
+                "weight: give lora_rank= (e.g. lora_rank=16) to train LoRA adapters, or drop "
+                f"{' and '.join(g.split('=')[0] + '=' for g in given)}"
+            )
+        return []
+    alpha = _LORA_ALPHA if alpha is None else alpha
+    target_modules = _TARGET_MODULES if target_modules is None else target_modules
     if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha <= 0:
         raise ValueError(f"RLTrainer: lora_alpha={alpha!r}; give an int > 0 (the adapters scale by lora_alpha / lora_rank)")
-    if rank == 0:
-        return []
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     resolve_target_modules(target_modules if isinstance(target_modules, str) else names, key="RLTrainer: target_modules")
     a = "actor_rollout_ref.model"
@@ -298,8 +326,8 @@ class RLTrainer:
         seed: int = 1,
         device: str = "auto",
         lora_rank: int = 0,
-        lora_alpha: int = 16,
-        target_modules: str | Sequence[str] = "all-linear",
+        lora_alpha: int | None = None,
+        target_modules: str | Sequence[str] | None = None,
         config: str = "ppo_trainer",
         overrides: Sequence[str] = (),
     ) -> None:
@@ -364,9 +392,11 @@ class RLTrainer:
             lora_rank: > 0: train LoRA adapters of this rank on the policy (Megatron engine), the base
                 weights frozen; the reference is the policy with its adapters off
                 (``actor_rollout_ref.model.lora_rank``, docs/lora.md). 0: train every weight.
-            lora_alpha: the adapters' scaling numerator (``lora_alpha / lora_rank``, PEFT's).
+            lora_alpha: the adapters' scaling numerator (``lora_alpha / lora_rank``, PEFT's); None: 16.
+                With ``lora_rank`` only: refused without it.
             target_modules: Hugging Face module names the adapters go on (``q_proj``, ``k_proj``,
-                ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``), or ``"all-linear"``.
+                ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``), or ``"all-linear"``;
+                None: ``"all-linear"``. With ``lora_rank`` only: refused without it.
             config: the YAML config started from (a name under configs/ or a path).
             overrides: ``key=value`` settings applied last (any ``python -m verl.config --help`` key).
         """
@@ -375,7 +405,8 @@ class RLTrainer:
         }
         self._init_args["overrides"] = list(overrides)
         lora = _lora_settings(lora_rank, lora_alpha, target_modules)
-        self._init_args["target_modules"] = target_modules if isinstance(target_modules, str) else list(target_modules)
+        if target_modules is not None and not isinstance(target_modules, str):
+            self._init_args["target_modules"] = list(target_modules)
         _check_algorithm(algorithm, hybrid_condition=hybrid_condition, kl_coef=kl_coef, beta=beta,
                          preference_dataset_path=preference_dataset_path)
         self._tokenizer = tokenizer
@@ -481,7 +512,11 @@ class RLTrainer:
                 f"RLTrainer.from_checkpoint: the run in {os.path.dirname(path)} routed its samples by a "
                 "hybrid_condition, which is not saved; pass it again: from_checkpoint(path, hybrid_condition=f)"
             )
-        trainer = cls(**saved["init"], hybrid_condition=hybrid_condition)
+        init = dict(saved["init"])
+        if not init.get("lora_rank"):  # a run file written before these defaulted to None: the run had no adapters
+            init.pop("lora_alpha", None)
+            init.pop("target_modules", None)
+        trainer = cls(**init, hybrid_condition=hybrid_condition)
         trainer._resume_path = path
         trainer._fit_defaults = dict(saved["fit"])
         return trainer
@@ -510,6 +545,7 @@ class RLTrainer:
                 "call fit(), or give actor_model= a checkpoint directory"
             )
         out = os.fspath(output_dir)
+        _check_output_dir(out, "build_config")
         if resume_from_checkpoint and self._resume_path is not None:
             resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={self._resume_path}"]
         else:
@@ -622,6 +658,7 @@ class RLTrainer:
             args["dataset_path"] = self.preference_dataset_path
         if args.get("dataset_path") is None:
             raise ValueError("RLTrainer.fit needs dataset= (prompt files, or verl.utils.load_hf_dataset(...))")
+        _check_output_dir(os.fspath(args["output_dir"]), "fit")
         args["output_dir"] = os.path.abspath(os.fspath(args["output_dir"]))
         self._write_model_objects(args)
         args["dataset_path"] = self._data_files(args["dataset_path"], args["output_dir"], "train")
