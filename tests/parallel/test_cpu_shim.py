@@ -255,3 +255,32 @@ def test_fix7_jit_fuser_compiles_at_the_first_call_not_at_import() -> None:
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[-2] == "True ['bias_gelu'] True"
+
+
+def _pinned_index_fix() -> dict[str, object]:
+    cpu_shim.apply_cpu_shim()
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    from verl.parallel import megatron_state
+
+    pg = megatron_state.initialize_model_parallel(context_parallel_size=2)
+    emb = torch.arange(8.0).view(8, 1, 1, 1)  # the rotary table of 8 positions
+    mine = get_pos_emb_on_this_cp_rank(emb, 0, pg.cp)  # torch.tensor(..., pin_memory=True).cuda() inside
+    return {"positions": mine.flatten().tolist(), "outside_raises": _raises(lambda: torch.tensor([1], pin_memory=True))}
+
+
+def _raises(fn) -> bool:
+    try:
+        fn()
+    except RuntimeError:
+        return True
+    return False
+
+
+@needs_cpu_only
+@pytest.mark.distributed
+def test_fix11_pinned_memory_inside_megatron_is_ordinary_memory() -> None:
+    """Context parallelism's rotary slice pins its index: CP rank i keeps chunks i and 3 - i of 4."""
+    results = run_distributed(_pinned_index_fix, 2)
+    assert [r["positions"] for r in results] == [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
+    assert all(r["outside_raises"] for r in results)

@@ -177,8 +177,8 @@ def split_problems(
         resolve_split(spec.num_layers, pp_size, vpp_size, first_stage_layers, last_stage_layers, pipeline_layout)
     except ValueError as exc:
         problems.append(str(exc))
-    if cp_size != 1:
-        problems.append(f"context parallel {cp_size} is not supported by verl's models yet (use 1)")
+    if cp_size > 1 and spec.is_moe:
+        problems.append(f"context parallel {cp_size} with a Mixture-of-Experts model is not supported yet (use 1)")
     return problems
 
 
@@ -314,18 +314,18 @@ def local_layer_spec(config: "TransformerConfig", *, vp_stage: int | None, pp_ra
 
     Megatron's own local norm (``WrappedTorchNorm``) refuses sequence parallel; verl's computes
     the transformers formula and tags its weight for sequence parallel. The core attention is
-    Megatron's, extended to packed (THD) sequences (``verl.models.packing``); unpacked calls are
-    Megatron's own. ``num_layers`` None: Megatron's count for this chunk.
+    Megatron's, extended to packed (THD) sequences (``verl.models.packing``) and to context
+    parallelism (``verl.models.cp_attention``); unpacked calls at CP 1 are Megatron's own. ``num_layers`` None: Megatron's count for this chunk.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from verl.models.varlen_attention import VarlenDotProductAttention
+    from verl.models.cp_attention import ContextParallelAttention
 
     layer = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
     )
-    layer.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:

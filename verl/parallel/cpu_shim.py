@@ -40,6 +40,10 @@ them, and does nothing when CUDA is available (the GPU path is never altered):
     sizes, which refuses a tensor. On CPU a tensor asked for as numpy becomes numpy (the swap is
     made in the ``megatron.core.transformer.moe.*`` modules that hold the name).
 
+11. Factories asked for ``pin_memory=True`` (context parallelism's rotary slice,
+    ``get_pos_emb_on_this_cp_rank``, pins a two-element index before ``.cuda()``) get ordinary
+    memory: CPU torch has no pinned-memory allocator and raises.
+
 Scope. vLLM runs in the same process later, so fixes 1, 3 (factories), 4 and 6 are visible
 to Megatron's modules only: every ``megatron.*`` module's global ``torch`` (and any global
 bound to ``torch.cuda``) is replaced by a proxy module whose ``cuda`` namespace and tensor
@@ -111,6 +115,8 @@ def _redirecting_factory(fn):
     def factory(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if kwargs.get("pin_memory"):  # fix 11: no pinned-memory allocator without an accelerator
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     factory.__name__ = fn.__name__
