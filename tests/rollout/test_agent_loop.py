@@ -1099,3 +1099,117 @@ def test_reward_steps_fold_interaction_scores_once():
     multi._trainer = fake
     out, m = multi.process(batch)
     assert torch.equal(out["token_level_scores"], base + extra) and m["reward_mean"] == 1.75
+
+
+# --------------------------------------------------------------------------- answers of megabytes (#58)
+
+_HUGE = "".join(f"line {i}: some words of a tool's log\n" for i in range(300_000))  # ~10 MB
+
+
+class _Huge(Tool):
+    schema = {"type": "function", "function": {"name": "dump", "description": "", "parameters": {"type": "object", "properties": {}}}}
+
+    def call(self, instance_id, arguments):
+        return _HUGE
+
+
+@pytest.fixture
+def encoded_lengths(tokenizer, monkeypatch):
+    """The length of every text the tokenizer encodes while the test runs."""
+    lengths, encode = [], tokenizer.encode
+
+    def recording(text, *args, **kwargs):
+        lengths.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    return lengths
+
+
+def _reference_truncate(tok, text: str, limit: int, side: str) -> str:
+    """The cut as it was before #58: the whole text tokenized, then cut."""
+    ids, mark, dec = tok.encode(text, add_special_tokens=False), "...(truncated)...", tok.decode
+    if len(ids) <= limit:
+        return text
+    if side == "left":
+        return mark + dec(ids[-limit:])
+    if side == "right":
+        return dec(ids[:limit]) + mark
+    head = limit // 2
+    return dec(ids[:head]) + mark + dec(ids[len(ids) - (limit - head) :])
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+def test_a_10_mb_tool_answer_is_cut_before_it_is_tokenized(tokenizer, encoded_lengths, side):
+    """#58: the whole answer was tokenized before the cut (6.6 s and +1.4 GB per call)."""
+    tok = tokenizer
+    eos = tok.eos_token_id
+    prompt = _prompt(tok, "q")
+    call = _ids(tok, CALL.format(name="dump", args="{}")) + [eos]
+    done = _ids(tok, "ok") + [eos]
+    engine = ScriptedEngine(tok, lambda ctx: call if len(ctx) == len(prompt) else done, eos=eos)
+    loop = _loop(tok, tools=[_Huge()], response_length=1024, tool_response_truncate_side=side)
+    start = time.perf_counter()
+    [t] = loop.run(engine, [prompt], _spec())
+    took = time.perf_counter() - start
+    # At most limit * max_chars_per_token characters of each kept end were tokenized, never the answer.
+    span = loop.cfg.max_tool_response_length * loop.encoder.max_chars_per_token
+    assert max(encoded_lengths) <= span < len(_HUGE) // 10, (max(encoded_lengths), span)
+    assert took < 30, f"{took:.1f} s"  # ~0.2 s quiet; room for a loaded machine (the uncut answer: 6.6 s quiet)
+    assert t.stop_reason == "answer" and [x["role"] for x in t.turns] == ["assistant", "tool", "assistant"]
+    text = t.messages[1]["content"]  # the answer's kept ends around the mark (the cut itself: the test below)
+    head, tail = text.split("...(truncated)...")
+    assert _HUGE.startswith(head) and _HUGE.endswith(tail) and 0 < len(head + tail) < 10_000
+    assert (head == "", tail == "") == (side == "left", side == "right")
+    # Token-exact: the tool turn's ids are the template's rendering of the cut text, and the engine's
+    # next context is the prompt plus exactly the trajectory's ids.
+    turn = t.response_ids[t.turns[1]["start"] : t.turns[1]["end"]]
+    assert turn == loop.encoder.encode([{"role": "tool", "content": text}], model_ended_turn=True)
+    assert len(turn) <= loop.cfg.max_tool_response_length + 32 and len(t.response_ids) <= 1024
+    assert engine.calls[1][0] == [prompt + call + turn]
+
+
+def test_a_10_mb_answer_over_the_remaining_budget_is_left_out_without_tokenizing_it(tokenizer, encoded_lengths):
+    """max_tool_response_length above the budget: the cut is the budget's, and the turn (which could
+    not fit) is left out, stop ``length``, as it was when the whole answer was tokenized."""
+    tok = tokenizer
+    eos = tok.eos_token_id
+    call = _ids(tok, CALL.format(name="dump", args="{}")) + [eos]
+    engine = ScriptedEngine(tok, lambda ctx: call, eos=eos)
+    loop = _loop(tok, tools=[_Huge()], response_length=300, max_tool_response_length=1_000_000)
+    [t] = loop.run(engine, [_prompt(tok, "q")], _spec())
+    assert max(encoded_lengths) <= 300 * loop.encoder.max_chars_per_token
+    assert t.stop_reason == "length" and t.response_ids == call and [x["role"] for x in t.turns] == ["assistant"]
+    assert [c.name for c in t.calls] == ["dump"]  # the call ran; its turn did not fit
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+@pytest.mark.parametrize("limit", [1, 7, 40])
+def test_the_cut_of_a_long_answer_equals_the_whole_answers_cut(tokenizer, side, limit):
+    """Tokenizing only the kept ends gives the cut that tokenizing everything gave (on text longer
+    than ``limit * max_chars_per_token``, where only the ends are tokenized)."""
+    rng = np.random.default_rng(limit)
+    words = ["alpha", "beta", " ", "\n", "ü", "数据", "1234", "{\"k\": [1, 2]}", "\t\t", "tokenizer", "!!"]
+    loop = _loop(tokenizer, max_tool_response_length=limit, tool_response_truncate_side=side)
+    span = limit * loop.encoder.max_chars_per_token
+    text = ""
+    while len(text) <= 3 * span:
+        text += "".join(rng.choice(words, size=2000))
+    expected = _reference_truncate(tokenizer, text, limit, side)
+    actual = loop._truncate(text, room=10_000)
+    assert actual == expected
+    short = text[: span // 4]  # tokenized whole, as before
+    assert loop._truncate(short, room=10_000) == _reference_truncate(tokenizer, short, limit, side)
+
+
+def test_a_custom_loops_10_mb_message_is_left_out_without_tokenizing_it(tokenizer, encoded_lengths):
+    tok = tokenizer
+    eos = tok.eos_token_id
+    prompt = _prompt(tok, "q")
+    first = _ids(tok, "4") + [eos]
+    engine = ScriptedEngine(tok, lambda ctx: first, eos=eos)
+    loop = AgentLoop(RolloutMultiTurnConfig(enable=True), [CalculatorTool()], tok, response_length=1024,
+                     agent_loops={"huge": TwoTurnAgent(follow_up=_HUGE)})
+    [t] = loop.run(engine, [prompt], _spec(), agent_names=["huge"])
+    assert max(encoded_lengths) < 100_000
+    assert (t.response_ids, t.stop_reason, t.user_turns) == (first, "length", 0)

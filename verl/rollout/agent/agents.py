@@ -208,6 +208,9 @@ class Conversation:
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
         if not messages:
             raise ValueError(f"conversation {self.instance_id}: add_messages() needs at least one message")
+        if self._loop.encoder.surely_over(messages, self.budget):  # left out without tokenizing all of it
+            t.stop_reason = "length"
+            return False
         ended = bool(t.response_ids) and t.response_ids[-1] == self._loop.encoder.eos_token_id
         ids = self._loop.encoder.encode(messages, model_ended_turn=ended)
         if len(ids) + 1 > self.budget:

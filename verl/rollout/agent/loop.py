@@ -54,6 +54,7 @@ hangs is abandoned in its (daemon) thread; the run goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -232,6 +233,20 @@ class ToolTurnEncoder:
                 "interaction's opening text is added before it (render prompts with add_generation_prompt=True)"
             )
         return list(prompt_ids[: len(prompt_ids) - len(gen_ids)]) + turn_ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest vocabulary entry
+        (byte-level BPE spells a token one character per byte, SentencePiece one per character), twice
+        over for a normalizer that folds two characters into one (NFC). ``n`` tokens of a text hold at
+        most ``n * max_chars_per_token`` of its characters, so a text longer than that has more than
+        ``n`` tokens and only that much of it need be tokenized to keep ``n``."""
+        return 2 * max(len(piece) for piece in self.tokenizer.get_vocab())
+
+    def surely_over(self, messages: Sequence[Mapping[str, Any]], tokens: int) -> bool:
+        """True when the contents of ``messages`` alone hold more than ``tokens`` tokens, judged by
+        their length (:attr:`max_chars_per_token`) without tokenizing them."""
+        return sum(len(str(m["content"])) for m in messages) > tokens * self.max_chars_per_token
 
     def encode(self, messages: Sequence[Mapping[str, Any]], *, model_ended_turn: bool) -> list[int]:
         """Ids of the turn made of ``messages`` (``{"role": "tool", "content": ...}`` each) and the
@@ -589,14 +604,18 @@ class AgentLoop:
         talking = [p for p in pending if p[1] is None]
         answers = replies = None
         if self.replica is None or self.replica.leader:
-            answers = self._answers(calling, created)
+            # Each answer cut before it is shared or tokenized whole (a tool may return megabytes).
+            answers = [
+                [(self._truncate(text, self.response_length - len(t.response_ids)), record) for text, record in out]
+                for (t, _, _), out in zip(calling, self._answers(calling, created))
+            ]
             replies = self._replies(talking)
         if self.replica is not None:
             answers, replies = self.replica.share((answers, replies))
         for (t, _, ended), out in zip(calling, answers):
             for _, record in out:
                 t.calls.append(record)
-            messages = [{"role": "tool", "content": self._truncate(text)} for text, _ in out]
+            messages = [{"role": "tool", "content": text} for text, _ in out]
             ids = self.encoder.encode(messages, model_ended_turn=ended)
             if len(ids) + 1 > self.response_length - len(t.response_ids):
                 t.stop_reason = "length"
@@ -617,8 +636,12 @@ class AgentLoop:
                 t.stop_reason = "max_user_turns"
                 continue
             message = {"role": "user", "content": text}
+            room = self.response_length - len(t.response_ids)
+            if self.encoder.surely_over([message], room):  # left out without tokenizing all of it
+                t.stop_reason = "length"
+                continue
             ids = self.encoder.encode([message], model_ended_turn=ended)
-            if len(ids) + 1 > self.response_length - len(t.response_ids):
+            if len(ids) + 1 > room:
                 t.stop_reason = "length"
                 continue
             t._append(ids, None, "user")
@@ -750,19 +773,33 @@ class AgentLoop:
             except Exception:  # noqa: BLE001 - a failed clean-up must not lose the rollout
                 logger.exception("releasing tool %s of conversation %s failed", name, instance_id)
 
-    def _truncate(self, text: str) -> str:
-        """``text`` cut to ``max_tool_response_length`` tokens on ``tool_response_truncate_side``."""
-        limit = self.cfg.max_tool_response_length
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= limit:
-            return text
+    def _truncate(self, text: str, room: int) -> str:
+        """``text`` cut to ``max_tool_response_length`` tokens on ``tool_response_truncate_side``, or
+        to ``room`` (the tokens the conversation has left) when fewer: a turn with more could not be
+        kept (it is left out, stop ``length``, as it would be uncut).
+
+        Only the ends that can be kept are tokenized: ``limit`` tokens span at most ``limit *
+        max_chars_per_token`` characters, so a longer text is over the limit and that many
+        characters of each kept end hold the kept tokens (a 10 MB answer is not tokenized whole).
+        The text returned is what the tool turn's ids are then made from, so the trajectory stays
+        token-exact whatever the cut."""
+        limit = max(1, min(self.cfg.max_tool_response_length, room))
         side, mark, dec = self.cfg.tool_response_truncate_side, "...(truncated)...", self.tokenizer.decode
+        span = limit * self.encoder.max_chars_per_token
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        if len(text) <= span:
+            head_ids = tail_ids = encode(text)
+            if len(head_ids) <= limit:
+                return text
+        else:
+            head_ids = encode(text[:span]) if side != "left" else []
+            tail_ids = encode(text[-span:]) if side != "right" else []
         if side == "left":
-            return mark + dec(ids[-limit:])
+            return mark + dec(tail_ids[-limit:])
         if side == "right":
-            return dec(ids[:limit]) + mark
+            return dec(head_ids[:limit]) + mark
         head = limit // 2
-        return dec(ids[:head]) + mark + dec(ids[len(ids) - (limit - head) :])
+        return dec(head_ids[:head]) + mark + dec(tail_ids[len(tail_ids) - (limit - head) :])
 
     # ------------------------------------------------------------------ batches
     def generate(self, engine: RolloutEngine, prompts: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
