@@ -69,18 +69,23 @@ def thd_cp_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.
     return torch.cat(parts)
 
 
-def gather_over_cp(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, dim: int = 0) -> torch.Tensor:
+def gather_over_cp(
+    x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, dim: int = 0, *, sum_grads: bool = True
+) -> torch.Tensor:
     """Every CP rank's ``x`` (its tokens along ``dim``) gathered and put in global order: the result's
     index ``order[j]`` along ``dim`` is the gathered (rank-major) token ``j``.
 
-    Differentiable: all-gather forward, reduce-scatter backward (each rank's gradient of the gathered
-    tensor is summed into the rank that holds the tokens), as Megatron's sequence-parallel gather.
+    Differentiable (Megatron's sequence-parallel gather on the CP group): all-gather forward; backward,
+    with ``sum_grads``, reduce-scatter (each rank used the gathered tensor in its own computation, as
+    attention uses the keys and values: the gradients of every rank's use are summed into the rank that
+    holds the tokens), without, each rank keeps its own tokens' gradient (the computation after the
+    gather is the same on every rank, as a loss over gathered log-probabilities).
     ``order`` [cp * n]: the global position of each gathered token (the ranks' :func:`cp_positions` or
     :func:`thd_cp_index`, concatenated in rank order)."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     moved = x.movedim(dim, 0).contiguous()
-    gathered = gather_from_sequence_parallel_region(moved, tensor_parallel_output_grad=True, group=group)
+    gathered = gather_from_sequence_parallel_region(moved, tensor_parallel_output_grad=sum_grads, group=group)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return gathered.index_select(0, inverse.to(gathered.device)).movedim(0, dim)

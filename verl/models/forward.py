@@ -9,12 +9,17 @@ k-th real token sits at position k, which is exactly ``cumsum(mask) - 1``, and p
 attention never lets a real token see a pad. Outputs are scattered back to the original
 layout; values at pad positions are 0.
 
-No compute on padding: with one pipeline stage (and no context parallelism), each micro-batch
+No compute on padding: with one pipeline stage, each micro-batch
 runs at the length of its longest real row, rounded up to a multiple of 8 (and of the TP size
-under sequence parallelism), not at the batch's padded width ``T``: after packing, the cut
+under sequence parallelism, and of 2 x CP under context parallelism), not at the batch's padded width ``T``: after packing, the cut
 columns hold only pads, which causal attention never lets a real token see, so the real tokens'
 outputs are those of the full width (float rounding of the shorter matmuls apart). With
 pipeline stages every micro-batch keeps the width ``T`` (the stages exchange fixed shapes).
+
+Context parallelism (``pg.cp`` of size > 1; ``verl.models.cp_attention``): each rank runs the model
+on its two chunks of every row (Megatron's load-balanced layout), attention sees the whole row
+through the CP group, and every per-token output is gathered over CP once, in the head, before
+the layout is undone: ``outputs`` and the loss function see the whole micro-batch on every CP rank.
 
 Packed sequences (``pack_sequences``, the config's ``use_remove_padding``) go further: each
 micro-batch's rows become one row of their real tokens, run as Megatron's THD packed sequences
@@ -180,6 +185,34 @@ class _MicroBatch:
         return x[:, :s_len] if x.shape[1] >= s_len else F.pad(x, (0, 0) * len(tail) + (0, s_len - x.shape[1]))
 
 
+@dataclass(frozen=True)
+class _CPSplit:
+    """One micro-batch's width split over the context-parallel group (``verl.models.cp_attention``):
+    this rank runs the model on ``positions`` of every row and gathers per-token results once."""
+
+    group: dist.ProcessGroup
+    positions: torch.Tensor  # [S/cp] int64: this rank's columns of the model's rows (chunks i, 2cp-1-i)
+    order: torch.Tensor  # [S]: the column of each gathered (rank-major) position
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, width: int, device: torch.device) -> "_CPSplit":
+        from verl.models.cp_attention import cp_positions
+
+        cp, rank = group.size(), group.rank()
+        order = torch.cat([cp_positions(width, cp, r, device) for r in range(cp)])
+        return cls(group=group, positions=cp_positions(width, cp, rank, device), order=order)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, S/cp, ...] of this rank -> [rows, S, ...] of the whole row. Differentiable: each rank's
+        outputs take their own tokens' gradient of the loss (which every CP rank computes whole, with the
+        whole micro-batch's token counts). That is Megatron's convention for a CP rank's loss: its schedule
+        multiplies each loss by the CP size and DDP averages gradients over data x context parallel, so
+        the CP ranks' partial gradients add up to the loss's."""
+        from verl.models.cp_attention import gather_over_cp
+
+        return gather_over_cp(x, self.group, self.order, dim=1, sum_grads=False)
+
+
 @dataclass
 class ForwardResult:
     """What :func:`forward_backward` returns."""
@@ -206,30 +239,44 @@ def _head_outputs(
     head_columns: int | None = None,
     topk: int | None = None,
     score_ids: str | None = None,
+    cp: "_CPSplit | None" = None,
 ) -> dict[str, torch.Tensor]:
     """Last-stage model output (packed) -> per-token outputs in the original layout. ``head_columns``:
     log-probabilities (and entropy) of the last that many columns only; ``topk``, ``score_ids``: the
-    top-k and scored-ids outputs (module docstring)."""
+    top-k and scored-ids outputs (module docstring). ``cp``: the output holds this context-parallel
+    rank's tokens only; each per-token result is gathered over CP once, before the layout is undone."""
     mask = mb.mask
     if kind == "values":
-        values = output.squeeze(-1).float()  # [rows, S]
+        values = output.squeeze(-1).float()  # [rows, S] ([rows, S/cp] under CP)
+        values = cp.gather(values) if cp is not None else values
         return {"values": mb.to_rows(values) * mask}
     if kind == "logits":
-        logits = mb.to_rows(output)  # [b, T, V_local]
+        logits = cp.gather(output) if cp is not None else output
+        logits = mb.to_rows(logits)  # [b, T, V_local]
         return {"logits": logits * mask.unsqueeze(-1).to(logits.dtype)}
-    logits = output[:, :-1]  # [rows, S-1, V_local] predicts the model's tokens 1..S-1
-    targets = mb.input_ids[:, 1:]  # [rows, S-1]
+    s_len = mb.input_ids.shape[1]
+    if cp is None:
+        logits = output[:, :-1]  # [rows, S-1, V_local] predicts the model's tokens 1..S-1
+        after = slice(1, None)  # the columns of the tokens the logits predict
+        last = None
+    else:  # [rows, S/cp, V_local]: this rank's positions, each predicting the token after it
+        logits = output
+        after = (cp.positions + 1).clamp(max=s_len - 1)
+        last = cp.positions == s_len - 1  # predicts nothing (dropped after the gather)
+    targets = mb.input_ids[:, after]  # [rows, S-1] ([rows, S/cp] under CP)
     scored = None
     if score_ids is not None:  # [b, C, k] for the last C columns -> [rows, S-1, k] beside targets
-        scored = mb.to_model(full_width(mb.tensors[score_ids], mask.shape[1]))[:, 1:]
+        scored = mb.to_model(full_width(mb.tensors[score_ids], mask.shape[1]))[:, after]
     chosen = None
     if head_columns is not None:
         # Only the tokens of the last head_columns columns (the responses): where the model reads them.
         t = mask.shape[1]
         wanted = mask.bool() & (torch.arange(t, device=mask.device) >= t - head_columns)  # [b, T]
-        chosen = mb.to_model(wanted)[:, 1:]  # [rows, S-1]: the targets whose log-probability is computed
+        chosen = mb.to_model(wanted)[:, after]  # [rows, S-1]: the targets whose log-probability is computed
         if mb.packed is not None:  # a row's first token follows the previous row's last: not predicted
-            chosen = chosen & ~mb.packed.starts[1:]
+            chosen = chosen & ~mb.packed.starts[after]
+        if last is not None:
+            chosen = chosen & ~last
         logits, targets = logits[chosen], targets[chosen]  # [N, V_local], [N]
         scored = scored[chosen] if scored is not None else None  # [N, k]
     if temperature != 1.0:
@@ -246,6 +293,10 @@ def _head_outputs(
         logprobs = logprobs.new_zeros(chosen.shape).index_put((chosen,), logprobs)
         entropy = entropy.new_zeros(chosen.shape).index_put((chosen,), entropy)
         extra = {k: v.new_zeros(*chosen.shape, v.shape[-1]).index_put((chosen,), v) for k, v in extra.items()}
+    if cp is not None:  # every CP rank's positions, in order; the last position predicts nothing
+        logprobs = cp.gather(logprobs)[:, :-1]
+        entropy = cp.gather(entropy)[:, :-1] if with_entropy else entropy.new_zeros(logprobs.shape)
+        extra = {k: cp.gather(v)[:, :-1] for k, v in extra.items()}
     logprobs, entropy = F.pad(logprobs, (1, 0)), F.pad(entropy, (1, 0))  # [rows, S], 0: nothing predicts token 0
     if mb.packed is not None:  # nor each row's first token (it follows the previous row in the packed row)
         logprobs = logprobs.masked_fill(mb.packed.starts, 0.0)
@@ -388,8 +439,8 @@ def forward_backward(
         temperature: logits are divided by it before logprobs/entropy.
         with_entropy: also compute entropy (``output='logprobs'``).
         broadcast: send ``outputs`` from the last pipeline stage to every stage.
-        trim_padding: run each micro-batch at its longest real row (one pipeline stage and no
-            context parallelism only; the module docstring); False: every one at the full width.
+        trim_padding: run each micro-batch at its longest real row (one pipeline stage only; the
+            module docstring); False: every one at the full width.
         head_columns: with ``output='logprobs'``, compute log-probabilities (and entropy) for the
             tokens of the last ``head_columns`` columns only (the responses, which is all an RL loss
             reads); the other columns are 0. The log-softmax over the vocabulary then skips the
@@ -432,12 +483,18 @@ def forward_backward(
         )
     tp_size = pg.tp.size()
     pp_size = pg.pp.size()
+    cp_size = pg.cp.size()
     config = inner.config
     t = batch["input_ids"].shape[1]
-    seq_len = -(-t // tp_size) * tp_size if config.sequence_parallel else t
+    # The model's width divides over sequence parallel (TP) and, under context parallelism, into 2 x CP
+    # chunks of which each rank's pair divides over TP again.
+    width_multiple = tp_size if config.sequence_parallel else 1
+    if cp_size > 1:
+        width_multiple = math.lcm(2 * cp_size, cp_size * width_multiple)
+    seq_len = -(-t // width_multiple) * width_multiple
     trim_multiple = None
-    if trim_padding and pp_size == 1 and pg.cp.size() == 1:
-        trim_multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
+    if trim_padding and pp_size == 1:
+        trim_multiple = math.lcm(8, width_multiple)
     # Every row's real length in one device-to-host copy for the whole batch, not one sync per
     # micro-batch (on a GPU each ``int(tensor)`` waits for the stream).
     lengths = None
@@ -446,7 +503,7 @@ def forward_backward(
     widths = None
     rows = split.rows
     if pack_sequences:
-        if pg.cp.size() > 1:
+        if cp_size > 1:
             raise ValueError(
                 f"packed sequences (use_remove_padding) with context parallel {pg.cp.size()}: verl does not "
                 "split packed sequences over context-parallel ranks; set use_remove_padding=false"
@@ -471,9 +528,18 @@ def forward_backward(
         topk=topk,
         score_ids=score_ids,
     )
+    cp_splits: dict[int, _CPSplit] = {}  # per model width, shared by the micro-batches
+
+    def cp_split(mb: _MicroBatch) -> _CPSplit | None:
+        if cp_size == 1:
+            return None
+        width = mb.input_ids.shape[1]
+        if width not in cp_splits:
+            cp_splits[width] = _CPSplit.of(pg.cp, width, mb.input_ids.device)
+        return cp_splits[width]
 
     def collect(mb: _MicroBatch, output_tensor: torch.Tensor):
-        outputs = head(output_tensor, mb)
+        outputs = head(output_tensor, mb, cp=cp_split(mb))
         record = {"outputs": {k: v.detach() for k, v in outputs.items()}}
         if loss_fn is None:
             return output_tensor.new_zeros((), dtype=torch.float32), record
@@ -508,7 +574,10 @@ def forward_backward(
             model_mask = mb.to_model(mb.tensors["attention_mask"])
             routed = mb.to_model(mb.tensors[router_replay.ROUTED_EXPERTS])
             router_replay.set_targets(routers_, routed[:, :, layers.to(routed.device)], model_mask, sp_group)
-        if mb.packed is None:
+        if mb.packed is None and cp_size > 1:  # this rank's chunks of every row (verl.models.cp_attention)
+            mine = cp_split(mb).positions
+            out = chunk(mb.input_ids[:, mine], mb.position_ids[:, mine], None)
+        elif mb.packed is None:
             out = chunk(mb.input_ids, mb.position_ids, None)
         else:
             out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed.seq_params())

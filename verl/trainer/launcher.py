@@ -131,8 +131,9 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
     ``log_dir``, ``hf_export_dir``). The trainer refuses to start over an earlier run's outputs (it
     would replace them step by step), so a rerun of the recipe moves every such folder that is not
     empty into ``<default_local_dir's parent>/earlier_runs/<time>/`` (nothing is deleted). Only a
-    folder verl wrote moves (:func:`verl_run_folder`): a user's folder given as one of them stays where
-    it is, said in one line (the trainer then refuses it if it would replace a file there). With
+    folder verl wrote moves (:func:`verl_run_folder`), and none that a live run holds: a user's folder
+    given as one of them, or a live run's, stays where it is, said in one line (the trainer then
+    refuses it if it would replace a file there, or while that run lives). With
     ``trainer.resume_mode`` set to anything else (a resumed run) nothing moves. Returns the folder
     they moved to, or None.
     """
@@ -151,7 +152,9 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
         folder = os.path.expanduser(values.get(key) or "")
         if folder and os.path.isdir(folder) and os.listdir(folder):
             present.setdefault(os.path.abspath(folder), key)
-    kept = {path: why for path, key in present.items() if (why := verl_run_folder(path, key))}
+    kept = {
+        path: why for path, key in present.items() if (why := _held_by_a_live_run(path, key) or verl_run_folder(path, key))
+    }
     if kept:
         from verl.utils.cli import report
 
@@ -173,6 +176,15 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
             name = f"{os.path.basename(path)}-{k}"
         shutil.move(path, os.path.join(target, name))
     return target
+
+
+def _held_by_a_live_run(path: str, key: str) -> str | None:
+    """Why ``path`` must not move: a live run holds it (``verl.utils.run_lock``; the trainer then
+    refuses this run in one line), else None."""
+    from verl.utils.run_lock import in_use_by_another_run
+
+    refusal = in_use_by_another_run(path, key)
+    return str(refusal) if refusal is not None else None
 
 
 def verl_run_folder(path: str, key: str) -> str | None:

@@ -50,7 +50,7 @@ from verl.trainer.loop import Loop
 from verl.trainer.ppo_checks import preflight
 from verl.trainer.resilience import PhaseBoard, SkippedSteps
 from verl.trainer.rl_data import RLData
-from verl.trainer.run_checks import show_files
+from verl.trainer.run_checks import release_run_outputs, show_files
 from verl.trainer.startup import run_outputs
 from verl.trainer.step import build_step, step_kind
 from verl.trainer.step.pieces import StepPieces
@@ -303,6 +303,7 @@ class PPOTrainer(StepPieces):
         finally:
             self.tracking.close()
             self.world.close()
+            release_run_outputs(self.cfg.trainer)  # the next run into these folders may start
 
     def __enter__(self) -> "PPOTrainer":
         return self

@@ -13,7 +13,12 @@
   one, the later ones left beside them) or logs (its metrics would be dropped as re-done steps);
   and no file the run would replace may be one verl did not write (a model's ``config.json`` in the
   folder named as ``trainer.log_dir``, a ``latest_checkpointed_iteration.txt`` of the user's in the
-  checkpoint folder): other files beside verl's are left alone.
+  checkpoint folder): other files beside verl's are left alone;
+- one run per output folder: global rank 0 takes the lock of the checkpoint and log folders
+  (``verl.utils.run_lock``: a second run into either is refused while the first lives, a lock left
+  by a run that is gone is taken over with one line) before the checks that read the folders, and
+  holds it until :func:`release_run_outputs` (the trainer's ``close``) or its exit; the other
+  ranks check that no other run holds them.
 
 Both raise ``ValueError`` (``OutputPathError`` for outputs) naming the setting at fault.
 """
@@ -27,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from verl.config.schema import RunConfig
 from verl.utils.outputs import OutputPathError, check_output_apart, check_output_dir, probe_writable
 from verl.utils.paths import check_model_dir
+from verl.utils.run_lock import LOCK_FILE, hold_folder, in_use_by_another_run, release_folder
 
 __all__ = [
     "as_file_list",
@@ -38,6 +44,7 @@ __all__ = [
     "log_dir_foreign_files",
     "log_entry",
     "missing_inputs",
+    "release_run_outputs",
     "show_files",
 ]
 
@@ -189,7 +196,7 @@ _LOG_FOLDERS = ("tensorboard", "wandb", "mlflow.db", "mlartifacts")
 
 def log_entry(name: str) -> bool:
     """Whether ``name``, an entry of ``trainer.log_dir``, is one a run writes there."""
-    return name in _LOG_FILES or name in _LOG_FOLDERS or name.removesuffix(".tmp") in _LOG_FILES
+    return name in _LOG_FILES or name in _LOG_FOLDERS or name.removesuffix(".tmp") in _LOG_FILES or name == LOCK_FILE
 
 
 def log_dir_foreign_files(log_dir: str) -> list[str]:
@@ -209,7 +216,7 @@ def checkpoint_entry(name: str) -> bool:
 
     return (
         step_of_dir_name(name.removeprefix(".tmp_").removeprefix("old_")) is not None
-        or name in (TRACKER_FILE, "huggingface")
+        or name in (TRACKER_FILE, "huggingface", LOCK_FILE)
     )
 
 
@@ -247,11 +254,19 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     check_resume_path(t)
     saves = t.save_freq > 0
     logs = any(name in t.logger for name in ("jsonl", "tensorboard", "wandb", "mlflow"))  # all write under log_dir
+    if saves:
+        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs, owns=checkpoint_entry)
+    if logs:
+        check_output_apart(t.log_dir, "trainer.log_dir", inputs)
+    # Before the checks below read the folders: what a live run is writing there is not an earlier run's.
+    folders = {"trainer.default_local_dir": t.default_local_dir} if saves or t.resume_mode != "disable" else {}
+    if logs:
+        folders["trainer.log_dir"] = t.log_dir
+    _lock_run_outputs(folders)
     # The run starts at step 0 unless it resumes: auto finds a checkpoint only among global_step_N.
     earlier_steps = _checkpoint_steps(t.default_local_dir)
     fresh = t.resume_mode == "disable" or (t.resume_mode == "auto" and not earlier_steps)
     if saves:
-        check_output_apart(t.default_local_dir, "trainer.default_local_dir", inputs, owns=checkpoint_entry)
         from verl.utils.checkpoint import TRACKER_FILE
 
         _refuse_foreign(t.default_local_dir, "trainer.default_local_dir", {TRACKER_FILE: _tracker_file})
@@ -266,7 +281,6 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     if saves or t.resume_mode != "disable":
         probe_writable(t.default_local_dir, key="trainer.default_local_dir")
     if logs:
-        check_output_apart(t.log_dir, "trainer.log_dir", inputs)
         _refuse_foreign(t.log_dir, "trainer.log_dir", _LOG_FILES)
         earlier_logs = _earlier_run_logs(t.log_dir) if t.resume_mode != "resume_path" else []
         if fresh and earlier_logs:
@@ -292,3 +306,50 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
             replace_verl_outputs=True,
         )
         probe_writable(os.path.dirname(os.path.abspath(export)), key=key)
+
+
+def _lock_run_outputs(folders: Mapping[str, str]) -> None:
+    """Global rank 0 takes the lock of each of ``folders`` ({setting: folder}; ``verl.utils.run_lock``);
+    every rank raises the same ``FolderInUse`` when another live run holds one. In a started world
+    rank 0's verdict is broadcast; before it starts (``main_ppo``, ``main_sft``) the other ranks read
+    the lock files, recognising their own rank 0 by its torchrun world."""
+    import torch.distributed as dist
+
+    from verl.utils.run_lock import FolderInUse
+
+    started = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if started else int(os.environ.get("RANK", "0"))
+    if started and dist.get_world_size() > 1:
+        verdict: list[str | None] = [None]
+        if rank == 0:
+            try:
+                _hold(folders)
+            except FolderInUse as exc:
+                verdict = [str(exc)]
+        dist.broadcast_object_list(verdict, src=0)  # every rank raises, none waits in a collective
+        if verdict[0] is not None:
+            raise FolderInUse(verdict[0])
+    elif rank == 0:
+        _hold(folders)
+    else:
+        for key, folder in folders.items():
+            if (refusal := in_use_by_another_run(os.path.expanduser(folder), key)) is not None:
+                raise refusal
+
+
+def _hold(folders: Mapping[str, str]) -> None:
+    taken = []
+    try:
+        for key, folder in folders.items():
+            if hold_folder(os.path.expanduser(folder), key):
+                taken.append(folder)
+    except BaseException:
+        for folder in taken:  # all or none: a refused run holds nothing
+            release_folder(os.path.expanduser(folder))
+        raise
+
+
+def release_run_outputs(t: RunConfig) -> None:
+    """Release this process's locks of the run's checkpoint and log folders (the trainer's ``close``)."""
+    for folder in (t.default_local_dir, t.log_dir):
+        release_folder(os.path.expanduser(folder))

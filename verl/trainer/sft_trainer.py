@@ -36,7 +36,7 @@ from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
 from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.parallel import megatron_state
-from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs, show_files
+from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs, release_run_outputs, show_files
 from verl.trainer.run_checks import hf_export_dir as run_hf_export_dir
 from verl.trainer.startup import run_outputs
 from verl.trainer.tracking import Tracking, progress_bar
@@ -326,9 +326,11 @@ class SFTTrainer:
         return {**last, **val}
 
     def close(self) -> None:
-        """Close the loggers (listing the run's outputs) and tear down Megatron's parallel state."""
+        """Close the loggers (listing the run's outputs), tear down Megatron's parallel state and
+        release the run's output folders (their locks)."""
         self.tracking.close()
         megatron_state.destroy_model_parallel()
+        release_run_outputs(self.cfg.trainer)
 
     def __enter__(self) -> "SFTTrainer":
         return self

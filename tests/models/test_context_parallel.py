@@ -1,0 +1,119 @@
+"""Context parallelism on the Megatron engine: CP 2 gives CP 1's numbers.
+
+The same rollout-shaped batch (prompts left-padded, responses right-padded, uneven lengths, one
+row empty) through ``MegatronEngine`` at CP 1 and CP 2 (and TP 2 x CP 2 against TP 2): logits,
+log-probabilities and entropy of a forward pass, then one Adam step of a token-mean loss over
+log-probabilities and entropy: its loss, gradient norm, every parameter's gradient (Megatron's
+``main_grad`` after the all-reduce over the data-and-context-parallel group) and every weight after
+the step, for a llama3 (rope scaling) and a Mistral whose sliding window is shorter than the rows.
+
+Tolerances: 1e-5 absolute on outputs, gradients and weights (the issue's bar): the same math in
+another order of float32 sums (attention over gathered keys, the gradient reduction over CP);
+measured below 1e-6 on every output and gradient. Adam's first step moves a weight by about
+``lr`` times the sign of its gradient, so ``lr`` is 1e-3 and gradients that are rounding noise
+(|g| < 1e-7 at either layout) are left out of the weights' comparison. A wrong chunk, a mask or
+rotary position taken from local instead of global positions, or a gradient summed twice is off by
+far more (O(0.01-1) on log-probabilities; a factor 2 on gradients).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.test_packed_sequences import rollout_batch
+from tests.models.tiny import make_tiny_model
+from verl.testing.distributed import run_distributed
+
+ATOL = 1e-5
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp_models")
+    return {family: make_tiny_model(str(root / family), family) for family in ("llama3", "mistral")}
+
+
+def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = False):
+    from verl.algos import GlobalBatchInfo, agg_loss
+    from verl.config import MegatronConfig, ModelConfig, OptimConfig
+    from verl.engine import LossShare, MegatronEngine
+    from verl.models.builder import unwrap_model
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=7)
+    engine = MegatronEngine(
+        model=ModelConfig(path=model_dir, use_remove_padding=pack),
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, context_parallel_size=cp),
+        pg=pg,
+        optim=OptimConfig(optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0),
+        total_training_steps=10,
+    )
+    out = engine.forward(batch, micro_batch_size=3, output="logprobs", with_entropy=True).outputs
+    logits = engine.forward(batch, micro_batch_size=3, output="logits").outputs["logits"]
+    mask = batch["attention_mask"].float()
+    info = GlobalBatchInfo.from_masks([mask], group=pg.dp)
+
+    def loss_fn(outputs, micro):
+        m = micro["attention_mask"].float()
+        loss = agg_loss(-outputs["logprobs"] + 0.1 * outputs["entropy"], m, "token-mean", global_batch_info=info)
+        return LossShare(loss)
+
+    step = engine.train_step(batch, micro_batch_size=3, loss_fn=loss_fn, with_entropy=True)
+    chunk = unwrap_model(engine.chunks[0])
+    grads = {name: p.main_grad.detach().clone() for name, p in chunk.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in chunk.named_parameters()}
+    return {
+        "tp_rank": pg.tp.rank(),
+        "cp_rank": pg.cp.rank(),
+        "logprobs": out["logprobs"],
+        "entropy": out["entropy"],
+        "logits": logits,
+        "loss": step.loss,
+        "grad_norm": step.grad_norm,
+        "grads": grads,
+        "weights": weights,
+    }
+
+
+def _max_diffs(expected: dict, actual: dict) -> dict[str, float]:
+    diffs = {k: (actual[k] - expected[k]).abs().max().item() for k in ("logprobs", "entropy", "logits")}
+    diffs["grads"] = max((actual["grads"][n] - g).abs().max().item() for n, g in expected["grads"].items())
+    noise = {n: (g.abs() < 1e-7) | (actual["grads"][n].abs() < 1e-7) for n, g in expected["grads"].items()}
+    diffs["weights"] = max(
+        ((actual["weights"][n] - w).abs() * ~noise[n]).max().item() for n, w in expected["weights"].items()
+    )
+    return diffs
+
+
+def _check(reference: list[dict], results: list[dict]) -> dict[str, float]:
+    by_tp = {r["tp_rank"]: r for r in reference}
+    worst: dict[str, float] = {}
+    for r in results:
+        expected = by_tp[r["tp_rank"]]
+        assert r["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7)
+        assert r["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+        for key, diff in _max_diffs(expected, r).items():
+            assert diff <= ATOL, f"tp rank {r['tp_rank']} cp rank {r['cp_rank']}: max |CP2 - CP1| of {key} = {diff:.3g}"
+            worst[key] = max(worst.get(key, 0.0), diff)
+    return worst
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_cp2_equals_cp1(models, family):
+    batch = rollout_batch(6)
+    (reference,) = run_distributed(_engine_body, 1, models[family], 1, 1, batch)
+    worst = _check([reference], run_distributed(_engine_body, 2, models[family], 1, 2, batch))
+    print(f"{family} CP2 vs CP1 max abs diffs: {worst}")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_tp2_cp2_equals_tp2(models):
+    batch = rollout_batch(6)
+    reference = run_distributed(_engine_body, 2, models["llama3"], 2, 1, batch)
+    worst = _check(reference, run_distributed(_engine_body, 4, models["llama3"], 2, 2, batch))
+    print(f"TP2xCP2 vs TP2 max abs diffs: {worst}")
