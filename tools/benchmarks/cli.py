@@ -40,7 +40,9 @@ for _module in ("rollout", "reshard", "rl_step", "packing", "compare_trl", "soak
 
 def main(argv: list[str] | None = None) -> None:
     from verl.utils.logging import setup_logging
+    from verl.utils.process import die_with_launcher
 
+    die_with_launcher()  # under torchrun: a kill -9 of the agent takes this rank along
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     runners: dict[str, Runner] = {}

@@ -280,11 +280,15 @@ def launcher_entry(module_name: str, main: Callable[[], int]) -> None:
 
     torchrun runs a launcher file as ``__main__``, so its spawned multiprocessing children (reward
     workers) import it again as ``__mp_main__``: they must not start
-    another run, and they die with the trainer.
+    another run, and they die with the trainer. The ranks themselves die with torchrun
+    (:func:`verl.utils.process.die_with_launcher`).
     """
     if module_name == "__mp_main__":
         from verl.utils.process import exit_with_parent
 
         exit_with_parent()
     elif module_name == "__main__":
+        from verl.utils.process import die_with_launcher
+
+        die_with_launcher()  # a kill -9 of torchrun (or of the launch script that execs it) takes this rank along
         raise SystemExit(main())

@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None, *, on_config: Callable[[PPOConfig], 
     ``on_config`` is called with the parsed config of a training run (not of a dry run) before it
     starts: the launchers read the run's own output folders from it for their closing summary.
     """
+    from verl.utils.process import die_with_launcher
+
+    die_with_launcher()  # a kill -9 of torchrun takes this rank along
     from verl.utils.logging import setup_logging
 
     setup_logging(logging.INFO)  # before parsing: the aliases are logged as they are read

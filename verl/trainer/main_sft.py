@@ -30,6 +30,9 @@ if __name__ == "__mp_main__":
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate, train; returns the process exit status."""
+    from verl.utils.process import die_with_launcher
+
+    die_with_launcher()  # a kill -9 of torchrun takes this rank along
     from verl.config import CONFIG_DIR, SFTConfig, parse_cli
     from verl.utils.logging import setup_logging
     from verl.utils.paths import check_dir

@@ -11,6 +11,9 @@ for a queue item its dead parent never sent).
   spawned multiprocessing child: such a child imports the parent's ``__main__`` module under the
   name ``__mp_main__``, so ``if __name__ == "__mp_main__": exit_with_parent()`` in the entry
   module covers every child, whoever starts it.
+- :func:`die_with_launcher`, called first thing by every entry point: a rank started by torchrun
+  gets Linux's parent-death signal, so a ``kill -9`` of the torchrun agent (or of a ``launch/``
+  script, which execs it) takes its workers along instead of leaving them training on.
 - :func:`forks_die_with_this_process`, a block in the parent: the processes a thread forks inside
   it (``os.fork``, multiprocessing's fork context: Megatron's checkpoint writers, which run no
   module of ours) get Linux's parent-death signal.
@@ -26,7 +29,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["exit_with_parent", "forks_die_with_this_process"]
+__all__ = ["die_with_launcher", "die_with_parent", "exit_with_parent", "forks_die_with_this_process"]
 
 _watching = False
 _forking_pid: int | None = None
@@ -87,6 +90,42 @@ def exit_with_parent(*, poll_s: float = 1.0, kill_group: bool = False) -> None:
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _prctl: Any = None  # libc's prctl, looked up in the parent: the child calls it and nothing else
+_parent_death_armed = False
+DIES_WITH_PARENT_ENV = "VERL_DIES_WITH_PARENT"
+
+
+def die_with_launcher() -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set), SIGKILL this rank when its parent, the torchrun
+    agent, dies; also with ``VERL_DIES_WITH_PARENT=1`` (a launch script that runs the trainer or
+    verl's torchrun as its child, not by ``exec``); elsewhere nothing. Idempotent; Linux only.
+
+    The agent forwards SIGTERM/SIGINT to its workers and waits for them (``verl.trainer.torchrun``),
+    but a ``kill -9`` of it forwards nothing: the workers would train on, writing checkpoints into
+    a folder a resumed run then shares. The signal is tied to the agent's thread that started the
+    worker (its main thread, which lives as long as the agent)."""
+    # Popped: the process's own children (a torchrun agent's workers) have their own launcher.
+    asked = os.environ.pop(DIES_WITH_PARENT_ENV, "") == "1"
+    if asked or "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent process dies (Linux's parent-death signal, armed now;
+    a parent already gone kills it at once). Idempotent; elsewhere than Linux a no-op."""
+    global _parent_death_armed
+    if _parent_death_armed:
+        return
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    parent = os.getppid()
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _parent_death_armed = True
+    if parent == 1 or os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
 _forks_hooked = False
 _hook_state = threading.local()  # per thread: whether its forks get the parent-death signal
 
