@@ -1,5 +1,5 @@
 # Sourced by the launchers in launch/ (each file is valid bash and valid Python): the bash half's
-# one job, `verl_launch FILE ARGS...`, starts torchrun on FILE itself, so `bash launch/X.sh k=v`
+# one job, `verl_launch FILE ARGS...`, starts torchrun (`python -m verl.trainer.torchrun`) on FILE itself, so `bash launch/X.sh k=v`
 # and `torchrun ... launch/X.sh k=v` run the same thing. With --dry-run (or --help) among ARGS it
 # runs FILE once with Python instead (the memory plan needs no cluster).
 #
@@ -58,5 +58,8 @@ verl_launch() {
           --rdzv_endpoint "$addr:$port" --rdzv_id "${RDZV_ID:-${SLURM_JOB_ID:-verl}}")
   fi
   echo "== torchrun ${run[*]} $script $*" >&2
-  exec "$python" -m torch.distributed.run "${run[@]}" "$script" "$@"
+  # verl's torchrun (verl/trainer/torchrun.py): the workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+  # (default 600 s) to save after a SIGTERM, a stop ends with 128 + the signal's number and no
+  # traceback, and the workers die with it. exec: a signal or kill -9 to this script reaches it.
+  exec "$python" -m verl.trainer.torchrun "${run[@]}" "$script" "$@"
 }

@@ -32,7 +32,8 @@ echo "== accuracy before SFT"
 "$python" -m verl.trainer.eval_generation --model "$out/model" --data "$out/data/test.parquet"
 
 if [ "$nproc" -gt 1 ]; then
-  launcher=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m verl.trainer.main_sft)
+  # verl's torchrun (verl/trainer/torchrun.py)
+  launcher=("$python" -m verl.trainer.torchrun --standalone --nproc_per_node "$nproc" -m verl.trainer.main_sft)
 else
   launcher=("$python" -m verl.trainer.main_sft)
 fi
@@ -42,7 +43,15 @@ settings=(
   trainer.default_local_dir="$out/checkpoints" trainer.log_dir="$out/logs"
   trainer.hf_export_dir="$out/sft_model" "$@"
 )
-"${launcher[@]}" --config sft_tiny_cpu "${settings[@]}"
+# In the background, so that a SIGTERM or Ctrl-C to this script reaches the trainer, which saves a
+# checkpoint and exits 143 / 130; this script then exits with that status.
+# VERL_DIES_WITH_PARENT=1: a kill -9 of this script takes the trainer (or torchrun and its workers) along.
+VERL_DIES_WITH_PARENT=1 "${launcher[@]}" --config sft_tiny_cpu "${settings[@]}" &
+trainer=$!
+trap 'kill -TERM "$trainer" 2>/dev/null; wait "$trainer"; exit 143' TERM
+trap 'kill -INT "$trainer" 2>/dev/null; wait "$trainer"; exit 130' INT
+wait "$trainer"
+trap - TERM INT
 
 # The model this run exported, from its own settings (an override of trainer.hf_export_dir or
 # trainer.save_hf wins over the defaults above): never an older run's folder.

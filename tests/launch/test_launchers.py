@@ -112,7 +112,7 @@ def test_slurm_and_nccl_settings_reach_torchrun(tmp_path):
     subprocess.run(["bash", os.path.join(ROOT, "launch", "ppo_70b.sh"), "trainer.total_training_steps=3"],
                    env=env, check=True, capture_output=True, text=True)
     args = (tmp_path / "record.json.args").read_text().split("\n")
-    assert args[:2] == ["-m", "torch.distributed.run"]
+    assert args[:2] == ["-m", "verl.trainer.torchrun"]
     line = " ".join(args)
     assert "--nnodes 2 --node_rank 1 --rdzv_backend c10d --rdzv_endpoint gpu-a01:29500 --rdzv_id 4242" in line
     assert "--nproc_per_node 8" in line

@@ -2,7 +2,9 @@
 
 - :class:`StopSignals`: SIGTERM, SIGINT and SIGUSR1 (Slurm's ``--signal`` preemption warning)
   ask the run to stop after the current step; the trainer then checkpoints, says where, and
-  exits 0. A second signal stops at once (the default action of that signal). Every rank
+  exits 128 + the signal's number. A second signal stops at once (the default action of that
+  signal); the same signal again within :data:`_ECHO_S` is the first one forwarded by torchrun to a
+  rank that got it from its process group too, and changes nothing. Every rank
   agrees on the decision at the end of each step (:meth:`StopSignals.agreed`, one all-reduce
   of one integer), so a signal that reached only some ranks never leaves the others waiting
   in a collective.
@@ -48,6 +50,7 @@ __all__ = [
 ]
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_ECHO_S = 2.0  # the same signal again this soon is torchrun's forward of the first, not a second one
 
 
 def _world_device() -> torch.device:
@@ -66,6 +69,7 @@ class StopSignals:
     def __init__(self, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
+        self._received_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -81,6 +85,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: object) -> None:
         sig = signal.Signals(signum)
+        if sig == self.received and time.monotonic() - self._received_at < _ECHO_S:
+            # The same signal again at once: torchrun forwarding what its whole process group got
+            # (Ctrl-C on a terminal, Slurm's scancel), not a second request.
+            return
         if self.received is not None:
             # The second signal: stop now, as that signal would without us.
             logger.warning("%s again: stopping now, without a checkpoint", sig.name)
@@ -88,7 +96,7 @@ class StopSignals:
             signal.signal(sig, signal.SIG_DFL)
             signal.raise_signal(sig)
             return
-        self.received = sig
+        self.received, self._received_at = sig, time.monotonic()
         # A handler may run between any two bytecodes; logging takes locks, so only a write.
         os.write(
             2,
