@@ -391,3 +391,13 @@ def test_dynamic_batch_size_splits_generation_and_keeps_greedy_samples(trainer, 
         RolloutOperator(min_batch_size=4)
     with pytest.raises(ValueError, match=r"min_batch_size=0\): a number of sequences"):
         RolloutOperator(dynamic_batch_size=True, min_batch_size=0)
+
+
+def test_a_stream_given_a_trainer_replaces_its_pipeline(trainer):
+    """One pipeline per run (issue #52): the stream's step is the trainer's step from then on, so the
+    trainer's own loop, checkpoints and holds run the stream's operators, not a second pipeline beside them."""
+    stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator(length_score))
+    assert trainer.pipeline is stream._pipeline
+    assert [type(op).__name__ for op in trainer.pipeline.operators] == ["RolloutOperator", "RewardOperator"]
+    again = DataStream(trainer=trainer)
+    assert trainer.pipeline is again._pipeline and trainer.stream is None

@@ -440,6 +440,8 @@ class RLTrainer:
                 if algorithm in PREFERENCE_ALGORITHMS
                 else [f"algorithm.adv_estimator={_estimator(algorithm, hybrid_condition)}"]
             ),
+            # the hybrid step's DPO half (build_step(cfg, hybrid_condition=...)) reads its beta from the config
+            *([f"algorithm.dpo.beta={float(beta)}"] if algorithm in HYBRID_ALGORITHMS and hybrid_condition is not None else []),
             f"{a}.rollout.name={'vllm' if use_vllm else 'hf'}",
             f"data.train_batch_size={rollout_batch_size}",
             f"{a}.rollout.n={n_samples}",
@@ -728,26 +730,14 @@ class RLTrainer:
         write_back(self._actor_object, export_dir)
 
     def _step_fn(self, trainer: Any) -> Any:
-        """The loop's step: the config's own (None: the RL step, or DPO's with ``data.pairs``), or
-        for ``hybrid_ppo`` with a ``hybrid_condition`` a stream whose condition is that function."""
-        if self.algorithm not in HYBRID_ALGORITHMS or self.hybrid_condition is None:
-            return None
-        from verl.api.operators import (
-            ConditionalUpdateOperator,
-            DPOUpdateOperator,
-            PPOUpdateOperator,
-            RewardOperator,
-            RolloutOperator,
-        )
-        from verl.api.stream import DataStream
+        """The loop's step: the config's own (the RL step, or DPO's with ``data.pairs``); for
+        ``hybrid_ppo`` with a ``hybrid_condition`` the config's hybrid step routing by that function
+        (``build_step(cfg, hybrid_condition=...)``) replaces it. Returns None: the trainer runs its pipeline."""
+        if self.algorithm in HYBRID_ALGORITHMS and self.hybrid_condition is not None:
+            from verl.trainer.step import build_step
 
-        hybrid = ConditionalUpdateOperator(
-            condition=self.hybrid_condition,
-            true_branch=PPOUpdateOperator(),
-            false_branch=DPOUpdateOperator(beta=self.beta),
-        )
-        stream = DataStream(trainer=trainer).add_operator(RolloutOperator()).add_operator(RewardOperator())
-        return stream.add_operator(hybrid).run_operators
+            trainer.use_pipeline(build_step(trainer.cfg, hybrid_condition=self.hybrid_condition))
+        return None
 
     def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
         """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``

@@ -52,10 +52,13 @@ def build_config(
     train_files: str | Sequence[str] | None = None,
     config: str = "ppo_trainer",
     overrides: Sequence[str] = (),
+    validate: bool = True,
 ) -> "PPOConfig":
     """A ``PPOConfig`` from a YAML file under configs/ (or a path), the model and data paths, then
-    ``key=value`` ``overrides`` (later ones win); checked against the launched world size."""
+    ``key=value`` ``overrides`` (later ones win); checked against the launched world size
+    (``validate=False``: a draft to read settings from, not checked)."""
     from verl.config import PPOConfig, load_config
+    from verl.config.validation import deferred_validation
 
     args: list[str] = []
     if model is not None:
@@ -63,6 +66,9 @@ def build_config(
     if train_files is not None:
         files = [train_files] if isinstance(train_files, (str, os.PathLike)) else list(train_files)
         args.append(f"data.train_files=[{','.join(os.fspath(f) for f in files)}]")
+    if not validate:
+        with deferred_validation():
+            return load_config(PPOConfig, config_file=config, overrides=[*args, *overrides])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return load_config(PPOConfig, config_file=config, overrides=[*args, *overrides], world_size=world)
 
@@ -159,6 +165,8 @@ class DataStream:
         )
         # The stream's step: the trainer's kind of pipeline, with the user's operators in it.
         self._pipeline = StepPipeline(time_operators=True)
+        if trainer is not None:  # one pipeline per run: the stream's replaces the trainer's own
+            trainer.use_pipeline(self._pipeline)
         self._loop: Any = None  # the trainer's loop that step() advances (verl.trainer.loop.Loop)
         self.monitor: "VerlMonitor | None" = None
         self.placement = None if device_map is None else self._place(device_map, trainer, tuple(overrides))
@@ -300,21 +308,19 @@ class DataStream:
         if self._build_args["val_files"] is not None:
             overrides.append(f"data.val_files={_files_setting(self._build_args['val_files'])}")
         build = dict(model=self._build_args["model"], train_files=self._build_args["train_files"], config=self._build_args["config"])
-        cfg = build_config(**build, overrides=overrides)
+        # A draft, read and not validated, decides the last settings; the config is then built and validated once.
+        draft = build_config(**build, overrides=overrides, validate=False)
         unset = DataConfig()  # the schema's defaults: example paths, not this user's files
-        if cfg.data.train_files == unset.train_files and not os.path.exists(os.path.expanduser(unset.train_files)):
+        if draft.data.train_files == unset.train_files and not os.path.exists(os.path.expanduser(unset.train_files)):
             raise ValueError(
                 "DataStream has no prompts: give DataStream(train_files=...) (parquet, jsonl or json files with a "
                 "prompt column), or DataStream(trainer=...) built on your config"
             )
-        if cfg.data.val_files == unset.val_files and not _sets(overrides, "data.val_files"):
+        if draft.data.val_files == unset.val_files and not _sets(overrides, "data.val_files"):
             overrides.append("data.val_files=null")  # given training files only, a stream does not validate
-            cfg = build_config(**build, overrides=overrides)
         if self.monitor is not None:  # its settings, with the jsonl logger the report reads added to the config's
-            cfg = build_config(
-                **build,
-                overrides=[*overrides, *(f"{k}={v}" for k, v in self.monitor.config_overrides(cfg.trainer.logger).items())],
-            )
+            overrides += [f"{k}={v}" for k, v in self.monitor.config_overrides(draft.trainer.logger).items()]
+        cfg = build_config(**build, overrides=overrides)
         for op in self.operators:  # what an operator cannot train with, before any model is built
             if isinstance(op, Operator):
                 op.check_config(cfg)
@@ -326,9 +332,7 @@ class DataStream:
         if self._trainer is None:
             cfg = self.config()
             self._trainer, self._started_world = build_trainer(cfg)
-            for op in self.operators:
-                if isinstance(op, Operator):
-                    op.bind(self._trainer)
+            self._trainer.use_pipeline(self._pipeline)  # binds the operators
             if self.monitor is not None:
                 self.monitor.attach(self._trainer)
         return self._trainer

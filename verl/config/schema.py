@@ -836,11 +836,13 @@ class PPOConfig(ConfigBase):
     def validate(self, world_size: int | None = None) -> None:
         """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node).
 
-        Raises ConfigError listing every problem found.
+        Raises ConfigError listing every problem found. A config validated for this world size and
+        not changed since is not checked again (the loader, the pre-flight and the trainer each ask;
+        a start validates once).
         """
-        from verl.config.validation import validate_ppo
+        from verl.config.validation import validate_once, validate_ppo
 
-        validate_ppo(self, world_size)
+        validate_once(self, world_size, validate_ppo)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -904,7 +906,8 @@ class SFTConfig(ConfigBase):
         return {"sync": 0, "one_step_off": 1}.get(mode, self.trainer.async_training.max_staleness)
 
     def validate(self, world_size: int | None = None) -> None:
-        """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node)."""
-        from verl.config.validation import validate_sft
+        """Check the whole config; ``world_size`` is the launched one (None: nnodes x n_gpus_per_node);
+        once per world size while the config is unchanged (as :meth:`PPOConfig.validate`)."""
+        from verl.config.validation import validate_once, validate_sft
 
-        validate_sft(self, world_size)
+        validate_once(self, world_size, validate_sft)

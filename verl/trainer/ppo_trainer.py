@@ -121,11 +121,8 @@ class PPOTrainer(StepPieces):
         self._resumed = False
         self.skipped = SkippedSteps(t.max_consecutive_skipped_steps)
         self.stopped_by: str | None = None  # the signal that stopped fit(), if one did
-        self.pipeline = build_step(cfg)  # the config's step; fit() runs it
+        self.pipeline = build_step(cfg)  # the config's step; fit() runs it (use_pipeline replaces it)
         self.pipeline.bind(self)
-        from verl.trainer.step.stream import StreamRolloutOperator
-
-        self.stream = next((op for op in self.pipeline.operators if isinstance(op, StreamRolloutOperator)), None)
         available = t.total_epochs * self.data.steps_per_epoch
         if t.total_training_steps and t.total_training_steps > available:
             log_rank0(
@@ -151,6 +148,31 @@ class PPOTrainer(StepPieces):
             if self.data.val_dataset is not None else "no validation",
             self.topology.describe(),
         )
+
+    @property
+    def stream(self) -> Any:
+        """The step's streaming rollout (``trainer.rollout_mode``: its queue is checkpointed), or None."""
+        from verl.trainer.step.stream import StreamRolloutOperator
+
+        pipeline = getattr(self, "pipeline", None)
+        ops = pipeline.operators if pipeline is not None else ()
+        return next((op for op in ops if isinstance(op, StreamRolloutOperator)), None)
+
+    def use_pipeline(self, pipeline: Any) -> None:
+        """Train with ``pipeline`` (a ``verl.trainer.step.StepPipeline``: a ``DataStream``'s, the facade's
+        hybrid step) instead of the config's: one pipeline per run. The step replaced gives up its
+        schedule (a free-running generator stops) before any step of the new one runs."""
+        if pipeline is self.pipeline:
+            return
+        stream = self.stream
+        if stream is not None and stream.queue:
+            raise ValueError(
+                f"the trainer's streaming rollout holds {len(stream.queue)} batches generated ahead, which another "
+                "step would drop: give the DataStream its trainer before the trainer runs or resumes a step"
+            )
+        self.pipeline.schedule(self.world).close()
+        pipeline.bind(self)
+        self.pipeline = pipeline
 
     # -- validation and report ------------------------------------------------------------
 

@@ -51,6 +51,8 @@ class StepPipeline:
         self.fields: set[str] = set()
         self.time_operators = time_operators
         self.last_batch: "Batch | None" = None
+        self.empty_steps = 0
+        """Steps skipped because an operator left no sample in the batch (``training/empty_steps``)."""
         self._sync: Any = None  # the synchronous schedule, made on first use
         for op in operators:
             self.add(op)
@@ -110,7 +112,11 @@ class StepPipeline:
         """One step: every operator in order on the step's batch; the step's metrics (the
         operators' and the trainer's phase timings, ``timing_s/step``), or None when the first
         operator found no more data. The trainer's ``global_step`` advances here, and only here,
-        once the first operator has drawn the step's batch."""
+        once the first operator has drawn the step's batch.
+
+        An operator that leaves no sample in the batch (a filter that keeps none) ends the step
+        there: the operators after it (the update) do not run, a warning names the step, and the
+        step counts in ``training/empty_steps``; the run goes on with the next step."""
         if not self.operators:
             raise ValueError("the step has no operators: add_operator(RolloutOperator()) first")
         ctx = trainer.begin_step(self.schedule(trainer.world))
@@ -131,7 +137,18 @@ class StepPipeline:
                     raise ValueError(f"operator {name} returned None; process(batch) must return the batch")
                 if batch is None:  # the step's batch is drawn: the step has begun
                     trainer.global_step = ctx.step
-                batch = out
+                before, batch = batch, out
+                if len(batch) == 0:
+                    self.empty_steps += 1
+                    logger.warning(
+                        "step %d: operator %s left no sample of %s in the batch; the step is skipped (no update) and "
+                        "counted in training/empty_steps (%d so far)",
+                        ctx.step, name, "the drawn batch" if before is None else len(before), self.empty_steps,
+                    )
+                    metrics["training/global_step"] = float(ctx.step)
+                    break
+            if self.empty_steps:
+                metrics["training/empty_steps"] = float(self.empty_steps)
             ctx.timer.seconds["step"] = ctx.seconds()
             metrics.update(ctx.timer.metrics())
             self.last_batch = batch
@@ -151,11 +168,13 @@ def step_kind(cfg: "PPOConfig") -> str:
     return "rl"
 
 
-def build_step(cfg: "PPOConfig") -> StepPipeline:
-    """The config's step (module docstring's table); bind it to the trainer before running it."""
+def build_step(cfg: "PPOConfig", *, hybrid_condition: Any = None) -> StepPipeline:
+    """The config's step (module docstring's table); bind it to the trainer before running it.
+    ``hybrid_condition`` (``f(sample) -> bool``; ``verl.RLTrainer``'s): the hybrid PPO/DPO step,
+    routing each sample by it instead of ``algorithm.hybrid.reward_threshold``."""
     from verl.trainer.step import ops
 
-    kind = step_kind(cfg)
+    kind = "hybrid" if hybrid_condition is not None else step_kind(cfg)
     if kind == "dpo":
         d = cfg.algorithm.dpo
         return StepPipeline(
@@ -165,7 +184,7 @@ def build_step(cfg: "PPOConfig") -> StepPipeline:
         d, h = cfg.algorithm.dpo, cfg.algorithm.hybrid
         threshold = h.reward_threshold
         hybrid = ops.ConditionalUpdateOperator(
-            condition=lambda sample: sample["reward"] >= threshold,
+            condition=hybrid_condition or (lambda sample: sample["reward"] >= threshold),
             true_branch=ops.PPOUpdateOperator(),
             false_branch=ops.DPOUpdateOperator(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing),
         )
