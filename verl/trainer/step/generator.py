@@ -41,7 +41,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Generator"]
+__all__ = ["THREAD_NAME", "Generator"]
+
+THREAD_NAME = "verl-free-running-generator"
 
 
 class Generator:
@@ -78,7 +80,7 @@ class Generator:
         """Start the thread (once)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="verl-free-running-generator", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def take_busy(self) -> tuple[float, int]:

@@ -175,7 +175,7 @@ class FreeRunningSchedule(SyncSchedule):
         return _share_updates_with_generators(self.world, batch, shares, updates)
 
     def hold(self) -> contextlib.AbstractContextManager[None]:
-        return self.generator.held() if self.generator is not None else contextlib.nullcontext()
+        return self.stream.held()  # the thread paused, the queue the main thread's (verl.trainer.step.queue)
 
     def close(self) -> None:
         if self.generator is not None:

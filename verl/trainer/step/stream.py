@@ -110,16 +110,17 @@ wait for it at the exchange after the updates.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl.trainer.step.base import Operator
 from verl.trainer.step.ops import ROLLOUT_FIELDS
+from verl.trainer.step.queue import AheadBatch, AheadQueue, State
 
 if TYPE_CHECKING:
     from verl.protocol import Batch
@@ -135,15 +136,6 @@ QUEUE_DIR = "rollout_queue"  # in a checkpoint: the batches generated ahead
 # count, not a flag per step: it never needs deleting, and runs in one process group follow on.
 _UPDATES_KEY = "verl/stream/updates_done"
 _REFILL_SEED = 104_729  # seed offset of the prompts sampled again after a drop (stale_samples=drop)
-
-
-@dataclasses.dataclass
-class _Ahead:
-    step: int  # the step that trains it
-    version: int  # the actor updates done before the weights that began it
-    generated: tuple[Any, Any, dict[str, float]]  # StepPieces.generate_here's (batch, greedy, metrics); None batch off the rollout's ranks (and while partial is unfinished)
-    prompts: "Batch | None" = None  # its prompts (the rollout's ranks): stale_samples=drop samples them again
-    partial: "PartialBatch | None" = None  # partial rollout: the batch in flight (the rollout's ranks)
 
 
 class StreamRolloutOperator(Operator):
@@ -199,8 +191,7 @@ class StreamRolloutOperator(Operator):
         self._generator: "Generator | None" = None  # free_running, on the rollout's ranks
         self._engine_version = 0  # free_running: the policy version the engine holds (set inside holds)
         self._updates_before = 0  # fill_window: the store's update count when this step began
-        self.queue: list[_Ahead] = []
-        self.exhausted = False
+        self.queue = AheadQueue()  # the batches generated ahead, as named states (verl.trainer.step.queue)
 
     def bind(self, trainer: "PPOTrainer") -> None:
         """Attach the trainer and make the step's schedule of this mode (``verl.trainer.step.schedule``)."""
@@ -229,7 +220,23 @@ class StreamRolloutOperator(Operator):
     def held(self) -> "contextlib.AbstractContextManager[None]":
         """free_running: a block in which the generator thread is paused (the step's schedule's hold);
         elsewhere the block just runs."""
-        return self._generator.held() if self._generator is not None else contextlib.nullcontext()
+        if self._generator is None:
+            return contextlib.nullcontext()
+        return self._held()
+
+    _hold_depth = 0  # holds open on the main thread (a hold inside a hold is one pause)
+
+    @contextlib.contextmanager
+    def _held(self) -> "Iterator[None]":
+        with self._generator.held():
+            self.queue.take_back()  # the thread is paused: the queue is the main thread's
+            self._hold_depth += 1
+            try:
+                yield
+            finally:
+                self._hold_depth -= 1
+                if self._hold_depth == 0 and self._generator.running:
+                    self.queue.lend()
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -253,7 +260,7 @@ class StreamRolloutOperator(Operator):
         metrics["async/queue_size"] = float(len(self.queue))
         return out, metrics
 
-    def _head(self, step: int) -> _Ahead | None:
+    def _head(self, step: int) -> AheadBatch | None:
         """The weight push and step ``step``'s batch, finished, its reference log-probs computed
         (the rollout's ranks); with free_running the next batches' prompts are drawn too. None when
         the data is used up."""
@@ -264,9 +271,7 @@ class StreamRolloutOperator(Operator):
                 pushed = trainer.world.send.push()
         self._engine_version = trainer.step_ctx.version
         if self.queue:
-            item = self.queue.pop(0)
-            if item.step != step:
-                raise RuntimeError(f"the streaming rollout's next batch is for step {item.step}, not step {step}")
+            item = self.queue.pop(step)
             self._was_ahead = 1.0
         else:
             item = self._draw(step)
@@ -274,9 +279,9 @@ class StreamRolloutOperator(Operator):
                 return None
             self._was_ahead = 0.0
         if trainer.rollout is not None:
-            if item.partial is None and item.generated[0] is None:  # not begun yet: now, with the weights just pushed
+            if item.state is State.DRAWN:  # not begun yet: now, with the weights just pushed
                 self._start(item)
-            if item.partial is not None:  # its last segments with the weights pushed for this step
+            if item.state is State.IN_FLIGHT:  # its last segments with the weights pushed for this step
                 if self.stale_samples == "drop" and (step - 1) - item.version > self.depth:
                     self._restart(item, step)  # every sample began with item.version: finishing them is wasted
                 else:
@@ -294,44 +299,41 @@ class StreamRolloutOperator(Operator):
                 more = self._draw(step + len(self.queue) + 1)
                 if more is None:
                     break
-                self.queue.append(more)
-        if self._generator is not None:
+                self.queue.draw(more)
+        if self._generator is not None and not self._generator.running:  # (later steps: the hold lends it back)
+            self.queue.lend()
             self._generator.start()
         return item
 
-    def _draw(self, step: int) -> _Ahead | None:
+    def _draw(self, step: int) -> AheadBatch | None:
         """The prompts of ``step``'s batch (every rank draws them; the rollout's keep them), not yet
         begun; None when the data is used up."""
         trainer = self.trainer
-        if self.exhausted or step > trainer.total_steps:
+        if self.queue.exhausted or step > trainer.total_steps:
             return None
         with trainer.phase("data"):
             prompts = trainer.data.prompt_batch(step - 1, 0)  # uid "step-1/0/i", as the synchronous step
         if prompts is None:
-            self.exhausted = True
+            self.queue.exhausted = True
             return None
-        item = _Ahead(step=step, version=-1, generated=(None, None, {}))
-        if trainer.rollout is not None:
-            item.prompts = prompts
-        return item
+        return AheadBatch(step=step, prompts=prompts if trainer.rollout is not None else None)
 
-    def _start(self, item: _Ahead) -> None:
+    def _start(self, item: AheadBatch) -> None:
         """Begin ``item`` with the weights the engine holds now (the rollout's ranks): its first
         segment (partial rollout), or the whole batch and its reference log-probs."""
         trainer = self.trainer
         version = trainer.step_ctx.version
-        item.version = version
         seed = trainer.sampling_seed(0, step=item.step)
         if self.partial_tokens is not None:  # its first segment now, the rest in later windows or at its step
-            item.partial = self._partial(item.prompts, seed)
+            self.queue.begin(item, version, partial=self._partial(item.prompts, seed))
             with trainer.phase("gen"), trainer.rollout.phase():
                 item.partial.advance(trainer.rollout.generate_segment, version)
             return
         with trainer.phase("gen"), trainer.rollout.phase() as push:
-            item.generated = trainer.generate_here(item.prompts, seed=seed, call_sizes=self.call_sizes)
-            item.generated[2].update(push)
-        batch = item.generated[0]
-        batch["rollout_version"] = torch.full((len(batch),), version, dtype=torch.long)
+            generated = trainer.generate_here(item.prompts, seed=seed, call_sizes=self.call_sizes)
+            generated[2].update(push)
+        generated[0]["rollout_version"] = torch.full((len(generated[0]),), version, dtype=torch.long)
+        self.queue.begin(item, version, generated=generated)
         self._reference(item)
 
     def _work(self) -> bool:
@@ -340,43 +342,35 @@ class StreamRolloutOperator(Operator):
         not begun; else the whole batch); False when every batch in the queue is finished. The queue
         changes only while the thread is held."""
         trainer = self.trainer
-        for item in self.queue:
-            if item.generated[0] is not None:
-                continue
-            version = self._engine_version
-            with trainer.rollout.phase():
-                if self.partial_tokens is None:
-                    generated = trainer.generate_here(
-                        item.prompts, seed=trainer.sampling_seed(0, step=item.step), call_sizes=self.call_sizes
-                    )
-                    generated[0]["rollout_version"] = torch.full((len(generated[0]),), version, dtype=torch.long)
-                    item.version = version
-                else:
-                    if item.partial is None:
-                        item.version = version
-                        item.partial = self._partial(item.prompts, trainer.sampling_seed(0, step=item.step))
-                    item.partial.advance(trainer.rollout.generate_segment, version)
-                    if not item.partial.finished:
-                        return True
-                    batch, metrics = item.partial.assemble()
-                    generated = (batch, None, metrics)
-            if trainer.world.ref_ahead and trainer.reference is not None:  # as _reference, off the step's timer
-                start = time.perf_counter()
-                trainer.compute_ref_log_prob(generated[0])
-                generated[2]["timing_s/ref_ahead"] = time.perf_counter() - start
-            item.generated, item.partial = generated, None  # (the main thread reads the queue only in holds)
-            return True
-        return False
+        item = self.queue.oldest_unfinished()
+        if item is None:
+            return False
+        version = self._engine_version
+        seed = trainer.sampling_seed(0, step=item.step)
+        with trainer.rollout.phase():
+            if self.partial_tokens is None:
+                generated = trainer.generate_here(item.prompts, seed=seed, call_sizes=self.call_sizes)
+                generated[0]["rollout_version"] = torch.full((len(generated[0]),), version, dtype=torch.long)
+            else:
+                if item.state is State.DRAWN:
+                    self.queue.begin(item, version, partial=self._partial(item.prompts, seed))
+                self.queue.assert_in_flight(item)
+                item.partial.advance(trainer.rollout.generate_segment, version)
+                if not item.partial.finished:
+                    return True
+                batch, metrics = item.partial.assemble()
+                generated = (batch, None, metrics)
+        if trainer.world.ref_ahead and trainer.reference is not None:  # as _reference, off the step's timer
+            start = time.perf_counter()
+            trainer.compute_ref_log_prob(generated[0])
+            generated[2]["timing_s/ref_ahead"] = time.perf_counter() - start
+        if item.state is State.DRAWN:
+            self.queue.begin(item, version, generated=generated)
+        else:
+            self.queue.finish(item, generated)
+        return True
 
-    def _generate(self, step: int) -> _Ahead | None:
-        """The batch of ``step`` begun now with the current weights (the step in progress's version);
-        None when the data is used up."""
-        item = self._draw(step)
-        if item is not None and self.trainer.rollout is not None:
-            self._start(item)
-        return item
-
-    def _reference(self, item: _Ahead) -> None:
+    def _reference(self, item: AheadBatch) -> None:
         """With the reference on the rollout's ranks (``RLWorld.ref_ahead``): ``item``'s finished
         batch gets its ``ref_log_prob`` here, on those ranks, when it has none yet; the reference
         never changes, so a batch generated ahead has them before its step begins
@@ -403,27 +397,29 @@ class StreamRolloutOperator(Operator):
             stop_ids=stop_ids, seed=seed, pad_token_id=trainer.rollout.engine.pad_token_id,
         )
 
-    def _finish(self, item: _Ahead, version: int) -> None:
+    def _finish(self, item: AheadBatch, version: int) -> None:
         """Partial rollout: ``item``'s unfinished samples continued with the current weights (policy
         ``version``) until every one has ended; its batch assembled (the rollout's ranks)."""
         trainer = self.trainer
+        self.queue.assert_in_flight(item)
         with trainer.phase("gen"), trainer.rollout.phase() as push:
             item.partial.finish(trainer.rollout.generate_segment, version)
         batch, metrics = item.partial.assemble()
         metrics.update(push)
-        item.generated = (batch, None, metrics)
-        item.partial = None
+        self.queue.finish(item, (batch, None, metrics))
 
-    def _restart(self, item: _Ahead, step: int) -> None:
+    def _restart(self, item: AheadBatch, step: int) -> None:
         """``stale_samples=drop`` on a batch in flight begun beyond the bound: its samples dropped
         unfinished, its prompts sampled anew with the current weights (as :meth:`_drop_stale` would
         after finishing them, without the segments it would throw away)."""
-        dropped = float(len(item.partial.tokens))
-        item.partial = self._partial(item.partial.prompts, self.trainer.sampling_seed(0, step=step) + _REFILL_SEED)
-        self._finish(item, self.trainer.step_ctx.version)
+        dropped, prompts = float(len(item.partial.tokens)), item.partial.prompts
+        self.queue.drop(item)
+        version = self.trainer.step_ctx.version
+        self.queue.begin(item, version, partial=self._partial(prompts, self.trainer.sampling_seed(0, step=step) + _REFILL_SEED))
+        self._finish(item, version)
         item.generated[2]["async/stale_dropped"] = dropped
 
-    def _drop_stale(self, item: _Ahead, step: int) -> None:
+    def _drop_stale(self, item: AheadBatch, step: int) -> None:
         """``stale_samples=drop``: the samples of ``item`` begun more than ``depth`` versions before
         the one step ``step`` trains from are dropped, and the prompts they belong to sampled again,
         all ``n`` samples of each, with the current weights (a group is never mixed across a drop),
@@ -475,13 +471,16 @@ class StreamRolloutOperator(Operator):
         if self.partial_tokens is not None and trainer.rollout is not None:  # a segment of each batch in flight
             with trainer.phase("gen"), trainer.rollout.phase():  # one weight sync for them all
                 for item in self.queue:
-                    if item.partial is not None:
+                    if item.state is State.IN_FLIGHT:
+                        self.queue.assert_in_flight(item)
                         item.partial.advance(trainer.rollout.generate_segment, ctx.version)
         while len(self.queue) < self.depth:
-            item = self._generate(ctx.step + len(self.queue) + 1)
+            item = self._draw(ctx.step + len(self.queue) + 1)
             if item is None:
                 break
-            self.queue.append(item)
+            self.queue.draw(item)
+            if trainer.rollout is not None:  # begun now with the step's weights
+                self._start(item)
             made += 1
         if self.fill_window and trainer.rollout is not None:
             self._fill(ctx.version)
@@ -496,13 +495,14 @@ class StreamRolloutOperator(Operator):
         ran = 0
         with trainer.phase("gen"), trainer.rollout.phase():
             while True:
-                pending = [item.partial for item in self.queue if item.partial is not None and not item.partial.finished]
+                pending = [item for item in self.queue if item.state is State.IN_FLIGHT and not item.partial.finished]
                 if not pending:
                     return ran
-                for partial in pending:
+                for item in pending:
                     if self._update_is_done(store):
                         return ran
-                    partial.advance(trainer.rollout.generate_segment, version)
+                    self.queue.assert_in_flight(item)
+                    item.partial.advance(trainer.rollout.generate_segment, version)
                     ran += 1
 
     def _update_is_done(self, store: Any) -> bool:
@@ -546,10 +546,9 @@ class StreamRolloutOperator(Operator):
         index = []
         for i, item in enumerate(self.queue):
             batch, greedy, metrics = item.generated
-            begun = item.partial is not None or batch is not None  # free_running: drawn, not yet begun
-            if item.partial is not None:  # in flight: its samples so far, per-token versions included
+            if item.state is State.IN_FLIGHT:  # its samples so far, per-token versions included
                 item.partial.save(os.path.join(folder, f"{i}.partial"))
-            elif batch is not None:
+            elif item.state is State.FINISHED:
                 batch.save(os.path.join(folder, f"{i}.batch"))
             if greedy is not None:
                 greedy.save(os.path.join(folder, f"{i}.greedy"))
@@ -557,10 +556,11 @@ class StreamRolloutOperator(Operator):
                 item.prompts.save(os.path.join(folder, f"{i}.prompts"))
             index.append({
                 "step": item.step, "version": item.version, "metrics": metrics, "greedy": greedy is not None,
-                "partial": item.partial is not None, "prompts": item.prompts is not None, "begun": begun,
+                "partial": item.state is State.IN_FLIGHT, "prompts": item.prompts is not None,
+                "begun": item.state is not State.DRAWN, "state": item.state.value,
             })
         with open(os.path.join(folder, "index.json"), "w", encoding="utf-8") as f:
-            json.dump({"exhausted": self.exhausted, "batches": index}, f)
+            json.dump({"exhausted": self.queue.exhausted, "batches": index}, f)
 
     def load_state(self, checkpoint_dir: str) -> None:
         """Restore the queue :meth:`save_state` wrote (a checkpoint without one: an empty queue)."""
@@ -568,8 +568,7 @@ class StreamRolloutOperator(Operator):
 
         trainer = self.trainer
         folder = os.path.join(checkpoint_dir, QUEUE_DIR)
-        self.queue = []
-        self.exhausted = False
+        self.queue.restore([], exhausted=False)
         path = os.path.join(folder, "index.json")
         if not os.path.exists(path):
             return
@@ -582,10 +581,11 @@ class StreamRolloutOperator(Operator):
                 "the mode and trainer.async_training.max_staleness of the run that saved it, or with "
                 "trainer.async_training.stale_samples=drop (the samples beyond the bound are then sampled again)"
             )
-        self.exhausted = bool(saved["exhausted"])
         here = trainer.rollout is not None
+        batches = []
         for i, entry in enumerate(saved["batches"]):
-            item = _Ahead(step=int(entry["step"]), version=int(entry["version"]), generated=(None, None, {}))
+            item = AheadBatch(step=int(entry["step"]), version=int(entry["version"]))
+            batches.append(item)
             if here:
                 greedy = Batch.load(os.path.join(folder, f"{i}.greedy")) if entry["greedy"] else None
                 if entry.get("partial"):  # (a queue saved before partial rollout existed has no such key)
@@ -596,12 +596,13 @@ class StreamRolloutOperator(Operator):
                             f"{checkpoint_dir} holds a batch in flight of a partial rollout; resume with "
                             "trainer.async_training.partial_rollout=true"
                         )
-                    item.partial = PartialBatch.load(os.path.join(folder, f"{i}.partial"))
+                    item.partial, item.state = PartialBatch.load(os.path.join(folder, f"{i}.partial")), State.IN_FLIGHT
                     item.generated = (None, greedy, entry["metrics"])
                 elif not entry.get("begun", True):  # its prompts only: begun by the thread, or at its step
                     item.generated = (None, greedy, entry["metrics"])
                 else:
                     item.generated = (Batch.load(os.path.join(folder, f"{i}.batch")), greedy, entry["metrics"])
+                    item.state = State.FINISHED
                 if entry.get("prompts"):
                     item.prompts = Batch.load(os.path.join(folder, f"{i}.prompts"))
-            self.queue.append(item)
+        self.queue.restore(batches, exhausted=bool(saved["exhausted"]))
