@@ -3,6 +3,7 @@ file), corrupt and partial checkpoints and the fall-back past them, resume modes
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from verl.utils.checkpoint import (
     MANIFEST_FILE,
     TRACKER_FILE,
     TRAINER_STATE_FILE,
+    CheckpointDiskFull,
     CheckpointError,
     CheckpointManager,
 )
@@ -510,3 +512,115 @@ def test_a_checkpoint_folder_a_rank_cannot_see_is_one_clear_error_on_every_rank(
     assert "rank 1 (" in results[0]["save"] and "does not see it" in results[0]["save"], results[0]["save"]
     assert sorted(os.listdir(shared)) == sorted(["global_step_2", TRACKER_FILE])  # no .tmp_ left
     assert os.listdir(local) == []
+
+
+# --------------------------------------------------------------------------- a full disk (#58)
+
+
+def _fills_the_disk(code: int = errno.ENOSPC):
+    """A write that gets some bytes out, then fails as a full disk (or quota) makes it."""
+
+    def write(tmp: str) -> None:
+        _writer("x" * 5000)(tmp)
+        raise OSError(code, os.strerror(code), os.path.join(tmp, "actor", "model.bin"))
+
+    return write
+
+
+def _disk_full_line(tmp_path, step: int, reason: str = "No space left on device", written: str = r"5,000 bytes \(4.9 KiB\)") -> str:
+    return (
+        rf"^checkpoint of step {step} into {re.escape(str(tmp_path))}: {reason}; [\d,]+ bytes( \([\d.]+ [KMG]iB\))? "
+        rf"free there now \(the unfinished checkpoint \({written} written\) was removed and the earlier checkpoints "
+        r"are kept\): free space on that disk, or point trainer.default_local_dir at a folder on a disk with room$"
+    )
+
+
+def _only_step_1_left(tmp_path, mgr) -> None:
+    assert sorted(os.listdir(tmp_path)) == ["global_step_1", TRACKER_FILE]  # the staging folder is gone
+    assert _tracker(tmp_path) == "1" and mgr.validate(str(tmp_path / "global_step_1")) == 1
+    assert (tmp_path / "global_step_1" / "actor" / "weights.bin").read_text() == "good"
+
+
+@pytest.mark.parametrize(("code", "reason"), [(errno.ENOSPC, "No space left on device"), (errno.EDQUOT, "Disk quota exceeded")])
+def test_a_full_disk_during_the_write_is_one_line_and_loses_nothing(tmp_path, code, reason):
+    """#58: a full disk was a 60-line Megatron traceback naming no folder."""
+    mgr = CheckpointManager(str(tmp_path))
+    mgr.save(1, _writer("good"), {})
+    with pytest.raises(CheckpointDiskFull) as info:
+        mgr.save(2, _fills_the_disk(code), {})
+    assert re.match(_disk_full_line(tmp_path, 2, reason), str(info.value)), str(info.value)
+    assert isinstance(info.value, ValueError)  # an entry point's one-line user error
+    _only_step_1_left(tmp_path, mgr)
+    mgr.save(2, _writer("good2"), {})  # room again: the next save works
+    assert mgr.latest().step == 2
+
+
+def test_a_full_disk_inside_torchs_distributed_checkpoint_is_found(tmp_path):
+    """Megatron's dist_checkpointing saves through torch.distributed.checkpoint, which gathers each
+    rank's OSError into a CheckpointException (a BaseException) that Megatron re-raises from."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def write(tmp: str) -> None:
+        _writer("x" * 5000)(tmp)
+        failure = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        try:
+            raise CheckpointException("save failed", {0: (failure, traceback.StackSummary())})
+        except CheckpointException as exc:
+            raise RuntimeError("megatron: saving the sharded state failed") from exc
+
+    mgr = CheckpointManager(str(tmp_path))
+    mgr.save(1, _writer("good"), {})
+    with pytest.raises(CheckpointDiskFull, match=_disk_full_line(tmp_path, 2)):
+        mgr.save(2, write, {})
+    _only_step_1_left(tmp_path, mgr)
+
+
+def test_a_full_disk_at_the_manifest_keeps_the_step_it_was_replacing(tmp_path, monkeypatch):
+    """The fsync after the manifest fails (a full disk can say so only then): the step being saved
+    again keeps its earlier copy, the staging folder goes."""
+    from verl.utils import checkpoint
+
+    mgr = CheckpointManager(str(tmp_path))
+    mgr.save(1, _writer("good"), {})
+
+    def full(path: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "_fsync_dir", full)
+    with pytest.raises(CheckpointDiskFull, match=_disk_full_line(tmp_path, 1, written=r"[\d,]+ bytes( \([\d.]+ KiB\))?")):
+        mgr.save(1, _writer("new"), {})
+    monkeypatch.undo()
+    _only_step_1_left(tmp_path, mgr)
+
+
+def test_another_write_error_is_not_called_a_full_disk(tmp_path):
+    def denied(tmp: str) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), tmp)
+
+    with pytest.raises(PermissionError):
+        CheckpointManager(str(tmp_path)).save(1, denied, {})
+
+
+def _full_on_rank_1_body(root: str) -> str:
+    import torch.distributed as dist
+
+    mgr = CheckpointManager(root)
+    mgr.save(1, _writer("good") if dist.get_rank() == 0 else lambda tmp: None, {})
+    try:
+        mgr.save(2, _fills_the_disk() if dist.get_rank() == 1 else lambda tmp: None, {})
+    except CheckpointDiskFull as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_full_disk_on_one_rank_is_the_same_line_on_every_rank(tmp_path):
+    """Rank 0 wrote its share; rank 1's disk was full: both raise (rank 0 waited at a barrier before)."""
+    from verl.testing.distributed import run_distributed
+
+    results = run_distributed(_full_on_rank_1_body, 2, str(tmp_path))
+    assert results[0] == results[1]
+    assert results[0].startswith(f"checkpoint of step 2 into {tmp_path}: No space left on device on rank(s) 1; ")
+    _only_step_1_left(tmp_path, CheckpointManager(str(tmp_path)))

@@ -24,7 +24,10 @@ How a save survives being killed at any moment:
 
 A kill before 3 leaves the previous checkpoint and tracker untouched; between 3 and 4 the
 new directory is complete but the tracker still names the previous one (resume uses the
-previous one; the newer one is picked up when no tracker exists).
+previous one; the newer one is picked up when no tracker exists). A full disk or quota
+(``ENOSPC``, ``EDQUOT``, also inside Megatron's and torch's distributed-checkpoint errors) on any
+rank before 3: the staging folder is removed and every rank raises the same
+:class:`CheckpointDiskFull` line naming the folder, the bytes free and the fix.
 
 The manifest lists every file of the checkpoint with its size and XXH3-128 content checksum
 (:mod:`verl.utils.checksum`), and carries a checksum of itself. :meth:`CheckpointManager.validate`
@@ -44,6 +47,7 @@ system on multi-node runs).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -64,6 +68,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ACTOR_SUBDIR",
     "CRITIC_SUBDIR",
+    "CheckpointDiskFull",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotShared",
@@ -105,6 +110,66 @@ _OLD_PREFIX = "old_"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, incomplete or inconsistent (the message names it)."""
+
+
+class CheckpointDiskFull(CheckpointError):
+    """A save the disk (or the user's quota) had no room for; the message names the folder, the
+    bytes free and the fix. The unfinished checkpoint is removed, the earlier ones are kept."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(exc: BaseException | None) -> BaseException | None:
+    """The error in ``exc``'s chain that says the disk or the quota is full, or None. Megatron's and
+    torch's distributed checkpoints wrap each rank's OSError (``CheckpointException.failures``) and
+    re-raise with ``from``; their text keeps the OSError's strerror."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return e
+        if any(os.strerror(code) in str(e) for code in _DISK_FULL):
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # torch.distributed.checkpoint: {rank: (exception, trace)}
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
+    return None
+
+
+def _full_reason(exc: BaseException) -> str | None:
+    """``No space left on device`` or ``Disk quota exceeded`` when ``exc`` says so, else None."""
+    found = _disk_full(exc)
+    if found is None:
+        return None
+    code = getattr(found, "errno", None)
+    if code in _DISK_FULL:
+        return os.strerror(code)
+    return next(os.strerror(c) for c in _DISK_FULL if os.strerror(c) in str(found))
+
+
+def _size(path: str) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:.1f} {unit})"
+    return f"{n:,} bytes"
 
 
 class CheckpointNotShared(CheckpointError):
@@ -185,7 +250,7 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
         try:
             holder[0] = ("ok", fn())
         except CheckpointError as exc:
-            holder[0] = ("checkpoint_error", str(exc))
+            holder[0] = ("checkpoint_error", (type(exc), str(exc)))
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
             holder[0] = ("error", f"{type(exc).__name__}: {exc}")
             error = exc
@@ -194,9 +259,10 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     if kind == "checkpoint_error":
-        raise CheckpointError(value)
+        cls, message = value
+        raise cls(message)
     if kind == "error":
-        raise RuntimeError(f"rank 0 failed while reading checkpoints: {value}")
+        raise RuntimeError(f"rank 0 failed in the checkpoint folder: {value}")
     return value
 
 
@@ -295,19 +361,41 @@ class CheckpointManager:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         final = self.step_path(step)
         tmp = os.path.join(self.root, _TMP_PREFIX + step_dir_name(step))
-        if _rank() == 0:
+
+        def on_disk(fn: Callable[[], Any]) -> Callable[[], Any]:
+            """``fn`` (run on rank 0) with a full disk raised as :class:`CheckpointDiskFull`."""
+
+            def run() -> Any:
+                try:
+                    return fn()
+                except OSError as exc:
+                    reason = _full_reason(exc)
+                    if reason is None:
+                        raise
+                    raise CheckpointDiskFull(self._disk_full_message(step, tmp, reason)) from None
+
+            return run
+
+        def prepare() -> None:
             os.makedirs(self.root, exist_ok=True)
             self._remove_stale_temps()
             os.makedirs(tmp)
-        _barrier()
+
+        _on_rank0(on_disk(prepare))  # every rank raises rank 0's error (no rank left at a barrier)
         try:
             _check_shared(tmp)
         except CheckpointNotShared:
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        write(tmp)
-        _barrier()
+        try:
+            write(tmp)
+            error = None
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = exc
+        self._agree_on_write(step, tmp, error)
 
         def write_state_and_list() -> list[str]:
             state = dict(trainer_state)
@@ -317,41 +405,87 @@ class CheckpointManager:
             return _list_files(tmp)
 
         # Rank 0's listing, hashed by every rank (each its share of the files).
-        files = _on_rank0(write_state_and_list)
+        files = _on_rank0(on_disk(write_state_and_list))
         digests = checksum_files(tmp, files)
         unreadable = [f"{rel}: {d.error}" for rel, d in digests.items() if d.digest is None]
         if unreadable:
             raise OSError(f"checkpoint {tmp}: cannot read back what was written: {_shown(unreadable)}")
-        if _rank() == 0:
-            manifest: dict[str, Any] = {
-                "version": MANIFEST_VERSION,
-                "global_step": step,
-                "hash": ALGORITHM,
-                "files": {rel: {"size": d.size, ALGORITHM: d.digest} for rel, d in digests.items()},
-            }
-            manifest["manifest_" + ALGORITHM] = _manifest_checksum(manifest)
-            with open(os.path.join(tmp, MANIFEST_FILE), "w", encoding="utf-8") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if os.path.exists(final):
-                # Re-saving a step (e.g. after resuming from it): the old copy goes only once
-                # the new one is complete.
-                old = os.path.join(self.root, _TMP_PREFIX + _OLD_PREFIX + step_dir_name(step))
-                if os.path.exists(old):
-                    shutil.rmtree(old)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
-            _write_atomic(self.tracker_path, f"{step}\n")
-            self._prune(keep=step)
-            log_rank0(logger, logging.INFO, "saved checkpoint %s", final)
-        _barrier()
+        _on_rank0(on_disk(lambda: self._finish(step, tmp, final, digests)))
         return final
+
+    def _finish(self, step: int, tmp: str, final: str, digests: dict[str, Any]) -> None:
+        """Rank 0: the manifest written last into ``tmp``, ``tmp`` renamed to ``final``, the tracker, pruning."""
+        manifest: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "global_step": step,
+            "hash": ALGORITHM,
+            "files": {rel: {"size": d.size, ALGORITHM: d.digest} for rel, d in digests.items()},
+        }
+        manifest["manifest_" + ALGORITHM] = _manifest_checksum(manifest)
+        with open(os.path.join(tmp, MANIFEST_FILE), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            # Re-saving a step (e.g. after resuming from it): the old copy goes only once
+            # the new one is complete.
+            old = os.path.join(self.root, _TMP_PREFIX + _OLD_PREFIX + step_dir_name(step))
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.tracker_path, f"{step}\n")
+        self._prune(keep=step)
+        log_rank0(logger, logging.INFO, "saved checkpoint %s", final)
+
+    def _agree_on_write(self, step: int, tmp: str, error: BaseException | None) -> None:
+        """After every rank's ``write(tmp)`` (collective): nothing when all succeeded; otherwise every
+        rank raises: one :class:`CheckpointDiskFull` line when any rank found the disk full, else
+        this rank's own error (a RuntimeError naming the failed rank on the others, which would
+        otherwise wait for it at the next barrier)."""
+        mine = None if error is None else (_full_reason(error), f"{type(error).__name__}: {error}".split("\n")[0])
+        outcomes = [mine]
+        if _distributed():
+            outcomes = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, mine)
+        failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+        if not failed:
+            return
+        full = [(rank, reason) for rank, (reason, _) in failed if reason is not None]
+        if full:
+            ranks = [rank for rank, _ in full] if _distributed() else None
+            message = _on_rank0(lambda: self._disk_full_message(step, tmp, full[0][1], ranks=ranks))
+            raise CheckpointDiskFull(message) from None
+        if error is not None:
+            raise error
+        rank, (_, text) = failed[0]
+        raise RuntimeError(f"checkpoint of step {step}: rank {rank} failed writing it ({text:.300}); see that rank's log")
+
+    def _disk_full_message(self, step: int, tmp: str, reason: str | None, *, ranks: list[int] | None = None) -> str:
+        """Rank 0: the unfinished ``tmp`` removed (its space given back) and the one line saying so."""
+        written = _size(tmp)
+        removed = os.path.isdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = os.path.abspath(self.root)
+        while not os.path.isdir(where) and os.path.dirname(where) != where:
+            where = os.path.dirname(where)
+        free = shutil.disk_usage(where).free
+        by = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+        done = (
+            f"the unfinished checkpoint ({_bytes(written)} written) was removed and the earlier checkpoints are kept"
+            if removed
+            else "the earlier checkpoints are kept"
+        )
+        return (
+            f"checkpoint of step {step} into {self.root}: {reason or os.strerror(errno.ENOSPC)}{by}; {_bytes(free)} "
+            f"free there now ({done}): "
+            "free space on that disk, or point trainer.default_local_dir at a folder on a disk with room"
+        )
 
     def _remove_stale_temps(self) -> None:
         for name in sorted(os.listdir(self.root)):
