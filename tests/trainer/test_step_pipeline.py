@@ -329,3 +329,83 @@ def test_a_non_finite_score_is_refused_at_the_reward_step():
     op._trainer = fake  # (bind() would build the scorers from a trainer's config)
     with pytest.raises(ValueError, match=r"step 1: token_level_scores is nan for sample 0 \(data_source='a'\)"):
         op.process(batch)
+
+
+class _StepTrainer:
+    """What ``StepPipeline.run`` and ``Loop`` use of a trainer, without models."""
+
+    def __init__(self, total_steps: int) -> None:
+        from types import SimpleNamespace
+
+        self.world, self.global_step, self.total_steps, self.step_ctx = None, 0, total_steps, None
+        self.cfg = SimpleNamespace(trainer=SimpleNamespace(total_epochs=1, collective_timeout_s=60.0))
+        self.last_checkpoint, self.stopped_by = None, None
+
+    def begin_step(self, schedule):
+        from verl.trainer.step.context import PhaseTimer, StepContext
+
+        self.step_ctx = StepContext(step=self.global_step + 1, timer=PhaseTimer(), schedule=schedule)
+        return self.step_ctx
+
+    def end_step(self):
+        self.step_ctx = None
+
+    def resume(self):
+        return self.global_step
+
+    def post_phase(self, phase):
+        pass
+
+
+def _scored(rewards):
+    import torch
+
+    from verl.protocol import Batch
+
+    return Batch.from_dict({"token_level_scores": torch.tensor(rewards).unsqueeze(-1)}, non_tensors={"uid": ["a", "a", "b", "b"]})
+
+
+@pytest.mark.parametrize("keeper", ["threshold", "predicate", "groups"])
+def test_a_step_whose_filter_keeps_no_sample_is_skipped_and_counted_and_the_run_goes_on(keeper, caplog):
+    """#58: FilterOperator (and GroupFilterOperator) raised when they kept nothing, ending fit()."""
+    from verl.trainer.loop import Loop
+    from verl.trainer.step import StepPipeline
+    from verl.trainer.step.ops import FilterOperator, GroupFilterOperator
+
+    draws = iter([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    updated: list[int] = []
+
+    class Draw:
+        inputs, outputs = (), ("token_level_scores", "uid")
+
+        def process(self, batch):
+            return next((_scored(r) for r in draws), None)
+
+    class Update:
+        inputs, outputs = ("token_level_scores",), ()
+
+        def process(self, batch):
+            updated.append(len(batch))
+            return batch
+
+    trainer = _StepTrainer(total_steps=10)
+    if keeper == "groups":  # the groups of step 2 and step 3 have no reward spread
+        keep = GroupFilterOperator()
+        keep.bind(type("T", (), {"filter_metric": lambda self, b, m: b["token_level_scores"].sum(-1).numpy()})())
+    else:
+        keep = FilterOperator(0.5) if keeper == "threshold" else FilterOperator(predicate=lambda s: s["reward"] > 0.5)
+    pipeline = StepPipeline([Draw(), keep, Update()])
+    loop = Loop(trainer, lambda: pipeline.run(trainer), callbacks=[])
+    with caplog.at_level("WARNING", logger="verl.trainer.step.pipeline"):
+        steps = []
+        while (m := loop.step()) is not None:
+            steps.append(m)
+    assert trainer.global_step == 4 and len(steps) == 4  # the run went on to the end of the data
+    skipped = [2, 3] if keeper == "groups" else [2]
+    assert len(updated) == 4 - len(skipped)  # no update in a skipped step
+    for step in skipped:
+        m = steps[step - 1]
+        assert m["training/global_step"] == step and "timing_s/step" in m
+        assert m["training/empty_steps"] == skipped.index(step) + 1
+        assert f"step {step}: operator {type(keep).__name__} left no sample of 4 in the batch; the step is skipped" in caplog.text
+    assert "training/empty_steps" not in steps[0] and steps[-1]["training/empty_steps"] == len(skipped)

@@ -30,7 +30,7 @@ from verl.trainer.step.base import Operator
 
 if TYPE_CHECKING:
     from verl.protocol import Batch
-    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.step.pieces import StepPieces
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class RolloutOperator(Operator):
     def config_overrides(self) -> dict[str, Any]:
         return {k: v for k, v in self.settings.items() if v is not None}
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         super().bind(trainer)
         if self.tools and trainer.rollout is not None:  # None on ranks that do not generate
             trainer.rollout.add_tools(self.tools)
@@ -227,7 +227,7 @@ class RewardOperator(Operator):
         self.name = name or _scorer_name(scorer)
         self._role = None
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         super().bind(trainer)
         if self.scorer is None:
             return
@@ -333,7 +333,7 @@ class RewardModelScorer(RewardOperator):
             return {}
         return {"reward_model.enable": True, "reward_model.model.path": self.model_path}
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         if self.model_path is None:
             super().bind(trainer)
             return
@@ -386,7 +386,7 @@ class MultiRewardScorer(Operator):
                 out[key] = value
         return out
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         super().bind(trainer)
         for op, _ in self.parts:
             op.bind(trainer)
@@ -422,7 +422,8 @@ def sample_view(batch: "Batch", i: int, reward: torch.Tensor) -> dict[str, Any]:
 class FilterOperator(Operator):
     """Keeps the samples whose reward is at least ``threshold``, or for which ``predicate(sample)``
     is true (``sample``: :func:`sample_view`); the others leave the step's batch. A GRPO group
-    left with one sample gets zero advantage. Fails when no sample is kept.
+    left with one sample gets zero advantage. A step in which no sample is kept is skipped (no
+    update; ``StepPipeline.run`` warns and counts it in ``training/empty_steps``).
 
     Logs ``filter/kept`` and ``filter/dropped``.
     """
@@ -442,16 +443,9 @@ class FilterOperator(Operator):
         reward = batch["token_level_scores"].sum(-1)  # [B]
         if self.threshold is not None:
             keep = [i for i in range(len(batch)) if float(reward[i]) >= self.threshold]
-            rule = f"reward >= {self.threshold}"
         else:
             keep = [i for i in range(len(batch)) if self.predicate(sample_view(batch, i, reward))]
-            rule = "the predicate"
-        if not keep:
-            raise ValueError(
-                f"FilterOperator kept none of the {len(batch)} samples ({rule}; rewards from "
-                f"{float(reward.min()):.3g} to {float(reward.max()):.3g}); lower the threshold or loosen the predicate"
-            )
-        kept = batch if len(keep) == len(batch) else batch[keep]
+        kept = batch if len(keep) == len(batch) else batch[keep]  # none kept: the pipeline skips the step
         return kept, {"filter/kept": float(len(keep)), "filter/dropped": float(len(batch) - len(keep))}
 
 
@@ -547,8 +541,8 @@ class GroupFilterOperator(Operator):
     them zero advantage. The trainer's own pieces: ``verl.algos.filter_groups`` on
     ``PPOTrainer.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
     scorer returns, e.g. ``acc``). Unlike ``algorithm.filter_groups`` in the trainer's own step it
-    does not draw more prompts to refill the batch: the step trains on the groups left. Fails when
-    no group is left. Logs ``filter/kept_groups`` and ``filter/dropped_groups``.
+    does not draw more prompts to refill the batch: the step trains on the groups left; with no group
+    left it is skipped (``training/empty_steps``). Logs ``filter/kept_groups`` and ``filter/dropped_groups``.
     """
 
     inputs = ("token_level_scores", "uid")
@@ -561,12 +555,6 @@ class GroupFilterOperator(Operator):
         from verl.algos import filter_groups
 
         result = filter_groups(index=batch.non_tensors["uid"], metric_values=self.trainer.filter_metric(batch, self.metric))
-        if result.num_kept_groups == 0:
-            raise ValueError(
-                f"GroupFilterOperator dropped all {result.num_groups} prompt groups: every group's samples have "
-                f"the same {self.metric!r}; sample more responses per prompt (RolloutOperator(n=...)), raise the "
-                "temperature, or use prompts of mixed difficulty"
-            )
         kept = batch if len(result.kept_indices) == len(batch) else batch[result.kept_indices]
         return kept, {
             "filter/kept_groups": float(result.num_kept_groups),
@@ -594,7 +582,7 @@ class DynamicSamplingOperator(Operator):
         self.max_num_gen_batches = max_num_gen_batches
         self.reward = RewardOperator(summary=False)
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         super().bind(trainer)
         self.reward.bind(trainer)
 
@@ -776,7 +764,7 @@ class DPOUpdateOperator(Operator):
     def config_overrides(self) -> dict[str, Any]:
         return {"data.pairs": True, **({"actor_rollout_ref.actor.optim.lr": self.lr} if self.lr is not None else {})}
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         for name, given, own in (("actor", self.actor, trainer.actor), ("reference", self.reference, trainer.reference)):
             if given is not None and given is not own:
                 raise ValueError(
@@ -848,7 +836,7 @@ class ConditionalUpdateOperator(Operator):
     def check_config(self, cfg: Any) -> None:
         self._check_samples(cfg.actor_rollout_ref.rollout.n)
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         self._check_samples(trainer.n)
         super().bind(trainer)
         self.true_branch.bind(trainer)
@@ -960,7 +948,7 @@ class DistillationOperator(Operator):
     def config_overrides(self) -> dict[str, Any]:
         return dict(self.settings)
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         super().bind(trainer)
         if not trainer.cfg.use_teacher:
             raise ValueError(

@@ -28,7 +28,7 @@ from verl.trainer.step.base import Operator, declared, operator_name
 if TYPE_CHECKING:
     from verl.config import PPOConfig
     from verl.protocol import Batch
-    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.step.pieces import StepPieces
 
 __all__ = ["StepPipeline", "build_step", "step_kind"]
 
@@ -90,7 +90,7 @@ class StepPipeline:
         """The operators' classes in order: ``RolloutOperator -> RewardOperator -> PPOUpdateOperator``."""
         return " -> ".join(type(op).__name__ for op in self.operators)
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         """Give every built-in operator the trainer whose roles it calls."""
         for op in self.operators:
             if isinstance(op, Operator):
@@ -108,7 +108,7 @@ class StepPipeline:
             self._sync = SyncSchedule(world)
         return self._sync
 
-    def run(self, trainer: "PPOTrainer") -> dict[str, float] | None:
+    def run(self, trainer: "StepPieces") -> dict[str, float] | None:
         """One step: every operator in order on the step's batch; the step's metrics (the
         operators' and the trainer's phase timings, ``timing_s/step``), or None when the first
         operator found no more data. The trainer's ``global_step`` advances here, and only here,
