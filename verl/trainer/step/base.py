@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.step.pieces import StepPieces
 
 __all__ = ["Operator", "declared", "operator_name"]
 
@@ -42,7 +42,7 @@ class Operator:
     schedule: Any = None
 
     def __init__(self) -> None:
-        self._trainer: "PPOTrainer | None" = None
+        self._trainer: "StepPieces | None" = None
 
     def config_overrides(self) -> dict[str, Any]:
         """Config keys (dotted) this operator's arguments set; a stream that builds its trainer
@@ -53,12 +53,12 @@ class Operator:
         """Refuse (ValueError naming the fix) a config this operator cannot train with; a stream
         calls it when it builds its config, before any model is built."""
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         """Attach the trainer whose roles this operator calls (the stream does this)."""
         self._trainer = trainer
 
     @property
-    def trainer(self) -> "PPOTrainer":
+    def trainer(self) -> "StepPieces":
         if self._trainer is None:
             raise ValueError(f"{type(self).__name__} is not in a DataStream yet: add it with stream.add_operator(op)")
         return self._trainer

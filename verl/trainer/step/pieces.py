@@ -64,8 +64,33 @@ def _step_being_made(host: Any) -> int:
 
 
 class StepPieces:
-    """The step's pieces (module docstring); ``PPOTrainer`` builds the state they use."""
+    """The step's pieces (module docstring); ``PPOTrainer`` builds the state they use, named here:
+    what the operators of this folder may read (they are typed against this class, not the trainer)."""
 
+    # The run's state, built by the trainer (verl.trainer.ppo_trainer):
+    cfg: Any  # verl.config.PPOConfig
+    world: Any  # verl.trainer.world.RLWorld: the placement, this rank's roles, the exchanges
+    data: Any  # verl.trainer.rl_data.RLData: the tokenizer, loaders and each step's prompts
+    tokenizer: Any
+    rollout: Any  # this rank's roles (None where it holds none): verl.roles.Rollout ...
+    actor: Any
+    reference: Any
+    critic: Any
+    reward: Any
+    n: int  # samples per prompt
+    total_steps: int
+    world_size: int
+    use_critic: bool
+    use_reference: bool
+    kl_ctrl: Any  # verl.algos.kl controller
+    skipped: Any  # verl.trainer.resilience.SkippedSteps
+    board: Any  # verl.trainer.resilience.PhaseBoard
+    reporting: bool  # the run report's per-sample files are written (rank 0)
+    is_rank0: bool
+    scores_file: Any  # verl.trainer.report.StepRecords
+    pipeline: Any  # verl.trainer.step.StepPipeline: the step fit() runs
+    global_step: int  # the steps begun (StepPipeline.run advances it)
+    _last_checkpoint: str | None
     step_ctx: StepContext | None = None  # the step in progress (begin_step .. end_step)
 
     def runs(self, role: str) -> bool:

@@ -127,7 +127,7 @@ if TYPE_CHECKING:
     from verl.trainer.step.generator import Generator
     from verl.trainer.step.context import StepContext
     from verl.trainer.step.partial import PartialBatch
-    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.step.pieces import StepPieces
 
 __all__ = ["QUEUE_DIR", "StreamRolloutOperator"]
 
@@ -193,7 +193,7 @@ class StreamRolloutOperator(Operator):
         self._updates_before = 0  # fill_window: the store's update count when this step began
         self.queue = AheadQueue()  # the batches generated ahead, as named states (verl.trainer.step.queue)
 
-    def bind(self, trainer: "PPOTrainer") -> None:
+    def bind(self, trainer: "StepPieces") -> None:
         """Attach the trainer and make the step's schedule of this mode (``verl.trainer.step.schedule``)."""
         from verl.trainer.step import schedule
 
