@@ -77,15 +77,14 @@ _VALIDATED = "_verl_validated"  # on a root config: (world size, its settings as
 def validate_once(cfg: Any, world_size: int | None, check: Callable[[Any, int | None], None]) -> None:
     """``check(cfg, world_size)`` unless ``cfg`` passed it for this world size and no setting has
     changed since (compared as the settings' JSON, a few kilobytes)."""
+    import dataclasses
     import json
 
-    from verl.config.loader import to_dict
-
     seen = getattr(cfg, _VALIDATED, None)
-    if seen is not None and seen[0] == world_size and seen[1] == json.dumps(to_dict(cfg), sort_keys=True, default=str):
+    if seen is not None and seen[0] == world_size and seen[1] == json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str):
         return
     check(cfg, world_size)
-    setattr(cfg, _VALIDATED, (world_size, json.dumps(to_dict(cfg), sort_keys=True, default=str)))
+    setattr(cfg, _VALIDATED, (world_size, json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)))
 
 
 def validation_deferred() -> bool:
