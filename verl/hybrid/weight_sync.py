@@ -146,8 +146,6 @@ class WeightSync:
         problems = []
         if tp * pp * cp * dp != world:
             problems.append("the actor must span the whole world (the rollout is colocated with it)")
-        if cp != 1:
-            problems.append("context parallel actors are not resharded yet (cp must be 1)")
         if world % rollout_tp:
             problems.append(f"rollout TP'={rollout_tp} does not divide the actor's {world} ranks")
         problems += check_rollout_degrees(spec, rollout_tp)
@@ -328,8 +326,6 @@ class DisaggregatedSync:
             f"{rollout_ranks}, world_size={world}"
         )
         problems = []
-        if cp != 1:
-            problems.append("context parallel actors are not resharded yet (cp must be 1)")
         if first["ep"] != 1:
             problems.append("expert-parallel actors are not resharded into a rollout on other ranks yet (EP must be 1)")
         if len(rollout_ranks) % rollout_tp:

@@ -1,0 +1,77 @@
+"""GRPO with context parallelism: the actor and the reference at CP 2 on 2 ranks (the rollout unchanged).
+
+The first step's invariants hold as at every other layout (tests/trainer/test_rl_trainer.py's
+docstring): the policy ratio is exactly 1 and the KL to the reference 0 to float rounding; the
+rollout's log-probabilities agree with the actor's as without CP; and since the rollout layout (a
+transformers engine per rank) is the same, the first update sees DP 2's samples and must take its
+step: gradient norm and entropy within float32 rounding (rel 1e-4, as the other layouts). The weight
+push runs at CP 2 (CP ranks hold the same weights; each is a source of its shard, as a DP replica).
+Pre-flight: CP with packed sequences is refused in one line before any model is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.trainer.test_rl_trainer import LOGPROB_ATOL, _config
+from verl.testing.distributed import run_distributed
+
+CP2 = [
+    "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+    "actor_rollout_ref.ref.megatron.context_parallel_size=2",
+]
+UNPACKED = ["actor_rollout_ref.model.use_remove_padding=false"]
+
+
+def _grpo_body(model_dir: str, files: dict[str, str], root: str) -> dict[str, list[dict[str, float]]]:
+    from verl.trainer.ppo_trainer import PPOTrainer
+
+    out = {}
+    for name, layout in (("cp2", CP2), ("dp2", [])):
+        cfg = _config("grpo_tiny_cpu", model_dir, files, *UNPACKED, *layout, "trainer.logger=[]",
+                      f"trainer.default_local_dir={root}/{name}")
+        with PPOTrainer(cfg) as trainer:
+            out[name] = [trainer.train_step() for _ in range(2)]
+            out[name][0]["cp_sizes"] = (trainer.actor.engine.pg.cp.size(), trainer.reference.role.engine.pg.cp.size())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grpo_at_cp2_has_ratio_one_and_takes_dp2s_step(tiny_model_dir, arithmetic_files, tmp_path):
+    results, other = run_distributed(_grpo_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=560)
+    assert results["cp2"][0].pop("cp_sizes") == (2, 2) and results["dp2"][0].pop("cp_sizes") == (1, 1)
+    for name, steps in results.items():
+        other[name][0].pop("cp_sizes")
+        for key in ("actor/grad_norm", "actor/entropy", "actor/ppo_kl"):  # every rank reports the same step
+            assert steps[0][key] == other[name][0][key], (name, key)
+        first = steps[0]
+        assert first["actor/ppo_kl"] == 0.0, name
+        assert first["actor/pg_clipfrac"] == 0.0 and first["actor/pg_clipfrac_lower"] == 0.0, name
+        assert abs(first["actor/kl_loss"]) <= 1e-6, name  # two engines: rounding (test_rl_trainer's docstring)
+        for step in steps:
+            assert step["training/rollout_logprob_diff_max"] < LOGPROB_ATOL, (name, step["training/rollout_logprob_diff_max"])
+            assert all(math.isfinite(v) for v in step.values()), name
+        assert steps[1]["training/global_step"] == 2.0
+    cp, dp = results["cp2"][0], results["dp2"][0]
+    assert cp["critic/score/mean"] == dp["critic/score/mean"]
+    for key in ("actor/grad_norm", "actor/entropy", "actor/pg_loss"):
+        assert cp[key] == pytest.approx(dp[key], rel=1e-4, abs=1e-7), key
+    # the second step's samples come from the pushed weights: CP's push gave DP's rollout
+    assert results["cp2"][1]["critic/score/mean"] == results["dp2"][1]["critic/score/mean"]
+
+
+def test_cp_with_packed_sequences_is_refused_before_any_model(tiny_model_dir, arithmetic_files):
+    from verl.trainer.ppo_checks import preflight
+
+    cfg = _config("grpo_tiny_cpu", tiny_model_dir, arithmetic_files, *CP2, "actor_rollout_ref.model.use_remove_padding=true")
+    with pytest.raises(ValueError) as caught:
+        preflight(cfg, 2)
+    message = str(caught.value)
+    assert "actor_rollout_ref.actor.megatron.context_parallel_size=2 with actor_rollout_ref.model.use_remove_padding=true" in message
+    assert "set actor_rollout_ref.model.use_remove_padding=false" in message
+    cfg = _config("grpo_tiny_cpu", tiny_model_dir, arithmetic_files, *CP2, *UNPACKED)
+    preflight(cfg, 2)  # CP 2 on its own passes
