@@ -300,3 +300,14 @@ def test_lora_flags_on_a_checkpoint_without_adapters_are_one_line(capsys, tmp_pa
         f"megatron2hf: error: {tmp_path}/ckpt is not a LoRA checkpoint (no model/lora.json); drop --merge-lora/--base-dir\n"
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moe_converts_and_checks_at_tp_2(tmp_path, family):
+    """#58: --check of a MoE model at --tp 2 ended in Megatron's traceback ("MoE and tensor parallelism
+    ... without also enabling sequence parallelism", a rule for training); the check's pass is inference."""
+    model = make_tiny_model(str(tmp_path / "hf"), family)
+    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "ckpt"), "--tp", "2", "--check", "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert float(out.stdout.split("max_abs_diff=")[1].split()[0]) < 1e-5  # float32 both sides: rounding only

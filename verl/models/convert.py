@@ -221,6 +221,10 @@ def _check_rank(ckpt_dir: str, expected_path: str, tp: int, pp: int) -> float:
     meta, spec = read_checkpoint_meta(ckpt_dir)
     chunks = build_model_chunks(spec, ModelBuildConfig(dtype="fp32", head=meta.head, init_weights=False), pg)
     load_checkpoint(chunks, ckpt_dir, pg=pg)
+    for chunk in chunks:
+        # An inference pass, as transformers' side is: in training mode Megatron's MoE layer refuses
+        # TP > 1 without sequence parallelism (a training-speed rule), which --check does not need.
+        chunk.eval()
     data = torch.load(expected_path)
     batch = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
     kind = "logits" if meta.head == "lm" else "values"
