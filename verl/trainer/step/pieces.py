@@ -602,7 +602,7 @@ class StepPieces:
         with self._exchange_phase(timer):
             batch, more = schedule.share_updates(ctx, batch, shares, updates)
         metrics.update(more)
-        if not have_columns:  # a rank that only generates: the columns came with the updates' metrics
+        if not have_columns:  # the schedule handed the columns over with the updates' metrics
             batch = self._advantages(batch, timer, metrics)
         with timer("records"):
             self._records(batch, metrics)
