@@ -14,7 +14,7 @@ import pytest
 
 from verl.config import PPOConfig, load_config
 from verl.trainer.launcher import set_aside_earlier_run
-from verl.trainer.run_checks import check_run_outputs
+from verl.trainer.run_checks import check_run_outputs, release_run_outputs
 from verl.utils.outputs import OutputPathError, commit_output, staging_dir
 
 
@@ -58,6 +58,7 @@ def test_a_rerun_moves_the_earlier_runs_outputs_aside_and_starts(tmp_path):
     assert not (out / "checkpoints").exists() and not (out / "logs").exists() and not (out / "grpo_model").exists()
     assert (out / "data" / "train.parquet").read_bytes() == b"rows"
     check_run_outputs(_trainer(args), inputs={})  # the rerun starts
+    release_run_outputs(_trainer(args))  # and ends (its trainer's close): a live run's folders would stay
     # A third run moves the second's aside beside the first's, never over it.
     _earlier_run_again = out / "checkpoints" / "global_step_80"
     _earlier_run_again.mkdir(parents=True)

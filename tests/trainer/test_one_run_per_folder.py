@@ -169,3 +169,17 @@ def test_a_recipe_rerun_does_not_move_a_live_runs_folder(tmp_path, holder):
     holder(ckpt)
     assert set_aside_earlier_run([f"trainer.default_local_dir={ckpt}", "trainer.resume_mode=disable"]) is None
     assert (ckpt / "global_step_2").is_dir()
+
+
+def test_a_run_refused_by_a_later_check_holds_no_lock_and_leaves_no_folder(tmp_path):
+    """The lock is taken before the checks that read the folders; a refusal by one of them (the log
+    folder holds a model's config.json) releases it, and the checkpoint folder it made is gone again."""
+    from verl.trainer.run_checks import check_run_outputs
+    from verl.utils.outputs import OutputPathError
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(OutputPathError, match=r"holds config.json, which verl did not write"):
+        check_run_outputs(_trainer(tmp_path), inputs={})
+    assert sorted(os.listdir(tmp_path / "logs")) == ["config.json"]
+    assert not (tmp_path / "ckpt").exists()

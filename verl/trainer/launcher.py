@@ -140,6 +140,8 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
     import shutil
     import time
 
+    from verl.utils.run_lock import LOCK_FILE
+
     values: dict[str, str] = {}
     for arg in args:
         if "=" in arg and not arg.startswith("-"):
@@ -150,7 +152,7 @@ def set_aside_earlier_run(args: Sequence[str]) -> str | None:
     present: dict[str, str] = {}  # folder -> the setting naming it (a folder named twice moves once)
     for key in _RUN_OUTPUT_KEYS:
         folder = os.path.expanduser(values.get(key) or "")
-        if folder and os.path.isdir(folder) and os.listdir(folder):
+        if folder and os.path.isdir(folder) and set(os.listdir(folder)) - {LOCK_FILE}:  # a lock alone is no run's output
             present.setdefault(os.path.abspath(folder), key)
     kept = {
         path: why for path, key in present.items() if (why := _held_by_a_live_run(path, key) or verl_run_folder(path, key))

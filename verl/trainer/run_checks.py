@@ -262,7 +262,18 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
     folders = {"trainer.default_local_dir": t.default_local_dir} if saves or t.resume_mode != "disable" else {}
     if logs:
         folders["trainer.log_dir"] = t.log_dir
-    _lock_run_outputs(folders)
+    taken = _lock_run_outputs(folders)
+    try:
+        _check_run_outputs(t, inputs, saves=saves, logs=logs)
+    except BaseException:
+        for folder in taken:  # a refused run holds nothing
+            release_folder(folder)
+        raise
+
+
+def _check_run_outputs(
+    t: RunConfig, inputs: Mapping[str, str | Sequence[str] | None], *, saves: bool, logs: bool
+) -> None:
     # The run starts at step 0 unless it resumes: auto finds a checkpoint only among global_step_N.
     earlier_steps = _checkpoint_steps(t.default_local_dir)
     fresh = t.resume_mode == "disable" or (t.resume_mode == "auto" and not earlier_steps)
@@ -308,11 +319,12 @@ def check_run_outputs(t: RunConfig, *, inputs: Mapping[str, str | Sequence[str] 
         probe_writable(os.path.dirname(os.path.abspath(export)), key=key)
 
 
-def _lock_run_outputs(folders: Mapping[str, str]) -> None:
+def _lock_run_outputs(folders: Mapping[str, str]) -> list[str]:
     """Global rank 0 takes the lock of each of ``folders`` ({setting: folder}; ``verl.utils.run_lock``);
     every rank raises the same ``FolderInUse`` when another live run holds one. In a started world
     rank 0's verdict is broadcast; before it starts (``main_ppo``, ``main_sft``) the other ranks read
-    the lock files, recognising their own rank 0 by its torchrun world."""
+    the lock files, recognising their own rank 0 by its torchrun world. Returns the folders this
+    call took (not those this process held already)."""
     import torch.distributed as dist
 
     from verl.utils.run_lock import FolderInUse
@@ -321,32 +333,35 @@ def _lock_run_outputs(folders: Mapping[str, str]) -> None:
     rank = dist.get_rank() if started else int(os.environ.get("RANK", "0"))
     if started and dist.get_world_size() > 1:
         verdict: list[str | None] = [None]
+        taken: list[str] = []
         if rank == 0:
             try:
-                _hold(folders)
+                taken = _hold(folders)
             except FolderInUse as exc:
                 verdict = [str(exc)]
         dist.broadcast_object_list(verdict, src=0)  # every rank raises, none waits in a collective
         if verdict[0] is not None:
             raise FolderInUse(verdict[0])
-    elif rank == 0:
-        _hold(folders)
-    else:
-        for key, folder in folders.items():
-            if (refusal := in_use_by_another_run(os.path.expanduser(folder), key)) is not None:
-                raise refusal
+        return taken
+    if rank == 0:
+        return _hold(folders)
+    for key, folder in folders.items():
+        if (refusal := in_use_by_another_run(os.path.expanduser(folder), key)) is not None:
+            raise refusal
+    return []
 
 
-def _hold(folders: Mapping[str, str]) -> None:
-    taken = []
+def _hold(folders: Mapping[str, str]) -> list[str]:
+    taken: list[str] = []
     try:
         for key, folder in folders.items():
             if hold_folder(os.path.expanduser(folder), key):
-                taken.append(folder)
+                taken.append(os.path.expanduser(folder))
     except BaseException:
         for folder in taken:  # all or none: a refused run holds nothing
-            release_folder(os.path.expanduser(folder))
+            release_folder(folder)
         raise
+    return taken
 
 
 def release_run_outputs(t: RunConfig) -> None:

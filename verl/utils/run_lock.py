@@ -178,8 +178,8 @@ def _real(folder: str) -> str:
 class _FolderLock:
     """One folder's lock, held by this process: the flock'd file and the thread that heartbeats it."""
 
-    def __init__(self, folder: str, fd: int) -> None:
-        self.folder, self.fd = folder, fd
+    def __init__(self, folder: str, fd: int, *, created: bool) -> None:
+        self.folder, self.fd, self.created = folder, fd, created
         self.path = os.path.join(folder, LOCK_FILE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="verl-run-lock", daemon=True)
@@ -199,6 +199,8 @@ class _FolderLock:
             # Deleted while still held: a process that opened the file before this cannot then take
             # this (now nameless) file for the folder's lock (hold_folder checks the inode).
             os.unlink(self.path)
+            if self.created:
+                os.rmdir(self.folder)  # only when empty: a refused run leaves no folder it made
         except OSError:
             pass
         os.close(self.fd)
@@ -237,9 +239,15 @@ def hold_folder(folder: str, key: str) -> bool:
     with _held_lock:
         if folder in _held:
             return False
+        created = not os.path.isdir(folder)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, LOCK_FILE)
-        fd = _open_locked(path, key, folder)
+        try:
+            fd = _open_locked(path, key, folder)
+        except BaseException:
+            if created:
+                os.rmdir(folder)
+            raise
         try:
             left = holder_of(folder)
             if left is not None and left.host != socket.gethostname() and left.alive():
@@ -258,7 +266,7 @@ def hold_folder(folder: str, key: str) -> bool:
         except BaseException:
             os.close(fd)
             raise
-        _held[folder] = _FolderLock(folder, fd)
+        _held[folder] = _FolderLock(folder, fd, created=created)
     if left is not None:
         logger.warning(
             "%s=%s: took over the lock left by a run that is gone (%s)", key, folder, left.describe()
