@@ -15,7 +15,7 @@ from typing import Any
 _LAZY = {
     "create_app": "verl.serving.app",
     "create_model_app": "verl.serving.app",
-    "RequestError": "verl.serving.app",
+    "RequestError": "verl.serving.errors",
     "ServeLimits": "verl.serving.engine",
     "ServedModel": "verl.serving.engine",
     "BackgroundServer": "verl.serving.server",

@@ -18,7 +18,8 @@ range or above the server's limits; 401 without the API key (when one is set); 4
 it is generated (the engines return finished samples), then ``data: [DONE]``.
 
 The routes are ``APIRouter`` groups in :mod:`verl.serving.routes`; this module holds what the app
-and the review page share (errors, the API key) and composes the app.
+and the review page share (the API key, the body-size limit) and composes the app; the errors
+are :mod:`verl.serving.errors` (``RequestError`` is re-exported here).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verl.serving.engine import ServedModel, ServeLimits
+from verl.serving.errors import RequestError, openai_error_body
 from verl.serving.schema import ChatRequest, CompletionRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -41,20 +43,6 @@ _BODIES = {
     "/v1/chat/completions": ChatRequest,
 }
 _OPEN_ROUTES = ("/health",)
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP ``status``, the field at fault (``param``) and why."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None, kind: str = "invalid_request_error"
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def _error_body(message: str, param: str | None, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def _validation_message(err: dict[str, Any], path: str) -> tuple[str, str]:
@@ -102,7 +90,7 @@ def require_api_key(
                 token = request.query_params.get(query_param, "")
             if not hmac.compare_digest(token.encode(), expected):
                 return JSONResponse(
-                    _error_body(
+                    openai_error_body(
                         "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                         "Authorization",
                         "authentication_error",
@@ -171,7 +159,7 @@ def _install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(_error_body(exc.message, exc.param, exc.kind), status_code=exc.status)
+        return JSONResponse(openai_error_body(exc.message, exc.param, exc.kind), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -180,13 +168,14 @@ def _install_error_handlers(app: Any) -> None:
         if len(errors) > 1:  # name every field at fault, not only the first
             others = [_validation_message(e, request.url.path)[0] for e in errors[1:]]
             message += f"; also at fault: {', '.join(others)}"
-        return JSONResponse(_error_body(message, param, "invalid_request_error"), status_code=400)
+        return JSONResponse(openai_error_body(message, param, "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception) -> JSONResponse:
         logger.error("serving: %s %s failed: %r", request.method, request.url.path, exc)
         return JSONResponse(
-            _error_body(f"the server failed on this request: {exc!r}", None, "server_error"), status_code=500
+            openai_error_body(f"the server failed on this request: {exc!r}", None, "server_error"),
+            status_code=500,
         )
 
 
@@ -218,7 +207,9 @@ class BodyLimit:
         self.app, self.max_bytes = app, max_bytes
         # The 413's JSON from its one-line message; OpenAI's error shape by default (the sandbox
         # server answers in SandboxFusion's).
-        self.error_body = error_body or (lambda message: _error_body(message, "body", "invalid_request_error"))
+        self.error_body = error_body or (
+            lambda message: openai_error_body(message, "body", "invalid_request_error")
+        )
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

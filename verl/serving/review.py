@@ -209,7 +209,8 @@ def create_review_app(
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse
 
-    from verl.serving.app import BodyLimit, RequestError, _error_body, _validation_message, require_api_key
+    from verl.serving.app import BodyLimit, _validation_message, require_api_key
+    from verl.serving.errors import RequestError, openai_error_body
 
     lo, hi = float(score_range[0]), float(score_range[1])
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
@@ -220,12 +221,12 @@ def create_review_app(
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(_error_body(exc.message, exc.param, exc.kind), status_code=exc.status)
+        return JSONResponse(openai_error_body(exc.message, exc.param, exc.kind), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         param, message = _validation_message(exc.errors()[0], request.url.path)
-        return JSONResponse(_error_body(message, param, "invalid_request_error"), status_code=400)
+        return JSONResponse(openai_error_body(message, param, "invalid_request_error"), status_code=400)
 
     require_api_key(app, api_key, open_paths=("/health",), query_param="key")
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)

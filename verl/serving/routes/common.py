@@ -1,5 +1,5 @@
 """What the routes share: the request checks against the server's limits (each a
-:class:`~verl.serving.app.RequestError` naming the field at fault), token usage and SSE framing."""
+:class:`~verl.serving.errors.RequestError` naming the field at fault), token usage and SSE framing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from verl.rollout.base import Sample, SamplingSpec
-from verl.serving.app import RequestError
+from verl.serving.errors import RequestError
 from verl.serving.engine import ServedModel
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from verl.rollout.base import Sample
-from verl.serving.app import RequestError
+from verl.serving.errors import RequestError
 from verl.serving.engine import ServedModel
 from verl.serving.routes.common import RequestChecks, sse, usage
 from verl.serving.schema import ChatRequest, CompletionRequest

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from verl.serving.app import RequestError
+from verl.serving.errors import RequestError
 from verl.serving.engine import ServedModel
 from verl.serving.routes.common import RequestChecks, usage
 from verl.serving.schema import GenerateRequest
