@@ -1,7 +1,8 @@
 """Context parallelism on the Megatron engine: CP 2 gives CP 1's numbers.
 
 The same rollout-shaped batch (prompts left-padded, responses right-padded, uneven lengths, one
-row empty) through ``MegatronEngine`` at CP 1 and CP 2 (and TP 2 x CP 2 against TP 2): logits,
+row empty) through ``MegatronEngine`` at CP 1 and CP 2 (and TP 2 x CP 2 against TP 2, also with
+sequence parallel and packed sequences), padded rows and packed (THD) sequences: logits,
 log-probabilities and entropy of a forward pass, then one Adam step of a token-mean loss over
 log-probabilities and entropy: its loss, gradient norm, every parameter's gradient (Megatron's
 ``main_grad`` after the all-reduce over the data-and-context-parallel group) and every weight after
@@ -35,7 +36,7 @@ def models(tmp_path_factory):
     return {family: make_tiny_model(str(root / family), family) for family in ("llama3", "mistral")}
 
 
-def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = False):
+def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = False, sp: bool = False):
     from verl.algos import GlobalBatchInfo, agg_loss
     from verl.config import MegatronConfig, ModelConfig, OptimConfig
     from verl.engine import LossShare, MegatronEngine
@@ -45,7 +46,7 @@ def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = Fal
     pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=7)
     engine = MegatronEngine(
         model=ModelConfig(path=model_dir, use_remove_padding=pack),
-        megatron=MegatronConfig(tensor_model_parallel_size=tp, context_parallel_size=cp),
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp),
         pg=pg,
         optim=OptimConfig(optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0),
         total_training_steps=10,
@@ -102,18 +103,20 @@ def _check(reference: list[dict], results: list[dict]) -> dict[str, float]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("family", ["llama3", "mistral"])
-def test_cp2_equals_cp1(models, family):
+def test_cp2_equals_cp1(models, family, pack):
     batch = rollout_batch(6)
-    (reference,) = run_distributed(_engine_body, 1, models[family], 1, 1, batch)
-    worst = _check([reference], run_distributed(_engine_body, 2, models[family], 1, 2, batch))
-    print(f"{family} CP2 vs CP1 max abs diffs: {worst}")
+    (reference,) = run_distributed(_engine_body, 1, models[family], 1, 1, batch, pack)
+    worst = _check([reference], run_distributed(_engine_body, 2, models[family], 1, 2, batch, pack))
+    print(f"{family} {'packed' if pack else 'padded'} CP2 vs CP1 max abs diffs: {worst}")
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_tp2_cp2_equals_tp2(models):
+@pytest.mark.parametrize("sp, pack", [(False, False), (True, True)], ids=["padded", "sp-packed"])
+def test_tp2_cp2_equals_tp2(models, sp, pack):
     batch = rollout_batch(6)
-    reference = run_distributed(_engine_body, 2, models["llama3"], 2, 1, batch)
-    worst = _check(reference, run_distributed(_engine_body, 4, models["llama3"], 2, 2, batch))
-    print(f"TP2xCP2 vs TP2 max abs diffs: {worst}")
+    reference = run_distributed(_engine_body, 2, models["llama3"], 2, 1, batch, pack, sp)
+    worst = _check(reference, run_distributed(_engine_body, 4, models["llama3"], 2, 2, batch, pack, sp))
+    print(f"TP2xCP2 {'SP packed' if sp else 'padded'} vs TP2 max abs diffs: {worst}")

@@ -273,3 +273,20 @@ def test_packed_gradients_equal_the_padded_path(models, tp, sp):
             torch.testing.assert_close(
                 packed["grads"][name], g, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def test_segments_padded_for_context_parallelism():
+    """``segment_multiple`` (2 x CP): each row's segment padded at its end; the real tokens at ``slots``."""
+    from verl.models.packing import pack_like, pack_micro_batch, unpack_to_rows
+
+    batch = rollout_batch(4)
+    ids, mask = batch["input_ids"], batch["attention_mask"]  # rows of 17, 5, 11, 0 tokens
+    packed = pack_micro_batch(ids, mask, 40, segment_multiple=4)
+    assert packed.cu_seqlens.tolist() == [0, 20, 28, 40]  # 17 -> 20, 5 -> 8, 11 -> 12
+    assert packed.slots.tolist() == list(range(17)) + list(range(20, 25)) + list(range(28, 39))
+    assert packed.starts.nonzero().squeeze(-1).tolist() == [0, 20, 28]
+    assert not packed.input_ids[0, 17:20].any() and not packed.input_ids[0, 25:28].any()
+    assert torch.equal(unpack_to_rows(packed.input_ids.unsqueeze(-1), packed.real, 4, 17, packed.slots)[..., 0], ids)
+    assert torch.equal(pack_like(ids, packed.real, 40, packed.slots), packed.input_ids)
+    with pytest.raises(ValueError, match=r"33 real tokens \(40 in segments of a multiple of 4\) do not fit a packed width of 36"):
+        pack_micro_batch(ids, mask, 36, segment_multiple=4)

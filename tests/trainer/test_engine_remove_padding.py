@@ -5,7 +5,7 @@ True packs each micro-batch's rows into one row of their real tokens (Megatron's
 ``tests/models/test_packed_sequences.py``). Here: the engine with it gives the outputs and the
 training step of the engine without (float rounding apart: the same math on other shapes), on
 an SFT batch with real padding, and says which attention runs the packed rows; context
-parallelism is refused with the fix (``verl.engine.build.check_remove_padding``).
+parallelism is accepted (each sequence split over CP: ``tests/models/test_context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -40,14 +40,12 @@ def test_key_loads_from_yaml_and_override(tmp_path):
     assert cfg.actor_rollout_ref.model.use_remove_padding is False
 
 
-def test_context_parallel_is_refused_with_the_fix():
+def test_context_parallel_is_accepted():
     from verl.engine.build import check_remove_padding
 
-    refused = r"use_remove_padding=true with context_parallel_size=2.*set use_remove_padding=false"
     for impl in ("local", "transformer_engine"):
-        with pytest.raises(ValueError, match=refused):
-            check_remove_padding(True, impl, cp_size=2)
-        check_remove_padding(False, impl, cp_size=2)  # off: nothing to refuse
+        check_remove_padding(True, impl, cp_size=2, log=False)
+        check_remove_padding(False, impl, cp_size=2)
 
 
 def test_the_log_names_the_attention_that_runs_packed_rows(caplog):

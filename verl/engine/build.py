@@ -62,19 +62,13 @@ def check_remove_padding(requested: bool, transformer_impl: str, *, cp_size: int
 
     True packs each micro-batch's rows into one row of their real tokens and runs it as
     Megatron's THD packed sequences (``verl.models.packing``): Transformer Engine's attention
-    takes them natively, the local spec's through verl's ``VarlenDotProductAttention``. Context
-    parallelism is refused (ValueError naming the fix): verl does not split packed sequences over
-    context-parallel ranks. ``log``: say which attention runs them (False on ranks other than
+    takes them natively, the local spec's through verl's ``VarlenDotProductAttention``; under context
+    parallelism each sequence is padded to a multiple of 2 x CP and split per sequence
+    (``verl.models.cp_attention``). ``log``: say which attention runs them (False on ranks other than
     the group's first).
     """
     if not requested:
         return
-    if cp_size > 1:
-        raise ValueError(
-            f"model.use_remove_padding=true with context_parallel_size={cp_size}: verl does not split "
-            "packed (THD) sequences over context-parallel ranks; set use_remove_padding=false (each "
-            "micro-batch then runs padded) or context_parallel_size=1"
-        )
     if log:
         attention = (
             "Transformer Engine's variable-length attention"

@@ -19,8 +19,11 @@ keys: the same math as the full sequence, with K/V memory of the whole sequence 
 attention would hold one chunk at a time; this is the simple, exact form for machines without TE).
 
 Packed (THD) sequences are split per sequence in the same way (:func:`thd_cp_index`): each sequence,
-padded to a multiple of ``2 * cp``, gives chunk ``i`` and ``2 * cp - 1 - i`` of itself to rank
-``i`` (Transformer Engine's ``thd_get_partitioned_indices`` layout).
+padded to a multiple of ``2 * cp`` (``verl.models.packing``, ``segment_multiple``), gives chunk ``i``
+and ``2 * cp - 1 - i`` of itself to rank ``i`` (Transformer Engine's ``thd_get_partitioned_indices``
+layout); Megatron's rotary embedding takes each sequence's slice itself (``cu_seqlens // cp``). The
+attention then masks by segment and position within it over the whole packed row's keys (memory
+``t / cp x t`` per head, not per sequence: the simple form).
 """
 
 from __future__ import annotations
@@ -143,10 +146,15 @@ def _thd_layout(params: PackedSeqParams, cp: int, rank: int):
             "context-parallel attention on packed sequences needs verl's PackedRows "
             "(verl.models.packing.pack_micro_batch), which say where each packed token sits in its sequence"
         )
+    cached = getattr(params, "_verl_cp_layout", None)  # every layer of one forward gets the same params
+    if cached is not None and cached[0] == (cp, rank):
+        return cached[1]
     cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     mine = thd_cp_index(cu, cp, rank).to(segment.device)
     order = torch.cat([thd_cp_index(cu, cp, r) for r in range(cp)]).to(segment.device)
-    return offset[mine], offset, segment[mine], segment, order
+    layout = (offset[mine], offset, segment[mine], segment, order)
+    params._verl_cp_layout = ((cp, rank), layout)
+    return layout
 
 
 class ContextParallelAttention(VarlenDotProductAttention):

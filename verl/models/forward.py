@@ -165,6 +165,7 @@ class _MicroBatch:
     order: torch.Tensor | None  # [b, T]: rows packed left (pack_left)
     mask: torch.Tensor  # [b, T] float
     packed: PackedMicroBatch | None = None  # sequences packed into one row (verl.models.packing)
+    cp: "_CPSplit | None" = None  # a packed row's split over context parallel (per micro-batch)
     # (layers, [b, T, L_chunk, K]) per model chunk: the experts this micro-batch's pass recorded
     routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -173,13 +174,13 @@ class _MicroBatch:
         if self.packed is None:
             return unpack(x, self.order)
         b, t = self.mask.shape
-        return unpack_to_rows(x, self.packed.real, b, t)
+        return unpack_to_rows(x, self.packed.real, b, t, self.packed.slots)
 
     def to_model(self, x: torch.Tensor) -> torch.Tensor:
         """A per-token tensor of the micro-batch ([b, T]) in the model's layout ([rows, S])."""
         s_len = self.input_ids.shape[1]
         if self.packed is not None:
-            return pack_like(x, self.packed.real, s_len)
+            return pack_like(x, self.packed.real, s_len, self.packed.slots)
         tail = x.shape[2:]
         x = x.gather(1, self.order.reshape(*self.order.shape, *([1] * len(tail))).expand_as(x))
         return x[:, :s_len] if x.shape[1] >= s_len else F.pad(x, (0, 0) * len(tail) + (0, s_len - x.shape[1]))
@@ -201,6 +202,14 @@ class _CPSplit:
         cp, rank = group.size(), group.rank()
         order = torch.cat([cp_positions(width, cp, r, device) for r in range(cp)])
         return cls(group=group, positions=cp_positions(width, cp, rank, device), order=order)
+
+    @classmethod
+    def of_packed(cls, group: dist.ProcessGroup, cu_seqlens: torch.Tensor) -> "_CPSplit":
+        from verl.models.cp_attention import thd_cp_index
+
+        cp, rank = group.size(), group.rank()
+        order = torch.cat([thd_cp_index(cu_seqlens, cp, r) for r in range(cp)])
+        return cls(group=group, positions=thd_cp_index(cu_seqlens, cp, rank), order=order)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, S/cp, ...] of this rank -> [rows, S, ...] of the whole row. Differentiable: each rank's
@@ -332,11 +341,16 @@ def trimmed_length(attention_mask: torch.Tensor, seq_len: int, multiple: int) ->
     return _trimmed_width(longest, seq_len, multiple)
 
 
-def packed_widths(lengths: list[int], split: MicroBatchSplit, multiple: int, *, common: bool) -> list[int]:
+def packed_widths(
+    lengths: list[int], split: MicroBatchSplit, multiple: int, *, common: bool, segment_multiple: int = 1
+) -> list[int]:
     """Each micro-batch's packed width (``use_remove_padding``) from the rows' real ``lengths``: its real
-    tokens rounded up to ``multiple``; ``common``: every micro-batch at the largest (pipeline stages
-    exchange fixed shapes)."""
-    widths = [packed_width(int(sum(lengths[i] for i in index)), multiple) for index in split.parts]
+    tokens (each row's rounded up to ``segment_multiple``: 2 x CP) rounded up to ``multiple``; ``common``:
+    every micro-batch at the largest (pipeline stages exchange fixed shapes)."""
+    def seg(length: int) -> int:
+        return -(-int(length) // segment_multiple) * segment_multiple
+
+    widths = [packed_width(sum(seg(lengths[i]) for i in index), multiple) for index in split.parts]
     return [max(widths)] * len(widths) if common and widths else widths
 
 
@@ -347,8 +361,10 @@ def _micro_batches(
     trim_multiple: int | None = None,
     pack_widths: list[int] | None = None,
     lengths: list[int] | None = None,
+    segment_multiple: int = 1,
 ) -> list[_MicroBatch]:
-    """``lengths``: every row's real tokens (to trim or pack), read once per batch (None: read here)."""
+    """``lengths``: every row's real tokens (to trim or pack), read once per batch (None: read here);
+    ``segment_multiple``: each packed sequence padded to a multiple of it (2 x CP)."""
     device = batch["input_ids"].device
     if lengths is None and (trim_multiple is not None or pack_widths is not None):
         lengths = batch["attention_mask"].sum(-1).tolist()
@@ -363,7 +379,9 @@ def _micro_batches(
             mb = {k: torch.cat([v, v.new_zeros(pad_rows, *v.shape[1:])]) for k, v in mb.items()}
         if pack_widths is not None:  # sequences packed into one row (verl.models.packing)
             row_lengths = [lengths[i] for i in index] + [0] * max(pad_rows, 0)
-            packed = pack_micro_batch(mb["input_ids"], mb["attention_mask"], pack_widths[number], row_lengths)
+            packed = pack_micro_batch(
+                mb["input_ids"], mb["attention_mask"], pack_widths[number], row_lengths, segment_multiple=segment_multiple
+            )
             out.append(
                 _MicroBatch(
                     tensors=mb,
@@ -502,19 +520,16 @@ def forward_backward(
         lengths = batch["attention_mask"].sum(-1).tolist()
     widths = None
     rows = split.rows
-    if pack_sequences:
-        if cp_size > 1:
-            raise ValueError(
-                f"packed sequences (use_remove_padding) with context parallel {pg.cp.size()}: verl does not "
-                "split packed sequences over context-parallel ranks; set use_remove_padding=false"
-            )
-        multiple = math.lcm(8, tp_size) if config.sequence_parallel else 8
-        widths = packed_widths(lengths, split, multiple, common=pp_size > 1)
+    segment_multiple = 2 * cp_size if cp_size > 1 else 1
+    if pack_sequences:  # every sequence a multiple of 2 x CP, split per sequence over CP
+        widths = packed_widths(
+            lengths, split, math.lcm(8, width_multiple), common=pp_size > 1, segment_multiple=segment_multiple
+        )
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
     replay_chunks = _routing_setup(chunks, batch, pg, routing)  # per chunk: (its layers of L, its routers)
     replay_routers = [router for _, routers in replay_chunks for router in routers]
     chunk_of = {id(chunk): i for i, chunk in enumerate(chunks)}
-    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths, lengths)
+    micro_batches = _micro_batches(batch, split, seq_len, trim_multiple, widths, lengths, segment_multiple)
     num_micro = len(micro_batches)
     forward_only = loss_fn is None
     head = functools.partial(
@@ -533,6 +548,10 @@ def forward_backward(
     def cp_split(mb: _MicroBatch) -> _CPSplit | None:
         if cp_size == 1:
             return None
+        if mb.packed is not None:  # each sequence's chunks (verl.models.cp_attention.thd_cp_index)
+            if mb.cp is None:
+                mb.cp = _CPSplit.of_packed(pg.cp, mb.packed.cu_seqlens)
+            return mb.cp
         width = mb.input_ids.shape[1]
         if width not in cp_splits:
             cp_splits[width] = _CPSplit.of(pg.cp, width, mb.input_ids.device)
@@ -574,13 +593,14 @@ def forward_backward(
             model_mask = mb.to_model(mb.tensors["attention_mask"])
             routed = mb.to_model(mb.tensors[router_replay.ROUTED_EXPERTS])
             router_replay.set_targets(routers_, routed[:, :, layers.to(routed.device)], model_mask, sp_group)
-        if mb.packed is None and cp_size > 1:  # this rank's chunks of every row (verl.models.cp_attention)
+        ids, positions = mb.input_ids, mb.position_ids
+        if cp_size > 1:  # this rank's chunks of every row or sequence (verl.models.cp_attention)
             mine = cp_split(mb).positions
-            out = chunk(mb.input_ids[:, mine], mb.position_ids[:, mine], None)
-        elif mb.packed is None:
-            out = chunk(mb.input_ids, mb.position_ids, None)
+            ids, positions = ids[:, mine], positions[:, mine]
+        if mb.packed is None:
+            out = chunk(ids, positions, None)
         else:
-            out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed.seq_params())
+            out = chunk(ids, positions, None, packed_seq_params=mb.packed.seq_params())
         if routing == "record":
             rows = router_replay.recorded(routers_, mb.input_ids.shape[0], sp_group)  # [b, S, L_chunk, K]
             mb.routing.append((layers, router_replay.pad_positions(mb.to_rows(rows), mb.mask)))

@@ -28,8 +28,11 @@ row is padded at its end to ``width`` (a multiple of 8, and of TP under sequence
 with pipeline stages every micro-batch's common width) and the padding makes segments of its own,
 none longer than the longest row (they attend to themselves only; their outputs are dropped), so
 every segment has at least one token.
-Context parallelism splits THD sequences across ranks in a way this module does not do; the
-engine refuses ``use_remove_padding`` with it (``verl.engine.build.check_remove_padding``).
+
+Context parallelism (``segment_multiple`` = 2 x CP): every segment is padded at its end to a multiple
+of 2 x CP (pads inside a segment sit after its real tokens, so causal attention never lets a real
+token see them), so each CP rank can take chunks ``i`` and ``2 * cp - 1 - i`` of every segment
+(``verl.models.cp_attention.thd_cp_index``). The real tokens then sit at ``slots`` of the packed row.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ class PackedMicroBatch:
     """[1, width]: each token's position in its own row (0 at every row's first real token)."""
     real: torch.Tensor
     """[n] (int64): the flat indices (into the micro-batch's ``[b * T]``) of its real tokens, in
-    packed order: packed token ``j < n`` is ``input_ids.view(-1)[real[j]]`` of the padded rows."""
+    packed order: packed token ``slots[j]`` is ``input_ids.view(-1)[real[j]]`` of the padded rows."""
+    slots: torch.Tensor
+    """[n] (int64): where each real token sits in the packed row (``arange(n)`` unless segments are padded)."""
     starts: torch.Tensor
     """[width] bool: True at each row's first real token (nothing in the packed row predicts it)."""
     cu_seqlens: torch.Tensor
@@ -89,25 +94,34 @@ def packed_width(real_tokens: int, multiple: int) -> int:
 
 
 def pack_micro_batch(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, lengths: Sequence[int] | None = None
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    width: int,
+    lengths: Sequence[int] | None = None,
+    *,
+    segment_multiple: int = 1,
 ) -> PackedMicroBatch:
     """Pack ``input_ids`` [b, T] (``attention_mask`` 1 = real token) into one row of ``width`` tokens.
 
     ``width`` must hold every real token (``>= attention_mask.sum()``). The real tokens keep their
     order within each row (left- and right-padding alike), so token ``k`` of a row is at position ``k``.
     ``lengths``: each row's real tokens, read on the host once per batch by the caller (None: read
-    here); the layout is then built without waiting on the device.
+    here); the layout is then built without waiting on the device. ``segment_multiple``: every segment's
+    length a multiple of it (context parallelism: 2 x CP; ``width`` must be one too), padded at its end.
     """
     device = input_ids.device
     if lengths is None:
         lengths = attention_mask.sum(-1).tolist()
     n = int(sum(lengths))
-    if n > width:
-        raise ValueError(f"pack_micro_batch: {n} real tokens do not fit a packed width of {width}")
-    segments = [int(length) for length in lengths if length > 0]
+    rows = [int(length) for length in lengths if length > 0]
+    segments = [-(-length // segment_multiple) * segment_multiple for length in rows]
+    used = sum(segments)
+    if used > width or width % segment_multiple:
+        segments_text = f" ({used} in segments of a multiple of {segment_multiple})" if segment_multiple > 1 else ""
+        raise ValueError(f"pack_micro_batch: {n} real tokens{segments_text} do not fit a packed width of {width}")
     # The padding after the real tokens: segments of their own, none longer than the longest row
     # (the local attention lays every segment out at the longest one's length).
-    cap, pad = max(segments, default=width), width - n
+    cap, pad = max(segments, default=width), width - used
     while pad > 0:
         segments.append(min(pad, cap))
         pad -= segments[-1]
@@ -121,13 +135,19 @@ def pack_micro_batch(
     offset = positions - cu[:-1].long()[segment]  # [width]
     # [n], row-major = packed order; the size known on the host, so no wait on the device
     real = torch.nonzero_static(attention_mask.reshape(-1), size=n).squeeze(-1)
+    if segment_multiple == 1 or not rows:
+        slots = positions[:n]
+    else:  # each row's tokens at the start of its (padded) segment, the segment's pads after them
+        real_in_segment = offset[:used] < torch.tensor(rows, device=device)[segment[:used]]
+        slots = torch.nonzero_static(real_in_segment, size=n).squeeze(-1)
     packed = input_ids.new_zeros(1, width)
-    packed[0, :n] = input_ids.reshape(-1)[real]
+    packed[0, slots] = input_ids.reshape(-1)[real]
     return PackedMicroBatch(
         input_ids=packed,
         position_ids=offset.unsqueeze(0),
         real=real,
-        starts=(offset == 0) & (positions < n),  # the padding is no row's first token
+        slots=slots,
+        starts=(offset == 0) & (segment < len(rows)),  # the padding is no row's first token
         cu_seqlens=cu,
         max_seqlen=max(segments),
         token_segment=segment,
@@ -135,20 +155,27 @@ def pack_micro_batch(
     )
 
 
-def unpack_to_rows(packed: torch.Tensor, real: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+def unpack_to_rows(
+    packed: torch.Tensor, real: torch.Tensor, rows: int, width: int, slots: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token outputs of a packed row ([1, S, ...]) back to the padded rows ([rows, width, ...]); 0 at pads.
+    ``slots``: where the real tokens sit in the packed row (None: the first ``real.numel()``).
 
     Differentiable (an ``index_put`` into zeros)."""
     tail = packed.shape[2:]
     out = packed.new_zeros(rows * width, *tail)
-    out = out.index_put((real,), packed[0, : real.numel()])
+    mine = packed[0, : real.numel()] if slots is None else packed[0, slots]
+    out = out.index_put((real,), mine)
     return out.view(rows, width, *tail)
 
 
-def pack_like(values: torch.Tensor, real: torch.Tensor, width: int) -> torch.Tensor:
-    """A per-token tensor of the padded rows ([b, T, ...]) in packed order ([1, width, ...]; 0 after the
-    real tokens)."""
+def pack_like(values: torch.Tensor, real: torch.Tensor, width: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-token tensor of the padded rows ([b, T, ...]) in packed order ([1, width, ...]; 0 at the
+    packed row's pads); ``slots`` as :func:`unpack_to_rows`."""
     tail = values.shape[2:]
     out = values.new_zeros(1, width, *tail)
-    out[0, : real.numel()] = values.reshape(-1, *tail)[real]
+    if slots is None:
+        out[0, : real.numel()] = values.reshape(-1, *tail)[real]
+    else:
+        out[0, slots] = values.reshape(-1, *tail)[real]
     return out

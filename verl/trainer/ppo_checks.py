@@ -228,31 +228,7 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
                 "every replica's ranks, each forward gathering across them), which verl's independent replicas "
                 "cannot follow; or use actor_rollout_ref.rollout.name=hf"
             )
-    return problems + _router_replay_problems(cfg, spec) + _context_parallel_problems(cfg)
-
-
-def _context_parallel_problems(cfg: PPOConfig) -> list[str]:
-    """Context parallelism (``verl.models.cp_attention``) beside options it cannot go with yet: packed
-    sequences (the THD split is not wired into the engine's packing). Rows are padded to a multiple of
-    2 x CP (and of CP x TP under sequence parallel) by the forward pass, so any sequence budget divides."""
-    arr = cfg.actor_rollout_ref
-    roles = [("actor_rollout_ref.actor", arr.actor.megatron, "actor_rollout_ref.model", arr.model)]
-    if cfg.use_reference:
-        roles.append(("actor_rollout_ref.ref", arr.ref.megatron, "actor_rollout_ref.model", arr.model))
-    if cfg.use_critic and cfg.critic.strategy == "megatron":
-        roles.append(("critic", cfg.critic.megatron, "critic.model", cfg.critic.model))
-    if cfg.reward_model.enable and cfg.reward_model.strategy == "megatron":
-        roles.append(("reward_model", cfg.reward_model.megatron, "reward_model.model", cfg.reward_model.model))
-    problems = []
-    for key, m, model_key, model in roles:
-        cp = m.context_parallel_size
-        if cp > 1 and model.use_remove_padding:
-            problems.append(
-                f"{key}.megatron.context_parallel_size={cp} with {model_key}.use_remove_padding=true: packed sequences "
-                f"are not split over context-parallel ranks yet; set {model_key}.use_remove_padding=false (rows then "
-                "run padded to their longest, a multiple of 2 x CP) or context_parallel_size=1"
-            )
-    return list(dict.fromkeys(problems))
+    return problems + _router_replay_problems(cfg, spec)
 
 
 def _lora_size_problems(cfg: PPOConfig) -> list[str]:
