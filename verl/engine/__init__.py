@@ -10,8 +10,8 @@ FSDP2-sharded form ``verl.engine.fsdp.FSDPEngine``, strategy=fsdp2) is
 """
 
 from verl.engine.build import lr_schedule_steps, resolve_dtype
-from verl.engine.contract import EngineCapabilities, TrainingEngine
-from verl.engine.engine import EngineStepResult, MegatronEngine
+from verl.engine.contract import EngineCapabilities, EngineStepResult, TrainingEngine
+from verl.engine.engine import MegatronEngine
 from verl.models.forward import LossShare, LossShareFn
 
 __all__ = [

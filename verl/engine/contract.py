@@ -4,24 +4,24 @@ with FSDP2).
 
 :class:`TrainingEngine` declares the calls the roles and the trainer make; what only one engine
 can do is a flag of :class:`EngineCapabilities` (``engine.capabilities``), which callers test
-instead of the engine's class. ``tests/trainer/test_engine_contract.py`` checks that both
-engines satisfy the protocol with the same signatures.
+instead of the engine's class; :class:`EngineStepResult` is what either engine's ``train_step``
+reports. ``tests/trainer/test_engine_contract.py`` checks that both engines satisfy the protocol
+with the same signatures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
-    from verl.engine.engine import EngineStepResult
     from verl.models.forward import ForwardResult, LossShareFn, OutputKind
     from verl.models.micro_batches import MicroBatchSplit
 
-__all__ = ["EngineCapabilities", "TrainingEngine"]
+__all__ = ["EngineCapabilities", "EngineStepResult", "TrainingEngine"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,26 @@ class EngineCapabilities:
     """Micro-batches run as packed THD rows when the model asks (``use_remove_padding``)."""
     head_columns: bool
     """``head_columns`` computes the vocabulary head for the last columns only (else every column)."""
+
+
+@dataclass(kw_only=True)
+class EngineStepResult:
+    """What one ``train_step`` reports (identical on every rank of the role)."""
+
+    loss: float
+    """Loss of the whole step (sum of every micro-batch's share on every DP rank, over the DP size)."""
+    grad_norm: float
+    """Global gradient L2 norm before clipping."""
+    lr: float
+    """Learning rate the step was taken with."""
+    update_successful: bool
+    """False when the step was skipped (non-finite gradient norm)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Other ``loss_fn`` metrics, averaged over micro-batches and DP ranks."""
+    micro_batches: int = 0
+    """Micro-batches this rank ran (the same on every rank under a token budget)."""
+    token_fill: float | None = None
+    """Under a token budget: real tokens over micro-batches x budget, over DP ranks; else None."""
 
 
 @runtime_checkable
@@ -93,7 +113,7 @@ class TrainingEngine(Protocol):
         topk: int | None = None,
         score_ids: str | None = None,
         routing: str | None = None,
-    ) -> "EngineStepResult": ...
+    ) -> EngineStepResult: ...
 
     def save(self, ckpt_dir: str) -> None: ...
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +32,7 @@ from verl.engine.build import (
     lora_spec,
     resolve_dtype,
 )
-from verl.engine.contract import EngineCapabilities
+from verl.engine.contract import EngineCapabilities, EngineStepResult
 from verl.engine.export import export_hf_checkpoint
 from verl.engine.state import EngineState, load_engine_state, save_engine_state
 from verl.engine.step import optimizer_step, reduce_step_metrics
@@ -51,26 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineStepResult", "MegatronEngine"]
-
-
-@dataclass(kw_only=True)
-class EngineStepResult:
-    """What one ``train_step`` reports (identical on every rank of the role)."""
-
-    loss: float
-    """Loss of the whole step (sum of every micro-batch's share on every DP rank, over the DP size)."""
-    grad_norm: float
-    """Global gradient L2 norm before clipping."""
-    lr: float
-    """Learning rate the step was taken with."""
-    update_successful: bool
-    """False when the step was skipped (non-finite gradient norm)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Other ``loss_fn`` metrics, averaged over micro-batches and DP ranks."""
-    micro_batches: int = 0
-    """Micro-batches this rank ran (the same on every rank under a token budget)."""
-    token_fill: float | None = None
-    """Under a token budget: real tokens over micro-batches x budget, over DP ranks; else None."""
 
 
 TRANSFORMER_CONFIG_OVERRIDES = (

@@ -54,8 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl.config.schema import OptimConfig
-from verl.engine.contract import EngineCapabilities
-from verl.engine.engine import EngineStepResult
+from verl.engine.contract import EngineCapabilities, EngineStepResult
 from verl.engine.step import reduce_step_metrics
 from verl.models.forward import ForwardResult, LossShare, LossShareFn, OutputKind, full_width
 from verl.models.micro_batches import MicroBatchSplit, fixed_split
