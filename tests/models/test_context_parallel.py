@@ -120,3 +120,63 @@ def test_tp2_cp2_equals_tp2(models, sp, pack):
     reference = run_distributed(_engine_body, 2, models["llama3"], 2, 1, batch, pack, sp)
     worst = _check(reference, run_distributed(_engine_body, 4, models["llama3"], 2, 2, batch, pack, sp))
     print(f"TP2xCP2 {'SP packed' if sp else 'padded'} vs TP2 max abs diffs: {worst}")
+
+
+def _checkpoint_body(model_dir: str, scores_dir: str, cp: int, root: str, batch: dict, load_from: str | None):
+    """One Adam step (or, with ``load_from``, a checkpoint written at another CP size), then a save, an
+    HF export and one more step; a critic's values besides."""
+    from verl.algos import GlobalBatchInfo, agg_loss
+    from verl.config import MegatronConfig, ModelConfig, OptimConfig
+    from verl.engine import LossShare, MegatronEngine
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel(context_parallel_size=cp, seed=7)
+    megatron = MegatronConfig(context_parallel_size=cp)
+    optim = OptimConfig(optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0)
+    engine = MegatronEngine(model=ModelConfig(path=model_dir), megatron=megatron, pg=pg, optim=optim,
+                            total_training_steps=10)
+    info = GlobalBatchInfo.from_masks([batch["attention_mask"].float()], group=pg.dp)
+
+    def loss_fn(outputs, micro):
+        return LossShare(agg_loss(-outputs["logprobs"], micro["attention_mask"].float(), "token-mean", global_batch_info=info))
+
+    if load_from is None:
+        engine.train_step(batch, micro_batch_size=3, loss_fn=loss_fn)
+        engine.save(f"{root}/ckpt-cp{cp}")
+        engine.export_hf(f"{root}/export-cp{cp}")
+    else:
+        engine.load(load_from)
+    after = engine.train_step(batch, micro_batch_size=3, loss_fn=loss_fn)
+    critic = MegatronEngine(model=ModelConfig(path=scores_dir), megatron=megatron, pg=pg, head="value")
+    values = critic.forward(batch, micro_batch_size=3, output="values").outputs["values"]
+    return {"loss": after.loss, "grad_norm": after.grad_norm, "values": values}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_checkpoints_exports_and_values_are_unchanged_by_cp(models, tmp_path):
+    """CP ranks hold the same weights: a checkpoint saved at CP 2 resumes at CP 1 (and back) to the same next
+    step, the HF export equals CP 1's, and a critic's values equal CP 1's."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from tests.models.tiny import make_tiny_model
+
+    scores = make_tiny_model(str(tmp_path / "scores"), "qwen2_untied", sequence_classification=True)
+    batch, root, model = rollout_batch(6), str(tmp_path), models["llama3"]
+    (cp1,) = run_distributed(_checkpoint_body, 1, model, scores, 1, root, batch, None)
+    cp2 = run_distributed(_checkpoint_body, 2, model, scores, 2, root, batch, None)
+    (cp1_from_cp2,) = run_distributed(_checkpoint_body, 1, model, scores, 1, root, batch, f"{root}/ckpt-cp2")
+    cp2_from_cp1 = run_distributed(_checkpoint_body, 2, model, scores, 2, root, batch, f"{root}/ckpt-cp1")
+    for actual in (*cp2, cp1_from_cp2, *cp2_from_cp1):
+        assert actual["loss"] == pytest.approx(cp1["loss"], rel=1e-6)
+        assert actual["grad_norm"] == pytest.approx(cp1["grad_norm"], rel=1e-5)
+        torch.testing.assert_close(actual["values"], cp1["values"], rtol=0, atol=ATOL)
+    expected = load_file(f"{root}/export-cp1/model.safetensors")
+    actual = {}
+    for path in sorted(glob.glob(f"{root}/export-cp2/*.safetensors")):
+        actual.update(load_file(path))
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=0, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
