@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from verl.serving.engine import EXPORT_INFO_FILE
 
 if TYPE_CHECKING:
-    from verl.api.stream import DataStream
+    from verl.trainer.ppo_trainer import PPOTrainer
 
 __all__ = ["export_as_api", "export_policy"]
 
 
-def export_policy(stream: "DataStream", out_dir: str | None = None) -> str:
+class HoldsTrainer(Protocol):
+    """What the export reads of a :class:`~verl.api.stream.DataStream`: its trainer, nothing else
+    (so this module, which the stream's ``export_as_api`` calls, does not import the stream)."""
+
+    @property
+    def trainer(self) -> "PPOTrainer": ...
+
+
+def export_policy(stream: HoldsTrainer, out_dir: str | None = None) -> str:
     """Write the stream's current actor as a Hugging Face checkpoint; returns the directory
     (default ``<trainer.default_local_dir>/serving/global_step_<N>``). Collective: every rank calls it."""
     import torch.distributed as dist
@@ -38,7 +46,7 @@ def export_policy(stream: "DataStream", out_dir: str | None = None) -> str:
     return out_dir
 
 
-def export_as_api(stream: "DataStream", out_dir: str | None = None, **app_kwargs: Any) -> Any:
+def export_as_api(stream: HoldsTrainer, out_dir: str | None = None, **app_kwargs: Any) -> Any:
     """:func:`export_policy`, then :func:`verl.serving.create_app` on the export (``app_kwargs``:
     ``engine``, ``limits``, ``api_key``, ``name``, ``device``, ``seed``). Returns the FastAPI app;
     serve it with ``verl.serving.run(app)`` or ``BackgroundServer(app)``."""
