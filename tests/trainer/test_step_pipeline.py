@@ -241,7 +241,10 @@ def test_a_stream_stepped_by_hand_resumes_after_a_kill_with_equal_metrics(tiny_m
     assert done.returncode == 0, done.stderr[-3000:]
     killed = _hand_loop(tiny_model_dir, train, parts, kill_after=4)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert sorted(os.listdir(os.path.join(parts, "ckpt"))) == ["global_step_2", "global_step_4", "latest_checkpointed_iteration.txt"]
+    # (and the killed run's lock file, which the next run takes over: verl.utils.run_lock)
+    assert sorted(os.listdir(os.path.join(parts, "ckpt"))) == [
+        ".verl_run.lock", "global_step_2", "global_step_4", "latest_checkpointed_iteration.txt"
+    ]
     again = _hand_loop(tiny_model_dir, train, parts, kill_after=0)
     assert again.returncode == 0, again.stderr[-3000:]
 

@@ -178,7 +178,7 @@ def _real(folder: str) -> str:
 class _FolderLock:
     """One folder's lock, held by this process: the flock'd file and the thread that heartbeats it."""
 
-    def __init__(self, folder: str, fd: int, *, created: bool) -> None:
+    def __init__(self, folder: str, fd: int, *, created: list[str]) -> None:
         self.folder, self.fd, self.created = folder, fd, created
         self.path = os.path.join(folder, LOCK_FILE)
         self._stop = threading.Event()
@@ -199,11 +199,20 @@ class _FolderLock:
             # Deleted while still held: a process that opened the file before this cannot then take
             # this (now nameless) file for the folder's lock (hold_folder checks the inode).
             os.unlink(self.path)
-            if self.created:
-                os.rmdir(self.folder)  # only when empty: a refused run leaves no folder it made
         except OSError:
             pass
+        _remove_empty(self.created)
         os.close(self.fd)
+
+
+def _remove_empty(folders: list[str]) -> None:
+    """Remove ``folders`` (innermost first) while they are empty: a run that ends having written
+    nothing there (refused, or failed before its first output) leaves no folder it made."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 _held: dict[str, _FolderLock] = {}
@@ -239,14 +248,17 @@ def hold_folder(folder: str, key: str) -> bool:
     with _held_lock:
         if folder in _held:
             return False
-        created = not os.path.isdir(folder)
+        created = []  # the folders made for the lock, innermost first
+        missing = folder
+        while not os.path.lexists(missing):
+            created.append(missing)
+            missing = os.path.dirname(missing)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, LOCK_FILE)
         try:
             fd = _open_locked(path, key, folder)
         except BaseException:
-            if created:
-                os.rmdir(folder)
+            _remove_empty(created)
             raise
         try:
             left = holder_of(folder)
