@@ -17,7 +17,7 @@ import math
 import pytest
 
 from tests.trainer.test_moe_grpo import moe_model_dir  # noqa: F401 (a fixture)
-from tests.trainer.test_rl_trainer import LOGPROB_ATOL, _config
+from tests.trainer.test_rl_trainer import DYNAMIC_BUDGET, LOGPROB_ATOL, _config
 from verl.testing.distributed import run_distributed
 
 CP2 = [
@@ -66,6 +66,31 @@ def test_grpo_at_cp2_has_ratio_one_and_takes_dp2s_step(tiny_model_dir, arithmeti
             assert cp[key] == pytest.approx(dp[key], rel=1e-4, abs=1e-7), (name, key)
         # the second step's samples come from the pushed weights: CP's push gave DP's rollout
         assert results[name][1]["critic/score/mean"] == results["dp2"][1]["critic/score/mean"], name
+
+
+def _dynamic_bsz_body(model_dir: str, files: dict[str, str], root: str) -> list[dict[str, float]]:
+    from verl.trainer.ppo_trainer import PPOTrainer
+
+    cfg = _config("grpo_tiny_cpu", model_dir, files, *CP2, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                  f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={DYNAMIC_BUDGET}",
+                  "actor_rollout_ref.actor.old_log_prob=recompute", "trainer.logger=[]",
+                  f"trainer.default_local_dir={root}/dynbsz")
+    with PPOTrainer(cfg) as trainer:
+        return [trainer.train_step()]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_token_budget_counts_per_cp_rank(tiny_model_dir, arithmetic_files, tmp_path):
+    """``ppo_max_token_len_per_gpu`` at CP 2: each rank holds half of a micro-batch's tokens, so a micro-batch
+    holds up to 2 x the budget of whole rows (one data-parallel rank holds the whole batch)."""
+    [(step,), _] = run_distributed(_dynamic_bsz_body, 2, tiny_model_dir, arithmetic_files, str(tmp_path), timeout=260)
+    count, fill, total = step["actor/micro_batches"], step["actor/mb_token_fill"], step["perf/total_num_tokens"]
+    assert fill * count * 2 * DYNAMIC_BUDGET == pytest.approx(total, rel=1e-9)  # fill per CP rank's budget
+    assert math.ceil(total / (2 * DYNAMIC_BUDGET)) <= count < math.ceil(total / DYNAMIC_BUDGET)
+    assert step["actor/ppo_kl"] == 0.0 and step["actor/pg_clipfrac"] == 0.0
+    assert abs(step["actor/kl_loss"]) <= 1e-6
 
 
 def test_cp_with_a_moe_model_is_refused_before_any_model(moe_model_dir, arithmetic_files):

@@ -239,6 +239,9 @@ class RoleEngine:
         if max_token_len is None:
             return self._fitting(kind, micro_batch_size, lambda size: run(size, None))
         what = f"the {self.name}'s token budget for {kind}"
+        # A context-parallel rank holds 1/CP of every micro-batch's tokens: the budget per rank
+        # (``*_max_token_len_per_gpu``) is CP times that many tokens of whole rows (as the reference verl).
+        max_token_len *= self.pg.cp.size()
         # Out of memory, the budget halves, but never below this call's longest row (which must fit).
         longest = int(mask.sum(-1).max()) if mask.numel() else 1
         return self._fitting(
