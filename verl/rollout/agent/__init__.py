@@ -6,6 +6,9 @@
 - :mod:`~verl.rollout.agent.parser`: tool calls in the model's text (Hermes ``<tool_call>``);
 - :mod:`~verl.rollout.agent.loop`: ``AgentLoop``: conversations against a rollout engine, token
   in and token out, with the loss mask on sampled tokens only;
+- :mod:`~verl.rollout.agent.trajectory` and :mod:`~verl.rollout.agent.turns`: one conversation as
+  data (``Trajectory``) and the ids of the turns the loop adds (``ToolTurnEncoder``), shared by
+  the loop and the custom loops' ``Conversation``;
 - :mod:`~verl.rollout.agent.interaction`: environments that answer the model's turns (a checker,
   a simulated user) with per-turn rewards;
 - :mod:`~verl.rollout.agent.agents`: custom agent loops, registered under the name a sample's
@@ -28,8 +31,10 @@ from verl.rollout.agent.interaction import (
     load_interaction_config,
     register_interaction,
 )
-from verl.rollout.agent.loop import AgentLoop, ToolTurnEncoder, Trajectory, agent_metrics, assemble_agent_rollout
+from verl.rollout.agent.loop import AgentLoop, agent_metrics, assemble_agent_rollout
 from verl.rollout.agent.parser import PARSERS, ToolCall, parse_hermes
+from verl.rollout.agent.trajectory import Trajectory
+from verl.rollout.agent.turns import ToolTurnEncoder
 from verl.tools import (
     TOOLS,
     CalculatorTool,

@@ -32,10 +32,12 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from verl.rollout.agent.trajectory import Trajectory
+from verl.rollout.agent.turns import ToolTurnEncoder
 from verl.tools.base import _import_object
 
 if TYPE_CHECKING:
-    from verl.rollout.agent.loop import AgentLoop, Trajectory
+    from verl.config.schema import RolloutMultiTurnConfig
 
 __all__ = [
     "AGENT_LOOPS",
@@ -142,17 +144,31 @@ class Conversation:
     its turn limits are the built-in loop's; a custom loop applies them as it sees fit).
     """
 
-    def __init__(self, loop: AgentLoop, traj: Trajectory, ask: Callable[[Trajectory], Any], extra_info: Mapping[str, Any]) -> None:
-        self._loop, self._traj, self._ask = loop, traj, ask
+    def __init__(
+        self,
+        traj: Trajectory,
+        ask: Callable[[Trajectory], Any],
+        extra_info: Mapping[str, Any],
+        *,
+        tools: Mapping[str, Any],
+        tokenizer: Any,
+        config: RolloutMultiTurnConfig,
+        encoder: ToolTurnEncoder,
+        response_length: int,
+    ) -> None:
+        # Built by the agent loop with what the conversation reads of it; ``ask`` sends a model
+        # turn's context to the loop's next engine call.
+        self._traj, self._ask, self._encoder = traj, ask, encoder
+        self._response_length = int(response_length)
         self._waiting = False
         self.instance_id = traj.instance_id
         self.extra_info = dict(extra_info)
-        self.tools = dict(loop.tools)
+        self.tools = dict(tools)
         self.tools_kwargs = traj.tools_kwargs
         self.interaction = traj.interaction
         self.interaction_kwargs = traj.interaction_kwargs
-        self.tokenizer = loop.tokenizer
-        self.config = loop.cfg
+        self.tokenizer = tokenizer
+        self.config = config
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -172,7 +188,7 @@ class Conversation:
     @property
     def budget(self) -> int:
         """Response tokens left (``rollout.response_length`` minus the response so far)."""
-        return self._loop.response_length - len(self._traj.response_ids)
+        return self._response_length - len(self._traj.response_ids)
 
     @property
     def stopped(self) -> bool:
@@ -208,11 +224,11 @@ class Conversation:
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
         if not messages:
             raise ValueError(f"conversation {self.instance_id}: add_messages() needs at least one message")
-        if self._loop.encoder.surely_over(messages, self.budget):  # left out without tokenizing all of it
+        if self._encoder.surely_over(messages, self.budget):  # left out without tokenizing all of it
             t.stop_reason = "length"
             return False
-        ended = bool(t.response_ids) and t.response_ids[-1] == self._loop.encoder.eos_token_id
-        ids = self._loop.encoder.encode(messages, model_ended_turn=ended)
+        ended = bool(t.response_ids) and t.response_ids[-1] == self._encoder.eos_token_id
+        ids = self._encoder.encode(messages, model_ended_turn=ended)
         if len(ids) + 1 > self.budget:
             t.stop_reason = "length"
             return False

@@ -72,6 +72,8 @@ from verl.rollout.agent.agents import AGENT_LOOPS, BUILTIN_AGENT_NAMES, AgentLoo
 from verl.rollout.agent.interaction import call as interaction_call
 from verl.rollout.agent.interaction import pick_interaction, turn_score_tensor
 from verl.rollout.agent.parser import PARSERS, ToolCall
+from verl.rollout.agent.trajectory import CallRecord, Trajectory
+from verl.rollout.agent.turns import ToolTurnEncoder
 from verl.tools.base import Tool, as_tools, check_arguments
 from verl.rollout.base import RolloutEngine, SamplingSpec, prompt_token_lists, sampling_spec
 
@@ -89,177 +91,6 @@ model turn (no tool call is read, no interaction). Other names: custom agent loo
 (``verl.rollout.agent.agents``)."""
 
 STOP_REASONS = ("answer", "interaction", "length", "max_assistant_turns", "max_user_turns")
-
-
-@dataclass(kw_only=True)
-class CallRecord:
-    """One tool call as run (or refused)."""
-
-    name: str
-    """The tool's name; ``unknown_tool`` or ``bad_format`` when no tool could be chosen."""
-    error: bool
-    """Whether the model got an error message."""
-    seconds: float = 0.0
-    """Wall time of the call (0 for calls refused before running)."""
-
-
-@dataclass(kw_only=True)
-class Trajectory:
-    """One conversation: the prompt and the response built turn by turn (see the module docstring)."""
-
-    prompt_ids: list[int]
-    """The prompt's token ids (unpadded): the dataset's prompt, and after it the opening user turn
-    of the conversation's interaction when ``start_interaction`` returned one (:attr:`opening`)."""
-    instance_id: str
-    """Names this conversation to stateful tools."""
-    tools_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Per-tool settings of this sample (``{tool: {"create_kwargs": {...}}}``, from ``extra_info``)."""
-    response_ids: list[int] = field(default_factory=list)
-    """Sampled ids and tool-turn ids, in order."""
-    loss_mask: list[int] = field(default_factory=list)
-    """1 on sampled ids, 0 on tool-turn ids."""
-    logprobs: list[float] = field(default_factory=list)
-    """The engine's log-prob of each sampled id; 0.0 on tool-turn ids."""
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    """``{"role": "assistant" | "tool", "start": i, "end": j}``: response positions [i, j) of each turn
-    (tool turns also list the ``calls`` they answer, by tool name)."""
-    calls: list[CallRecord] = field(default_factory=list)
-    """Every tool call of the conversation."""
-    assistant_turns: int = 0
-    """Model turns so far."""
-    user_turns: int = 0
-    """Tool turns so far."""
-    stop_reason: str = ""
-    """Why the conversation ended (see the module docstring); empty while it runs."""
-    agent_name: str = "tool_agent"
-    """``tool_agent``, ``single_turn_agent`` (:data:`AGENT_NAMES`) or a custom agent loop's name, from ``extra_info["agent_name"]``."""
-    interaction: Any = None
-    """The interaction that answers this conversation's model turns (``verl.rollout.agent.interaction``), or None."""
-    interaction_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """The sample's ``extra_info["interaction_kwargs"]``."""
-    opening: str | None = None
-    """The interaction's opening text (``start_interaction``'s return), a user turn at the end of
-    :attr:`prompt_ids`; None: the dataset's prompt opens the conversation alone."""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    """The turns after the prompt as text (what an interaction reads; never re-tokenized)."""
-    turn_scores: list[tuple[int, float]] = field(default_factory=list)
-    """``(position, reward)`` of every interaction reward: the response position of the last
-    sampled token of the model turn it judges."""
-
-    @property
-    def num_turns(self) -> int:
-        """Turns of the conversation, the prompt counted as one (the reference verl's ``num_turns``)."""
-        return self.assistant_turns + self.user_turns + 1
-
-    def _append(self, ids: Sequence[int], logprobs: Sequence[float] | None, role: str) -> None:
-        start = len(self.response_ids)
-        self.response_ids.extend(ids)
-        self.loss_mask.extend([1 if logprobs is not None else 0] * len(ids))
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
-        self.turns.append({"role": role, "start": start, "end": len(self.response_ids)})
-
-
-class ToolTurnEncoder:
-    """Token ids of a tool turn, from the tokenizer's chat template.
-
-    The template renders a fixed two-turn conversation with and without the tool messages (and
-    the next generation prompt); the added text, preceded by what the template writes after an
-    assistant turn's content (ChatML: ``<|im_end|>\\n``) minus the part the model sampled itself
-    (its end-of-turn token), is the tool turn. Its text starts right after a special token, so it
-    is tokenized on its own.
-    """
-
-    _BASE = ({"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"})
-
-    def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the agent loop renders tool turns with the tokenizer's chat template, and this tokenizer has none; "
-                "use a chat model's tokenizer (or set tokenizer.chat_template)"
-            )
-        self.tokenizer = tokenizer
-        self.base_text = self._render(list(self._BASE), generation_prompt=False)
-        content = self._BASE[-1]["content"]
-        at = self.base_text.rfind(content)
-        if at < 0:
-            raise ValueError("the chat template does not write the assistant's content; the agent loop cannot use it")
-        self.turn_end = self.base_text[at + len(content) :]
-        """What the template writes after an assistant turn's content (ChatML: ``<|im_end|>\\n``)."""
-        eos = tokenizer.eos_token or ""
-        self.after_eos = self.turn_end[len(eos) :] if eos and self.turn_end.startswith(eos) else self.turn_end
-        """The part of :attr:`turn_end` after the model's own end token (ChatML: ``\\n``)."""
-        self.eos_token_id = tokenizer.eos_token_id
-
-    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
-
-    def open_with(self, prompt_ids: Sequence[int], text: str) -> list[int]:
-        """``prompt_ids`` (a prompt rendered with the generation prompt) with the user turn ``text``
-        after its last turn, as the template writes it: the trailing generation-prompt ids are
-        taken off and the user turn, then the generation prompt, are added, tokenized on their own.
-
-        The dataset's prompt ids are kept as they are. The added text is what the template adds to
-        a fixed one-turn conversation when a user turn follows; the check below makes sure that it
-        starts on a token boundary (ChatML: ``<|im_start|>``, a special token), so its ids do not
-        depend on what precedes."""
-        first = [{"role": "user", "content": "question"}]
-        try:
-            base = self._render(first, generation_prompt=False)
-            with_gen = self._render(first, generation_prompt=True)
-            full = self._render([*first, {"role": "user", "content": text}], generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template's own refusal (e.g. roles must alternate)
-            raise ValueError(
-                f"the chat template refuses a user turn after the prompt's last turn ({exc}); an interaction's "
-                "opening text needs a template that accepts it: return None from start_interaction and put the "
-                "text into the dataset's prompt instead"
-            ) from exc
-        if not (with_gen.startswith(base) and full.startswith(base)):
-            raise ValueError(
-                "the chat template renders earlier turns differently once a user turn follows; an interaction's "
-                "opening text needs a template that appends turns"
-            )
-        encode = self.tokenizer.encode
-        gen_ids = list(encode(with_gen[len(base) :], add_special_tokens=False))
-        turn = full[len(base) :]
-        turn_ids = list(encode(turn, add_special_tokens=False))
-        if list(encode(full, add_special_tokens=False)) != list(encode(base, add_special_tokens=False)) + turn_ids:
-            raise ValueError(
-                "the chat template's user turn does not start on a token boundary, so its ids would depend on the "
-                "prompt's last tokens; an interaction's opening text cannot be added token-exactly with this template"
-            )
-        if len(prompt_ids) < len(gen_ids) or list(prompt_ids[len(prompt_ids) - len(gen_ids) :]) != gen_ids:
-            raise ValueError(
-                f"the prompt ids do not end with the chat template's generation prompt {with_gen[len(base):]!r}; an "
-                "interaction's opening text is added before it (render prompts with add_generation_prompt=True)"
-            )
-        return list(prompt_ids[: len(prompt_ids) - len(gen_ids)]) + turn_ids
-
-    @functools.cached_property
-    def max_chars_per_token(self) -> int:
-        """An upper bound on the characters of text one token stands for: the longest vocabulary entry
-        (byte-level BPE spells a token one character per byte, SentencePiece one per character), twice
-        over for a normalizer that folds two characters into one (NFC). ``n`` tokens of a text hold at
-        most ``n * max_chars_per_token`` of its characters, so a text longer than that has more than
-        ``n`` tokens and only that much of it need be tokenized to keep ``n``."""
-        return 2 * max(len(piece) for piece in self.tokenizer.get_vocab())
-
-    def surely_over(self, messages: Sequence[Mapping[str, Any]], tokens: int) -> bool:
-        """True when the contents of ``messages`` alone hold more than ``tokens`` tokens, judged by
-        their length (:attr:`max_chars_per_token`) without tokenizing them."""
-        return sum(len(str(m["content"])) for m in messages) > tokens * self.max_chars_per_token
-
-    def encode(self, messages: Sequence[Mapping[str, Any]], *, model_ended_turn: bool) -> list[int]:
-        """Ids of the turn made of ``messages`` (``{"role": "tool", "content": ...}`` each) and the
-        next generation prompt. ``model_ended_turn``: the model's last sampled id was its end-of-turn
-        (eos) token; otherwise the template's whole end-of-turn text is added first."""
-        full = self._render([*self._BASE, *messages], generation_prompt=True)
-        if not full.startswith(self.base_text):
-            raise ValueError(
-                "the chat template renders earlier turns differently once a tool turn follows; the agent loop "
-                "needs a template that appends turns (tool turns are tokenized as an appended suffix)"
-            )
-        text = (self.after_eos if model_ended_turn else self.turn_end) + full[len(self.base_text) :]
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass
@@ -479,7 +310,11 @@ class AgentLoop:
 
             tasks = []
             for t, info in zip(trajs, infos):
-                task = asyncio.ensure_future(self.agent_loops[t.agent_name].run(Conversation(self, t, ask, info)))
+                conversation = Conversation(
+                    t, ask, info, tools=self.tools, tokenizer=self.tokenizer, config=self.cfg, encoder=self.encoder,
+                    response_length=self.response_length,
+                )
+                task = asyncio.ensure_future(self.agent_loops[t.agent_name].run(conversation))
                 task.add_done_callback(lambda _: wake.set())
                 tasks.append(task)
             rnd = 0
