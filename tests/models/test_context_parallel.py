@@ -2,7 +2,8 @@
 
 The same rollout-shaped batch (prompts left-padded, responses right-padded, uneven lengths, one
 row empty) through ``MegatronEngine`` at CP 1 and CP 2 (and TP 2 x CP 2 against TP 2, also with
-sequence parallel and packed sequences), padded rows and packed (THD) sequences: logits,
+sequence parallel and packed sequences; DP 2 x CP 2 and PP 2 x CP 2 against one rank), padded rows
+and packed (THD) sequences: logits,
 log-probabilities and entropy of a forward pass, then one Adam step of a token-mean loss over
 log-probabilities and entropy: its loss, gradient norm, every parameter's gradient (Megatron's
 ``main_grad`` after the all-reduce over the data-and-context-parallel group) and every weight after
@@ -36,21 +37,26 @@ def models(tmp_path_factory):
     return {family: make_tiny_model(str(root / family), family) for family in ("llama3", "mistral")}
 
 
-def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = False, sp: bool = False):
+def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = False, sp: bool = False, pp: int = 1):
     from verl.algos import GlobalBatchInfo, agg_loss
     from verl.config import MegatronConfig, ModelConfig, OptimConfig
     from verl.engine import LossShare, MegatronEngine
     from verl.models.builder import unwrap_model
     from verl.parallel import megatron_state as ms
 
-    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=7)
+    pg = ms.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp, seed=7
+    )
     engine = MegatronEngine(
         model=ModelConfig(path=model_dir, use_remove_padding=pack),
-        megatron=MegatronConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp),
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp,
+                                pipeline_model_parallel_size=pp),
         pg=pg,
         optim=OptimConfig(optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0),
         total_training_steps=10,
     )
+    rows = batch["input_ids"].shape[0] // pg.dp.size()  # each data-parallel rank its share of the rows
+    batch = {k: v[pg.dp.rank() * rows : (pg.dp.rank() + 1) * rows] for k, v in batch.items()}
     out = engine.forward(batch, micro_batch_size=3, output="logprobs", with_entropy=True).outputs
     logits = engine.forward(batch, micro_batch_size=3, output="logits").outputs["logits"]
     mask = batch["attention_mask"].float()
@@ -63,11 +69,21 @@ def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = Fal
 
     step = engine.train_step(batch, micro_batch_size=3, loss_fn=loss_fn, with_entropy=True)
     chunk = unwrap_model(engine.chunks[0])
+    offset = chunk.verl_layer_offset
+
+    def single_stage_name(name: str) -> str:  # decoder.layers.<i>. of this stage -> of the whole model
+        parts = name.split(".")
+        if name.startswith("decoder.layers."):
+            parts[2] = str(int(parts[2]) + offset)
+        return ".".join(parts)
+
     grads = {name: p.main_grad.detach().clone() for name, p in chunk.named_parameters()}
     weights = {name: p.detach().clone() for name, p in chunk.named_parameters()}
     return {
         "tp_rank": pg.tp.rank(),
         "cp_rank": pg.cp.rank(),
+        "rows": (pg.dp.rank() * rows, (pg.dp.rank() + 1) * rows),
+        "pp_rank": pg.pp.rank(),
         "logprobs": out["logprobs"],
         "entropy": out["entropy"],
         "logits": logits,
@@ -75,15 +91,18 @@ def _engine_body(model_dir: str, tp: int, cp: int, batch: dict, pack: bool = Fal
         "grad_norm": step.grad_norm,
         "grads": grads,
         "weights": weights,
+        "stage_names": {name: single_stage_name(name) for name in grads},
     }
 
 
 def _max_diffs(expected: dict, actual: dict) -> dict[str, float]:
-    diffs = {k: (actual[k] - expected[k]).abs().max().item() for k in ("logprobs", "entropy", "logits")}
-    diffs["grads"] = max((actual["grads"][n] - g).abs().max().item() for n, g in expected["grads"].items())
-    noise = {n: (g.abs() < 1e-7) | (actual["grads"][n].abs() < 1e-7) for n, g in expected["grads"].items()}
+    lo, hi = actual["rows"]
+    diffs = {k: (actual[k] - expected[k][lo:hi]).abs().max().item() for k in ("logprobs", "entropy", "logits")}
+    names = actual["stage_names"]  # this pipeline stage's parameters, by the single-stage model's names
+    diffs["grads"] = max((actual["grads"][n] - expected["grads"][names[n]]).abs().max().item() for n in names)
+    noise = {n: (expected["grads"][names[n]].abs() < 1e-7) | (actual["grads"][n].abs() < 1e-7) for n in names}
     diffs["weights"] = max(
-        ((actual["weights"][n] - w).abs() * ~noise[n]).max().item() for n, w in expected["weights"].items()
+        ((actual["weights"][n] - expected["weights"][names[n]]).abs() * ~noise[n]).max().item() for n in names
     )
     return diffs
 
@@ -180,3 +199,21 @@ def test_checkpoints_exports_and_values_are_unchanged_by_cp(models, tmp_path):
     assert sorted(actual) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(actual[name], tensor, rtol=0, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["dp2-cp2", "pp2-cp2"])
+def test_dp2_or_pp2_with_cp2_equals_one_rank(models, layout):
+    """Data parallel (the loss's token counts over DP, gradients averaged over DP x CP) and pipeline stages
+    (CP's share of the row sent between stages) beside CP 2, against one rank with the whole batch."""
+    batch = rollout_batch(6)
+    (reference,) = run_distributed(_engine_body, 1, models["llama3"], 1, 1, batch)
+    pp = 2 if layout == "pp2-cp2" else 1
+    results = run_distributed(_engine_body, 4, models["llama3"], 1, 2, batch, False, False, pp)
+    worst = _check([reference], [r for r in results if pp == 1 or r["pp_rank"] == pp - 1])
+    for r in results:  # every stage's gradients and weights (the outputs are broadcast from the last)
+        for key in ("grads", "weights"):
+            diff = _max_diffs(reference, r)[key]
+            assert diff <= ATOL, f"{layout} rank pp {r['pp_rank']} cp {r['cp_rank']}: {key} {diff:.3g}"
+    print(f"{layout} vs one rank max abs diffs: {worst}")
