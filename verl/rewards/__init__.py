@@ -9,7 +9,7 @@
   scores for a rollout batch, optionally in a process pool; ``reward_manager_from_config``
   builds one from a PPO config.
 - ``reference_compute_score``: the same call, scoring exactly as the reference verl 0.9.1 does
-  (``reward_model.rule_scoring=reference``; ``verl.rewards.reference``).
+  (``reward_model.rule_scoring=reference``; the scorers are ``verl.rewards.reference``).
 - ``format_reward``: whole-response layout check (``<think>..</think><answer>..</answer>`` by default).
 """
 
@@ -20,13 +20,13 @@ from verl.rewards.arithmetic import ANSWER_PREFIX as ARITHMETIC_ANSWER_PREFIX
 from verl.rewards.arithmetic import format_arithmetic_answer
 from verl.rewards.format_reward import THINK_ANSWER_PATTERN, format_reward
 from verl.rewards.math_answer import math_equal, normalize_math_answer
-from verl.rewards.reference import reference_compute_score
 from verl.rewards.registry import (
     FileRewardFunction,
     default_compute_score,
     get_scorer,
     known_data_sources,
     load_custom_reward_fn,
+    reference_compute_score,
     register_scorer,
 )
 from verl.rewards.scoring import SampleScore, score_one

@@ -38,8 +38,12 @@ import numpy as np
 import torch
 
 from verl import sandbox
-from verl.rewards.reference import reference_compute_score
-from verl.rewards.registry import default_compute_score, get_scorer, load_custom_reward_fn
+from verl.rewards.registry import (
+    default_compute_score,
+    get_scorer,
+    load_custom_reward_fn,
+    reference_compute_score,
+)
 from verl.rewards.scoring import SampleScore, score_chunk
 
 logger = logging.getLogger(__name__)

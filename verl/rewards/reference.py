@@ -1,8 +1,9 @@
 """Reference-compatible scoring: the reference verl 0.9.1's rule-based rewards, reproduced.
 
-``reward_model.rule_scoring=reference`` scores with ``reference_compute_score`` instead of our
-default scorers, so a run ported from the reference verl sees the same reward for the same
-response (the same reward curve). Our defaults accept more correct answers (``\\boxed{2.0}``
+``reward_model.rule_scoring=reference`` scores with ``verl.rewards.reference_compute_score``
+(:mod:`verl.rewards.registry`: these scorers by ``data_source``, :func:`reference_scorer`, and
+ours where the reference has none) instead of our default scorers, so a run ported from the
+reference verl sees the same reward for the same response (the same reward curve). Our defaults accept more correct answers (``\\boxed{2.0}``
 for 2, ``1+x^2`` for ``x^2+1``, ``0.25`` for ``\\frac14``...); the differences are listed in
 docs/rewards.md and in tests/rewards/test_reference_scores.py, whose corpus holds the scores
 the reference wheel itself gave.
@@ -49,10 +50,9 @@ import ast
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from verl.rewards.extract import as_text
 from verl.rewards.timeout import time_limit
 
 __all__ = [
@@ -69,8 +69,8 @@ __all__ = [
     "prime_compute_score",
     "prime_exact_equal",
     "prime_extract",
-    "reference_compute_score",
     "reference_data_source",
+    "reference_scorer",
 ]
 
 REFERENCE_VERSION = "0.9.1"
@@ -942,26 +942,13 @@ _REFERENCE_TABLE: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
 
 def reference_data_source(data_source: str) -> bool:
     """Whether the reference verl has a rule-based scorer of its own for ``data_source``."""
-    return data_source in _REFERENCE_TABLE or (isinstance(data_source, str) and data_source.startswith("aime"))
+    return reference_scorer(data_source) is not None
 
 
-def reference_compute_score(
-    data_source: str,
-    solution_str: str,
-    ground_truth: Any,
-    extra_info: Mapping[str, Any] | None = None,
-) -> float | dict[str, Any]:
-    """Score one response as the reference verl 0.9.1 does (``reward_model.rule_scoring=reference``).
-
-    Data sources the reference has no scorer for (``countdown``, ``verl/arithmetic``...) use
-    ours, as ``default_compute_score``; an unknown one raises ValueError listing the known ones.
-    """
-    solution_str = as_text(solution_str)  # responses are text; None or bytes must not crash a run
+def reference_scorer(data_source: str) -> Callable[[str, Any], float | dict[str, Any]] | None:
+    """The reference verl's own scorer ``fn(solution_str, ground_truth)`` for ``data_source``, or None
+    where it has none (``verl.rewards.reference_compute_score`` then scores with ours)."""
     fn = _REFERENCE_TABLE.get(data_source)
     if fn is None and isinstance(data_source, str) and data_source.startswith("aime"):
         fn = dapo_reference_score
-    if fn is None:
-        from verl.rewards.registry import default_compute_score
-
-        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
-    return fn(solution_str, ground_truth)
+    return fn

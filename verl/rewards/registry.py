@@ -3,7 +3,9 @@
 A scorer is a plain function ``fn(solution_str, ground_truth, extra_info=None) -> float | dict``;
 a dict carries ``"score"`` plus extra per-sample fields the reward manager reports (``"acc"``,
 ``"pred"``...). ``default_compute_score`` dispatches on the sample's ``data_source`` with the
-same names as the reference verl, so datasets prepared for it score the same way here.
+same names as the reference verl, so datasets prepared for it score the same way here;
+``reference_compute_score`` dispatches the same names to the reference's own scorers
+(:mod:`verl.rewards.reference`), falling back to ours where it has none.
 
 Extend the table with ``@register_scorer("my/source")``, or replace the whole dispatch with a
 user function (config ``custom_reward_function.path`` + ``.name``, see ``load_custom_reward_fn``)
@@ -23,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from verl.rewards import arithmetic, code, countdown, gsm8k, math_answer, reference
-from verl.rewards.extract import last_boxed
+from verl.rewards.extract import as_text, last_boxed
 from verl.rewards.format_reward import format_reward
 
 ScoreResult = float | dict[str, Any]
@@ -87,6 +89,25 @@ def default_compute_score(
     An unknown ``data_source`` raises ValueError listing the known ones.
     """
     return get_scorer(data_source)(solution_str, ground_truth, extra_info)
+
+
+def reference_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Mapping[str, Any] | None = None,
+) -> ScoreResult:
+    """Score one response as the reference verl 0.9.1 does (``reward_model.rule_scoring=reference``):
+    with the reference's own scorer (:func:`verl.rewards.reference.reference_scorer`).
+
+    Data sources the reference has no scorer for (``countdown``, ``verl/arithmetic``...) use
+    ours, as :func:`default_compute_score`; an unknown one raises ValueError listing the known ones.
+    """
+    solution_str = as_text(solution_str)  # responses are text; None or bytes must not crash a run
+    fn = reference.reference_scorer(data_source)
+    if fn is None:
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+    return fn(solution_str, ground_truth)
 
 
 # ---- the built-in table (names as in the reference verl) ----
