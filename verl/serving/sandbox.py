@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         help="SandboxConfig overrides, key=value (as in a PPO config, with or without its 'sandbox.' prefix)",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     # The keys the library's messages name are a PPO config's (sandbox.allow_unconfined=true): taken as they are.
     overrides = [o.removeprefix("sandbox.") for o in args.overrides]
     try:
