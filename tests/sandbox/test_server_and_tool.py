@@ -27,9 +27,16 @@ def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]
 
 @pytest.fixture
 def server(sandbox):
+    """The server over the test sandbox with a roomy wall limit: its configured limits are ceilings
+    (a request's run_timeout above them is clipped), and on a loaded machine bwrap and Python alone
+    can take seconds to start, so the requests' own 20-60 s must not be cut to the 2 s of TEST_LIMITS."""
+    import dataclasses
+
+    from verl.sandbox import Sandbox
     from verl.serving.server import BackgroundServer
 
-    with BackgroundServer(create_app(sandbox, api_key="s3cret")) as srv:
+    roomy = Sandbox(dataclasses.replace(sandbox.config, limits=ROOMY_LIMITS))
+    with BackgroundServer(create_app(roomy, api_key="s3cret")) as srv:
         yield srv
 
 

@@ -234,7 +234,7 @@ def test_out_of_memory_halves_the_budget_but_never_below_the_longest_row(caplog)
     # The OOM fallback needs no model: a RoleEngine shell whose engine is one chunk on one rank.
     role = object.__new__(RoleEngine)
     role.name, role.micro_batch_cap = "actor", {}
-    role.pg = SimpleNamespace(pp=_OneRank(), tp_dp_cp=_OneRank(), dp=_OneRank())
+    role.pg = SimpleNamespace(pp=_OneRank(), tp_dp_cp=_OneRank(), dp=_OneRank(), cp=_OneRank())
     role.engine = SimpleNamespace(chunks=[None])
     tried = []
 
