@@ -47,11 +47,12 @@ def install(faults: list[dict]) -> None:
     from verl.roles import actor as actor_module
     from verl.roles.engine_role import RoleEngine
     from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.step.pieces import StepPieces
 
     faults = [f for f in faults if _mine(f)]
     phase_faults = [f for f in faults if f["kind"] in ("kill", "term", "hang")]
     if phase_faults:
-        enter = PPOTrainer.post_phase
+        enter = StepPieces.post_phase  # every phase a rank enters is posted there (PPOTrainer.post_phase too)
 
         def _enter(self, phase: str) -> None:
             enter(self, phase)
@@ -65,7 +66,7 @@ def install(faults: list[dict]) -> None:
                     else:
                         time.sleep(3600)
 
-        PPOTrainer.post_phase = _enter
+        StepPieces.post_phase = _enter
 
     for f in faults:
         if f["kind"] == "kill_in_checkpoint":

@@ -170,8 +170,8 @@ def _steps_body(model_dir: str, teacher: str, train: str, root: str, split: bool
             out[name] = {
                 "steps": [trainer.train_step() for _ in range(2)],
                 "step": trainer.pipeline.describe(),
-                "teacher": trainer.runs("teacher"),
-                "actor": trainer.runs("actor"),
+                "teacher": trainer.pieces.runs("teacher"),
+                "actor": trainer.pieces.runs("actor"),
             }
     return out
 
@@ -275,8 +275,7 @@ def _stream_body(model_dir: str, teacher: str, train: str, root: str) -> list[st
     errors = []
     cfg = _config(model_dir, train, f"{root}/s", "trainer.logger=[]", f"distillation.teacher_model.model_path={teacher}")
     with PPOTrainer(cfg) as trainer:
-        trainer.pipeline = StepPipeline([ops.RolloutOperator(), ops.RewardOperator(), ops.PPOUpdateOperator()])
-        trainer.pipeline.bind(trainer)
+        trainer.use_pipeline(StepPipeline([ops.RolloutOperator(), ops.RewardOperator(), ops.PPOUpdateOperator()]))
         try:
             trainer.train_step()
         except ValueError as exc:
@@ -284,7 +283,7 @@ def _stream_body(model_dir: str, teacher: str, train: str, root: str) -> list[st
     plain = _config(model_dir, train, f"{root}/p", "trainer.logger=[]", "distillation.enabled=false")
     with PPOTrainer(plain) as trainer:
         try:
-            ops.DistillationOperator().bind(trainer)
+            ops.DistillationOperator().bind(trainer.pieces)
         except ValueError as exc:
             errors.append(str(exc))
     return errors

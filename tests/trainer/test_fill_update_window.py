@@ -45,10 +45,10 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int) -> dict:
     window: list[int | None] = [None]  # the step whose update runs now
     segments: list[tuple[int | None, int, int, float]] = []  # (window, batch, version, the engine's weights summed)
     with PPOTrainer(cfg) as trainer:
-        update_step, advance = trainer.update_step, PartialBatch.advance
+        update_step, advance = trainer.pieces.update_step, PartialBatch.advance
 
         def recording(batch, metrics=None):
-            step = trainer.step_in_progress()
+            step = trainer.pieces.step_in_progress()
             seen[step] = {key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask")}
             window[0] = step
             try:
@@ -61,16 +61,16 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int) -> dict:
             segments.append((window[0], id(self), int(version), weights))
             return advance(self, segment, version)
 
-        trainer.update_step = recording
+        trainer.pieces.update_step = recording
         PartialBatch.advance = counting
-        if trainer.runs("actor"):
-            update_actor = trainer.update_actor
+        if trainer.pieces.runs("actor"):
+            update_actor = trainer.pieces.update_actor
 
             def slow(batch):
                 time.sleep(SLOW_UPDATE_S)
                 return update_actor(batch)
 
-            trainer.update_actor = slow
+            trainer.pieces.update_actor = slow
         try:
             trainer.fit()
         finally:

@@ -66,15 +66,15 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int, name: st
     main = ["start"]  # what the main thread does now
     segments: list[tuple[str, str, str, int, float]] = []  # (thread, main's doing, batch uid, version, weights)
     with PPOTrainer(cfg) as trainer:
-        update_step, advance, reward = trainer.update_step, PartialBatch.advance, ops.RewardOperator.process
+        update_step, advance, reward = trainer.pieces.update_step, PartialBatch.advance, ops.RewardOperator.process
 
         def recording(batch, metrics=None):
-            step = trainer.step_in_progress()
+            step = trainer.pieces.step_in_progress()
             seen[step] = {key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask", "responses")
                           if key in batch}
             if trainer.world.ref_ahead and trainer.reference is not None:  # computed on the thread: again here
                 again = batch.select([k for k in batch.tensors if k != "ref_log_prob"])
-                seen[step]["ref_equal"] = torch.equal(trainer.compute_ref_log_prob(again)["ref_log_prob"], batch["ref_log_prob"])
+                seen[step]["ref_equal"] = torch.equal(trainer.pieces.compute_ref_log_prob(again)["ref_log_prob"], batch["ref_log_prob"])
             main[0] = "update"
             try:
                 return update_step(batch, metrics)
@@ -104,7 +104,7 @@ def _body(model_dir: str, files: dict[str, str], root: str, world: int, name: st
                 return generate(prompts, **kwargs)
 
             trainer.rollout.generate = calling
-        trainer.update_step = recording
+        trainer.pieces.update_step = recording
         ops.RewardOperator.process = slow_reward
         PartialBatch.advance = counting
         try:

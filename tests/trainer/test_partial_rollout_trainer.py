@@ -45,15 +45,15 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
         cfg = config(model_dir, files, f"{root}/{name}", *PARTIAL, *([] if name == "colocated" else APART), *extra, resume=resume)
         seen: dict[int, dict[str, list]] = {}
         with PPOTrainer(cfg) as trainer:
-            update_step = trainer.update_step
+            update_step = trainer.pieces.update_step
 
             def recording(batch, metrics=None):  # the batch each update trains, as every rank holds it
-                seen[trainer.step_in_progress()] = {
+                seen[trainer.pieces.step_in_progress()] = {
                     key: batch[key].tolist() for key in ("rollout_token_versions", "rollout_version", "response_mask", "responses")
                 }
                 return update_step(batch, metrics)
 
-            trainer.update_step = recording
+            trainer.pieces.update_step = recording
             start = trainer.resume()
             trainer.fit(stop_after=stop_after)
             return {"steps": (start, trainer.global_step), "seen": seen}

@@ -85,7 +85,7 @@ def _runs_body(model_dir: str, files: dict[str, str], root: str, split: bool) ->
         with PPOTrainer(cfg) as trainer:
             out[name] = {
                 "steps": [trainer.train_step() for _ in range(STEPS if split else STEPS + 1)],
-                "roles": sorted(r for r in ("actor", "ref", "critic", "reward_model") if trainer.runs(r)),
+                "roles": sorted(r for r in ("actor", "ref", "critic", "reward_model") if trainer.pieces.runs(r)),
                 "rollout": trainer.rollout is not None,
             }
             if split:

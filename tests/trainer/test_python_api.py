@@ -238,8 +238,8 @@ def test_conditional_update_routes_each_sample_and_both_branches_train(trainer, 
 
         return call
 
-    monkeypatch.setattr(trainer, "update_step", recorded("ppo", trainer.update_step))
-    monkeypatch.setattr(trainer, "update_preference", recorded("dpo", trainer.update_preference))
+    monkeypatch.setattr(trainer.pieces, "update_step", recorded("ppo", trainer.pieces.update_step))
+    monkeypatch.setattr(trainer.pieces, "update_preference", recorded("dpo", trainer.pieces.update_preference))
     even_prompt = lambda s: int(s["uid"].split("/")[-1]) % 2 == 0  # noqa: E731 (uid: step/draw/prompt)
     cond = ConditionalUpdateOperator(
         condition=even_prompt, true_branch=PPOUpdateOperator(), false_branch=DPOUpdateOperator(beta=0.1)
@@ -351,31 +351,31 @@ def test_dynamic_batch_size_splits_generation_and_keeps_greedy_samples(trainer, 
     assert engine.kv_bytes_per_token() == 1024 and engine.kv_token_budget() == 0
     with trainer.rollout.phase():
         assert engine.kv_token_budget() > 0
-    prompts = trainer.prompt_batch(0)
-    seed = trainer.sampling_seed(0)
+    prompts = trainer.pieces.prompt_batch(0)
+    seed = trainer.pieces.sampling_seed(0)
     fields = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
     def same(a, b):
         return all(torch.equal(a[k], b[k]) for k in fields) and list(a.non_tensors["uid"]) == list(b.non_tensors["uid"])
 
     # Room for everything: one call of the 16 sequences, the samples of an unsplit call (sampled).
-    whole, _ = trainer.generate(prompts, seed=seed)
-    one, m = trainer.generate(prompts, seed=seed, call_sizes=(4, 32))
+    whole, _ = trainer.pieces.generate(prompts, seed=seed)
+    one, m = trainer.pieces.generate(prompts, seed=seed, call_sizes=(4, 32))
     assert same(one, whole) and (m["rollout/num_calls"], m["rollout/batch_size"]) == (1.0, 16.0)
 
     # Greedy, with the engine reporting room for 8 sequences of 24 + 8 tokens: 2 calls of 2 prompts,
     # the same samples as one call; a budget below min_batch_size: calls of min_batch_size = 1 prompt.
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, do_sample=False))
-    greedy, _ = trainer.generate(prompts, seed=seed)
+    greedy, _ = trainer.pieces.generate(prompts, seed=seed)
     for budget, sizes, calls, size in ((8 * 32, (4, 32), 2.0, 8.0), (10, (4, 32), 4.0, 4.0), (10**9, (4, 8), 2.0, 8.0)):
         monkeypatch.setattr(engine, "kv_token_budget", lambda b=budget: b)
-        split, m = trainer.generate(prompts, seed=seed, call_sizes=sizes)
+        split, m = trainer.pieces.generate(prompts, seed=seed, call_sizes=sizes)
         assert same(split, greedy), budget
         assert (m["rollout/num_calls"], m["rollout/batch_size"], m["rollout/kv_token_budget"]) == (calls, size, budget)
         assert m["rollout/num_sequences"] == 16.0 and m["rollout/num_tokens"] == split["response_mask"].sum().item()
     monkeypatch.setattr(engine, "kv_token_budget", lambda: None)
     with pytest.raises(ValueError, match=r"the 'hf' rollout engine reports no memory"):
-        trainer.generate(prompts, seed=seed, call_sizes=(4, 32))
+        trainer.pieces.generate(prompts, seed=seed, call_sizes=(4, 32))
     monkeypatch.undo()
 
     # Through the operator, in a step; and its misuse.

@@ -42,7 +42,7 @@ def _stream_body(model_dir: str, train_file: str, out: str, device_map: dict) ->
     try:
         steps = [stream.step() for _ in range(STEPS)]
         trainer = stream.trainer
-        where = sorted(r for r in ("actor", "ref", "reward_model") if trainer.runs(r))
+        where = sorted(r for r in ("actor", "ref", "reward_model") if trainer.pieces.runs(r))
         return {"steps": steps, "where": where, "placement": dict(trainer.cfg.trainer.placement)}
     finally:
         stream.close()

@@ -42,14 +42,14 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
         with PPOTrainer(cfg) as trainer:
             assert trainer.use_reference
             seen = calls.setdefault(name, [])
-            reference = trainer.compute_ref_log_prob
+            reference = trainer.pieces.compute_ref_log_prob
             inside = mark_overlap(trainer) if trainer.stream is not None else [False]
 
             def counted(batch):  # (the step the batch is for: uid "step-1/draw/i", inside an update step)
                 seen.append((int(batch.non_tensors["uid"][0].split("/")[0]) + 1, inside[0]))
                 return reference(batch)
 
-            trainer.compute_ref_log_prob = counted
+            trainer.pieces.compute_ref_log_prob = counted
             seen.append(("world", trainer.world.ref_ahead, trainer.world.generates_only))
             start = trainer.resume()
             trainer.fit(stop_after=stop_after)

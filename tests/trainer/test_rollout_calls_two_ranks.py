@@ -38,11 +38,11 @@ def _body(model_dir: str, train_file: str, out: str):
     try:
         engine = trainer.rollout.engine
         engine.cfg = dataclasses.replace(engine.cfg, do_sample=False)
-        prompts = trainer.prompt_batch(0)
-        seed = trainer.sampling_seed(0)
-        whole, _ = trainer.generate(prompts, seed=seed)
+        prompts = trainer.pieces.prompt_batch(0)
+        seed = trainer.pieces.sampling_seed(0)
+        whole, _ = trainer.pieces.generate(prompts, seed=seed)
         engine.kv_token_budget = lambda: BUDGETS[dist.get_rank()]
-        split, m = trainer.generate(prompts, seed=seed, call_sizes=(4, 32))
+        split, m = trainer.pieces.generate(prompts, seed=seed, call_sizes=(4, 32))
         same = all(torch.equal(whole[k], split[k]) for k in ("responses", "response_mask", "input_ids"))
         return dist.get_rank(), same, m["rollout/num_calls"], m["rollout/batch_size"], m["rollout/kv_token_budget"]
     finally:

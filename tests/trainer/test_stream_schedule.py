@@ -52,8 +52,8 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
                 return generate(*args, **kwargs)
 
             trainer.rollout.generate = generating
-        if trainer.runs("actor"):  # rank 0: the old-log-prob pass ends only once rank 1 generates ahead
-            old_log_prob = trainer.compute_old_log_prob
+        if trainer.pieces.runs("actor"):  # rank 0: the old-log-prob pass ends only once rank 1 generates ahead
+            old_log_prob = trainer.pieces.compute_old_log_prob
 
             def waiting(batch):
                 step = trainer.global_step
@@ -70,7 +70,7 @@ def _body(model_dir: str, files: dict[str, str], root: str) -> dict:
                 events.append(("old_log_prob_ends", step))
                 return out
 
-            trainer.compute_old_log_prob = waiting
+            trainer.pieces.compute_old_log_prob = waiting
         trainer.fit()
         out = {"rank": rank, "steps": trainer.global_step, "events": events}
     out["metrics"] = _metrics(f"{root}/off/logs", keep_all=True) if out["rank"] == 0 else None

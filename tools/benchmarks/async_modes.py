@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from verl.parallel.bootstrap import destroy_distributed, start_world
+    from verl.parallel.bootstrap import distributed_world
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 2:
@@ -127,8 +127,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
     try:
         torch.set_num_threads(args.threads)
-        start_world(rl_config(args.config, ["trainer.placement.rollout=[1]", *overrides], f"{root}/probe", world).trainer)
-        try:
+        # The world once for every mode (their trainers start none): the lifecycle's own start and teardown.
+        with distributed_world(rl_config(args.config, ["trainer.placement.rollout=[1]", *overrides], f"{root}/probe", world).trainer):
             if args.inputs:  # made once, by rank 0
                 shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, prompts=args.prompts)
                 if dist.get_rank() == 0:
@@ -141,8 +141,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 order = list(args.modes) if r % 2 == 0 else list(reversed(args.modes))
                 for mode in order:
                     runs[mode].append(_one_mode(args, mode, overrides, f"{root}/r{r}", world))
-        finally:
-            destroy_distributed()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     modes: dict[str, Any] = {}

@@ -133,7 +133,7 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from verl.parallel.bootstrap import destroy_distributed, start_world
+    from verl.trainer.entry import trainer_session
     from verl.trainer.ppo_trainer import PPOTrainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -147,30 +147,26 @@ def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
                          *overrides]
         cfg = rl_config(args.config, overrides, root, world)
         torch.set_num_threads(args.threads)  # before the engine: vLLM's CPU worker pins the setting
-        start_world(cfg.trainer)  # as main_ppo: the config's device and collective timeout
-        try:
-            steps, peaks = [], {}
-            sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-            with PPOTrainer(cfg) as trainer:
-                if trainer.total_steps < args.warmup + args.steps:
-                    raise ValueError(f"the config runs {trainer.total_steps} steps, fewer than --warmup {args.warmup} "
-                                     f"+ --steps {args.steps}: raise trainer.total_training_steps")
-                for _ in range(args.warmup):
-                    trainer.train_step()
-                with _PhaseMemory(trainer.board) as memory:
-                    for _ in range(args.steps):
-                        metrics = trainer.train_step()
-                        if metrics is None:
-                            raise ValueError("the data ran out: use more prompts (data.train_files) or fewer steps")
-                        one = _step_phases(metrics, sequences)
-                        one["score_mean"] = metrics["critic/score/mean"]
-                        one["process_peak_memory_gb"] = metrics["perf/max_memory_allocated_gb"]
-                        steps.append(one)
-                peaks = dict(memory.peaks)
+        steps, peaks = [], {}
+        sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+        with trainer_session(cfg, PPOTrainer) as trainer:  # as main_ppo: the world, the trainer, the teardown
+            if trainer.total_steps < args.warmup + args.steps:
+                raise ValueError(f"the config runs {trainer.total_steps} steps, fewer than --warmup {args.warmup} "
+                                 f"+ --steps {args.steps}: raise trainer.total_training_steps")
+            for _ in range(args.warmup):
+                trainer.train_step()
+            with _PhaseMemory(trainer.board) as memory:
+                for _ in range(args.steps):
+                    metrics = trainer.train_step()
+                    if metrics is None:
+                        raise ValueError("the data ran out: use more prompts (data.train_files) or fewer steps")
+                    one = _step_phases(metrics, sequences)
+                    one["score_mean"] = metrics["critic/score/mean"]
+                    one["process_peak_memory_gb"] = metrics["perf/max_memory_allocated_gb"]
+                    steps.append(one)
+            peaks = dict(memory.peaks)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, {"step_s": [s["step_s"] for s in steps], "peaks": peaks})
-        finally:
-            destroy_distributed()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {

@@ -72,7 +72,7 @@ def _soak_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from verl.parallel.bootstrap import destroy_distributed, start_world
+    from verl.trainer.entry import trainer_session
     from verl.trainer.ppo_trainer import PPOTrainer
 
     if args.warmup + args.window > args.steps:
@@ -97,34 +97,30 @@ def _soak_run(args: argparse.Namespace) -> dict[str, Any]:
                      "trainer.max_critic_ckpt_to_keep=2", *overrides]
         cfg = rl_config(args.config, overrides, root, world)
         torch.set_num_threads(args.threads)
-        start_world(cfg.trainer)
-        cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
-        try:
-            rss, allocated, reserved, step_s, saves = [], [], [], [], []
-            with PPOTrainer(cfg) as trainer:
-                if trainer.total_steps < args.steps:
-                    raise ValueError(f"the data gives {trainer.total_steps} steps, fewer than --steps {args.steps}: "
-                                     "use more prompts (--prompts, data.train_files) or more epochs "
-                                     "(trainer.total_epochs)")
-                for step in range(1, args.steps + 1):
-                    start = time.perf_counter()
-                    if trainer.train_step() is None:
-                        raise ValueError(f"the data ran out at step {step}")
-                    if args.save_every and step % args.save_every == 0:
-                        trainer.save_checkpoint()
-                        saves.append(step)
-                    step_s.append(time.perf_counter() - start)
-                    rss.append(rss_bytes() / MIB)
-                    if cuda:
-                        allocated.append(torch.cuda.memory_allocated() / MIB)
-                        reserved.append(torch.cuda.memory_reserved() / MIB)
-                    if is_rank_zero() and step % max(1, args.steps // 20) == 0:
-                        logger.info("soak: step %d/%d, rank 0 RSS %.1f MiB", step, args.steps, rss[-1])
+        rss, allocated, reserved, step_s, saves = [], [], [], [], []
+        with trainer_session(cfg, PPOTrainer) as trainer:  # as main_ppo: the world, the trainer, the teardown
+            cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+            if trainer.total_steps < args.steps:
+                raise ValueError(f"the data gives {trainer.total_steps} steps, fewer than --steps {args.steps}: "
+                                 "use more prompts (--prompts, data.train_files) or more epochs "
+                                 "(trainer.total_epochs)")
+            for step in range(1, args.steps + 1):
+                start = time.perf_counter()
+                if trainer.train_step() is None:
+                    raise ValueError(f"the data ran out at step {step}")
+                if args.save_every and step % args.save_every == 0:
+                    trainer.save_checkpoint()
+                    saves.append(step)
+                step_s.append(time.perf_counter() - start)
+                rss.append(rss_bytes() / MIB)
+                if cuda:
+                    allocated.append(torch.cuda.memory_allocated() / MIB)
+                    reserved.append(torch.cuda.memory_reserved() / MIB)
+                if is_rank_zero() and step % max(1, args.steps // 20) == 0:
+                    logger.info("soak: step %d/%d, rank 0 RSS %.1f MiB", step, args.steps, rss[-1])
             mine = {"rss_mib": rss, "allocated_mib": allocated, "reserved_mib": reserved, "step_s": step_s}
             ranks: list[Any] = [None] * world
             dist.all_gather_object(ranks, mine)
-        finally:
-            destroy_distributed()
     finally:
         if is_rank_zero():
             shutil.rmtree(root, ignore_errors=True)

@@ -638,7 +638,7 @@ class RLTrainer:
         response tokens per second of generation, ``rollout/tokens_per_s``), ``global_step`` and
         ``checkpoint`` (the newest checkpoint directory, or None).
         """
-        from verl.api.stream import build_trainer
+        from verl.api.stream import prepare_start
         from verl.trainer.run_checks import hf_export_dir
 
         if dataset is not None and dataset_path is not None:
@@ -672,21 +672,18 @@ class RLTrainer:
         with open(os.path.join(args["output_dir"], RUN_FILE), "w", encoding="utf-8") as f:
             json.dump({"init": self._init_args, "fit": args, "hybrid_condition": self.hybrid_condition is not None}, f,
                       indent=2)
-        trainer, started = build_trainer(cfg)
-        try:
-            with trainer:
-                if monitor is not None:
-                    monitor.attach(trainer)
-                metrics: dict[str, Any] = dict(trainer.fit(step_fn=self._step_fn(trainer)))
-                step = trainer.global_step
-                self.last_checkpoint = trainer.last_checkpoint
-                if self._actor_object is not None:
-                    self._write_back(hf_export_dir(cfg.trainer))
-        finally:
-            if started:
-                from verl.parallel.bootstrap import destroy_distributed
+        prepare_start(cfg)
+        from verl.trainer.entry import trainer_session
+        from verl.trainer.ppo_trainer import PPOTrainer
 
-                destroy_distributed()
+        with trainer_session(cfg, PPOTrainer) as trainer:  # the world started here is torn down at its end
+            if monitor is not None:
+                monitor.attach(trainer)
+            metrics: dict[str, Any] = dict(trainer.fit(step_fn=self._step_fn(trainer)))
+            step = trainer.global_step
+            self.last_checkpoint = trainer.last_checkpoint
+            if self._actor_object is not None:
+                self._write_back(hf_export_dir(cfg.trainer))
         metrics.update(_summary(metrics, cfg.trainer.log_dir))
         metrics["global_step"] = step
         metrics["checkpoint"] = self.last_checkpoint

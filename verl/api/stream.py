@@ -73,18 +73,24 @@ def build_config(
     return load_config(PPOConfig, config_file=config, overrides=[*args, *overrides], world_size=world)
 
 
+def prepare_start(cfg: "PPOConfig") -> None:
+    """The command line's quiet start for a run from Python: verl's log lines (what is built, where the
+    outputs go), the dependencies' chatter filtered, progress bars on a terminal only; before the
+    trainer's imports (``verl.trainer.startup.prepare_run``)."""
+    from verl.trainer.startup import prepare_run
+    from verl.utils.logging import ensure_logging
+
+    ensure_logging()
+    prepare_run(cfg.trainer)
+
+
 def build_trainer(cfg: "PPOConfig") -> tuple["PPOTrainer", bool]:
     """``PPOTrainer(cfg)`` on the current torch.distributed world, or on the world of one that this
     call starts (``verl.parallel.bootstrap.start_world``: ``trainer.device``, the collective
     timeout); returns the trainer and whether the world was started here."""
     from verl.parallel.bootstrap import destroy_distributed, start_world
-    from verl.trainer.startup import prepare_run
-    from verl.utils.logging import ensure_logging
 
-    # The command line's quiet start: verl's log lines (what is built, where the outputs go), the
-    # dependencies' chatter filtered, progress bars on a terminal only; before the trainer's imports.
-    ensure_logging()
-    prepare_run(cfg.trainer)
+    prepare_start(cfg)
     from verl.trainer.ppo_trainer import PPOTrainer
 
     started = start_world(cfg.trainer)
@@ -196,7 +202,7 @@ class DataStream:
                     self._model_objects.append(given)
         self._pipeline.add(op)
         if self._trainer is not None and isinstance(op, Operator):
-            op.bind(self._trainer)
+            op.bind(self._trainer.pieces)
         return self
 
     def with_monitor(self, monitor: "VerlMonitor") -> "DataStream":
@@ -351,7 +357,7 @@ class DataStream:
         if not self.operators:
             raise ValueError("DataStream has no operators: add_operator(RolloutOperator()) first")
         trainer = self.trainer
-        metrics = self._pipeline.run(trainer)
+        metrics = self._pipeline.run(trainer.pieces)
         if metrics is None:
             return None
         metrics["timing_s/stream_step"] = metrics["timing_s/step"]

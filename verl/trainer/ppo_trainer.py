@@ -7,7 +7,7 @@ each with one job and a module of its own:
 | --- | --- |
 | the placement and the roles this rank holds, built in one ordered pass | ``verl.trainer.world`` (``build_rl_world``) |
 | the tokenizer, datasets, loaders and each step's batch | ``verl.trainer.rl_data`` (``RLData``) |
-| the step's pieces (rollout, reward, log-probs, advantages, updates) | ``verl.trainer.step.pieces`` (``StepPieces``, this class's base) |
+| the step's pieces (rollout, reward, log-probs, advantages, updates) on the run's parts | ``verl.trainer.step.pieces`` (``StepPieces``, held as :attr:`PPOTrainer.pieces`; the operators bind to it) |
 | the step as operators, one per algorithm, built from the config | ``verl.trainer.step`` (``build_step``) |
 | the loop and its callbacks (validation, checkpoint, export, loggers, report, signals) | ``verl.trainer.loop`` (``Loop``) |
 | validation | ``verl.trainer.validation`` |
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PPOTrainer"]
 
 
-class PPOTrainer(StepPieces):
+class PPOTrainer:
     """The RL trainer on an initialised torch.distributed world (see the module docstring).
 
     Call :meth:`fit`; :meth:`close` (or ``with PPOTrainer(cfg) as trainer``) frees the engines and
@@ -114,15 +114,18 @@ class PPOTrainer(StepPieces):
         self.samples_file = report.StepRecords(os.path.join(t.log_dir, report.SAMPLES_FILE))
         self.board = PhaseBoard()
         self.closed = False
-        self.global_step = 0
         self._last_saved_step: int | None = None
-        self._last_checkpoint: str | None = None
         self._config_written = False
         self._resumed = False
         self.skipped = SkippedSteps(t.max_consecutive_skipped_steps)
         self.stopped_by: str | None = None  # the signal that stopped fit(), if one did
+        # The step's pieces on this run's parts: what the step's operators bind to (never the trainer).
+        self.pieces = StepPieces(
+            cfg=cfg, world=w, data=self.data, kl_ctrl=self.kl_ctrl, skipped=self.skipped, board=self.board,
+            scores_file=self.scores_file, reporting=self.reporting, is_rank0=self.is_rank0,
+        )
         self.pipeline = build_step(cfg)  # the config's step; fit() runs it (use_pipeline replaces it)
-        self.pipeline.bind(self)
+        self.pipeline.bind(self.pieces)
         available = t.total_epochs * self.data.steps_per_epoch
         if t.total_training_steps and t.total_training_steps > available:
             log_rank0(
@@ -150,6 +153,34 @@ class PPOTrainer(StepPieces):
         )
 
     @property
+    def global_step(self) -> int:
+        """The steps begun (``StepPipeline.run`` advances the count; a resume sets it)."""
+        pieces = getattr(self, "pieces", None)
+        return pieces.global_step if pieces is not None else 0
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.pieces.global_step = value
+
+    @property
+    def _last_checkpoint(self) -> str | None:
+        pieces = getattr(self, "pieces", None)
+        return pieces.last_checkpoint if pieces is not None else None
+
+    @_last_checkpoint.setter
+    def _last_checkpoint(self, path: str | None) -> None:
+        self.pieces.last_checkpoint = path  # the skip count names it in its messages
+
+    def train_step(self) -> dict[str, float] | None:
+        """One step of the trainer's pipeline (the config's, ``verl.trainer.step.build_step``, or the one
+        :meth:`use_pipeline` gave it) on its pieces; its metrics, or None when the data is used up."""
+        return self.pipeline.run(self.pieces)
+
+    def post_phase(self, phase: str) -> None:
+        """Post the phase this rank enters (failure reports name it; ``StepPieces.post_phase``)."""
+        self.pieces.post_phase(phase)
+
+    @property
     def stream(self) -> Any:
         """The step's streaming rollout (``trainer.rollout_mode``: its queue is checkpointed), or None."""
         from verl.trainer.step.stream import StreamRolloutOperator
@@ -171,7 +202,7 @@ class PPOTrainer(StepPieces):
                 "step would drop: give the DataStream its trainer before the trainer runs or resumes a step"
             )
         self.pipeline.schedule(self.world).close()
-        pipeline.bind(self)
+        pipeline.bind(self.pieces)
         self.pipeline = pipeline
 
     # -- validation and report ------------------------------------------------------------

@@ -42,7 +42,7 @@ def validate(trainer: "PPOTrainer") -> dict[str, float]:
     outs: list[Batch | None] = [None] * len(batches)
     with world.rollout_phase():  # the rollout's ranks generate; the reward is every rank's
         if world.rollout is not None:
-            seed = VAL_SEED_OFFSET + trainer.sampling_seed(0)
+            seed = VAL_SEED_OFFSET + trainer.pieces.sampling_seed(0)
             for i, prompts in enumerate(batches):
                 outs[i] = world.rollout.generate(prompts, seed=seed, validate=True)
     keep = trainer.reporting and trainer.is_rank0

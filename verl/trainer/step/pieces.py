@@ -1,10 +1,10 @@
 """The step's pieces on the trainer's roles: rollout, reward, log-probs, values, advantages and
 the updates, each a method that takes and returns a ``Batch`` (and metrics).
 
-The operators of :mod:`verl.trainer.step.ops` call these; :class:`StepPieces` is the base of
-``verl.trainer.ppo_trainer.PPOTrainer``, which builds the state they use (``cfg``, ``world``,
-``data``, the roles ``rollout``/``actor``/``reference``/``critic``/``reward``, ``kl_ctrl``,
-``skipped``, ``board``, ``global_step``, the run report's files).
+The operators of :mod:`verl.trainer.step.ops` bind to a :class:`StepPieces` and call these. The
+trainer (``verl.trainer.ppo_trainer.PPOTrainer``) builds the run's parts it is made of (``cfg``,
+``world``, ``data``, the roles ``rollout``/``actor``/``reference``/``critic``/``reward``,
+``kl_ctrl``, ``skipped``, ``board``, the run report's files) and holds it as ``trainer.pieces``.
 
 One step (shared/DESIGN.md), as ``verl.trainer.step.build_step`` composes it:
 
@@ -64,34 +64,46 @@ def _step_being_made(host: Any) -> int:
 
 
 class StepPieces:
-    """The step's pieces (module docstring); ``PPOTrainer`` builds the state they use, named here:
-    what the operators of this folder may read (they are typed against this class, not the trainer)."""
+    """The step's pieces on one run's state: what the operators of this folder bind to and call.
 
-    # The run's state, built by the trainer (verl.trainer.ppo_trainer):
-    cfg: Any  # verl.config.PPOConfig
-    world: Any  # verl.trainer.world.RLWorld: the placement, this rank's roles, the exchanges
-    data: Any  # verl.trainer.rl_data.RLData: the tokenizer, loaders and each step's prompts
-    tokenizer: Any
-    rollout: Any  # this rank's roles (None where it holds none): verl.roles.Rollout ...
-    actor: Any
-    reference: Any
-    critic: Any
-    reward: Any
-    n: int  # samples per prompt
-    total_steps: int
-    world_size: int
-    use_critic: bool
-    use_reference: bool
-    kl_ctrl: Any  # verl.algos.kl controller
-    skipped: Any  # verl.trainer.resilience.SkippedSteps
-    board: Any  # verl.trainer.resilience.PhaseBoard
-    reporting: bool  # the run report's per-sample files are written (rank 0)
-    is_rank0: bool
-    scores_file: Any  # verl.trainer.report.StepRecords
-    pipeline: Any  # verl.trainer.step.StepPipeline: the step fit() runs
-    global_step: int  # the steps begun (StepPipeline.run advances it)
-    _last_checkpoint: str | None
+    The trainer (``verl.trainer.ppo_trainer.PPOTrainer``) builds the run's parts and holds one of
+    these; the operators never see the trainer. ``global_step`` counts the steps begun
+    (``StepPipeline.run`` advances it; the trainer sets it on resume) and ``last_checkpoint`` is the
+    newest checkpoint (the trainer sets it when it saves or resumes)."""
+
     step_ctx: StepContext | None = None  # the step in progress (begin_step .. end_step)
+
+    def __init__(
+        self,
+        *,
+        cfg: Any,
+        world: Any,
+        data: Any,
+        kl_ctrl: Any,
+        skipped: Any,
+        board: Any,
+        scores_file: Any,
+        reporting: bool,
+        is_rank0: bool,
+    ) -> None:
+        self.cfg = cfg  # verl.config.PPOConfig
+        self.world = world  # verl.trainer.world.RLWorld: the placement, this rank's roles, the exchanges
+        self.data = data  # verl.trainer.rl_data.RLData: the tokenizer, loaders and each step's prompts
+        self.tokenizer, self.total_steps = data.tokenizer, data.total_steps
+        # this rank's roles (None where it holds none)
+        self.rollout, self.actor, self.reference, self.critic, self.reward = (
+            world.rollout, world.actor, world.reference, world.critic, world.reward,
+        )
+        self.world_size = world.world_size
+        self.n = cfg.actor_rollout_ref.rollout.n  # samples per prompt
+        self.use_critic, self.use_reference = cfg.use_critic, cfg.use_reference
+        self.kl_ctrl = kl_ctrl  # verl.algos's KL controller
+        self.skipped = skipped  # verl.trainer.resilience.SkippedSteps
+        self.board = board  # verl.trainer.resilience.PhaseBoard
+        self.scores_file = scores_file  # verl.trainer.report.StepRecords (the run report's per-sample scores)
+        self.reporting, self.is_rank0 = reporting, is_rank0
+        self.global_step = 0
+        self.last_checkpoint: str | None = None
 
     def runs(self, role: str) -> bool:
         """Whether this rank holds ``role`` (``actor``, ``ref``, ``critic``, ``reward_model``)."""
@@ -145,7 +157,7 @@ class StepPieces:
         metrics.update(
             self.skipped.record(
                 self.step_in_progress(), metrics.get("actor/num_skipped_updates", 0) > 0,
-                last_checkpoint=self._last_checkpoint,
+                last_checkpoint=self.last_checkpoint,
             )
         )
         timer.seconds["step"] = time.perf_counter() - start
@@ -473,11 +485,6 @@ class StepPieces:
         collective's report names the phase each rank was in."""
         self.board.post(phase, self.global_step)
 
-    def train_step(self) -> dict[str, float] | None:
-        """One step of the config's pipeline (:attr:`pipeline`, ``verl.trainer.step.build_step``);
-        its metrics, or None when the data is used up."""
-        return self.pipeline.run(self)
-
     def begin_step(self, schedule: Any) -> StepContext:
         """Begin the step after :attr:`global_step` (the pipeline calls it first) under ``schedule``
         (``verl.trainer.step.schedule``); returns its context."""
@@ -568,7 +575,7 @@ class StepPieces:
         """The skip count and the run report's per-sample scores."""
         step = self.step_in_progress()
         skipped = any(metrics.get(f"{role}/num_skipped_updates", 0) > 0 for role in ("actor", "critic"))
-        metrics.update(self.skipped.record(step, skipped, last_checkpoint=self._last_checkpoint))
+        metrics.update(self.skipped.record(step, skipped, last_checkpoint=self.last_checkpoint))
         if self.reporting and self.is_rank0:
             self.scores_file.append(step, [{"scores": [round(float(v), 6) for v in batch["token_level_scores"].sum(-1)]}])
 
