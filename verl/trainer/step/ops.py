@@ -8,7 +8,7 @@
 | :class:`MultiRewardScorer` | several reward operators, weighted sum | ``token_level_scores`` |
 | :class:`FilterOperator` | (batch indexing) | nothing: drops samples |
 | :class:`WeightedFilterOperator` | the actor loss's per-sample weight (``verl.roles.actor.SAMPLE_WEIGHT``) | ``sample_weight`` |
-| :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``PPOTrainer.filter_metric`` | nothing: drops groups |
+| :class:`GroupFilterOperator` | DAPO's ``verl.algos.filter_groups`` on ``StepPieces.filter_metric`` | nothing: drops groups |
 | :class:`DynamicSamplingOperator` | ``prompt_batch``, ``generate``, the reward, ``filter_groups``, redrawn until the batch is full | ``responses``, ..., ``token_level_scores`` |
 | :class:`PreferenceOperator` | ``preference_batch`` (``data.pairs``) | ``responses``, ``response_mask``, ``pair_side``, ... |
 | :class:`DPOUpdateOperator` | ``update_preference``: reference log-probs, ``Actor.update_preference`` | ``ref_log_prob`` |
@@ -63,7 +63,7 @@ ROLLOUT_FIELDS = (
 
 
 class RolloutOperator(Operator):
-    """The step's prompts from the trainer's data loader, ``n`` samples each (``PPOTrainer.generate``:
+    """The step's prompts from the trainer's data loader, ``n`` samples each (``StepPieces.generate``:
     the actor's weights pushed into the engine first). Makes the step's batch; None when the
     data is used up.
 
@@ -84,7 +84,7 @@ class RolloutOperator(Operator):
             the engine reports (``kv_token_budget``: vLLM's KV cache capacity; for the transformers
             engine the free device memory over its KV bytes per token): as many sequences per call
             as fit, within ``[min_batch_size, max_batch_size]``, whole prompts each
-            (``PPOTrainer.generate(call_sizes=...)``); logs ``rollout/batch_size``,
+            (``StepPieces.generate(call_sizes=...)``); logs ``rollout/batch_size``,
             ``rollout/num_calls`` and ``rollout/kv_token_budget``. Greedy samples are unchanged;
             sampled ones differ from one call's (each call has its own seeded stream).
         min_batch_size / max_batch_size: the sequences (prompt x sample rows) per call; only with
@@ -197,7 +197,7 @@ class RewardOperator(Operator):
 
     Args:
         scorer: None: the config's rule-based scorers by each sample's ``data_source``
-            (the trainer's reward role, as ``PPOTrainer.compute_reward``); a registered scorer name (``"verl/arithmetic"``,
+            (the trainer's reward role, as ``StepPieces.compute_reward``); a registered scorer name (``"verl/arithmetic"``,
             ``"openai/gsm8k"``: ``verl.rewards.known_data_sources()``) applied to every sample; or
             a Python function ``f(data_source, solution_str, ground_truth, extra_info) -> float``
             (the ``custom_reward_function`` contract; a dict with a ``"score"`` key also works).
@@ -539,7 +539,7 @@ class GroupFilterOperator(Operator):
     """DAPO's group filter (dynamic sampling's drop, arXiv:2503.14476): removes every prompt group
     (samples of one ``uid``) whose ``metric`` is the same for all its samples, since GRPO gives
     them zero advantage. The trainer's own pieces: ``verl.algos.filter_groups`` on
-    ``PPOTrainer.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
+    ``StepPieces.filter_metric`` (``seq_reward``, ``seq_final_reward``, ``score`` or a field the
     scorer returns, e.g. ``acc``). Unlike ``algorithm.filter_groups`` in the trainer's own step it
     does not draw more prompts to refill the batch: the step trains on the groups left; with no group
     left it is skipped (``training/empty_steps``). Logs ``filter/kept_groups`` and ``filter/dropped_groups``.
@@ -565,7 +565,7 @@ class GroupFilterOperator(Operator):
 class DynamicSamplingOperator(Operator):
     """DAPO's dynamic sampling (arXiv:2503.14476; ``algorithm.filter_groups``): draws prompt
     batches (rollout, then the config's reward) and keeps the prompt groups whose ``metric``
-    (``PPOTrainer.filter_metric``) has a spread, until ``data.train_batch_size`` groups are kept;
+    (``StepPieces.filter_metric``) has a spread, until ``data.train_batch_size`` groups are kept;
     the step trains on exactly that many groups. Draw ``d`` samples with the step's seed + ``d``.
     Makes the step's batch; None when the data is used up. Fails after ``max_num_gen_batches``
     draws (0: no limit) with fewer groups. Logs ``dapo/num_gen_batches`` and ``dapo/num_kept_groups``.
@@ -627,7 +627,7 @@ class DynamicSamplingOperator(Operator):
 
 class PPOUpdateOperator(Operator):
     """The rest of the step: old and reference log-probs, values, advantages, the critic and
-    actor updates and the step's metrics (``PPOTrainer.update_step``; advances the global step).
+    actor updates and the step's metrics (``StepPieces.update_step``; advances the global step).
 
     Args (None: the config's value):
         actor: the policy it trains, as :class:`RolloutOperator`'s ``model=`` takes it (the same
@@ -724,7 +724,7 @@ class PreferenceOperator(Operator):
 
 class DPOUpdateOperator(Operator):
     """DPO's update (arXiv:2305.18290) on the step's pairs: the reference role's log-probs, then one
-    optimizer step of the actor on the preference loss (``PPOTrainer.update_preference``;
+    optimizer step of the actor on the preference loss (``StepPieces.update_preference``;
     advances the global step). The loss is ``verl.algos.preference``'s: ``sigmoid`` (DPO,
     -log sigmoid(beta * margin)) or ``ipo``, on per-response log-prob sums at temperature 1.
 
