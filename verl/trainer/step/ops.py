@@ -915,7 +915,7 @@ class DistillationOperator(Operator):
     """On-policy distillation's teacher pass: the frozen teacher's log-probability of every sampled
     response token, ``teacher_log_prob`` [B, R], and with a top-k loss (``loss_mode=forward_kl_topk``)
     its top-k at every response position, ``teacher_topk_ids``/``teacher_topk_log_prob`` [B, R, k]
-    (``PPOTrainer.compute_teacher_log_prob``; on the teacher's ranks, handed to every rank when it is
+    (``StepPieces.compute_teacher_log_prob``; on the teacher's ranks, handed to every rank when it is
     placed apart). The actor's update then adds the
     distillation loss (``distillation.distillation_loss``, :mod:`verl.algos.distill`). Goes between the
     reward and :class:`PPOUpdateOperator`; the config's step has it when ``distillation.enabled``.

@@ -13,7 +13,7 @@ Every algorithm's step is a :class:`StepPipeline`; :func:`build_step` makes the 
 
 The trainer's loop runs the pipeline (``PPOTrainer.fit``); ``verl.DataStream`` is the same
 class with the user's operators in it, so ``main_ppo``, the Python API and the benchmarks all
-run one kind of step. ReMax's greedy baseline is part of the rollout (``PPOTrainer.generate``).
+run one kind of step. ReMax's greedy baseline is part of the rollout (``StepPieces.generate``).
 """
 
 from __future__ import annotations
