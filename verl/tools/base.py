@@ -73,7 +73,7 @@ class Tool:
     def call(self, instance_id: str, arguments: dict[str, Any]) -> str:
         """Run the tool for conversation ``instance_id``; the returned text is the model's tool turn.
         Raise (any exception) for a failed call: the message becomes an error turn."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: a tool subclass writes call()
 
     def release(self, instance_id: str) -> None:
         """Drop the state of conversation ``instance_id``."""

@@ -67,7 +67,7 @@ class AgentLoopBase:
         """Write one conversation: model turns with ``await conversation.generate()``, other turns
         with ``conversation.add_messages``; returning ends it (stop reason ``answer`` unless
         :meth:`Conversation.stop` or the budget set another)."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: an agent loop subclass writes run()
 
 
 def register(name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:

@@ -81,7 +81,7 @@ class Interaction:
         self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
     ) -> tuple[bool, str, float, dict[str, Any]]:
         """Judge the model's last turn: ``(done, next user turn, reward, extra)``."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: an interaction subclass writes generate_response()
 
     def finalize_interaction(self, instance_id: str) -> None:
         """Drop the state of conversation ``instance_id``."""
