@@ -139,8 +139,21 @@ def test_a_bad_request_gets_a_400_in_one_line(tmp_path, body, field):
 @pytest.mark.usefixtures("sandbox")
 def test_a_body_over_the_cap_is_refused_before_it_is_read(tmp_path):
     with _server(tmp_path, TEST_LIMITS, max_body_bytes=1 << 20) as srv:
-        big = {"code": "print(1)", "files": {"big.bin": base64.b64encode(b"x" * (2 << 20)).decode()}}
-        status, answer = _post(srv.url + "/run_code", big)
+        # Only the head goes out: the 413 must come from the declared length, before any of the
+        # body is read. Sending the whole body raced the server's close (urllib's write failed
+        # with a broken pipe once the 413 was out and the socket shut).
+        big = json.dumps({"code": "print(1)", "files": {"big.bin": base64.b64encode(b"x" * (2 << 20)).decode()}})
+        host, port = srv.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.putrequest("POST", "/run_code")
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(big)))
+            conn.endheaders()
+            response = conn.getresponse()
+            status, answer = response.status, json.loads(response.read())
+        finally:
+            conn.close()
         assert status == 413 and answer["status"] == "SandboxError", answer
         assert "takes at most 1048576" in answer["message"] and "--max-body-mb" in answer["message"]
         status, answer = _post(srv.url + "/run_code", b"{not json")
