@@ -679,7 +679,8 @@ class RLTrainer:
         with trainer_session(cfg, PPOTrainer) as trainer:  # the world started here is torn down at its end
             if monitor is not None:
                 monitor.attach(trainer)
-            metrics: dict[str, Any] = dict(trainer.fit(step_fn=self._step_fn(trainer)))
+            self._use_hybrid_step(trainer)
+            metrics: dict[str, Any] = dict(trainer.fit())
             step = trainer.global_step
             self.last_checkpoint = trainer.last_checkpoint
             if self._actor_object is not None:
@@ -726,15 +727,14 @@ class RLTrainer:
             return
         write_back(self._actor_object, export_dir)
 
-    def _step_fn(self, trainer: Any) -> Any:
-        """The loop's step: the config's own (the RL step, or DPO's with ``data.pairs``); for
-        ``hybrid_ppo`` with a ``hybrid_condition`` the config's hybrid step routing by that function
-        (``build_step(cfg, hybrid_condition=...)``) replaces it. Returns None: the trainer runs its pipeline."""
+    def _use_hybrid_step(self, trainer: Any) -> None:
+        """For ``hybrid_ppo`` with a ``hybrid_condition``: the config's hybrid step routing by that
+        function (``build_step(cfg, hybrid_condition=...)``) replaces the trainer's pipeline. Otherwise
+        the trainer keeps the config's own step (the RL step, or DPO's with ``data.pairs``)."""
         if self.algorithm in HYBRID_ALGORITHMS and self.hybrid_condition is not None:
             from verl.trainer.step import build_step
 
             trainer.use_pipeline(build_step(trainer.cfg, hybrid_condition=self.hybrid_condition))
-        return None
 
     def _data_files(self, data: Any, output_dir: str, split: str) -> str | list[str]:
         """``data`` as the trainer's file setting: paths made absolute, or a ``load_hf_dataset``

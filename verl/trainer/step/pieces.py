@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
