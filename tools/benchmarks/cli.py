@@ -34,7 +34,8 @@ from tools.benchmarks.harness import SUBCOMMANDS, Runner, write_result  # first:
 from verl.utils.cli import user_errors
 
 # Each module registers its subcommand on import: in this order (``--help``'s).
-for _module in ("rollout", "reshard", "rl_step", "packing", "compare_trl", "soak", "async_modes", "lora_memory"):
+for _module in ("rollout", "reshard", "rl_step", "packing", "compare_trl", "soak", "async_modes", "lora_memory",
+                "cp_memory"):
     importlib.import_module(f"tools.benchmarks.{_module}")
 
 
