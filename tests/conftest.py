@@ -17,6 +17,7 @@ os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_CACHE_ROOT, "vllm"))
 os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_CACHE_ROOT, "vllm-rpc"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "inductor"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VERL_CACHE_DIR", os.path.join(_CACHE_ROOT, "verl"))  # the CPU matmul rate (verl.trainer.perf)
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: known only when xdist is loaded (not with -p no:xdist)

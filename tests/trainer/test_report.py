@@ -23,7 +23,7 @@ from verl.trainer.tracking import Tracking
 
 STEPS = 8
 PLOTS = ["reward", "kl", "entropy", "response-length", "loss", "grad-norm", "timing", "operators", "memory",
-         "throughput", "validation"]
+         "throughput", "mfu", "validation"]
 
 
 def _write_run(log_dir: str) -> None:
@@ -39,6 +39,7 @@ def _write_run(log_dir: str) -> None:
                 "timing_s/step": 1.6, "timing_s/op/RolloutOperator": 1.0, "timing_s/op/PPOUpdateOperator": 0.6,
                 "memory/rollout/peak_bytes": 1e9, "memory/train/peak_bytes": 2e9,
                 "perf/throughput": 1000.0 + step, "nan/metric": float("nan"),
+                "perf/mfu/gen": 0.2, "perf/mfu/update_actor": 0.5 + 0.01 * step, "perf/mfu/step": 0.3,
             }, step)
             if step % 4 == 0:
                 t.log({"val-core/arithmetic/reward/mean@1": score, "val-core/countdown/reward/mean@1": score / 2}, step)

@@ -3,6 +3,7 @@ last lines, no ``\\r`` in a log file, and no import of a logger package the conf
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,6 +73,15 @@ def test_main_ppo_lists_every_output_at_the_start_and_at_the_end(tiny_model_dir,
     assert step <= 30, "\n".join(lines[:step])
     assert sum(m.startswith("optional accelerators absent: ") for m in messages) == 1
     assert not [m for m in messages if "Setting up optimizer with config" in m or "Falling back to" in m]
+    # MFU in the metrics and the report (verl.trainer.perf): the CPU's matmul rate measured (or read from
+    # the session's cache), said once; every timed phase of the tiny default's step has its rate.
+    assert sum(m.startswith("MFU: peak of one device") for m in messages) == 1, text[-4000:]
+    with open(run / "logs" / "metrics.jsonl", encoding="utf-8") as f:
+        record = next(r for r in map(json.loads, f) if "timing_s/step" in r)
+    for phase in ("gen", "update_actor", "step"):
+        assert 0 < record[f"perf/mfu/{phase}"] < 1.5 and record[f"perf/tflops/{phase}"] > 0, (phase, record)
+    assert '<figure id="plot-mfu"><figcaption>Model FLOPs utilisation per phase</figcaption><svg' in (
+        run / "logs" / "report.html").read_text()
 
 
 _IMPORTS = """

@@ -15,9 +15,10 @@ Built from what a run writes into its log directory (``trainer.log_dir``):
 Plots (matplotlib, rendered to SVG): reward mean with its distribution per step (violins when
 scores were recorded, else the min-max band), KL, entropy, response length, losses, gradient
 norm, time per phase stacked per step, each ``verl.DataStream`` operator's share of the step
-(``timing_s/op/<name>``), memory peak per phase, throughput, and validation score
-per data source; then a table of the last validations' generations and the config. A plot
-whose metrics the run did not log says so instead of drawing nothing.
+(``timing_s/op/<name>``), memory peak per phase, throughput, model FLOPs utilisation per phase
+(``perf/mfu/<phase>``, ``verl.trainer.perf``) and validation score per data source; then a table
+of the last validations' generations and the config. A plot whose metrics the run did not log
+says so instead of drawing nothing.
 """
 
 from __future__ import annotations
@@ -285,6 +286,8 @@ _PLOTS = (  # (id, title, builder)
     ("memory", "Memory peak per phase", _memory_plot),
     ("throughput", "Throughput", lambda r: _lines(
         r, ["perf/throughput", "perf/tokens_per_s", "rollout/tokens_per_s"], "tokens / s")),
+    ("mfu", "Model FLOPs utilisation per phase", lambda r: _lines(
+        r, sorted(k for k in r.keys() if k.startswith("perf/mfu/")), "% of the device's peak", scale=0.01)),
     ("validation", "Validation score per data source", _validation_plot),
 )
 

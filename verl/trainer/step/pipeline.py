@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from verl.trainer.perf import step_perf_metrics
 from verl.trainer.step.base import Operator, declared, operator_name
 
 if TYPE_CHECKING:
@@ -151,6 +152,8 @@ class StepPipeline:
                 metrics["training/empty_steps"] = float(self.empty_steps)
             ctx.timer.seconds["step"] = ctx.seconds()
             metrics.update(ctx.timer.metrics())
+            # perf/tflops/<phase>, perf/mfu/<phase>: the phases' model FLOPs over their seconds (verl.trainer.perf)
+            metrics.update(step_perf_metrics(trainer, batch, ctx.timer.seconds))
             self.last_batch = batch
             return metrics
         finally:
