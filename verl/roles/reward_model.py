@@ -5,7 +5,9 @@
   batch is split over the world's ranks, each scores its share, and the scores are gathered back.
 - Model-based (``reward_model.enable``): a Megatron engine with a reward head scores each
   sequence at its last real token (``verl.models.forward.last_token_values``). The reward model
-  reads the policy's token ids, so it must use the policy's tokenizer.
+  reads the policy's token ids, so it must use the policy's tokenizer. A vision-language reward
+  model (a scalar head or a judge on a VLM, ``verl.models.vlm_reward``) also reads each row's
+  images from the batch's ``multi_modal_inputs`` (``verl.roles.vlm_reward``).
 
 With both, a sample's score is the sum; with a reward model, samples whose ``data_source`` has no
 rule-based scorer get the model's score alone. Without one, every ``data_source`` needs a scorer
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from verl.rewards import RewardManager
+    from verl.roles.vlm_reward import VLMRewardEngine
 
 __all__ = ["DATA_SOURCE_COLUMN", "RewardModel", "RewardResult", "has_rule_scorer"]
 
@@ -83,7 +86,7 @@ class RewardModel:
         manager: "RewardManager | None",
         *,
         custom_scorer: bool,
-        model_role: RoleEngine | None = None,
+        model_role: "RoleEngine | VLMRewardEngine | None" = None,
         micro_batch_size: int = 4,
         model_source: int | None = None,
     ) -> None:
@@ -113,9 +116,20 @@ class RewardModel:
     def build_model_role(
         cls, *, model, megatron, pg: "ProcessGroupCollection", max_sequence_length: int, balance: bool,
         strategy: str = "megatron", fsdp=None,
-    ) -> RoleEngine:
+    ) -> "RoleEngine | VLMRewardEngine":
         """The reward model's frozen engine with its reward head (``strategy=fsdp2``: its
-        ``*ForSequenceClassification`` on the FSDP2 engine, ``fsdp`` its ``fsdp_config``)."""
+        ``*ForSequenceClassification`` on the FSDP2 engine, ``fsdp`` its ``fsdp_config``); a
+        vision-language reward model's directory (``verl.models.vlm_reward``): a
+        :class:`~verl.roles.vlm_reward.VLMRewardEngine`, whatever the strategy."""
+        from verl.models.vlm_reward import is_vlm_reward_dir
+
+        if is_vlm_reward_dir(model.path):
+            from verl.roles.vlm_reward import VLMRewardEngine
+
+            return VLMRewardEngine(
+                model.path, pg=pg, tensor_parallel=megatron.tensor_model_parallel_size,
+                trust_remote_code=model.trust_remote_code,
+            )
         return RoleEngine(
             model=model,
             megatron=megatron,

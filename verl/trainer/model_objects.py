@@ -17,7 +17,9 @@ Which engine trains a policy object, logged in one line when the object is first
   reference policy starts from them); it stands for the module in the config, in this process.
 
 A reward model object must be a Hugging Face ``...ForSequenceClassification`` of a supported
-family (a frozen Megatron engine scores with it).
+family (a frozen Megatron engine scores with it), or a vision-language reward model
+(``verl.models.vlm_reward``: ``VLMRewardModel``, ``VLMJudge``), written with its processor (given
+as ``tokenizer=``) for the reward-model role's ``VLMRewardEngine``.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ def _check_plain(model: torch.nn.Module, what: str) -> None:
 
 def _check_object(model: torch.nn.Module, what: str, head: str) -> None:
     from verl.models.hf_config import SUPPORTED_MODEL_TYPES
+    from verl.models.vlm_reward import is_vlm_reward
+
+    if head == "reward" and is_vlm_reward(model):
+        return
 
     name = type(model).__name__
     if head == "lm" and engine_choice(model)[0] == "torch":
@@ -125,6 +131,24 @@ def _check_object(model: torch.nn.Module, what: str, head: str) -> None:
 def _tokenizer_of(model: torch.nn.Module, tokenizer: Any, what: str) -> Any:
     from transformers import AutoTokenizer
 
+    from verl.models.vlm_reward import is_vlm_reward
+
+    if is_vlm_reward(model):  # its processor (tokenizer and image processor) is written beside it
+        if tokenizer is None:
+            raise ValueError(
+                f"{what}: a {type(model).__name__} needs its processor: pass tokenizer= (the VLM's processor object "
+                "or its directory), which is written beside the model"
+            )
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from verl.data.processor import load_processor
+
+            return load_processor(os.fspath(tokenizer))
+        if getattr(tokenizer, "image_processor", None) is None:
+            raise TypeError(
+                f"{what}: tokenizer= of a {type(model).__name__} takes the VLM's processor (with an image processor), "
+                f"got {type(tokenizer).__name__}"
+            )
+        return tokenizer
     if tokenizer is None:
         source = getattr(model, "name_or_path", "") or ""
         if source and os.path.isdir(source):
@@ -150,8 +174,10 @@ def _save(model: torch.nn.Module, tokenizer: Any, out_dir: str) -> None:
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    from verl.models.vlm_reward import is_vlm_reward
+
     try:
-        if is_plain_module(model):
+        if is_plain_module(model) and not is_vlm_reward(model):
             from safetensors.torch import save_model
 
             cls = type(model)

@@ -287,7 +287,12 @@ class RewardModelScorer(RewardOperator):
             that scores each sequence at its last real token; this operator's scores are the
             model's alone (no rule-based scorer is added). It reads the policy's token ids, so it
             must share the policy's tokenizer (the trainer checks this before it builds anything).
-        tokenizer: the tokenizer of an ``rm_model`` object (an object or a directory).
+            A vision-language reward model (``verl.models.vlm_reward``: a ``VLMRewardModel``
+            scalar head or a ``VLMJudge``) is written with its processor and scored by the role's
+            ``VLMRewardEngine`` with each row's images (``reward_model.strategy=fsdp2``: a
+            transformers model, not a Megatron build).
+        tokenizer: the tokenizer of an ``rm_model`` object (an object or a directory); a VLM
+            reward model's processor.
         use_vllm: must be False: reward models run on the Megatron engine (vLLM generates only).
         name: the name in metrics (``reward/<name>/mean``).
     """
@@ -331,7 +336,12 @@ class RewardModelScorer(RewardOperator):
     def config_overrides(self) -> dict[str, Any]:
         if self.model_path is None:
             return {}
-        return {"reward_model.enable": True, "reward_model.model.path": self.model_path}
+        from verl.models.vlm_reward import is_vlm_reward_dir
+
+        out: dict[str, Any] = {"reward_model.enable": True, "reward_model.model.path": self.model_path}
+        if is_vlm_reward_dir(self.model_path):  # whole on each rank (VLMRewardEngine), not a Megatron build
+            out["reward_model.strategy"] = "fsdp2"
+        return out
 
     def bind(self, trainer: "StepPieces") -> None:
         if self.model_path is None:
