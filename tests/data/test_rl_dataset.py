@@ -390,7 +390,7 @@ def test_rlhf_dataset_accepts_a_pyarrow_table_or_table_store(tmp_path, tokenizer
     cfg.custom_cls.name = "Splits"
     with pytest.raises(ValueError, match=r"set self.dataframe to a dict; set it to a datasets.Dataset"):
         create_rl_dataset(cfg, tokenizer, [path])
-    with pytest.raises(ValueError, match="multimodal processors are not supported"):
+    with pytest.raises(ValueError, match="processor of type object has no image_processor and tokenizer"):
         table.__class__([path], tokenizer, cfg, processor=object())
 
 

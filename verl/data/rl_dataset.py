@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from verl.data.io import FieldCheck, FileSource, FrameSource, TableStore, get_field, is_frame, split_key
 from verl.data.sampler import StatefulDataLoader
+from verl.data.vlm import IMAGE_PLACEHOLDER, ImagePromptEncoder, load_image, pad_row_images
 from verl.data.tokenizer import (
     TRUNCATION_MODES,
     encode_text,
@@ -111,6 +112,11 @@ class RLPromptDataset(Dataset):
     left-padded), ``raw_prompt_ids`` (the unpadded ids), ``data_source``, ``reward_model``,
     ``extra_info``, ``index`` (the row in the concatenated files, or in ``self.dataframe`` as a
     subclass set it), ``uid``, and ``raw_prompt`` (the message list) when ``return_raw_chat``.
+    With a ``processor`` (a vision-language model's :class:`~verl.data.vlm.ImagePromptEncoder`) each
+    ``<image>`` of the prompt is the next image of the row's ``image_key`` column, widened to the
+    model's image tokens (which count towards ``max_prompt_length``), and the item holds the
+    images' ``mm_pixel_values`` / ``mm_image_grid_thw`` (``verl.data.vlm``); every image is opened and
+    checked at load (missing, unreadable, above the pixel budget, placeholders that do not match).
 
     Loading is ``_read_files_and_tokenize()`` (see ``RLHFDataset`` for overriding it): by
     default ``self.dataframe`` is a ``TableStore`` over ``self.data_files``, which reads rows on
@@ -131,6 +137,8 @@ class RLPromptDataset(Dataset):
         return_raw_chat: bool = False,
         extra_keys: Sequence[str] = (),
         tool_config_path: str | None = None,
+        processor: ImagePromptEncoder | None = None,
+        image_key: str = "images",
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not one of {TRUNCATION_MODES}")
@@ -149,7 +157,13 @@ class RLPromptDataset(Dataset):
         self.return_raw_chat = return_raw_chat
         self.extra_keys = tuple(extra_keys)
         self.tool_schemas = self._tool_schemas(tool_config_path)
-        columns = {split_key(k)[0] for k in (prompt_key, reward_fn_key, *self.extra_keys)}
+        self.processor = processor
+        self.image_key = image_key
+        # Per source (by id): each row's images' patch counts, from the check at load (processor only).
+        self._row_patches: dict[int, list[list[int]]] = {}
+        self._max_patches = self._max_images = 0
+        image_columns = (image_key,) if processor is not None else ()
+        columns = {split_key(k)[0] for k in (prompt_key, reward_fn_key, *self.extra_keys, *image_columns)}
         self._columns = sorted(columns | set(_OPTIONAL_COLUMNS))
         self._checks = [
             FieldCheck(prompt_key, ("string", "messages")),
@@ -233,8 +247,55 @@ class RLPromptDataset(Dataset):
         unchecked = [s for s in store.sources if not any(s is c for c in self._checked)]
         if unchecked:
             TableStore(unchecked).check_fields(self._checks)
+            if self.processor is not None:
+                for source in unchecked:
+                    self._check_images(source)
             self._checked.extend(unchecked)
         return store
+
+    def _check_images(self, source: FileSource) -> None:
+        """Open every image of ``source`` once: a ValueError naming the file, row and key for a missing or
+        unreadable image, one above the processor's pixel budget, or a prompt whose ``<image>`` placeholders
+        do not match its images; keeps each row's patch counts (for prompt lengths and the batch's width)."""
+        base_dir = os.path.dirname(os.path.abspath(source.path))
+        column, _ = split_key(self.prompt_key)
+        patches: list[list[int]] = []
+        prompts = source.iter_column(column, 1024)
+        for values in source.iter_column(self.image_key, 1024):
+            for value, prompt in zip(values, next(prompts)):
+                row = len(patches)
+                where = f"{source.path}: row {row}: {self.image_key}"
+                if value is None:
+                    value = []
+                if not isinstance(value, (list, tuple, np.ndarray)):
+                    raise ValueError(f"{where}: a list of images, got a {type(value).__name__}; write a list")
+                counts = []
+                for i, entry in enumerate(value):
+                    image = load_image(entry, where=f"{where}[{i}]", base_dir=base_dir)
+                    if image.width * image.height > self.processor.max_pixels:
+                        raise ValueError(
+                            f"{where}[{i}]: {image.width}x{image.height} = {image.width * image.height} pixels, above "
+                            f"the image processor's budget of {self.processor.max_pixels}; resize the image (or raise "
+                            "the budget: the image processor's size.longest_edge)"
+                        )
+                    counts.append(self.processor.patches(image.width, image.height))
+                text = prompt if isinstance(prompt, str) else str(prompt)
+                placeholders = text.count(IMAGE_PLACEHOLDER)
+                if placeholders != len(counts):
+                    raise ValueError(
+                        f"{source.path}: row {row}: {self.prompt_key}: {placeholders} {IMAGE_PLACEHOLDER} placeholders "
+                        f"for {len(counts)} images in {self.image_key}; write one {IMAGE_PLACEHOLDER} per image, in order"
+                    )
+                patches.append(counts)
+                self._max_patches = max(self._max_patches, sum(counts))
+                self._max_images = max(self._max_images, len(counts))
+        self._row_patches[id(source)] = patches
+
+    def _with_images(self, text: str, source: FileSource, row: int, where: str) -> str:
+        """``text`` with its ``<image>`` placeholders widened to the row's image tokens (a processor's dataset)."""
+        if self.processor is None:
+            return text
+        return self.processor.expand(text, self._row_patches[id(source)][row], where=where)
 
     def _tool_schemas(self, path: str | None) -> list[dict[str, Any]] | None:
         """The schemas of ``data.tool_config_path``'s tools, for the chat template's ``tools=``
@@ -272,7 +333,7 @@ class RLPromptDataset(Dataset):
                 where = f"{source.path}: row {row}"
                 prompt = get_field({column: value}, self.prompt_key, path=source.path, row_index=row)
                 text, templated = self._prompt_text(prompt, where)
-                texts[templated].append(text)
+                texts[templated].append(self._with_images(text, source, row, where))
                 slots[templated].append(k)
             lengths = np.zeros(len(values), dtype=np.int64)
             for templated in (True, False):
@@ -344,7 +405,21 @@ class RLPromptDataset(Dataset):
         prompt = get_field(row, self.prompt_key, path=source.path, row_index=row_index)
         data_source = get_field(row, self.reward_fn_key, path=source.path, row_index=row_index)
         text, templated = self._prompt_text(prompt, where)
+        images = None
+        if self.processor is not None:
+            base_dir = os.path.dirname(os.path.abspath(source.path))
+            entries = row.get(self.image_key) or []
+            images = self.processor.pixels(
+                [load_image(e, where=f"{where}: {self.image_key}[{i}]", base_dir=base_dir) for i, e in enumerate(entries)]
+            ) if len(entries) else (None, None)
+            text = self._with_images(text, source, row_index, where)
         ids = encode_text(self.tokenizer, text, templated=templated)
+        if len(ids) > self.max_prompt_length and images is not None and images[1] is not None:
+            raise ValueError(
+                f"{where}: {len(ids)} tokens with its images, above data.max_prompt_length={self.max_prompt_length}; "
+                "a prompt with images is not truncated (it would cut image tokens): raise data.max_prompt_length "
+                "or set data.filter_overlong_prompts=true"
+            )
         if len(ids) > self.max_prompt_length:
             ids = truncate(ids, self.max_prompt_length, self.truncation, where=where)
             self.num_truncated += 1
@@ -364,9 +439,17 @@ class RLPromptDataset(Dataset):
         item["extra_info"] = row.get("extra_info") or {}
         for key in self.extra_keys:
             item[key] = get_field(row, key, path=source.path, row_index=row_index)
+        if images is not None:
+            dim = images[0].shape[-1] if images[0] is not None else self._pixel_dim()
+            item.update(pad_row_images(*images, patches=self._max_patches, images=self._max_images, dim=dim))
         item["index"] = index
         item["uid"] = str(index)
         return item
+
+    def _pixel_dim(self) -> int:
+        """Values per patch of the image processor (channels x temporal patch x patch x patch)."""
+        ip = self.processor.image_processor
+        return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
 
 
 def _options(data_cfg: Any) -> dict[str, Any]:
@@ -401,26 +484,28 @@ class RLHFDataset(RLPromptDataset):
 
     ``self.dataframe`` may be a ``datasets.Dataset``, a pyarrow Table or a ``TableStore``; it
     is read once, after ``_read_files_and_tokenize``, and items are the built-in dataset's.
-    Departures from the reference: no multimodal ``processor`` and no ``max_samples`` (both
-    refused when set), and every option the dataset reads must be in ``config`` (the defaults
-    live in ``DataConfig`` only).
+    ``processor`` (a vision-language model's transformers processor or
+    :class:`~verl.data.vlm.ImagePromptEncoder`) reads the rows' ``images`` with their ``<image>``
+    placeholders. Departures from the reference: no ``max_samples`` (refused when set), no videos,
+    and every option the dataset reads must be in ``config`` (the defaults live in ``DataConfig`` only).
     """
 
     def __init__(self, data_files: str | Sequence[str], tokenizer: Any, config: Any, processor: Any = None,
                  max_samples: int = -1):
-        if processor is not None:
-            raise ValueError(
-                f"{type(self).__name__}: multimodal processors are not supported (got processor of type "
-                f"{type(processor).__name__}); pass processor=None"
-            )
+        if processor is not None and not isinstance(processor, ImagePromptEncoder):
+            if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+                raise ValueError(
+                    f"{type(self).__name__}: processor of type {type(processor).__name__} has no image_processor and "
+                    "tokenizer; pass the vision-language model's processor (AutoProcessor) or processor=None"
+                )
+            processor = ImagePromptEncoder.from_processor(processor)
         if max_samples not in (-1, None):
             raise ValueError(
                 f"{type(self).__name__}: max_samples={max_samples} is not supported; select the rows in "
                 f"_read_files_and_tokenize (e.g. self.dataframe.select(range(n)))"
             )
         self.config = config
-        self.processor = None
-        super().__init__(data_files, tokenizer, **_options(config))
+        super().__init__(data_files, tokenizer, processor=processor, **_options(config))
 
     @classmethod
     def from_config(cls, data_cfg: Any, tokenizer: Any, files: str | Sequence[str]) -> RLHFDataset:
