@@ -31,6 +31,9 @@ def test_compare_trl_smoke(tmp_path):
             assert 0 < r["gen_s"] < r["step_s"], (side, r)
             assert 0 < r["generated_tokens"] <= 2 * 2 * 6, (side, r)  # prompts x n x response length
         assert 0 < result[side]["gen_share"] < 1
+        # The step's model FLOPs utilisation (verl.trainer.perf), TRL's counted on its lengths.
+        assert all(0 < r["mfu"] < 1.5 and r["tflops"] > 0 for r in rounds), (side, rounds)
+        assert result[side]["mfu_step"] == rounds[0]["mfu"]
     assert len(result["reward_curve_ours"]) == len(result["reward_curve_trl"]) == 2  # warm-up included
     assert result["reward"] == "words"  # tools/bench_rewards.py on both sides: scores in [0, 1]
     assert all(0.0 <= v <= 1.0 for v in result["reward_curve_ours"] + result["reward_curve_trl"])

@@ -52,6 +52,10 @@ def test_rl_step_phases_add_up(tmp_path):
     for key in ("config", "overrides", "n", "response_length", "prompts_per_step", "threads", "table"):
         assert key in result, key
     assert "update_actor" in result["table"] and "(unaccounted)" in result["table"]
+    # Model FLOPs utilisation (verl.trainer.perf) of the phases that compute and of the step; none for a push.
+    assert result["phases"]["gen"]["mfu"] > 0 and result["phases"]["update_actor"]["mfu"] > 0
+    assert result["phases"]["update_weights"]["mfu"] is None and result["mfu"] > 0
+    assert result["tflops_per_device"] > 0 and "MFU" in result["table"].splitlines()[0]
 
 
 def _bench_module():

@@ -195,3 +195,15 @@ def test_the_cpu_rate_is_measured_once_reused_and_measured_again_from_a_corrupt_
     with open(path, "w", encoding="utf-8") as f:
         json.dump({f"{perf.cpu_model()} | 1 threads": {"bf16_gflops": 0, "fp32_gflops": 1.0}}, f)
     assert cpu_matmul_peak(threads=1, path=path)["measured"] and len(calls) == 8
+
+
+def test_the_cpu_peak_says_how_it_was_measured_and_warns_when_the_machine_was_busy(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(perf, "MATMUL_SHAPE", (64, 64, 64))
+    monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(perf.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    with caplog.at_level("WARNING", logger="verl.trainer.perf"):
+        peak = perf.device_peak("cpu")
+    assert peak.of("bfloat16") > 0 and peak.of("fp32") > 0 and peak.of("fp16") is None
+    assert "best of 5 [64x64]x[64x64] matmuls" in peak.source and "load average 99.0" in peak.source
+    assert str(tmp_path / "cpu_matmul_peak.json") in peak.source
+    assert any("measured while the machine was busy" in r.message for r in caplog.records)

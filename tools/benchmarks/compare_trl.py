@@ -135,7 +135,10 @@ def _trl_reward(kind: str) -> Callable[..., list[float]]:
 
 
 def _side_summary(records: list[dict[str, float]]) -> dict[str, Any]:
+    mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     return {
+        "mfu_step": median(mfu) if mfu else None,
+        "tflops_step": median([r["tflops"] for r in records if r.get("tflops") is not None] or [0.0]),
         "step_s": median([r["step_s"] for r in records]),
         "generated_tokens_per_s": median([r["generated_tokens"] / r["step_s"] for r in records]),
         "rollout_tokens_per_s": median([r["generated_tokens"] / r["gen_s"] for r in records]),
@@ -269,6 +272,9 @@ def _alternate_rounds(args: argparse.Namespace, cfg: Any, model: str, train: str
                 "step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"] - m.get("timing_s/update_weights", 0.0),
                 "generated_tokens": m["response_length/mean"] * sequences,
                 "score_mean": m["critic/score/mean"],
+                "prompt_tokens_mean": m["prompt_length/mean"],
+                # The step's model FLOPs utilisation and achieved TFLOP/s (verl.trainer.perf).
+                "mfu": m.get("perf/mfu/step"), "tflops": m.get("perf/tflops/step"),
                 "torch_threads": torch.get_num_threads(),  # after the TRL step and ours
                 # The update's logprobs against the rollout engine's on the same samples.
                 **{k.split("/", 1)[1]: m[k] for k in _AGREEMENT_KEYS if k in m},
@@ -322,6 +328,7 @@ def _compare_trl_result(args: argparse.Namespace, model: str, cfg: Any, train_dt
                         trl_config: Any, trl_records: list[dict[str, Any]],
                         ours_records: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON object: both sides' medians over the measured rounds, their ratios, the reward curves."""
+    _trl_mfu(model, trl_config, trl_records, ours_records, sequences=args.prompts * args.n)
     mine, theirs = _side_summary(ours_records[args.warmup:]), _side_summary(trl_records[args.warmup:])
     per_round = [
         (a["generated_tokens"] / a["step_s"]) / (b["generated_tokens"] / b["step_s"])
@@ -358,6 +365,33 @@ def _compare_trl_result(args: argparse.Namespace, model: str, cfg: Any, train_dt
         # policy after the same number of updates on both sides.
         "reward_last_ours": ours_records[-1]["score_mean"], "reward_last_trl": trl_records[-1]["score_mean"],
     }
+
+
+def _trl_mfu(model: str, trl_config: Any, trl_records: list[dict[str, Any]], ours_records: list[dict[str, Any]],
+             *, sequences: int) -> None:
+    """Each TRL round's ``mfu`` and ``tflops``: its step's model FLOPs counted as ours are
+    (verl.trainer.perf) on its mean completion length and the prompts' mean length of our same round
+    (both sides draw from the same prompts), generation plus one forward and backward with the head on
+    the completion tokens and the one before them (TRL's ``logits_to_keep``), over its step's seconds and
+    the peak of its dtype (bf16 or fp32). Gradient checkpointing's recomputation is not counted (model FLOPs)."""
+    import dataclasses
+
+    from verl.config.schema import ModelConfig
+    from verl.engine.build import load_model_spec
+    from verl.trainer.perf import ModelShape, device_peak, generation_terms, training_flops, training_terms
+
+    shape = ModelShape.from_spec(load_model_spec(ModelConfig(path=model), key="--model"))
+    peak = device_peak("cpu")
+    rate = peak.of("bf16" if trl_config.bf16 else "fp32") if peak is not None else None
+    for trl, ours in zip(trl_records, ours_records):
+        prompt = round(ours["prompt_tokens_mean"])
+        completion = round(trl["generated_tokens"] / sequences)
+        gen = generation_terms(shape, [prompt] * sequences, [completion] * sequences).forward
+        terms = training_terms(shape, [prompt + completion] * sequences)
+        terms = dataclasses.replace(terms, head=2.0 * (completion + 1) * sequences * shape.hidden * shape.vocab)
+        flops = gen + training_flops(shape, terms)
+        trl["tflops"] = flops / trl["step_s"] / 1e12
+        trl["mfu"] = flops / trl["step_s"] / (rate * 1e12) if rate else None
 
 
 @subcommand("compare-trl", "our GRPO against TRL's GRPOTrainer on the same work, rounds alternated, in one run")
@@ -408,11 +442,13 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
         logger.info(
             "compare-trl (median of %d rounds): ours %.0f generated tokens/s, %.3f s/step, %.0f%% generating; "
             "TRL (%s) %.0f tokens/s, %.3f s/step, %.0f%% generating; ours/TRL %.2fx (ratio of medians), %.2fx "
-            "(median of per-round ratios); reward ours %s, TRL %s",
+            "(median of per-round ratios); MFU of the step ours %s, TRL %s; reward ours %s, TRL %s",
             args.steps, result["ours"]["generated_tokens_per_s"], result["ours"]["step_s"],
             100 * result["ours"]["gen_share"], "bf16" if result["trl"]["bf16"] else "fp32",
             result["trl"]["generated_tokens_per_s"], result["trl"]["step_s"], 100 * result["trl"]["gen_share"],
             result["tokens_per_s_ratio_of_medians"], result["tokens_per_s_ratio_median_of_rounds"],
+            *(f"{side['mfu_step']:.1%}" if side["mfu_step"] is not None else "-"
+              for side in (result["ours"], result["trl"])),
             [round(v, 3) for v in result["reward_curve_ours"]], [round(v, 3) for v in result["reward_curve_trl"]],
         )
         return result

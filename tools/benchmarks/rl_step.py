@@ -90,21 +90,30 @@ def _step_phases(m: dict[str, float], sequences: int) -> dict[str, Any]:
         }
         for k, v in seconds.items()
     }
+    for k, ph in phases.items():  # the phase's model FLOPs utilisation (verl.trainer.perf); None: not counted
+        ph["mfu"] = m.get(f"perf/mfu/{k}")
+    if phases.get("gen", {}).get("mfu") is not None and seconds["gen"] > 0:  # over the row's seconds, less the push
+        phases["gen"]["mfu"] *= m["timing_s/gen"] / seconds["gen"]
     accounted = sum(seconds.values())
     return {"step_s": step, "phases": phases, "unaccounted_s": step - accounted,
-            "unaccounted_share": (step - accounted) / step, "generated_tokens": generated, "total_tokens": total}
+            "unaccounted_share": (step - accounted) / step, "generated_tokens": generated, "total_tokens": total,
+            "mfu": m.get("perf/mfu/step"), "tflops": m.get("perf/tflops/step")}
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _phase_table(result: dict[str, Any]) -> str:
-    rows = [f"{'phase':<16}{'seconds':>10}{'share':>8}{'tokens/s':>12}{'peak MiB':>10}"]
+    rows = [f"{'phase':<16}{'seconds':>10}{'share':>8}{'tokens/s':>12}{'peak MiB':>10}{'MFU':>8}"]
     for name, ph in result["phases"].items():
         tps = f"{ph['tokens_per_s']:.0f}" if ph["tokens_per_s"] is not None else "-"
         peak = ph.get("peak_memory_bytes")
         rows.append(f"{name:<16}{ph['seconds']:>10.4f}{ph['share']:>8.1%}{tps:>12}"
-                    f"{(f'{peak / 2**20:.0f}' if peak else '-'):>10}")
+                    f"{(f'{peak / 2**20:.0f}' if peak else '-'):>10}{_percent(ph['mfu']):>8}")
     rows.append(f"{'(unaccounted)':<16}{result['unaccounted_s']:>10.4f}{result['unaccounted_share']:>8.1%}")
     rows.append(f"{'step':<16}{result['step_s']:>10.4f}{1:>8.1%}{result['generated_tokens_per_s']:>12.0f}"
-                f"   (generated tokens/s)")
+                f"{'':>10}{_percent(result['mfu']):>8}   (generated tokens/s; MFU of the step)")
     return "\n".join(rows)
 
 
@@ -120,10 +129,15 @@ def _median_phases(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for name in steps[0]["phases"]:
         sec = median([s["phases"][name]["seconds"] for s in steps])
         tps = [s["phases"][name]["tokens_per_s"] for s in steps if s["phases"][name]["tokens_per_s"] is not None]
-        phases[name] = {"seconds": sec, "share": sec / step, "tokens_per_s": median(tps) if tps else None}
+        mfu = [s["phases"][name]["mfu"] for s in steps if s["phases"][name].get("mfu") is not None]
+        phases[name] = {"seconds": sec, "share": sec / step, "tokens_per_s": median(tps) if tps else None,
+                        "mfu": median(mfu) if mfu else None}
     unaccounted = median([s["unaccounted_s"] for s in steps])
+    mfu = [s["mfu"] for s in steps if s.get("mfu") is not None]
+    tflops = [s["tflops"] for s in steps if s.get("tflops") is not None]
     return {"step_s": step, "phases": phases, "unaccounted_s": unaccounted,
-            "unaccounted_share": unaccounted / step}
+            "unaccounted_share": unaccounted / step, "mfu": median(mfu) if mfu else None,
+            "tflops_per_device": median(tflops) if tflops else None}
 
 
 def _rl_step_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -204,7 +218,9 @@ def _rl_step(p: argparse.ArgumentParser) -> Runner:
         "builds it; validation, checkpoints and loggers off) and reports, per phase (rollout, weight push, "
         "reward, old logprobs, reference, values, advantages, critic and actor updates), the median seconds, "
         "share of the step, tokens/s and peak memory (resident on CPU, allocated on CUDA, sampled every 5 ms), "
-        "and the share of the step no phase accounts for. torchrun-able; the table goes to stderr."
+        "the model FLOPs utilisation of each phase that computes (perf/mfu/<phase>, verl.trainer.perf; the rollout's "
+        "over its seconds less the push) and of the step, and the share of the step no phase accounts for. "
+        "torchrun-able; the table goes to stderr."
     )
     p.add_argument("--config", default="grpo_tiny_cpu", help="a config under configs/ or a YAML path (default %(default)s)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as main_ppo takes them")

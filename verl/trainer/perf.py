@@ -341,14 +341,14 @@ def _read_cache(path: str) -> dict[str, Any]:
 
 def _valid(entry: Any) -> bool:
     return isinstance(entry, dict) and all(
-        isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("bf16_gflops", "fp32_gflops")
-    )
+        isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("bf16_gflops", "fp32_gflops", "cores")
+    ) and all(k in entry for k in ("cpu", "threads", "shape", "repeats", "torch", "measured_at", "load"))
 
 
 def cpu_matmul_peak(*, threads: int | None = None, path: str | None = None) -> dict[str, Any]:
     """This CPU's matmul rate on ``threads`` torch threads (default: ``torch.get_num_threads()``):
-    ``{"bf16_gflops", "fp32_gflops", "cpu", "threads", "shape", "repeats", "torch", "measured_at",
-    "path", "measured"}``. Measured once per CPU model and thread count (the best of :data:`REPEATS`
+    ``{"bf16_gflops", "fp32_gflops", "cpu", "threads", "shape", "repeats", "torch", "measured_at", "load",
+    "cores", "path", "measured"}`` (``load``: the 1-minute load average as it was measured). Measured once per CPU model and thread count (the best of :data:`REPEATS`
     ``MATMUL_SHAPE`` matmuls per dtype, on the calling thread's torch settings) and cached in ``path``
     (default ``<cache_dir()>/cpu_matmul_peak.json``); an unreadable file or entry is measured again.
     ``measured``: whether this call measured. Delete the file to measure again."""
@@ -372,7 +372,9 @@ def cpu_matmul_peak(*, threads: int | None = None, path: str | None = None) -> d
         finally:
             torch.set_num_threads(before)
         entry.update(cpu=cpu_model(), threads=threads, shape=list(MATMUL_SHAPE), repeats=REPEATS,
-                     torch=torch.__version__, measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat())
+                     torch=torch.__version__, measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                     # other work on the cores lowers the rate: said with it (os.getloadavg: 1-minute mean)
+                     load=round(os.getloadavg()[0], 2), cores=os.cpu_count() or 1)
         cache[key] = entry
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -394,7 +396,12 @@ def device_peak(device: str | torch.device | None = None) -> DevicePeak | None:
         return peak
     m = cpu_matmul_peak()
     how = (f"best of {m['repeats']} [{m['shape'][0]}x{m['shape'][1]}]x[{m['shape'][1]}x{m['shape'][2]}] matmuls "
-           f"on {m['threads']} torch thread(s), {m['cpu']}, torch {m['torch']}, {m['measured_at'][:19]}")
+           f"on {m['threads']} torch thread(s), {m['cpu']}, torch {m['torch']}, {m['measured_at'][:19]}, "
+           f"load average {m['load']} on {m['cores']} cores")
+    if m["load"] > m["cores"]:
+        warn_once(logger, "the CPU's matmul rate in %s was measured while the machine was busy (load average %s on "
+                  "%s cores): it may be low and the MFU high; delete the file to measure again on a quiet machine",
+                  m["path"], m["load"], m["cores"])
     return DevicePeak(m["cpu"], {"bf16": m["bf16_gflops"] / 1e3, "fp32": m["fp32_gflops"] / 1e3},
                       f"measured: {how}; {'written to' if m['measured'] else 'read from'} {m['path']} "
                       "(delete it to measure again)")
