@@ -20,7 +20,7 @@
 #   engine       Megatron engine on the GPU, one rank (NCCL): bf16 with fp32 master weights,
 #                clipping, the loss contract, packed sequences (use_remove_padding) equal to padded
 #   rl-step      tools/bench.py rl-step on the tiny default on the GPU (transformers rollout,
-#                trainer.device=cuda): phases, tokens/s, peak memory
+#                trainer.device=cuda): phases, tokens/s, peak memory, MFU per phase against the GPU table
 #   rollout      tools/bench.py rollout on the GPU: generation tokens/s and the rollout-vs-trainer
 #                (Megatron) logprob agreement
 #   fsdp2        the FSDP2 engine on one CUDA rank (NCCL): bf16 compute over fp32 shards,

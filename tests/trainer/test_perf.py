@@ -207,3 +207,22 @@ def test_the_cpu_peak_says_how_it_was_measured_and_warns_when_the_machine_was_bu
     assert "best of 5 [64x64]x[64x64] matmuls" in peak.source and "load average 99.0" in peak.source
     assert str(tmp_path / "cpu_matmul_peak.json") in peak.source
     assert any("measured while the machine was busy" in r.message for r in caplog.records)
+
+
+def test_a_ppo_config_counts_the_critics_phases_in_their_dtypes(tmp_path):
+    from verl.config import PPOConfig, load_config
+
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    cfg = load_config(PPOConfig, config_file="ppo_tiny_cpu", overrides=[
+        f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.megatron.dtype=bfloat16", "trainer.device=cpu"])
+    counter = StepFlops(cfg)
+    assert counter.device == "cpu" and counter.actor.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj")
+    assert counter.dtypes == {"gen": "fp32", "old_log_prob": "bf16", "ref": "bf16", "update_actor": "bf16",
+                              "values": "fp32", "update_critic": "fp32"}  # rollout and critic: auto, fp32 on CPU
+    flops = counter.phase_flops(PROMPTS, RESPONSES)
+    value_head = 2 * 64 * 1 * TOKENS  # one column per token
+    critic_forward = TOKENS * _dense_per_token() + 2 * 2 * 2 * 2 * 32 * CAUSAL_PAIRS + value_head
+    assert flops["values"] == critic_forward and flops["update_critic"] == 3 * critic_forward  # no LoRA on the critic
+    assert flops["update_actor"] == training_flops(counter.actor, training_terms(counter.actor, LENGTHS))

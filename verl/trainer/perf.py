@@ -434,7 +434,9 @@ class StepFlops:
     """The model FLOPs of a PPO/GRPO step's phases on a batch, for one run's config."""
 
     def __init__(self, cfg: Any, *, cuda: bool | None = None) -> None:
-        cuda = torch.cuda.is_available() if cuda is None else cuda
+        if cuda is None:
+            cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        self.device = "cuda" if cuda else "cpu"
         arr = cfg.actor_rollout_ref
         self.actor = _model_shape(arr.model, arr.actor.megatron, "actor_rollout_ref.model")
         self.policy = dataclasses.replace(self.actor, lora_rank=0, lora_targets=())  # no adapters
@@ -513,7 +515,7 @@ def _for_run(pieces: Any) -> tuple[StepFlops | None, DevicePeak | None]:
     except ValueError as exc:  # a model verl's config parser does not read (an nn.Module, an fsdp2-only family)
         warn_once(logger, "perf/tflops/* and perf/mfu/* are left out: the model's FLOPs are not counted (%s)", exc)
         counter = None
-    peak = device_peak() if counter is not None else None
+    peak = device_peak(counter.device) if counter is not None else None
     if peak is not None and global_rank() == 0:
         logger.info("MFU: peak of one device (%s): %s TFLOP/s; %s", peak.device,
                     ", ".join(f"{k} {v:.4g}" for k, v in peak.tflops.items()), peak.source)
