@@ -115,10 +115,15 @@ def _hf_config(model: ModelConfig, key: str) -> tuple[str, Any]:
 
 def load_hf_causal_lm(model: ModelConfig, *, dtype: torch.dtype) -> torch.nn.Module:
     """The Hugging Face causal LM at ``model.path`` in ``dtype`` on the host (``override_config``
-    applied; ``trust_remote_code`` as configured)."""
-    from transformers import AutoModelForCausalLM
+    applied; ``trust_remote_code`` as configured); a vision-language model (a config with a
+    ``vision_config``) whole, as ``AutoModelForImageTextToText`` loads it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path, config = _hf_config(model, "actor_rollout_ref.model.path")
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code
+        )
     return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code
     )
@@ -313,6 +318,10 @@ class FSDPEngine(TorchEngine):
         fsdp: ``fsdp_config``.
         optim, total_training_steps, hf_dir, name: as ``TorchEngine``.
         gradient_checkpointing: recompute each decoder layer's activations in backward.
+        freeze_vision_tower: a vision-language model's vision encoder takes no gradient (the reference's key).
+
+    A vision-language model (``verl.models.vlm``) gets each micro-batch's images (the batch's ``mm_*``
+    columns) in its forward, and computes its own multimodal rotary positions.
     """
 
     def __init__(
@@ -327,6 +336,7 @@ class FSDPEngine(TorchEngine):
         name: str = "model",
         gradient_checkpointing: bool = False,
         head: str = "lm",
+        freeze_vision_tower: bool = False,
     ) -> None:
         if head not in ("lm", "value", "reward"):
             raise ValueError(f"{name}: the FSDP2 engine runs heads lm, value and reward, not head={head!r}")
@@ -355,6 +365,7 @@ class FSDPEngine(TorchEngine):
         module = module.to(self.model_dtype)
         if not self.trainable:
             module.requires_grad_(False)
+        self.image_feed = self._feed_images(module, freeze_vision_tower, name)
         self.sharded = dist.is_initialized()
         if self.sharded:
             self.mesh = _dp_mesh(pg.dp, fsdp.fsdp_size, self.device.type, name)
@@ -391,6 +402,22 @@ class FSDPEngine(TorchEngine):
         )
         if self.param_offload:
             self._move_params("cpu")
+
+    def _feed_images(self, module: torch.nn.Module, freeze: bool, name: str) -> Any:
+        """A vision-language model's :class:`~verl.models.vlm.ImageFeed` (each micro-batch's images reach its
+        forward; ``freeze`` freezes its vision encoder), or None for a text model."""
+        from verl.models import vlm
+
+        if not vlm.is_vlm(module):
+            if freeze:
+                raise ValueError(f"{name}: freeze_vision_tower=true, but {type(module).__name__} has no vision encoder")
+            return None
+        if freeze:
+            frozen = vlm.freeze_vision_tower(module)
+            log_rank0(logger, logging.INFO, "%s: vision encoder frozen (%d parameters)", name, frozen)
+        feed = vlm.ImageFeed(module)
+        self._outputs = feed.around(self._outputs)
+        return feed
 
     # -- offload between calls (fsdp_config.param_offload / optimizer_offload) -------------
 

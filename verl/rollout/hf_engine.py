@@ -13,6 +13,10 @@ continuous batching). Selected with ``actor_rollout_ref.rollout.name: hf``.
 - With ``record_routing`` (R3 router replay, ``verl.models.router_replay``) every sample carries the
   experts each MoE layer's router chose for its prompt and response tokens while generating
   (:class:`RoutingRecorder`).
+- A vision-language model (a checkpoint whose config has a ``vision_config``) loads whole
+  (``AutoModelForImageTextToText``) and generates each prompt with its images: the prompt batch's
+  ``mm_pixel_values`` / ``mm_image_grid_thw`` columns (``verl.protocol.images``), which the output batch
+  repeats for the trainer; the model computes its multimodal rotary positions itself.
 - Randomness comes from the engine's own RNG stream (see ``RolloutEngine.generate``); samples
   differ from vLLM's for the same seed (different samplers).
 
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from verl.protocol import Batch
 from verl.rollout.base import RolloutEngine, Sample, SamplingSpec, left_pad
 
 if TYPE_CHECKING:
@@ -72,7 +77,9 @@ class HFRollout(RolloutEngine):
         micro_batch_size: int | None = None,
         trust_remote_code: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
+
+        from verl.data.vlm import is_vlm_dir
 
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -92,9 +99,11 @@ class HFRollout(RolloutEngine):
             # The model reports cuda:N: "cuda" alone would never equal it (generate() compares the two).
             self.device = torch.device("cuda", torch.cuda.current_device())
         dtype = _torch_dtype(cfg.dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, trust_remote_code=trust_remote_code
-        ).to(self.device)
+        loader = AutoModelForImageTextToText if is_vlm_dir(model_path) else AutoModelForCausalLM
+        self.model = loader.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).to(self.device)
+        vision = getattr(self.model.config, "vision_config", None)
+        self.image_token_id = self.model.config.image_token_id if vision is not None else None
+        self._prompt_images: dict[str, torch.Tensor] | None = None  # the prompt batch's mm_* columns, in generate()
         self.model.eval()
         # Every sampling setting comes from cfg: nothing from the checkpoint's generation_config
         # (its eos, top_k=50 default, ...) may leak into generate().
@@ -111,6 +120,22 @@ class HFRollout(RolloutEngine):
         """Sampling draws from the CUDA generator when the model is on a GPU."""
         return self.device.type == "cuda"
 
+    def generate(self, prompts: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
+        """``RolloutEngine.generate``; a vision-language model reads each prompt's images from the batch."""
+        from verl.protocol.images import MULTI_MODAL_KEYS
+
+        images = {k: prompts[k] for k in MULTI_MODAL_KEYS if k in prompts}
+        if images and self.image_token_id is None:
+            raise ValueError(
+                f"rollout: the prompts carry images ({sorted(images)}), but {type(self.model).__name__} is not a "
+                "vision-language model; give actor_rollout_ref.model.path a VLM checkpoint"
+            )
+        self._prompt_images = images or None
+        try:
+            return super().generate(prompts, validate=validate, seed=seed)
+        finally:
+            self._prompt_images = None
+
     def _sample(self, prompts: list[list[int]], spec: SamplingSpec) -> list[Sample]:
         if self.model.device != self.device:
             raise RuntimeError("HFRollout.generate called after release(); call resume() first")
@@ -118,10 +143,25 @@ class HFRollout(RolloutEngine):
         step = self.micro_batch_size or len(rows)
         samples: list[Sample] = []
         for start in range(0, len(rows), step):
-            samples.extend(self._generate_rows(rows[start : start + step], spec))
+            images = None
+            if self._prompt_images is not None:  # each row's prompt's images (rows are prompt-major)
+                owners = torch.arange(start, min(start + step, len(rows))) // spec.n
+                images = {k: v.index_select(0, owners.to(v.device)) for k, v in self._prompt_images.items()}
+            samples.extend(self._generate_rows(rows[start : start + step], spec, images))
         return samples
 
-    def _generate_rows(self, rows: list[list[int]], spec: SamplingSpec) -> list[Sample]:
+    def _image_kwargs(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """``generate``'s image arguments for left-padded ``input_ids`` [N, P] and the rows' ``mm_*`` columns."""
+        from verl.protocol.images import model_image_inputs
+
+        found = model_image_inputs(images) if images is not None else {}
+        if not found:
+            return {}
+        found["mm_token_type_ids"] = (input_ids == self.image_token_id).int()
+        return {k: v.to(self.device) for k, v in found.items()}
+
+    def _generate_rows(self, rows: list[list[int]], spec: SamplingSpec,
+                       images: dict[str, torch.Tensor] | None = None) -> list[Sample]:
         from transformers import GenerationConfig
 
         width = max(len(r) for r in rows)
@@ -150,6 +190,7 @@ class HFRollout(RolloutEngine):
                 attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg,
                 tokenizer=self.tokenizer if spec.stop else None,
+                **self._image_kwargs(input_ids, images),
             )
             if recorder is not None:
                 recorder.feed_last_token(out, attention_mask.to(self.device), self.pad_token_id)

@@ -1,0 +1,163 @@
+"""A vision-language model on the FSDP2 engine and the transformers rollout engine (#53).
+
+The tiny Qwen2.5-VL (``verl.data.tiny_vlm``) generates from prompts with images (the dataset's
+``mm_*`` columns); the FSDP2 engine recomputes the samples' log-probabilities with the same images
+and mrope positions the model computes, takes an update with them, and freezes its vision encoder
+on request.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from verl.testing.distributed import run_distributed
+
+RESPONSE = 6
+
+
+def _png(color: str, size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory) -> str:
+    from verl.data.tiny_vlm import TinyVLMSpec, make_tiny_vlm
+
+    return make_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "model"), TinyVLMSpec(corpus_lines=500))
+
+
+@pytest.fixture(scope="module")
+def rollout(vlm_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Two samples each of four prompts with images of two sizes (one or two per prompt), from the
+    transformers engine: the trainer's batch columns."""
+    from verl.config.schema import RolloutConfig
+    from verl.data.rl_dataset import RLPromptDataset, collate_fn
+    from verl.data.vlm import ImagePromptEncoder
+    from verl.protocol import Batch
+    from verl.rollout.hf_engine import HFRollout
+
+    def img(color, size=(28, 28)):
+        return {"bytes": _png(color, size), "path": None}
+
+    rows = [
+        {"prompt": "<image>Which colour?", "images": [img("red")]},
+        {"prompt": "<image>Which colour?", "images": [img("blue", (56, 56))]},
+        {"prompt": "<image> or <image>?", "images": [img("green"), img("red", (42, 56))]},
+        {"prompt": "Bigger: <image>", "images": [img("yellow", (56, 28))]},
+    ]
+    path = str(tmp_path_factory.mktemp("data") / "d.parquet")
+    pq.write_table(pa.Table.from_pylist([{**r, "data_source": "colour"} for r in rows]), path)
+    enc = ImagePromptEncoder.from_pretrained(vlm_dir)
+    ds = RLPromptDataset(path, enc.tokenizer, processor=enc, max_prompt_length=48)
+    prompts = collate_fn([ds[i] for i in range(len(ds))])
+    batch = Batch.from_dict({k: v for k, v in prompts.items() if torch.is_tensor(v)})
+    engine = HFRollout(RolloutConfig(name="hf", n=2, temperature=1.0, prompt_length=48, response_length=RESPONSE,
+                                     seed=3), vlm_dir, device="cpu", micro_batch_size=3)
+    out = engine.generate(batch)
+    keys = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs", "mm_pixel_values",
+            "mm_image_grid_thw")
+    return {k: out[k] for k in keys}
+
+
+def _engine(vlm_dir: str, *, trainable: bool, freeze: bool = False):
+    from transformers import AutoModelForImageTextToText
+
+    from verl.config import OptimConfig
+    from verl.config.schema import FSDPConfig
+    from verl.engine.fsdp import FSDPEngine
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=7)
+    optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0, weight_decay=0.0) if trainable else None
+    module = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)
+    return pg, FSDPEngine(module, pg=pg, fsdp=FSDPConfig(), optim=optim, total_training_steps=4, hf_dir=vlm_dir,
+                          name="actor", freeze_vision_tower=freeze)
+
+
+def _logprobs(vlm_dir: str, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The FSDP2 engine's log-probabilities of each batch's response columns (one rank)."""
+    from verl.parallel import megatron_state as ms
+
+    _, engine = _engine(vlm_dir, trainable=False)
+    try:
+        return [engine.forward(b, micro_batch_size=3).outputs["logprobs"][:, -RESPONSE:] for b in batches]
+    finally:
+        ms.destroy_model_parallel()
+
+
+def _step(vlm_dir: str, batch: dict[str, torch.Tensor], freeze: bool) -> dict:
+    """One SGD step on this rank's half of ``batch`` (micro-batches of 2 rows): loss, gradient norm, weights."""
+    from verl.algos import GlobalBatchInfo, agg_loss
+    from verl.engine import LossShare
+    from verl.parallel import megatron_state as ms
+
+    pg, engine = _engine(vlm_dir, trainable=True, freeze=freeze)
+    try:
+        dp, rank = pg.dp.size(), pg.dp.rank()
+        per = batch["input_ids"].shape[0] // dp
+        local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+        info = GlobalBatchInfo.from_masks([local["response_mask"].float()], group=pg.dp if dp > 1 else None)
+
+        def loss_fn(outputs, mb):
+            return LossShare(agg_loss(-outputs["logprobs"][:, -RESPONSE:], mb["response_mask"], "token-mean",
+                                      global_batch_info=info))
+
+        result = engine.train_step(local, micro_batch_size=2, loss_fn=loss_fn)
+        weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                   for n, p in engine.module.named_parameters()}
+        return {"loss": result.loss, "norm": result.grad_norm, "weights": weights}
+    finally:
+        ms.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_trainer_logprobs_equal_the_rollouts_and_read_the_image(vlm_dir, rollout):
+    other = dict(rollout, mm_pixel_values=rollout["mm_pixel_values"].flip(-1))  # every image changed
+    dropped = {k: v for k, v in rollout.items() if not k.startswith("mm_")}
+    dropped["mm_image_grid_thw"] = torch.zeros_like(rollout["mm_image_grid_thw"])  # no image in any row
+    same, changed = run_distributed(_logprobs, 1, vlm_dir, [rollout, other])[0]
+    mask = rollout["response_mask"].bool()
+    # fp32, the same weights and mrope positions: the cached-KV decode and the one full pass sum in another
+    # order; measured 4.8e-7.
+    assert (same - rollout["rollout_log_probs"]).abs()[mask].max() <= 1e-5
+    # Another image gives other log-probabilities (the pixels reach the model): measured 0.09 at most.
+    assert (changed - same).abs()[mask].max() > 1e-2
+    # Image tokens without their images are refused, not read as text.
+    with pytest.raises(Exception, match="image tokens but no images"):
+        run_distributed(_logprobs, 1, vlm_dir, [dropped])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_ranks_step_as_one_process_and_freeze_the_vision_tower(vlm_dir, rollout):
+    batch = {k: v for k, v in rollout.items() if k != "rollout_log_probs"}
+    one = run_distributed(_step, 1, vlm_dir, batch, False)[0]
+    two = run_distributed(_step, 2, vlm_dir, batch, False)
+    frozen = run_distributed(_step, 2, vlm_dir, batch, True)[0]
+    before = _initial_weights(vlm_dir)
+    for out in two:
+        # The halves' shares are summed in another order (per rank, then the reduce-scatter): fp32 rounding.
+        assert abs(out["loss"] - one["loss"]) <= 1e-6 and abs(out["norm"] - one["norm"]) <= 1e-6
+        for name, value in one["weights"].items():
+            torch.testing.assert_close(out["weights"][name], value, atol=1e-6, rtol=0, msg=name)
+    vision = [n for n in before if n.startswith("model.visual.")]
+    assert vision and all(not torch.equal(one["weights"][n], before[n]) for n in vision if "norm" not in n)
+    # Frozen: the vision encoder's weights are the checkpoint's; the language model still moves.
+    assert all(torch.equal(frozen["weights"][n], before[n]) for n in vision)
+    assert not torch.equal(frozen["weights"]["lm_head.weight"], before["lm_head.weight"])
+
+
+def _initial_weights(vlm_dir: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForImageTextToText
+
+    return {n: p.detach().clone() for n, p in AutoModelForImageTextToText.from_pretrained(vlm_dir).named_parameters()}
