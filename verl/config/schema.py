@@ -335,10 +335,24 @@ class RolloutMultiTurnConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
-class RolloutAgentConfig(ConfigBase):
-    """Custom agent loops, selected per sample by extra_info.agent_name (verl.rollout.agent.agents)."""
+class AgentEndpointConfig(ConfigBase):
+    """The agent endpoint: agent programs drive the rollout through an OpenAI-compatible server on 127.0.0.1 (verl.rollout.agent.endpoint)."""
 
-    agent_loop_config_path: str | None = option(None, "YAML file listing custom agent loops (reference layout: [{name, _target_, ...kwargs}]); samples pick one by extra_info.agent_name. Classes registered with verl.rollout.agent.register need no file.")
+    max_concurrent_episodes: int = option(16, "Agent-program episodes that run at once on one rank; the others wait their turn.", ge=1)
+    episode_timeout_s: float = option(300.0, "Seconds one episode's program may run; past it the program is ended and its episode dropped (counted in agent/endpoint/dropped/timeout).", gt=0.0)
+    on_prefix_mismatch: Literal["split", "refuse"] = option("split", "A request whose prompt is not the episode's ids so far plus new ones (history edited): split starts a new trajectory from it, refuse answers 400 and drops the episode. Counted in agent/endpoint/prefix_mismatch either way.")
+    model_name: str = option("policy", "The model name the endpoint serves (the `model` of every request); another name gets a 404.")
+    max_body_bytes: int = option(4 << 20, "Request bodies above this size get a 413.", ge=1)
+    batch_wait_ms: float = option(20.0, "How long the engine waits for the other running episodes' requests after the first before it samples them in one call.", ge=0.0)
+
+
+@dataclass(kw_only=True)
+class RolloutAgentConfig(ConfigBase):
+    """Custom agent loops and agent programs, selected per sample by extra_info.agent_name (verl.rollout.agent.agents)."""
+
+    agent_loop_config_path: str | None = option(None, "YAML file listing custom agent loops (reference layout: [{name, _target_, ...kwargs}]) and agent programs ({name, _target_: an async function} or {name, command: [...]}); samples pick one by extra_info.agent_name. Classes registered with verl.rollout.agent.register (functions with register_program) need no file.")
+    default_agent_loop: str | None = option(None, "The agent loop or program of samples whose extra_info names none; None: tool_agent.")
+    endpoint: AgentEndpointConfig = section(AgentEndpointConfig, "The OpenAI-compatible endpoint agent programs talk to during rollout (docs/agents.md).")
 
 
 @dataclass(kw_only=True)

@@ -149,7 +149,9 @@ class Rollout:
                 response_length=cfg.response_length,
                 interactions=interactions,
                 agent_loops=agent_loops,
+                endpoint=cfg.agent.endpoint,
             )
+            self.agent.default_agent_loop = cfg.agent.default_agent_loop
             with role_world(world):
                 self.agent.replica = _replica_share(cfg.tensor_model_parallel_size)
 

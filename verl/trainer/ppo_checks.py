@@ -890,7 +890,22 @@ def _multi_turn_problems(cfg: PPOConfig, *, whole_run: bool = False) -> list[str
                         f"not configured (tools: {tool_names or 'none'}; {key}.tool_config_path="
                         f"{mt.tool_config_path}): add it to the tool config, or fix the name in the data"
                     )
+    default = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+    if default is not None and default not in known:
+        problems.append(
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r} is not an agent loop or program; known: "
+            f"{known} (register one, or list it in actor_rollout_ref.rollout.agent.agent_loop_config_path)"
+        )
     named = {name for names, _ in scan.values() for name in names} - {"tool_agent"}
+    if default is not None:
+        named.add(default)
+    from verl.rollout.agent.agents import AGENT_PROGRAMS, AgentProgram
+
+    programs = sorted(n for n in named if isinstance(loops.get(n), AgentProgram) or (n not in loops and n in AGENT_PROGRAMS))
+    if programs and not cfg.data.return_raw_chat:
+        problems.append(
+            f"agent program(s) {programs} start from the prompts' chat messages: set data.return_raw_chat=true"
+        )
     if whole_run and not (mt.tool_config_path or mt.interaction_config_path or path or named):
         problems.append(
             f"{key}.enable=true, but no tool, interaction or agent loop is configured: the agent loop would sample "

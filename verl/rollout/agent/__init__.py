@@ -12,17 +12,24 @@
 - :mod:`~verl.rollout.agent.interaction`: environments that answer the model's turns (a checker,
   a simulated user) with per-turn rewards;
 - :mod:`~verl.rollout.agent.agents`: custom agent loops, registered under the name a sample's
-  ``extra_info["agent_name"]`` selects (``register("name")``, ``agent_loop_config_path``);
+  ``extra_info["agent_name"]`` selects (``register("name")``, ``agent_loop_config_path``), and agent
+  programs (``register_program("name")``);
+- :mod:`~verl.rollout.agent.endpoint`: ``AgentEndpoint``: an OpenAI-compatible server in front of
+  the rollout engine for one rollout call; agent programs talk to it, every request's ids recorded;
 """
 
 from verl.rollout.agent.agents import (
     AGENT_LOOPS,
+    AGENT_PROGRAMS,
     AgentLoopBase,
+    AgentProgram,
     Conversation,
     known_agent_names,
     load_agent_loop_config,
     register,
+    register_program,
 )
+from verl.rollout.agent.endpoint import AgentEndpoint
 from verl.rollout.agent.interaction import (
     INTERACTIONS,
     AnswerCheckInteraction,
@@ -52,6 +59,10 @@ from verl.tools import (
 
 __all__ = [
     "AGENT_LOOPS",
+    "AGENT_PROGRAMS",
+    "AgentEndpoint",
+    "AgentProgram",
+    "register_program",
     "AgentLoopBase",
     "Conversation",
     "known_agent_names",

@@ -19,6 +19,12 @@ template's rendering, tokenized as the built-in loop tokenizes tool turns, out o
 trajectory is token in, token out as the built-in loop's (docs/agents.md). All conversations of a
 batch run concurrently; the model turns that are asked for together go to the engine in one call.
 
+Agent programs (:mod:`verl.rollout.agent.endpoint`) are selected the same way: an async function
+``async def run(client, sample) -> float | None`` registered with ``register_program("name")`` or
+listed in the same YAML file (``{name, _target_: my_package.agents.run}``), or a command run per
+sample (``{name, command: [python, my_agent.py]}``). They talk to the rollout engine through an
+OpenAI-compatible endpoint instead of a :class:`Conversation`.
+
 Departures from the reference: the reference's ``run(sampling_params, **kwargs)`` calls the
 engine and builds its ``AgentLoopOutput`` itself; here the loop asks the :class:`Conversation`,
 which keeps the ids, masks and log-probs, so a custom loop cannot break token-in/token-out. One
@@ -41,12 +47,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_LOOPS",
+    "AGENT_PROGRAMS",
+    "AgentProgram",
     "BUILTIN_AGENT_NAMES",
     "AgentLoopBase",
     "Conversation",
     "known_agent_names",
     "load_agent_loop_config",
     "register",
+    "register_program",
 ]
 
 BUILTIN_AGENT_NAMES = ("tool_agent", "single_turn_agent")
@@ -54,6 +63,37 @@ BUILTIN_AGENT_NAMES = ("tool_agent", "single_turn_agent")
 
 AGENT_LOOPS: dict[str, type[AgentLoopBase]] = {}
 """Custom agent loops registered with :func:`register`, by name."""
+
+
+AGENT_PROGRAMS: dict[str, AgentProgram] = {}
+"""Agent programs registered with :func:`register_program`, by name."""
+
+
+class AgentProgram:
+    """A user's agent program (:mod:`verl.rollout.agent.endpoint`): an async function ``fn(client,
+    sample) -> reward or None``, or a ``command`` (argument list) run once per sample."""
+
+    def __init__(self, name: str, *, fn: Callable[..., Any] | None = None, command: Sequence[str] | None = None) -> None:
+        if (fn is None) == (command is None):
+            raise ValueError(f"agent program {name!r}: give exactly one of fn= (an async function) or command= (a list)")
+        if fn is not None and not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"agent program {name!r}: {fn!r} must be `async def run(client, sample)`")
+        if command is not None and (isinstance(command, str) or not command or not all(isinstance(c, str) for c in command)):
+            raise ValueError(f"agent program {name!r}: command must be a non-empty list of strings, got {command!r}")
+        self.name, self.fn = name, fn
+        self.command = list(command) if command is not None else None
+
+
+def register_program(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Function decorator: make ``async def run(client, sample)`` the agent program ``name``."""
+    if name in BUILTIN_AGENT_NAMES:
+        raise ValueError(f"register_program({name!r}): {name!r} is a built-in agent loop; choose another name")
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        AGENT_PROGRAMS[name] = AgentProgram(name, fn=fn)
+        return fn
+
+    return decorator
 
 
 class AgentLoopBase:
@@ -92,12 +132,14 @@ def _check_class(cls: Any, where: str) -> None:
 
 def known_agent_names(custom: Mapping[str, Any] | None = None) -> list[str]:
     """Every name ``extra_info.agent_name`` may take: the built-in loops, the registered ones and ``custom``."""
-    return [*BUILTIN_AGENT_NAMES, *sorted(set(AGENT_LOOPS) | set(custom or {}))]
+    return [*BUILTIN_AGENT_NAMES, *sorted(set(AGENT_LOOPS) | set(AGENT_PROGRAMS) | set(custom or {}))]
 
 
-def load_agent_loop_config(path: str) -> dict[str, AgentLoopBase]:
+def load_agent_loop_config(path: str) -> dict[str, AgentLoopBase | AgentProgram]:
     """The agent loops of the YAML file ``path`` by name, each built with its entry's other keys
-    (the reference layout: a list of ``{name, _target_, ...}``; ``agent_loops: [...]`` is also read)."""
+    (the reference layout: a list of ``{name, _target_, ...}``; ``agent_loops: [...]`` is also read).
+    An entry whose ``_target_`` is an async function, or that has ``command`` instead, is an
+    :class:`AgentProgram`."""
     import os
 
     import yaml
@@ -114,17 +156,29 @@ def load_agent_loop_config(path: str) -> dict[str, AgentLoopBase]:
         data = data["agent_loops"]
     if not isinstance(data, list) or not data:
         raise ValueError(f"{where}: expected a non-empty list of {{name, _target_}} entries, got {type(data).__name__}")
-    out: dict[str, AgentLoopBase] = {}
+    out: dict[str, AgentLoopBase | AgentProgram] = {}
     for i, entry in enumerate(data):
         at = f"{where}, entry {i}"
-        if not isinstance(entry, Mapping) or "name" not in entry or "_target_" not in entry:
-            raise ValueError(f"{at}: each entry is a mapping with name and _target_ (a dotted path to an AgentLoopBase subclass)")
+        if not isinstance(entry, Mapping) or "name" not in entry or ("_target_" in entry) == ("command" in entry):
+            raise ValueError(
+                f"{at}: each entry is a mapping with name and _target_ (a dotted path to an AgentLoopBase subclass "
+                "or an async agent program), or name and command (a list: an agent program run per sample)"
+            )
         name = str(entry["name"])
         if name in BUILTIN_AGENT_NAMES:
             raise ValueError(f"{at}: {name!r} is a built-in agent loop; choose another name")
         if name in out:
             raise ValueError(f"{at}: a second agent loop named {name!r}; names must be distinct")
+        if "command" in entry:
+            try:
+                out[name] = AgentProgram(name, command=entry["command"])
+            except ValueError as exc:
+                raise ValueError(f"{at}: {exc}") from exc
+            continue
         cls = _import_object(str(entry["_target_"]), at, key="_target_", not_dotted="is not a dotted path (module.Class)")
+        if inspect.iscoroutinefunction(cls):
+            out[name] = AgentProgram(name, fn=cls)
+            continue
         _check_class(cls, at)
         kwargs = {k: v for k, v in entry.items() if k not in ("name", "_target_")}
         try:

@@ -68,7 +68,15 @@ import numpy as np
 import torch
 
 from verl.protocol import Batch
-from verl.rollout.agent.agents import AGENT_LOOPS, BUILTIN_AGENT_NAMES, AgentLoopBase, Conversation, known_agent_names
+from verl.rollout.agent.agents import (
+    AGENT_LOOPS,
+    AGENT_PROGRAMS,
+    BUILTIN_AGENT_NAMES,
+    AgentLoopBase,
+    AgentProgram,
+    Conversation,
+    known_agent_names,
+)
 from verl.rollout.agent.interaction import call as interaction_call
 from verl.rollout.agent.interaction import pick_interaction, turn_score_tensor
 from verl.rollout.agent.parser import PARSERS, ToolCall
@@ -78,7 +86,7 @@ from verl.tools.base import Tool, as_tools, check_arguments
 from verl.rollout.base import RolloutEngine, SamplingSpec, prompt_token_lists, sampling_spec
 
 if TYPE_CHECKING:
-    from verl.config.schema import RolloutMultiTurnConfig
+    from verl.config.schema import AgentEndpointConfig, RolloutMultiTurnConfig
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +158,11 @@ class AgentLoop:
         response_length: the response budget of a whole conversation (``rollout.response_length``).
         interactions: the interactions by name (``multi_turn.interaction_config_path``), picked
             per sample by ``interaction_kwargs["name"]``.
-        agent_loops: custom agent loops by name (``rollout.agent.agent_loop_config_path``); the
-            classes registered with ``verl.rollout.agent.register`` are found by name too.
+        agent_loops: custom agent loops and agent programs by name
+            (``rollout.agent.agent_loop_config_path``); the classes registered with
+            ``verl.rollout.agent.register`` (functions with ``register_program``) are found by name too.
+        endpoint: ``rollout.agent.endpoint``, the settings of the endpoint agent programs talk to
+            (``verl.rollout.agent.endpoint``); None: its defaults.
     """
 
     def __init__(
@@ -162,7 +173,8 @@ class AgentLoop:
         *,
         response_length: int,
         interactions: Mapping[str, Any] | None = None,
-        agent_loops: Mapping[str, AgentLoopBase] | None = None,
+        agent_loops: Mapping[str, AgentLoopBase | AgentProgram] | None = None,
+        endpoint: AgentEndpointConfig | None = None,
     ) -> None:
         if cfg.format not in PARSERS:
             raise ValueError(f"multi_turn.format={cfg.format!r} is not a known tool-call format; known: {sorted(PARSERS)}")
@@ -173,8 +185,19 @@ class AgentLoop:
         self.parse = PARSERS[cfg.format]
         self.response_length = int(response_length)
         self.interactions = dict(interactions or {})
-        self.agent_loops: dict[str, AgentLoopBase] = dict(agent_loops or {})
+        loops = dict(agent_loops or {})
+        self.agent_loops: dict[str, AgentLoopBase] = {k: v for k, v in loops.items() if not isinstance(v, AgentProgram)}
+        self.programs: dict[str, AgentProgram] = {k: v for k, v in loops.items() if isinstance(v, AgentProgram)}
+        if endpoint is None:
+            from verl.config.schema import AgentEndpointConfig
+
+            endpoint = AgentEndpointConfig()
+        self.endpoint_cfg = endpoint
+        self.last_episodes: list[Any] = []
+        """The agent programs' episodes of the last :meth:`run` (``verl.rollout.agent.endpoint.Episode``)."""
         self.last_metrics: dict[str, float] = {}
+        self.default_agent_loop: str | None = None
+        """``rollout.agent.default_agent_loop``: the agent of samples whose extra_info names none."""
         self.replica: ReplicaShare | None = None
         """Set when several ranks drive one engine (vLLM tensor parallel): tools run on its first rank."""
 
@@ -217,6 +240,7 @@ class AgentLoop:
         agent_names: Sequence[str | None] | None = None,
         prompt_width: int | None = None,
         extra_infos: Sequence[Mapping[str, Any] | None] | None = None,
+        samples: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[Trajectory]:
         """``len(prompts) * spec.n`` conversations (prompt-major) from unpadded prompt ids.
 
@@ -227,7 +251,11 @@ class AgentLoop:
         ``extra_infos``: each prompt's ``extra_info`` (what a custom loop sees). ``prompt_width``: the
         longest prompt the batch holds (``data.max_prompt_length``); a prompt that an
         interaction's opening turn makes longer is refused before anything is sampled.
+        ``samples``: each prompt's row for an agent program (``messages``, the prompt's chat messages,
+        and ``data_source``, ``reward_model``, ``extra_info``: :func:`~verl.rollout.agent.endpoint.program_sample`);
+        needed when a prompt's agent is a program, whose episodes run through the agent endpoint.
         """
+
         if tools_kwargs is not None and len(tools_kwargs) != len(prompts):
             raise ValueError(f"AgentLoop.run: {len(tools_kwargs)} tools_kwargs for {len(prompts)} prompts")
         if interaction_kwargs is not None and len(interaction_kwargs) != len(prompts):
@@ -257,7 +285,8 @@ class AgentLoop:
         ]
         created: set[tuple[str, str]] = set()
         active = [t for t in trajs if t.agent_name in AGENT_NAMES]
-        custom = [(t, i) for i, t in enumerate(trajs) if t.agent_name not in AGENT_NAMES]
+        programs = [i for i, t in enumerate(trajs) if self._program(t.agent_name) is not None]
+        custom = [(t, i) for i, t in enumerate(trajs) if t.agent_name not in AGENT_NAMES and i not in set(programs)]
         talking = [t for t in trajs if t.interaction is not None]
         runs_env = self.replica is None or self.replica.leader
         try:
@@ -271,6 +300,9 @@ class AgentLoop:
             if custom:
                 infos = [((extra_infos[i // spec.n] if extra_infos is not None else None) or {}) for _, i in custom]
                 self._run_custom(engine, [t for t, _ in custom], infos, spec, seed=seed)
+            self.last_episodes = []
+            if programs:
+                self._run_programs(engine, trajs, programs, samples, spec, seed=seed, prompt_width=prompt_width, tag=tag)
         finally:
             self._release(created)
             if runs_env:
@@ -279,7 +311,7 @@ class AgentLoop:
 
     def _agent_loop(self, name: str, prompt: int) -> AgentLoopBase | None:
         """The custom loop ``name`` (None for a built-in one); a registered class is built on first use."""
-        if name in AGENT_NAMES:
+        if name in AGENT_NAMES or self._program(name) is not None:
             return None
         if name not in self.agent_loops and name in AGENT_LOOPS:
             self.agent_loops[name] = AGENT_LOOPS[name]()
@@ -290,6 +322,54 @@ class AgentLoop:
                 "actor_rollout_ref.rollout.agent.agent_loop_config_path)"
             )
         return self.agent_loops[name]
+
+    def _program(self, name: str) -> AgentProgram | None:
+        """The agent program ``name`` (listed in the config, or registered), or None."""
+        return self.programs.get(name) or (AGENT_PROGRAMS.get(name) if name not in self.agent_loops else None)
+
+    def _run_programs(
+        self, engine: RolloutEngine, trajs: list[Trajectory], rows: list[int], samples: Sequence[Mapping[str, Any] | None] | None,
+        spec: SamplingSpec, *, seed: int | None, prompt_width: int | None, tag: str,
+    ) -> None:
+        """The agent programs' episodes through one agent endpoint (``verl.rollout.agent.endpoint``);
+        each row's trajectory becomes its episode's last one (an empty response when it was dropped)."""
+        from verl.rollout.agent.endpoint import AgentEndpoint, program_sample
+
+        if self.replica is not None:
+            raise ValueError(
+                "agent programs (extra_info.agent_name) need one engine per rank: set "
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+            )
+        name = self.endpoint_cfg.model_name
+        given = []
+        for i in rows:
+            row = samples[i // spec.n] if samples is not None else None
+            if not row or not row.get("messages"):
+                raise ValueError(
+                    f"agent program {trajs[i].agent_name!r} (prompt {i // spec.n}): the prompt's chat messages are "
+                    "missing; set data.return_raw_chat=true so the batch carries them (raw_prompt)"
+                )
+            given.append(program_sample(i, row["messages"], name, row))
+        endpoint = AgentEndpoint(
+            engine, self.tokenizer, self.endpoint_cfg, dataclasses.replace(spec, n=1),
+            response_length=self.response_length, prompt_width=prompt_width or max(len(trajs[i].prompt_ids) for i in rows),
+            encoder=self.encoder,
+        )
+        episodes = endpoint.run(given, [trajs[i].prompt_ids for i in rows],
+                                [self._program(trajs[i].agent_name) for i in rows], seed=seed, tag=tag)
+        self.last_episodes = episodes
+        for i, ep in zip(rows, episodes):
+            t = trajs[i]
+            if ep.state == "done" and ep.segments:
+                last = ep.segments[-1]
+                last.own_prompt = last.prompt_ids != t.prompt_ids
+                last.stop_reason = last.stop_reason or "answer"
+                sampled = [j for j, m in enumerate(last.loss_mask) if m]
+                if ep.reward is not None and sampled:
+                    last.turn_scores.append((sampled[-1], ep.reward))
+                trajs[i] = last
+            else:
+                t.stop_reason = "dropped" if ep.state == "dropped" else "no_request"
 
     def _run_custom(
         self, engine: RolloutEngine, trajs: list[Trajectory], infos: list[Mapping[str, Any]], spec: SamplingSpec, *, seed: int | None
@@ -649,12 +729,21 @@ class AgentLoop:
                 raise ValueError(f"rollout: the prompt batch has no {key!r} column (columns: {prompts.keys()})")
         spec = sampling_spec(engine.cfg, validate=validate)
         token_lists = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"])
-        kwargs = talk = names = infos = None
+        kwargs = talk = names = infos = rows = None
         if "extra_info" in prompts:
             infos = [e if isinstance(e, Mapping) else {} for e in prompts["extra_info"]]
             kwargs = [e.get("tools_kwargs") for e in infos]
             talk = [e.get("interaction_kwargs") for e in infos]
             names = [e.get("agent_name") for e in infos]
+        if self.default_agent_loop is not None:
+            names = [(n if n else self.default_agent_loop) for n in (names or [None] * len(prompts))]
+        if "raw_prompt" in prompts:  # the chat messages an agent program starts from
+            columns = [c for c in ("data_source", "reward_model") if c in prompts]
+            rows = [
+                {"messages": list(prompts["raw_prompt"][i]), "extra_info": infos[i] if infos else {},
+                 **{c: prompts[c][i] for c in columns}}
+                for i in range(len(prompts))
+            ]
         start = time.perf_counter()
         trajs = self.run(
             engine,
@@ -666,9 +755,14 @@ class AgentLoop:
             agent_names=names,
             prompt_width=int(prompts["input_ids"].shape[1]),
             extra_infos=infos,
+            samples=rows,
         )
         seconds = time.perf_counter() - start
         self.last_metrics = agent_metrics(trajs, seconds=seconds, tool_names=list(self.tools))
+        if self.last_episodes:
+            from verl.rollout.agent.endpoint import endpoint_metrics
+
+            self.last_metrics.update(endpoint_metrics(self.last_episodes))
         return assemble_agent_rollout(
             prompts,
             trajs,
@@ -712,7 +806,7 @@ def assemble_agent_rollout(
         logprobs[i, :k] = torch.tensor(t.logprobs, dtype=torch.float32)
         filled[i, :k] = 1
     out = prompts.repeat(n, interleave=True)
-    if any(t.opening is not None for t in trajs):
+    if any(t.opening is not None or t.own_prompt for t in trajs):
         _with_openings(out, trajs, pad_token_id)
     prompt_ids = out["input_ids"]  # [B*n, P]
     prompt_mask = out["attention_mask"].to(torch.long)
@@ -743,12 +837,14 @@ def assemble_agent_rollout(
 
 
 def _with_openings(out: Batch, trajs: Sequence[Trajectory], pad_token_id: int) -> None:
-    """The prompt columns of the rows an interaction opened: their prompt ids (the dataset's
-    prompt and the opening turn), left-padded to the batch's width P; position ids from the mask."""
+    """The prompt columns of the rows an interaction opened (their prompt ids: the dataset's prompt
+    and the opening turn) or an agent program's episode started elsewhere (``own_prompt``),
+    left-padded to the batch's width P; position ids from the mask."""
+
     ids = out["input_ids"].clone()  # [B*n, P]
     mask = out["attention_mask"].clone()
     width = ids.shape[1]
-    rows = [i for i, t in enumerate(trajs) if t.opening is not None]
+    rows = [i for i, t in enumerate(trajs) if t.opening is not None or t.own_prompt]
     for i in rows:
         k = len(trajs[i].prompt_ids)
         if k > width:

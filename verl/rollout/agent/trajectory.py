@@ -67,6 +67,9 @@ class Trajectory:
     :attr:`prompt_ids`; None: the dataset's prompt opens the conversation alone."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The turns after the prompt as text (what an interaction reads; never re-tokenized)."""
+    own_prompt: bool = False
+    """The prompt ids are this trajectory's own, not its batch row's (an agent program's episode
+    that did not start from the dataset's prompt ids, ``verl.rollout.agent.endpoint``)."""
     turn_scores: list[tuple[int, float]] = field(default_factory=list)
     """``(position, reward)`` of every interaction reward: the response position of the last
     sampled token of the model turn it judges."""

@@ -1,0 +1,302 @@
+"""The agent endpoint (verl.rollout.agent.endpoint): agent programs drive a real transformers engine
+on a tiny Qwen2 through a real server on 127.0.0.1 with the real ``openai`` client; the trained
+ids of every episode equal the ids the engine saw, turn by turn; bad programs each end one episode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from verl.config.schema import AgentEndpointConfig, RolloutConfig, RolloutMultiTurnConfig
+from verl.protocol import Batch
+from verl.rollout.agent import AgentLoop, AgentProgram, load_agent_loop_config
+from verl.rollout.base import left_pad
+
+pytestmark = pytest.mark.timeout(180)
+
+R = 48  # response budget of a trajectory
+QUESTIONS = ["What is 6*7?", "What is 2+2?"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_models["qwen2"])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models, tok, one_thread):
+    from verl.rollout.hf_engine import HFRollout
+
+    cfg = RolloutConfig(name="hf", n=1, temperature=1.0, prompt_length=64, response_length=R, seed=3)
+    return HFRollout(cfg, tiny_models["qwen2"], tokenizer=tok, device="cpu")
+
+
+def _chat_ids(tok, messages) -> list[int]:
+    return list(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False))
+
+
+def _batch(tok, programs: list[str], questions=QUESTIONS) -> Batch:
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    prompts = [_chat_ids(tok, m) for m in messages]
+    ids, mask = left_pad(prompts, 24, tok.pad_token_id)
+    raw = np.empty(len(messages), dtype=object)
+    raw[:] = messages
+    extra = np.array([{"agent_name": p} for p in programs], dtype=object)
+    return Batch.from_dict({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": raw, "extra_info": extra})
+
+
+def _loop(tok, programs: dict, **endpoint) -> AgentLoop:
+    cfg = AgentEndpointConfig(**{"episode_timeout_s": 30.0, **endpoint})
+    loops = {name: AgentProgram(name, fn=fn) if callable(fn) else AgentProgram(name, command=fn) for name, fn in programs.items()}
+    return AgentLoop(RolloutMultiTurnConfig(enable=True), [], tok, response_length=R, agent_loops=loops, endpoint=cfg)
+
+
+def _row_ids(out: Batch, i: int) -> tuple[list[int], list[int], list[float]]:
+    """Row ``i``'s unpadded ids (prompt then response), and the response's loss mask and log-probs."""
+    mask = out["attention_mask"][i].bool()
+    ids = out["input_ids"][i][mask].tolist()
+    k = int(mask[out["prompts"].shape[1]:].sum())
+    return ids, out["response_mask"][i][:k].tolist(), out["rollout_log_probs"][i][:k].tolist()
+
+
+def _check_turn_by_turn(out: Batch, i: int, episode) -> None:
+    """Every request of the row's trajectory: its prompt is the row's ids up to it, its completion the
+    row's next ids, in the loss exactly there, with the engine's log-probs; nothing else is in the loss."""
+    ids, loss, lps = _row_ids(out, i)
+    p = len(ids) - len(loss)
+    sampled = [0] * len(loss)
+    last = [r for r in episode.requests if r.segment == len(episode.segments) - 1]
+    assert last, "the trajectory has no request"
+    for r in last:
+        start = len(r.prompt_ids)
+        assert ids[:start] == r.prompt_ids  # the engine's context is the trained prefix
+        assert ids[start : start + len(r.completion_ids)] == r.completion_ids
+        for k in range(start - p, start - p + len(r.completion_ids)):
+            sampled[k] = 1
+        assert lps[start - p : start - p + len(r.completion_ids)] == pytest.approx(r.logprobs, abs=0)
+    assert loss == sampled
+    end = len(last[-1].prompt_ids) + len(last[-1].completion_ids)
+    assert ids[:end] == last[-1].prompt_ids + last[-1].completion_ids
+
+
+# --------------------------------------------------------------------------- programs
+async def talker(client, sample):
+    """Three chat turns (a tool answer, then a user turn), then a completion on the exact ids."""
+    messages = list(sample["messages"])
+    got = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=6)
+    messages.append({"role": "assistant", "content": got.choices[0].message.content})
+    messages.append({"role": "tool", "content": "42"})
+    got = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=5)
+    messages += [{"role": "assistant", "content": got.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+    got = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=4)
+    assert got.choices[0].finish_reason in ("stop", "length") and got.usage.completion_tokens >= 1
+    return 0.5 + sample["index"]
+
+
+async def editor(client, sample):
+    """Edits its history between two requests: the second prompt is not the first plus new turns."""
+    messages = list(sample["messages"])
+    got = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=4)
+    edited = [{"role": "user", "content": "Let me rephrase: " + messages[0]["content"]},
+              {"role": "assistant", "content": got.choices[0].message.content}, {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model=sample["model"], messages=edited, max_tokens=4)
+    return None
+
+
+def test_episode_ids_equal_engine_ids_turn_by_turn(tok, engine, tiny_models):
+    """Two episodes of three chat turns each through the real openai client: each row of the batch is
+    exactly the ids the engine saw and sampled, the loss mask 1 exactly on sampled ids, the log-probs
+    the engine's (which equal a plain forward pass), the program's reward at the last sampled token."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.rollout.hf_engine import hf_response_logprobs
+
+    loop = _loop(tok, {"talker": talker})
+    out = loop.generate(engine, _batch(tok, ["talker", "talker"]), seed=7)
+    episodes = loop.last_episodes
+    assert [e.state for e in episodes] == ["done", "done"] and [len(e.requests) for e in episodes] == [3, 3]
+    for i, ep in enumerate(episodes):
+        _check_turn_by_turn(out, i, ep)
+        assert ep.requests[0].prompt_ids == out["prompts"][i][out["attention_mask"][i][:24].bool()].tolist()
+        roles = [t["role"] for t in out["agent_turns"][i]]
+        assert roles == ["assistant", "tool", "assistant", "user", "assistant"], roles
+        last = int(out["response_mask"][i].nonzero().max())
+        assert out["interaction_scores"][i].nonzero().flatten().tolist() == [last]
+        assert float(out["interaction_scores"][i, last]) == 0.5 + i
+    m = loop.last_metrics
+    assert m["agent/endpoint/requests"] == 6 and m["agent/endpoint/prefix_mismatch"] == 0 and m["agent/stop/answer"] == 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
+    actual = hf_response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"], response_length=R)
+    sampled = out["response_mask"].bool()
+    # float32 with different padding per engine call: ~1e-6; 1e-4 still catches a shifted position or
+    # a tool token scored as sampled (>= 1e-2 on this model).
+    torch.testing.assert_close(actual[sampled], out["rollout_log_probs"][sampled], atol=1e-4, rtol=0)
+
+
+async def by_ids(client, sample):
+    """/v1/completions on token ids: the second prompt is the first's ids, the completion's ids (the
+    answer's ``token_ids``) and new ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sample["extra_info"]["tokenizer"])
+    prompt = _chat_ids(tok, sample["messages"])
+    got = await client.completions.create(model=sample["model"], prompt=prompt, max_tokens=5)
+    ids = prompt + list(got.choices[0].token_ids) + tok.encode(" ok", add_special_tokens=False)
+    await client.completions.create(model=sample["model"], prompt=ids, max_tokens=3)
+    return None
+
+
+def test_completions_route_extends_by_token_ids(tok, engine, tiny_models):
+    """The trajectory of two completions requests on token ids: one trajectory, the added ids out of
+    the loss, every request's ids in the row."""
+    loop = _loop(tok, {"by_ids": by_ids})
+    batch = _batch(tok, ["by_ids"], QUESTIONS[:1])
+    batch.non_tensors["extra_info"][0]["tokenizer"] = tiny_models["qwen2"]
+    out = loop.generate(engine, batch, seed=1)
+    [ep] = loop.last_episodes
+    assert ep.state == "done", ep.detail
+    assert [r.route for r in ep.requests] == ["completions", "completions"] and len(ep.segments) == 1
+    _check_turn_by_turn(out, 0, ep)
+
+
+@pytest.mark.parametrize("policy", ["split", "refuse"])
+def test_prefix_mismatch_splits_or_refuses(tok, engine, policy):
+    """A program that edits its history: counted; ``split`` gives a second trajectory from the edited
+    prompt (the row holds it, its own prompt in the prompt columns); ``refuse`` drops the episode."""
+    loop = _loop(tok, {"editor": editor}, on_prefix_mismatch=policy)
+    out = loop.generate(engine, _batch(tok, ["editor"], QUESTIONS[:1]), seed=2)
+    [ep] = loop.last_episodes
+    assert ep.mismatches == 1 and loop.last_metrics["agent/endpoint/prefix_mismatch"] == 1
+    if policy == "split":
+        assert ep.state == "done" and len(ep.segments) == 2 and [r.segment for r in ep.requests] == [0, 1]
+        _check_turn_by_turn(out, 0, ep)
+        assert "Let me rephrase" in tok.decode(_row_ids(out, 0)[0])
+    else:
+        assert ep.state == "dropped" and ep.reason == "refused" and len(ep.requests) == 1
+        assert loop.last_metrics["agent/endpoint/dropped/refused"] == 1
+        assert int(out["response_mask"][0].sum()) == 0 and int(out["attention_mask"][0, 24:].sum()) == 0
+
+
+# --------------------------------------------------------------------------- bad programs
+async def hangs(client, sample):
+    await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=2)
+    await asyncio.sleep(3600)
+
+
+async def raises(client, sample):
+    raise RuntimeError("the agent's own bug\nsecond line")
+
+
+async def sends_10mb(client, sample):
+    import openai
+
+    try:
+        await client.chat.completions.create(model=sample["model"], messages=[{"role": "user", "content": "x" * (10 << 20)}])
+    except openai.APIStatusError as exc:
+        raise RuntimeError(f"status {exc.status_code}") from None
+
+
+async def wrong_model(client, sample):
+    import openai
+
+    try:
+        await client.chat.completions.create(model="gpt-4o", messages=sample["messages"], max_tokens=2)
+    except openai.NotFoundError as exc:
+        raise RuntimeError(f"status {exc.status_code}") from None
+
+
+HANG_COMMAND = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(3600)"]
+GOOD_COMMAND = [sys.executable, "-c", """
+import json, os, sys, urllib.request
+sample = json.load(sys.stdin)
+body = json.dumps({"model": os.environ["VERL_AGENT_MODEL"], "messages": sample["messages"], "max_tokens": 3}).encode()
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body,
+                             {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+json.load(urllib.request.urlopen(req))
+print(0.25)
+"""]
+
+
+def test_bad_programs_each_end_one_episode(tok, engine, caplog):
+    """A program that hangs (a coroutine, and a command), raises, sends 10 MB, or names a model that is
+    not served: each episode ends with one log line, the good ones finish, and nothing is left running
+    (no endpoint or programs thread, the port closed, the commands' processes gone)."""
+    import logging
+    import os
+
+    programs = {"talker": talker, "hangs": hangs, "raises": raises, "sends_10mb": sends_10mb, "wrong_model": wrong_model,
+                "hang_command": HANG_COMMAND, "good_command": GOOD_COMMAND}
+    names = list(programs)
+    loop = _loop(tok, programs, episode_timeout_s=3.0)
+    seen: list = []
+    from verl.rollout.agent import endpoint as mod
+
+    real_start = mod._Server.__init__
+
+    def remember(self, app, *a, **k):
+        real_start(self, app, *a, **k)
+        seen.append(self.url)
+
+    before = {t.ident for t in threading.enumerate()}
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="verl.rollout.agent.endpoint"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mod._Server, "__init__", remember)
+        out = loop.generate(engine, _batch(tok, names, [QUESTIONS[0]] * len(names)), seed=4)
+    took = time.monotonic() - start
+    by = {ep.program.name: ep for ep in loop.last_episodes}
+    assert by["talker"].state == "done" and by["good_command"].state == "done" and by["good_command"].reward == 0.25
+    assert {n: (by[n].state, by[n].reason) for n in names if n not in ("talker", "good_command")} == {
+        "hangs": ("dropped", "timeout"), "hang_command": ("dropped", "timeout"), "raises": ("dropped", "error"),
+        "sends_10mb": ("dropped", "error"), "wrong_model": ("dropped", "error"),
+    }
+    assert "413" in by["sends_10mb"].detail and "404" in by["wrong_model"].detail
+    assert "second line" not in by["raises"].detail
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5 and all("\n" not in line and "episode dropped" in line for line in lines), lines
+    m = loop.last_metrics
+    assert (m["agent/endpoint/dropped/timeout"], m["agent/endpoint/dropped/error"], m["agent/stop/dropped"]) == (2, 3, 5 / 7)
+    assert int(out["response_mask"][names.index("hangs")].sum()) == 0  # its one turn is not trained on
+    assert took < 3.0 + 15.0  # the hanging ones end at their limit, not the step's
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("verl-agent")]
+    assert left == []
+    host, port = seen[0].removeprefix("http://").split(":")
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=1).close()
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
+    assert children == []
+
+
+def _parent(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def test_agent_loop_config_lists_programs(tmp_path):
+    """The YAML file of agent loops lists programs: an async function by dotted path, a command; a
+    plain function or an entry with both is refused in one line naming the entry."""
+    path = tmp_path / "agents.yaml"
+    path.write_text(
+        "- {name: by_function, _target_: tests.rollout.test_agent_endpoint.talker}\n"
+        f"- {{name: by_command, command: {json.dumps(GOOD_COMMAND[:2])}}}\n"
+    )
+    loops = load_agent_loop_config(str(path))
+    assert loops["by_function"].fn is talker and loops["by_command"].command == GOOD_COMMAND[:2]
+    path.write_text("- {name: plain, _target_: tests.rollout.test_agent_endpoint._parent}\n")
+    with pytest.raises(ValueError, match="entry 0.*not a subclass"):
+        load_agent_loop_config(str(path))
+    path.write_text("- {name: both, _target_: x.y, command: [a]}\n")
+    with pytest.raises(ValueError, match="entry 0: each entry is a mapping with name and _target_.*or name and command"):
+        load_agent_loop_config(str(path))
