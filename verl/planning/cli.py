@@ -141,8 +141,15 @@ def _teacher_spec(cfg: "PPOConfig", teacher_model_config: str | None):
 
 def write_report(plan: "MemoryPlan", gpu: GPUPreset, out: TextIO) -> int:
     """Write ``plan``'s table, its estimated step time and, when it does not fit, the fastest layouts
-    of the same cluster that do (formula plans); returns 0 when it fits, else 1."""
-    from verl.planning.search import estimate_step_seconds, grow_cluster, search_layouts, suggestion_overrides
+    of the same cluster that do (formula plans), first the context-parallel degree that makes this layout
+    fit when there is one; returns 0 when it fits, else 1."""
+    from verl.planning.search import (
+        context_parallel_suggestion,
+        estimate_step_seconds,
+        grow_cluster,
+        search_layouts,
+        suggestion_overrides,
+    )
 
     inputs = plan.inputs
     out.write(plan.table() + "\n")
@@ -158,6 +165,9 @@ def write_report(plan: "MemoryPlan", gpu: GPUPreset, out: TextIO) -> int:
                   "colocated layouts: plan without trainer.placement to see them\n")
         out.flush()
         return 1
+    cp = context_parallel_suggestion(plan)
+    if cp is not None:
+        out.write(cp.describe() + "\n")
     found = search_layouts(inputs, gpu)
     if found:
         out.write("layouts of this cluster that fit (formula plans, fastest first):\n")
