@@ -123,7 +123,7 @@ def test_a_sliding_window_caps_the_keys_each_token_scores():
 def test_mfu_is_flops_over_seconds_devices_and_the_phase_dtypes_peak():
     counter = StepFlops.__new__(StepFlops)
     counter.actor = counter.policy = _shape(DENSE)
-    counter.actor_epochs, counter.critic = 1, None
+    counter.actor_epochs, counter.critic, counter.streaming = 1, None, False
     counter.dtypes = {"gen": "fp32", "old_log_prob": "bf16", "ref": "bf16", "update_actor": "bf16"}
     flops = counter.phase_flops(PROMPTS, RESPONSES)
     peak = DevicePeak("test", {"bf16": 2.0, "fp32": 0.5}, "test")  # TFLOP/s
@@ -138,6 +138,12 @@ def test_mfu_is_flops_over_seconds_devices_and_the_phase_dtypes_peak():
     assert m["perf/tflops/step"] == pytest.approx(total / 1e-5 / 2 / 1e12, rel=1e-12)
     at_peak = flops["gen"] / 2 / 0.5e12 + flops["update_actor"] / 2 / 2e12  # seconds at peak
     assert m["perf/mfu/step"] == pytest.approx(at_peak / 1e-5, rel=1e-12)
+    # A streaming rollout (trainer.rollout_mode=one_step_off/async) generated the batch beside earlier steps:
+    # no gen rate, the step still counts one batch's generation.
+    counter.streaming = True
+    m = counter.metrics(PROMPTS, RESPONSES, {"update_actor": 2e-6, "step": 1e-5}, peak, devices=2)
+    assert "perf/mfu/gen" not in m and m["perf/mfu/step"] == pytest.approx(at_peak / 1e-5, rel=1e-12)
+    counter.streaming = False
     # No peak for the device: the rates stay, the utilisation goes.
     assert set(counter.metrics(PROMPTS, RESPONSES, seconds, None, devices=2)) == {
         "perf/tflops/gen", "perf/tflops/update_actor", "perf/tflops/step"}

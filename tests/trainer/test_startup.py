@@ -80,6 +80,7 @@ def test_main_ppo_lists_every_output_at_the_start_and_at_the_end(tiny_model_dir,
         record = next(r for r in map(json.loads, f) if "timing_s/step" in r)
     for phase in ("gen", "update_actor", "step"):
         assert 0 < record[f"perf/mfu/{phase}"] < 1.5 and record[f"perf/tflops/{phase}"] > 0, (phase, record)
+    assert "perf/mfu/step" in text  # the console's metrics line
     assert '<figure id="plot-mfu"><figcaption>Model FLOPs utilisation per phase</figcaption><svg' in (
         run / "logs" / "report.html").read_text()
 

@@ -441,6 +441,9 @@ class StepFlops:
         self.actor = _model_shape(arr.model, arr.actor.megatron, "actor_rollout_ref.model")
         self.policy = dataclasses.replace(self.actor, lora_rank=0, lora_targets=())  # no adapters
         self.actor_epochs = arr.actor.ppo_epochs
+        # trainer.rollout_mode one_step_off/async: a batch is generated beside the steps before the one that
+        # trains it, not inside its gen phase; the step still counts one batch's generation (one per step).
+        self.streaming = cfg.trainer.rollout_mode != "sync"
         self.dtypes = {"gen": _dtype_name(arr.rollout.dtype, cuda), "old_log_prob": _train_dtype(arr.actor, cuda),
                        "ref": _train_dtype(arr.actor, cuda), "update_actor": _train_dtype(arr.actor, cuda)}
         self.critic: ModelShape | None = None
@@ -469,17 +472,20 @@ class StepFlops:
                 peak: DevicePeak | None, devices: int) -> dict[str, float]:
         """``perf/tflops/<phase>`` and (with a peak) ``perf/mfu/<phase>`` of the phases timed in ``seconds``
         (``PhaseTimer.seconds``), and of the step over ``seconds["step"]``; ``devices``: the ranks the
-        FLOPs are shared by."""
+        FLOPs are shared by. A streaming rollout's generation has no phase of its own here and counts in the step."""
         out: dict[str, float] = {}
         total, at_peak, known = 0.0, 0.0, True
         for phase, flops in self.phase_flops(prompts, responses).items():
             sec = seconds.get(phase, 0.0)
-            if sec <= 0:
+            ahead = phase == "gen" and self.streaming
+            if sec <= 0 and not ahead:
                 continue
-            out[f"perf/tflops/{phase}"] = flops / sec / devices / 1e12
             rate = peak.of(self.dtypes[phase]) if peak is not None else None
+            if not ahead:
+                out[f"perf/tflops/{phase}"] = flops / sec / devices / 1e12
+                if rate:
+                    out[f"perf/mfu/{phase}"] = flops / sec / devices / (rate * 1e12)
             if rate:
-                out[f"perf/mfu/{phase}"] = flops / sec / devices / (rate * 1e12)
                 at_peak += flops / devices / (rate * 1e12)
             else:
                 known = False
