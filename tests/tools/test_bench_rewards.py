@@ -154,7 +154,8 @@ def test_trl_side_mfu_counts_its_step_on_its_lengths(tmp_path, monkeypatch):
                   num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=10000.0,
                   max_position_embeddings=256, tie_word_embeddings=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(perf, "device_peak", lambda device=None: perf.DevicePeak("cpu", {"bf16": 1e-3, "fp32": 5e-4}, "t"))
+    peak = perf.DevicePeak("cpu", {"bf16": 1e-3, "fp32": 5e-4}, "test")  # TFLOP/s
+    monkeypatch.setattr(perf, "device_peak", lambda device=None: peak)
     trl = [{"step_s": 2.0, "generated_tokens": 8 * 3}]  # 4 prompts x 2 samples, 3 tokens each
     bench._trl_mfu(str(tmp_path), SimpleNamespace(bf16=True), trl, [{"prompt_tokens_mean": 5.4}], sequences=8)
     per_token = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 * 32 + 2 * 64 * 64 + 3 * 2 * 64 * 256)  # 2 layers

@@ -232,3 +232,13 @@ def test_a_ppo_config_counts_the_critics_phases_in_their_dtypes(tmp_path):
     critic_forward = TOKENS * _dense_per_token() + 2 * 2 * 2 * 2 * 32 * CAUSAL_PAIRS + value_head
     assert flops["values"] == critic_forward and flops["update_critic"] == 3 * critic_forward  # no LoRA on the critic
     assert flops["update_actor"] == training_flops(counter.actor, training_terms(counter.actor, LENGTHS))
+
+
+def test_a_cache_folder_that_cannot_be_made_measures_in_the_process_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(perf, "MATMUL_SHAPE", (64, 64, 64))
+    monkeypatch.setattr(perf, "_UNCACHED", {})
+    (tmp_path / "file").write_text("")
+    path = str(tmp_path / "file" / "cpu_matmul_peak.json")  # below a file: no folder can be made there
+    first = cpu_matmul_peak(threads=1, path=path)
+    assert first["measured"] and first["bf16_gflops"] > 0
+    assert cpu_matmul_peak(threads=1, path=path)["bf16_gflops"] == first["bf16_gflops"]  # once per process

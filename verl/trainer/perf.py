@@ -66,12 +66,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "GPU_PEAKS",
+    "DevicePeak",
     "ModelShape",
     "PassTerms",
     "StepFlops",
+    "batch_lengths",
+    "cache_dir",
     "cpu_matmul_peak",
     "device_peak",
     "generation_terms",
+    "gpu_peak",
     "step_perf_metrics",
     "training_flops",
     "training_terms",
@@ -348,45 +352,68 @@ def _valid(entry: Any) -> bool:
 def cpu_matmul_peak(*, threads: int | None = None, path: str | None = None) -> dict[str, Any]:
     """This CPU's matmul rate on ``threads`` torch threads (default: ``torch.get_num_threads()``):
     ``{"bf16_gflops", "fp32_gflops", "cpu", "threads", "shape", "repeats", "torch", "measured_at", "load",
-    "cores", "path", "measured"}`` (``load``: the 1-minute load average as it was measured). Measured once per CPU model and thread count (the best of :data:`REPEATS`
-    ``MATMUL_SHAPE`` matmuls per dtype, on the calling thread's torch settings) and cached in ``path``
+    "cores", "path", "measured"}`` (``load``: the 1-minute load average as it was measured). Measured once
+    per CPU model and thread count (the best of :data:`REPEATS` ``MATMUL_SHAPE`` matmuls per dtype, on the
+    calling thread's torch settings) and cached in ``path``
     (default ``<cache_dir()>/cpu_matmul_peak.json``); an unreadable file or entry is measured again.
     ``measured``: whether this call measured. Delete the file to measure again."""
     threads = threads or torch.get_num_threads()
     path = path or os.path.join(cache_dir(), CPU_PEAK_FILE)
     key = f"{cpu_model()} | {threads} threads"
-    with _locked(path):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_locked(path))
+        except OSError as exc:  # the folder cannot be made or the lock file opened: this process's measurement only
+            warn_once(logger, "%s cannot be used (%s): the CPU's matmul rate is measured in this process only; set "
+                      "VERL_CACHE_DIR to a writable folder to keep it", path, exc)
+            if key not in _UNCACHED:
+                _UNCACHED[key] = _measure_entry(threads)
+            return {**_UNCACHED[key], "path": path, "measured": True}
         cache = _read_cache(path)
         entry = cache.get(key)
         if _valid(entry):
             return {**entry, "path": path, "measured": False}
         if entry is not None:
             logger.warning("%s: the entry for %r is not a measurement; measuring again", path, key)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            entry = {
-                "bf16_gflops": _measure(torch.bfloat16, MATMUL_SHAPE, REPEATS),
-                "fp32_gflops": _measure(torch.float32, MATMUL_SHAPE, REPEATS),
-            }
-        finally:
-            torch.set_num_threads(before)
-        entry.update(cpu=cpu_model(), threads=threads, shape=list(MATMUL_SHAPE), repeats=REPEATS,
-                     torch=torch.__version__, measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                     # other work on the cores lowers the rate: said with it (os.getloadavg: 1-minute mean)
-                     load=round(os.getloadavg()[0], 2), cores=os.cpu_count() or 1)
-        cache[key] = entry
+        entry = cache[key] = _measure_entry(threads)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(cache, f, indent=1)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as exc:
+            warn_once(logger, "%s cannot be written (%s): the CPU's matmul rate is measured again by the next run",
+                      path, exc)
         return {**entry, "path": path, "measured": True}
+
+
+_UNCACHED: dict[str, dict[str, Any]] = {}  # measurements where the cache file cannot be used
+
+
+def _measure_entry(threads: int) -> dict[str, Any]:
+    """One measurement on ``threads`` torch threads (the thread setting is restored after it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        entry: dict[str, Any] = {
+            "bf16_gflops": _measure(torch.bfloat16, MATMUL_SHAPE, REPEATS),
+            "fp32_gflops": _measure(torch.float32, MATMUL_SHAPE, REPEATS),
+        }
+    finally:
+        torch.set_num_threads(before)
+    entry.update(cpu=cpu_model(), threads=threads, shape=list(MATMUL_SHAPE), repeats=REPEATS,
+                 torch=torch.__version__, measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                 # other work on the cores lowers the rate: said with it (os.getloadavg: 1-minute mean)
+                 load=round(os.getloadavg()[0], 2), cores=os.cpu_count() or 1)
+    return entry
 
 
 def device_peak(device: str | torch.device | None = None) -> DevicePeak | None:
     """The peak of the device the run computes on: a GPU by its name in :data:`GPU_PEAKS` (None, with a
     warning, for one the table lacks), a CPU by :func:`cpu_matmul_peak`. Logs what it uses, once."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak(name, tf32=bool(torch.backends.cuda.matmul.allow_tf32))
