@@ -343,7 +343,7 @@ class AgentEndpointConfig(ConfigBase):
     on_prefix_mismatch: Literal["split", "refuse"] = option("split", "A request whose prompt is not the episode's ids so far plus new ones (history edited): split starts a new trajectory from it, refuse answers 400 and drops the episode. Counted in agent/endpoint/prefix_mismatch either way.")
     model_name: str = option("policy", "The model name the endpoint serves (the `model` of every request); another name gets a 404.")
     max_body_bytes: int = option(4 << 20, "Request bodies above this size get a 413.", ge=1)
-    batch_wait_ms: float = option(20.0, "How long the engine waits for the other running episodes' requests after the first before it samples them in one call.", ge=0.0)
+    batch_wait_ms: float = option(20.0, "The engine samples the requests that came together in one call: it stops waiting for more when every running episode waits or none came for this long.", ge=0.0)
 
 
 @dataclass(kw_only=True)

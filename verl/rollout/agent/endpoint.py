@@ -40,9 +40,9 @@ completion, ``finish_reason: "length"``.
 Sampling is the rollout's (temperature, top-p, top-k of ``rollout`` or ``val_kwargs``), whatever a
 request asks, so the log-probs are the policy's; a request's ``max_tokens`` (or
 ``max_completion_tokens``) caps its completion. ``n`` other than 1 and ``stream`` are refused.
-Requests of running episodes are sampled together: the engine waits up to ``batch_wait_ms`` for
-the other running episodes' requests after the first, then samples them in one call (on the
-thread that called :meth:`AgentEndpoint.run`, the rollout's).
+Requests of running episodes are sampled together: after the first, the engine takes the others
+as they come until every running episode waits or none came for ``batch_wait_ms``, then samples
+them in one call (on the thread that called :meth:`AgentEndpoint.run`, the rollout's).
 
 Failures end one episode, never the step, each with one log line and a count in
 ``agent/endpoint/dropped/<reason>``: ``timeout`` (the program ran past ``episode_timeout_s``: its
@@ -548,10 +548,11 @@ class AgentEndpoint:
                 jobs = [self._jobs.get(timeout=0.02)]
             except queue.Empty:
                 continue
-            until = time.monotonic() + wait_s
-            while len(jobs) < self._running() and time.monotonic() < until:
+            # Until every running episode waits, or none asked for batch_wait_ms (a quiet gap: a
+            # burst of requests still arriving keeps the call open).
+            while len(jobs) < self._running():
                 try:
-                    jobs.append(self._jobs.get(timeout=max(until - time.monotonic(), 0.0)))
+                    jobs.append(self._jobs.get(timeout=wait_s))
                 except queue.Empty:
                     break
             live = [j for j in jobs if j.episode.state == "running"]
