@@ -161,3 +161,61 @@ def _initial_weights(vlm_dir: str) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForImageTextToText
 
     return {n: p.detach().clone() for n, p in AutoModelForImageTextToText.from_pretrained(vlm_dir).named_parameters()}
+
+
+def _grpo_body(vlm_dir: str, train_file: str, root: str, *more: str) -> dict:
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(
+        PPOConfig,
+        config_file="grpo_tiny_cpu",
+        overrides=[
+            f"actor_rollout_ref.model.path={vlm_dir}", f"data.train_files={train_file}", "data.val_files=null",
+            "data.max_prompt_length=48", "data.max_response_length=8", "data.train_batch_size=4",
+            "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            # The random model scores 0 everywhere (GRPO's advantages are 0): the entropy bonus moves it.
+            "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.entropy_coeff=0.01",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_hf=false",
+            "trainer.n_gpus_per_node=2", "trainer.logger=[jsonl]", "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={root}", f"trainer.log_dir={root}/logs", *more,
+        ],
+        world_size=2,
+    )
+    with PPOTrainer(cfg) as trainer:
+        trainer.fit()
+        visual = [p for n, p in trainer.world.actor.engine.module.named_parameters() if n.startswith("model.visual.")]
+        grads = sorted({p.requires_grad for p in visual})
+    import json
+
+    with open(f"{root}/logs/metrics.jsonl", encoding="utf-8") as f:
+        steps = [json.loads(line) for line in f]
+    return {"steps": steps, "visual_requires_grad": grads}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("freeze", [False, True], ids=["trained", "frozen"])
+def test_grpo_with_images_on_fsdp2(vlm_dir, tmp_path, freeze):
+    """Two GRPO steps with images (2 ranks, actor and reference on FSDP2, the transformers rollout fed by the
+    push): step 1's ratio is exactly 1 and its KL 0 (same weights); the rollout's log-probabilities are the
+    actor's at both steps (step 2: after the push of the updated weights, the vision encoder's included)."""
+    rows = [{"prompt": f"<image>Which colour? {i}", "images": [{"bytes": _png(c, (28, 28) if i % 2 else (56, 56)),
+                                                                  "path": None}],
+             "data_source": "hiyouga/geometry3k", "reward_model": {"style": "rule", "ground_truth": c}}
+            for i, c in enumerate(["red", "blue", "green", "red", "blue", "green", "red", "blue"])]
+    train = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    more = ["actor_rollout_ref.actor.freeze_vision_tower=true"] if freeze else []
+    out = run_distributed(_grpo_body, 2, vlm_dir, train, str(tmp_path / "run"), *more, timeout=580)[0]
+    first, second = out["steps"][0], out["steps"][1]
+    assert first["actor/ppo_kl"] == 0.0 and abs(first["actor/kl_loss"]) <= 1e-6
+    for step in (first, second):
+        # The engine's cached decode and the trainer's one pass in fp32: rounding only (text models' bound).
+        assert step["training/rollout_logprob_diff_max"] < 1e-4, step["training/rollout_logprob_diff_max"]
+    assert second["actor/kl_loss"] != 0.0  # the actor moved
+    assert out["visual_requires_grad"] == ([False] if freeze else [True])

@@ -555,19 +555,26 @@ def load_dataset_class(path: str | None, name: str | None) -> type[Dataset]:
     return cls
 
 
-def create_rl_dataset(data_cfg: Any, tokenizer: Any, files: str | Sequence[str]) -> Dataset:
-    """The dataset for ``files``: the user's ``data.custom_cls`` when set, else ``RLPromptDataset``.
+def create_rl_dataset(data_cfg: Any, tokenizer: Any, files: str | Sequence[str], *,
+                      processor: ImagePromptEncoder | None = None) -> Dataset:
+    """The dataset for ``files``: the user's ``data.custom_cls`` when set, else ``RLPromptDataset``
+    (with ``processor``, a vision-language model's, reading the rows' images).
 
     A custom class is built with its ``from_config(data_cfg, tokenizer, files)`` when it has
     one (``RLHFDataset`` subclasses do: ``cls(data_files=files, tokenizer=tokenizer,
-    config=data_cfg)``), else as ``cls(data_files=files, tokenizer=tokenizer, config=data_cfg)``.
+    config=data_cfg)``), else as ``cls(data_files=files, tokenizer=tokenizer, config=data_cfg)``;
+    a processor goes to it as ``processor=`` (the reference's argument).
     """
     custom = _config_field(data_cfg, "custom_cls")
     path = _optional_field(custom, "path")
     if not path:
+        if processor is not None:
+            return RLPromptDataset(files, tokenizer, processor=processor, **_options(data_cfg))
         return RLPromptDataset.from_config(data_cfg, tokenizer, files)
     cls = load_dataset_class(path, _optional_field(custom, "name"))
     log_rank0(logger, logging.INFO, "using custom dataset class %s from %s", cls.__name__, path)
+    if processor is not None:
+        return cls(data_files=files, tokenizer=tokenizer, config=data_cfg, processor=processor)
     if hasattr(cls, "from_config"):
         return cls.from_config(data_cfg, tokenizer, files)
     return cls(data_files=files, tokenizer=tokenizer, config=data_cfg)

@@ -16,14 +16,20 @@ for the ``n`` samples of a prompt, reordered and cut into micro-batches like any
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-__all__ = ["IMAGE_GRID_THW", "MULTI_MODAL_KEYS", "PIXEL_VALUES", "model_image_inputs", "pad_row_images"]
+__all__ = ["IMAGE_GRID_THW", "MULTI_MODAL_KEYS", "PIXEL_VALUES", "image_columns", "model_image_inputs", "pad_row_images"]
 
 PIXEL_VALUES = "mm_pixel_values"
 IMAGE_GRID_THW = "mm_image_grid_thw"
 MULTI_MODAL_KEYS = (PIXEL_VALUES, IMAGE_GRID_THW)
+
+
+def image_columns(batch: Any) -> list[str]:
+    """The image columns ``batch`` (a Batch or a mapping of columns) holds, in :data:`MULTI_MODAL_KEYS` order."""
+    return [k for k in MULTI_MODAL_KEYS if k in batch]
 
 
 def pad_row_images(pixel_values: torch.Tensor | None, grid: torch.Tensor | None, *, patches: int, images: int,

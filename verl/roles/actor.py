@@ -148,6 +148,7 @@ class Actor:
             megatron=cfg.megatron,
             strategy=cfg.strategy,
             fsdp=cfg.fsdp_config,
+            freeze_vision_tower=cfg.freeze_vision_tower,
             pg=pg,
             optim=cfg.optim,
             total_training_steps=total_training_steps,

@@ -49,6 +49,7 @@ from verl.engine.torch_engine import TorchEngine, registered_module
 from verl.models.router_replay import ROUTED_EXPERTS
 from verl.parallel import megatron_state
 from verl.protocol import Batch
+from verl.protocol.images import image_columns
 from verl.roles.dispatch import collect, shard
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def response_slice(name: str, full: torch.Tensor, response_length: int) -> torch
 
 
 def _fsdp_engine(model: "ModelConfig", module: torch.nn.Module | None, *, pg, fsdp, optim, head, name,
-                 total_training_steps) -> "FSDPEngine":
+                 total_training_steps, freeze_vision_tower: bool = False) -> "FSDPEngine":
     """A role's ``FSDPEngine`` (strategy=fsdp2): the Python API's module or the Hugging Face causal LM
     at ``model.path``. The module is never sharded itself: it stays whole for its rollout
     (``verl.roles.rollout``: its ``generate()`` cannot run on shards), so a trained role shards a copy
@@ -123,6 +124,7 @@ def _fsdp_engine(model: "ModelConfig", module: torch.nn.Module | None, *, pg, fs
     return FSDPEngine(
         module, pg=pg, fsdp=fsdp, optim=optim, total_training_steps=total_training_steps, hf_dir=model.path,
         name=name, gradient_checkpointing=model.enable_gradient_checkpointing and optim is not None, head=head,
+        freeze_vision_tower=freeze_vision_tower,
     )
 
 
@@ -136,6 +138,10 @@ class RoleEngine:
         name: the role's name in messages (``actor``, ``critic`` ...).
         strategy: ``megatron`` (``MegatronEngine``, or ``TorchEngine`` for the Python API's module) or
             ``fsdp2`` (``verl.engine.fsdp.FSDPEngine`` with ``fsdp``, the role's ``fsdp_config``).
+        freeze_vision_tower: a vision-language model's vision encoder takes no gradient (fsdp2 only).
+
+    A batch's images (``verl.protocol.images``: ``mm_pixel_values``, ``mm_image_grid_thw``) go to the
+    engine with its rows in every forward and update.
     """
 
     def __init__(
@@ -152,7 +158,13 @@ class RoleEngine:
         name: str = "model",
         strategy: str = "megatron",
         fsdp: "FSDPConfig | None" = None,
+        freeze_vision_tower: bool = False,
     ) -> None:
+        if freeze_vision_tower and strategy != "fsdp2":
+            raise ValueError(
+                f"{name}: freeze_vision_tower=true needs strategy=fsdp2 (vision-language models run on the FSDP2 "
+                f"engine), got strategy={strategy}"
+            )
         self.pg = pg
         self.balance = balance
         self.name = name
@@ -168,7 +180,8 @@ class RoleEngine:
         with self.active():
             if strategy == "fsdp2":  # torch FSDP2 over the role's DP ranks (verl.engine.fsdp)
                 self.engine = _fsdp_engine(model, module, pg=pg, fsdp=fsdp, optim=optim, head=head, name=name,
-                                           total_training_steps=total_training_steps)
+                                           total_training_steps=total_training_steps,
+                                           freeze_vision_tower=freeze_vision_tower)
             elif module is not None:  # a plain nn.Module from the Python API (verl.engine.torch_engine)
                 if head != "lm":
                     raise ValueError(
@@ -283,7 +296,8 @@ class RoleEngine:
 
     def _forward(self, batch: Batch, *, output, micro_batch_size, response_length, temperature, with_entropy,
                  full, max_token_len, topk=None, routing=None) -> dict[str, torch.Tensor]:
-        keys = ["input_ids", "attention_mask", *([ROUTED_EXPERTS] if routing == "replay" else [])]
+        keys = ["input_ids", "attention_mask", *([ROUTED_EXPERTS] if routing == "replay" else []),
+                *image_columns(batch)]
         piece = shard(batch.select(keys), self.pg.dp, balance=self.balance)
 
         def run(size: int | None, split):
@@ -360,7 +374,7 @@ class RoleEngine:
 
     def _train(self, batch: Batch, *, keys, mini_batch_rows, micro_batch_size, epochs, make_loss, shuffle_seed,
                output, temperature, with_entropy, max_token_len, score_ids=None, routing=None) -> list[EngineStepResult]:
-        needed = ["input_ids", "attention_mask", *dict.fromkeys(keys)]
+        needed = ["input_ids", "attention_mask", *dict.fromkeys([*keys, *image_columns(batch)])]
         rows = batch.select(needed)
         results = []
         for epoch in range(epochs):

@@ -13,6 +13,7 @@ from verl.config import PPOConfig
 from verl.data.preference_dataset import PAIR_SIDES, PreferencePairDataset
 from verl.data.rl_dataset import build_dataloader, create_rl_dataset
 from verl.data.tokenizer import load_tokenizer
+from verl.data.vlm import ImagePromptEncoder, is_vlm_dir
 from verl.protocol import Batch
 from verl.trainer.ppo_checks import check_dataset_scorers
 from verl.trainer.run_checks import as_file_list
@@ -38,6 +39,11 @@ class RLData:
             os.path.expanduser(cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path),
             trust_remote_code=arr.model.trust_remote_code,
         )
+        model_dir = os.path.expanduser(arr.model.path or "")
+        # A vision-language model's prompts carry images: its processor reads them (verl.data.vlm).
+        self.processor = (
+            ImagePromptEncoder.from_pretrained(model_dir, tokenizer=self.tokenizer) if is_vlm_dir(model_dir) else None
+        )
         if cfg.data.pairs:  # DPO's preference pairs (check_ppo_inputs refused validation files)
             self.train_dataset: Any = PreferencePairDataset(
                 as_file_list(cfg.data.train_files),
@@ -48,9 +54,11 @@ class RLData:
                 apply_chat_template=cfg.data.apply_chat_template,
             )
         else:
-            self.train_dataset = create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.train_files))
+            self.train_dataset = create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.train_files),
+                                                   processor=self.processor)
         self.val_dataset = (
-            create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.val_files)) if cfg.data.val_files else None
+            create_rl_dataset(cfg.data, self.tokenizer, as_file_list(cfg.data.val_files), processor=self.processor)
+            if cfg.data.val_files else None
         )
         if cfg.data.custom_cls.path:  # check_ppo_inputs left the data sources to the user's class
             check_dataset_scorers(cfg, {"train_files": self.train_dataset, "val_files": self.val_dataset})
