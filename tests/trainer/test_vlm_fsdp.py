@@ -219,3 +219,11 @@ def test_grpo_with_images_on_fsdp2(vlm_dir, tmp_path, freeze):
         assert step["training/rollout_logprob_diff_max"] < 1e-4, step["training/rollout_logprob_diff_max"]
     assert second["actor/kl_loss"] != 0.0  # the actor moved
     assert out["visual_requires_grad"] == ([False] if freeze else [True])
+
+
+def test_the_vllm_engine_refuses_a_vlm_rather_than_drop_its_images(vlm_dir):
+    from verl.config.schema import RolloutConfig
+    from verl.rollout.factory import build_rollout_engine
+
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.rollout.name=vllm: .* is a vision-language model.*name=hf"):
+        build_rollout_engine(RolloutConfig(name="vllm", prompt_length=8, response_length=4), vlm_dir)

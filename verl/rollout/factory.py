@@ -35,6 +35,13 @@ def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
 
 @register_engine("vllm")
 def _build_vllm(cfg: RolloutConfig, model_path: str, *, tokenizer: Any = None, **kwargs: Any) -> RolloutEngine:
+    from verl.data.vlm import is_vlm_dir
+
+    if is_vlm_dir(model_path):  # the vLLM adapter passes no images yet: refuse rather than drop them
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name=vllm: {model_path} is a vision-language model, and the vLLM engine does not "
+            "take the prompts' images yet; set actor_rollout_ref.rollout.name=hf (docs/vlm.md)"
+        )
     from verl.rollout.vllm_engine import VLLMRollout, require_vllm
 
     require_vllm()
