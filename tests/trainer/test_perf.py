@@ -221,11 +221,12 @@ def test_a_ppo_config_counts_the_critics_phases_in_their_dtypes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
     cfg = load_config(PPOConfig, config_file="ppo_tiny_cpu", overrides=[
         f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.model.lora_rank=4",
-        "actor_rollout_ref.actor.megatron.dtype=bfloat16", "trainer.device=cpu"])
+        "actor_rollout_ref.actor.megatron.dtype=bfloat16", "actor_rollout_ref.ref.megatron.dtype=float32",
+        "trainer.device=cpu"])
     counter = StepFlops(cfg)
     assert counter.device == "cpu" and counter.actor.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                       "gate_proj", "up_proj", "down_proj")
-    assert counter.dtypes == {"gen": "fp32", "old_log_prob": "bf16", "ref": "bf16", "update_actor": "bf16",
+    assert counter.dtypes == {"gen": "fp32", "old_log_prob": "bf16", "ref": "fp32", "update_actor": "bf16",
                               "values": "fp32", "update_critic": "fp32"}  # rollout and critic: auto, fp32 on CPU
     flops = counter.phase_flops(PROMPTS, RESPONSES)
     value_head = 2 * 64 * 1 * TOKENS  # one column per token

@@ -472,7 +472,7 @@ class StepFlops:
         # trains it, not inside its gen phase; the step still counts one batch's generation (one per step).
         self.streaming = cfg.trainer.rollout_mode != "sync"
         self.dtypes = {"gen": _dtype_name(arr.rollout.dtype, cuda), "old_log_prob": _train_dtype(arr.actor, cuda),
-                       "ref": _train_dtype(arr.actor, cuda), "update_actor": _train_dtype(arr.actor, cuda)}
+                       "ref": _train_dtype(arr.ref, cuda), "update_actor": _train_dtype(arr.actor, cuda)}
         self.critic: ModelShape | None = None
         if cfg.use_critic:
             self.critic = _model_shape(cfg.critic.model, cfg.critic.megatron, "critic.model")
