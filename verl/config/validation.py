@@ -504,7 +504,8 @@ def _distillation(cfg: PPOConfig, problems: list[str]) -> None:
 
 
 def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:
-    """Each token budget that is switched on is set and holds the longest sequence."""
+    """Each token budget that is switched on is set and holds the longest sequence; a Megatron role's
+    context-parallel ranks each hold 1/CP of a micro-batch, so there CP times the budget must hold it."""
     arr = cfg.actor_rollout_ref
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
     longest = cfg.data.max_prompt_length + rollout.response_length
@@ -513,22 +514,27 @@ def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:
         f"{rollout.response_length} = {longest} tokens"
     )
     a, r, f = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    def cp(prefix: str, role: Any) -> tuple[str, int]:  # the engine that runs the budget's passes
+        return f"{prefix}.megatron.context_parallel_size", (
+            role.megatron.context_parallel_size if role.strategy == "megatron" else 1)
+
     budgets = [
-        (f"{a}.use_dynamic_bsz", actor.use_dynamic_bsz, f"{a}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        (f"{a}.use_dynamic_bsz", actor.use_dynamic_bsz, f"{a}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+         cp(a, actor)),
         (f"{r}.log_prob_use_dynamic_bsz", rollout.log_prob_use_dynamic_bsz, f"{r}.log_prob_max_token_len_per_gpu",
-         rollout.log_prob_max_token_len_per_gpu),
+         rollout.log_prob_max_token_len_per_gpu, cp(a, actor)),  # the actor's old log-probabilities
     ]
     if cfg.use_reference:
         budgets.append((f"{f}.log_prob_use_dynamic_bsz", ref.log_prob_use_dynamic_bsz,
-                        f"{f}.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu))
+                        f"{f}.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, cp(f, ref)))
     if cfg.use_critic:
         budgets += [
             ("critic.use_dynamic_bsz", critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu",
-             critic.ppo_max_token_len_per_gpu),
+             critic.ppo_max_token_len_per_gpu, cp("critic", critic)),
             ("critic.use_dynamic_bsz", critic.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu",
-             critic.forward_max_token_len_per_gpu),
+             critic.forward_max_token_len_per_gpu, cp("critic", critic)),
         ]
-    for flag, on, key, budget in budgets:
+    for flag, on, key, budget, (cp_key, cp_size) in budgets:
         if not on:
             continue
         if budget is None:
@@ -536,7 +542,13 @@ def _token_budgets(cfg: PPOConfig, problems: list[str]) -> None:
                 f"{flag}=true needs {key}: the real tokens one micro-batch may hold on one rank, at least the "
                 f"longest sequence ({longest_text}); set it, or {flag}=false"
             )
-        elif budget < longest:
+        elif budget * cp_size < longest and cp_size > 1:
+            problems.append(
+                f"{key}={budget} x {cp_key}={cp_size} = {budget * cp_size} tokens per micro-batch (each "
+                f"context-parallel rank holds 1/{cp_size} of it) is smaller than the longest sequence ({longest_text}); "
+                f"a micro-batch must hold one whole sequence: raise {key} to at least {-(-longest // cp_size)}"
+            )
+        elif budget * cp_size < longest:
             problems.append(
                 f"{key}={budget} is smaller than the longest sequence ({longest_text}); a micro-batch must "
                 f"hold one whole sequence: raise {key} to at least {longest}"

@@ -177,9 +177,20 @@ def split_problems(
         resolve_split(spec.num_layers, pp_size, vpp_size, first_stage_layers, last_stage_layers, pipeline_layout)
     except ValueError as exc:
         problems.append(str(exc))
-    if cp_size > 1 and spec.is_moe:
-        problems.append(f"context parallel {cp_size} with a Mixture-of-Experts model is not supported yet (use 1)")
+    problems += context_parallel_problems(spec, cp_size)
     return problems
+
+
+def context_parallel_problems(spec: HFModelSpec, cp_size: int) -> list[str]:
+    """Why ``spec`` cannot run at context parallel ``cp_size`` (one message, the fix included); [] if it can."""
+    if cp_size > 1 and spec.is_moe:
+        return [
+            f"context parallelism (CP {cp_size}) is supported for dense models only and {spec.model_type} is a "
+            "Mixture-of-Experts model (its routers, load-balancing loss and expert gradients are not checked across "
+            "context-parallel ranks): set context_parallel_size=1; for long sequences use tensor parallel with "
+            "sequence_parallel=true, or model.enable_gradient_checkpointing=true"
+        ]
+    return []
 
 
 def transformer_config_from_hf(

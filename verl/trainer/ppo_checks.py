@@ -174,6 +174,14 @@ def _algorithm_problems(cfg: PPOConfig) -> list[str]:
     return problems
 
 
+def _cp_problems(prefix: str, m, spec) -> list[str]:
+    """A role's ``context_parallel_size`` against its model, each problem naming the key."""
+    from verl.models.builder import context_parallel_problems
+
+    cp = m.context_parallel_size
+    return [f"{prefix}.context_parallel_size={cp}: {p}" for p in context_parallel_problems(spec, cp)]
+
+
 def _split_problems(cfg: PPOConfig) -> list[str]:
     """Each role's layout against its model's shapes (heads, MLP, layers), and the rollout TP'."""
     from verl.engine.build import load_model_spec
@@ -203,7 +211,6 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
             role_spec,
             tp_size=m.tensor_model_parallel_size,
             pp_size=m.pipeline_model_parallel_size,
-            cp_size=m.context_parallel_size,
             vpp_size=m.virtual_pipeline_model_parallel_size,
             ep_size=m.expert_model_parallel_size, **stage_layer_overrides(m.override_transformer_config),
         )
@@ -212,6 +219,9 @@ def _split_problems(cfg: PPOConfig) -> list[str]:
             f"pipeline_model_parallel_size={m.pipeline_model_parallel_size} cannot split the model: {p}"
             for p in found
         ]
+        # The reference follows the actor's CP unless set: one mistake, reported once (at the actor's key).
+        if prefix == "actor_rollout_ref.actor.megatron" or m.context_parallel_size != arr.actor.megatron.context_parallel_size:
+            problems += _cp_problems(prefix, m, role_spec)
     tp = arr.rollout.tensor_model_parallel_size
     problems += [
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {p}"
@@ -417,14 +427,15 @@ def _fsdp2_problems(cfg: PPOConfig) -> list[str]:
         from verl.models.pipeline_split import stage_layer_overrides
 
         m = cfg.critic.megatron
+        critic_spec = load_model_spec(cfg.critic.model)
         problems += [
             f"critic.megatron.tensor_model_parallel_size={m.tensor_model_parallel_size} x pipeline_model_parallel_size="
             f"{m.pipeline_model_parallel_size} cannot split the model: {p}"
-            for p in split_problems(load_model_spec(cfg.critic.model), tp_size=m.tensor_model_parallel_size,
-                                    pp_size=m.pipeline_model_parallel_size, cp_size=m.context_parallel_size,
+            for p in split_problems(critic_spec, tp_size=m.tensor_model_parallel_size,
+                                    pp_size=m.pipeline_model_parallel_size,
                                     vpp_size=m.virtual_pipeline_model_parallel_size,
                                     ep_size=m.expert_model_parallel_size, **stage_layer_overrides(m.override_transformer_config))
-        ]
+        ] + _cp_problems("critic.megatron", m, critic_spec)
     return problems
 
 
@@ -813,11 +824,10 @@ def _teacher_problems(cfg: PPOConfig) -> list[str]:
             spec,
             tp_size=m.tensor_model_parallel_size,
             pp_size=m.pipeline_model_parallel_size,
-            cp_size=m.context_parallel_size,
             vpp_size=m.virtual_pipeline_model_parallel_size,
             ep_size=m.expert_model_parallel_size, **stage_layer_overrides(m.override_transformer_config),
         )
-    ]
+    ] + _cp_problems(f"{key}.megatron", m, spec)
     return problems
 
 
