@@ -111,7 +111,8 @@ class StepPipeline:
 
     def run(self, trainer: "StepPieces") -> dict[str, float] | None:
         """One step: every operator in order on the step's batch; the step's metrics (the
-        operators' and the trainer's phase timings, ``timing_s/step``), or None when the first
+        operators' and the trainer's phase timings, ``timing_s/step``, the phases' model FLOPs
+        utilisation ``perf/mfu/<phase>``: ``verl.trainer.perf``), or None when the first
         operator found no more data. The trainer's ``global_step`` advances here, and only here,
         once the first operator has drawn the step's batch.
 
