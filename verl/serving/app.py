@@ -45,9 +45,38 @@ _BODIES = {
 _OPEN_ROUTES = ("/health",)
 
 
+def _is_branch(part: Any) -> bool:
+    """Whether a pydantic location part names a union member (``str``, ``list[...]``), not a field."""
+    return isinstance(part, str) and (part == "str" or "[" in part)
+
+
+def _chosen_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The errors without those of a ``str | list[...]`` field's string member when its list member
+    also failed (a content list with a bad part is about the part, not about not being a string)."""
+    listed = {tuple(e["loc"][:i]) for e in errors for i, p in enumerate(e.get("loc", ())) if _is_branch(p) and p != "str"}
+    kept = [e for e in errors if not (e.get("loc") and e["loc"][-1] == "str" and tuple(e["loc"][:-1]) in listed)]
+    return kept or errors
+
+
+def _field_path(loc: tuple[Any, ...]) -> list[str]:
+    """A pydantic location as the body's own path: union members dropped, and a tagged union's tag
+    after a list index (``content.1.image_url.image_url.url`` -> ``content.1.image_url.url``)."""
+    out: list[str] = []
+    tagged = False
+    for k, part in enumerate(loc):
+        if _is_branch(part):
+            tagged = "tagged-union[" in str(part)
+            continue
+        if tagged and k >= 2 and isinstance(loc[k - 1], int) and "tagged-union[" in str(loc[k - 2]):
+            tagged = False
+            continue  # the tag names the member, not a field
+        out.append(str(part))
+    return out
+
+
 def _validation_message(err: dict[str, Any], path: str) -> tuple[str, str]:
     """(param, message) of one pydantic error of a request body."""
-    loc = [str(p) for p in err.get("loc", ())]
+    loc = _field_path(tuple(err.get("loc", ())))
     if loc and loc[0] == "body":
         loc = loc[1:]
     kind = err.get("type", "")
@@ -163,7 +192,7 @@ def _install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors = _chosen_branches(list(exc.errors()))
         param, message = _validation_message(errors[0], request.url.path)
         if len(errors) > 1:  # name every field at fault, not only the first
             others = [_validation_message(e, request.url.path)[0] for e in errors[1:]]

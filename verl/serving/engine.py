@@ -53,6 +53,11 @@ class ServeLimits:
     max_body_bytes: int = 1 << 20
     """Request bodies above this size are refused with a 413: a declared ``Content-Length`` before
     the body is read, a chunked body as soon as it passes the limit."""
+    max_image_pixels: int = 1 << 20
+    """Pixels (width x height) of one image of a chat request at most (a vision-language model's;
+    checked from the file's header, before it is decoded)."""
+    max_images: int = 8
+    """Images per request at most (a vision-language model's)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -63,6 +68,8 @@ class ServeLimits:
             "max_prompt_tokens",
             "max_batch_sequences",
             "max_body_bytes",
+            "max_image_pixels",
+            "max_images",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeLimits.{name}={getattr(self, name)}; it must be >= 1")
@@ -218,6 +225,7 @@ class ServedModel:
         from transformers import AutoTokenizer
 
         from verl.config.schema import RolloutConfig
+        from verl.data.processor import is_vlm_dir, load_processor
         from verl.rollout import build_rollout_engine
 
         model_dir = os.path.abspath(os.path.expanduser(os.fspath(model_dir)))
@@ -236,7 +244,19 @@ class ServedModel:
             )
         self.step = _export_step(model_dir)
         self.engine_name = resolve_engine(engine)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.processor: Any = None
+        """A vision-language model's processor (``verl.serving.vlm``); None for a text model."""
+        if is_vlm_dir(model_dir):
+            if engine == "vllm":
+                raise ValueError(
+                    f"engine=vllm: {model_dir} is a vision-language model, which this server runs on the hf engine "
+                    "(transformers generate with the request's images); use engine=hf or auto"
+                )
+            self.engine_name = "hf"
+            self.processor = load_processor(model_dir)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = RolloutConfig(
             name=self.engine_name,
             prompt_length=self.limits.max_prompt_tokens,
@@ -244,8 +264,13 @@ class ServedModel:
             seed=seed,
             free_cache_engine=False,
         )
-        kwargs: dict[str, Any] = {"device": device} if self.engine_name == "hf" else {}
-        self.engine = build_rollout_engine(cfg, model_dir, self.tokenizer, **kwargs)
+        if self.processor is not None:
+            from verl.serving.vlm import VLMEngine
+
+            self.engine = VLMEngine(cfg, model_dir, self.tokenizer, device=device)
+        else:
+            kwargs: dict[str, Any] = {"device": device} if self.engine_name == "hf" else {}
+            self.engine = build_rollout_engine(cfg, model_dir, self.tokenizer, **kwargs)
         self.batcher = Batcher(
             self.engine, wait_ms=self.limits.batch_wait_ms, max_sequences=self.limits.max_batch_sequences
         )
@@ -263,6 +288,42 @@ class ServedModel:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return list(ids), text
+
+    def encode_image_chat(self, messages: list[Any], param: str) -> tuple[Any, str]:
+        """(prompt, rendered text) of a conversation whose turns may hold image parts, through the
+        processor (a vision-language model's): token ids, or an ``ImagePrompt`` with the images'
+        ``pixel_values``. Each image is checked first (``verl.serving.vlm.decode_image``); a
+        ``RequestError`` names the part at fault."""
+        from verl.serving.errors import RequestError
+        from verl.serving.schema import ImagePart
+        from verl.serving.vlm import ImagePrompt, decode_image
+
+        conversation: list[dict[str, Any]] = []
+        images = []
+        for i, message in enumerate(messages):
+            if isinstance(message.content, str):
+                conversation.append({"role": message.role, "content": message.content})
+                continue
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(message.content):
+                if isinstance(part, ImagePart):
+                    where = f"{param}.{i}.content.{j}.image_url"
+                    if len(images) == self.limits.max_images:
+                        raise RequestError(
+                            400, f"{where}: more than {self.limits.max_images} images in one request (this server's "
+                            "limit)", param=where,
+                        )
+                    images.append(decode_image(part.image_url.url, param=where, max_pixels=self.limits.max_image_pixels))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            conversation.append({"role": message.role, "content": parts})
+        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        enc = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+        ids = tuple(int(t) for t in enc["input_ids"][0])
+        if not images:
+            return list(ids), text
+        return ImagePrompt(ids=ids, pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"]), text
 
     def response_text(self, sample: Sample, stop: list[str]) -> tuple[str, str]:
         """(text, finish_reason) of a sample: special tokens dropped, cut before the first stop string."""

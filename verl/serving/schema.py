@@ -11,7 +11,7 @@ bodies must be the served model's name.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,8 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "GenerateRequest",
+    "ImagePart",
+    "ImageURL",
     "Sampling",
     "StreamOptions",
     "TextPart",
@@ -57,17 +59,42 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    """The ``image_url`` of an image part: a ``data:image/...;base64,`` URL (no network fetches)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's resolution hint; the processor decides here
+
+
+class ImagePart(_Strict):
+    """One image part of a message's content list (OpenAI's ``image_url`` content part); read by a
+    vision-language model only (``verl.serving.vlm``)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Strict):
     """One chat turn."""
 
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = None
 
     def text(self) -> str:
+        """The text of the turn (its text parts joined); ValueError when it holds an image part."""
         if isinstance(self.content, str):
             return self.content
+        for part in self.content:
+            if isinstance(part, ImagePart):
+                raise ValueError("holds an image part")
         return "".join(part.text for part in self.content)
+
+    def has_images(self) -> bool:
+        return not isinstance(self.content, str) and any(isinstance(p, ImagePart) for p in self.content)
 
 
 class GenerateRequest(_Strict):

@@ -86,6 +86,19 @@ class RequestChecks:
         return ids
 
     def chat_ids(self, messages: list[Any], param: str) -> tuple[list[int], str]:
+        """(prompt, rendered text) of a conversation: token ids, or for a vision-language model with
+        image parts an ``ImagePrompt`` (``verl.serving.vlm``), which reads as its token ids."""
+        if getattr(self.model, "processor", None) is not None:
+            prompt, text = self.model.encode_image_chat(messages, param)
+            return self.check_tokens(prompt, param), text
+        for i, message in enumerate(messages):
+            if message.has_images():
+                j = next(j for j, part in enumerate(message.content) if getattr(part, "type", "") == "image_url")
+                where = f"{param}.{i}.content.{j}.image_url"
+                raise RequestError(
+                    400, f"{where}: {self.model.name} is a text model, it reads no images; send text parts only",
+                    param=where,
+                )
         try:
             ids, text = self.model.encode_chat([{"role": m.role, "content": m.text()} for m in messages])
         except ValueError as exc:
