@@ -206,6 +206,7 @@ class FSDPConfig(ConfigBase):
     fsdp_size: int = option(-1, "The reference's key: ranks each parameter is sharded over; -1 (or the role's DP size): all of them; a divisor of the DP size below it: HSDP, a 2D mesh replicating over DP / fsdp_size groups of fsdp_size shards.")
     param_offload: bool = option(False, "The reference's key: the parameter shards and gradients wait in host memory between the role's calls (forward, update, the rollout push), on the device only inside them (GPU only; on a CPU run they live there already).")
     optimizer_offload: bool = option(False, "The reference's key: the optimizer state waits in host memory except during the optimizer step (GPU only; on a CPU run it lives there already).")
+    ulysses_sequence_parallel_size: int = option(1, "Ulysses sequence parallelism (the reference's actor/ref/critic ulysses_sequence_parallel_size, accepted too): each sequence split over groups of this many data-parallel ranks, attention heads over the group's ranks by all-to-all (docs/fsdp2.md); a divisor of the role's ranks and of the model's attention heads.", ge=1)
 
 
 @dataclass(kw_only=True)
@@ -758,6 +759,7 @@ class PPOConfig(ConfigBase):
         # the reference is the actor's model: its experts split alike (a teacher may be dense)
         "actor_rollout_ref.ref.megatron.expert_model_parallel_size": "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
         "actor_rollout_ref.ref.strategy": "actor_rollout_ref.actor.strategy",
+        "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
         "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length",
         "actor_rollout_ref.rollout.response_length": "data.max_response_length",
         "critic.model.path": "actor_rollout_ref.model.path",
@@ -789,6 +791,9 @@ class PPOConfig(ConfigBase):
         "actor_micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         # the reference verl's teacher entry under its default name (one teacher here)
         "distillation.teacher_models.teacher_model.model_path": "distillation.teacher_model.model_path",
+        # the reference verl keeps Ulysses beside the FSDP config, not in it
+        **{f"{role}.ulysses_sequence_parallel_size": f"{role}.fsdp_config.ulysses_sequence_parallel_size"
+           for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")},
     }
 
     def __post_init__(self) -> None:

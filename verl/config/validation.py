@@ -759,6 +759,7 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
     if cfg.use_teacher:
         _layout("teacher", "distillation.teacher_model.megatron", cfg.distillation.teacher_model.megatron,
                 *size("teacher"), problems, placed=placed)
+    _ulysses(cfg, roles, size, problems)
     rollout_ranks, rollout_text = size("rollout")  # the actor's ranks unless the rollout is placed apart
     if rollout_ranks % rollout.tensor_model_parallel_size:
         fits = "its ranks" if cfg.trainer.placement else "the world"
@@ -767,6 +768,55 @@ def _ppo_layouts(cfg: PPOConfig, world: int, world_text: str, problems: list[str
             f"{rollout.tensor_model_parallel_size} does not divide {'' if cfg.trainer.placement else 'the world size '}"
             f"{rollout_text}"
         )
+
+
+def _attention_heads(path: str | None) -> int | None:
+    """``num_attention_heads`` of the Hugging Face config.json in ``path`` (its text config's for a
+    vision-language model), or None when there is none to read."""
+    import json
+    import os
+
+    file = os.path.join(os.path.expanduser(path), "config.json") if path else ""
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None  # the model loader reports an unreadable config
+    heads = config.get("num_attention_heads", (config.get("text_config") or {}).get("num_attention_heads"))
+    return heads if isinstance(heads, int) else None
+
+
+def _ulysses(cfg: PPOConfig, roles: list[str], size: Callable[[str], tuple[int, str]], problems: list[str]) -> None:
+    """Ulysses sequence parallelism (``<role>.fsdp_config.ulysses_sequence_parallel_size``): an FSDP2 role
+    only, a divisor of the role's ranks and of the model's attention heads."""
+    arr = cfg.actor_rollout_ref
+    settings = {  # role -> (its key prefix, strategy, FSDP config, model path)
+        "actor": ("actor_rollout_ref.actor", arr.actor.strategy, arr.actor.fsdp_config, arr.model.path),
+        "ref": ("actor_rollout_ref.ref", arr.ref.strategy, arr.ref.fsdp_config, arr.model.path),
+        "critic": ("critic", cfg.critic.strategy, cfg.critic.fsdp_config, cfg.critic.model.path),
+        "reward_model": ("reward_model", cfg.reward_model.strategy, cfg.reward_model.fsdp_config,
+                         cfg.reward_model.model.path),
+    }
+    for role, (prefix, strategy, fsdp, path) in settings.items():
+        sp = fsdp.ulysses_sequence_parallel_size
+        if role not in roles or sp == 1:
+            continue
+        key = f"{prefix}.fsdp_config.ulysses_sequence_parallel_size={sp}"
+        if strategy != "fsdp2":
+            if role == "ref":  # follows the actor's size; a Megatron reference reads neither
+                continue
+            problems.append(f"{key} splits sequences on the FSDP2 engine; set {prefix}.strategy=fsdp2, or use "
+                            f"{prefix}.megatron.context_parallel_size on Megatron")
+            continue
+        ranks, ranks_text = size(role)
+        if ranks % sp:
+            problems.append(f"{key} does not divide the {role}'s ranks, {ranks_text}; set it to a divisor of {ranks}")
+        heads = _attention_heads(path)
+        if heads is not None and heads % sp:
+            problems.append(f"{key} does not divide the model's {heads} attention heads (num_attention_heads in "
+                            f"{path}/config.json); set it to a divisor of {heads}")
 
 
 def validate_sft(cfg: SFTConfig, world_size: int | None) -> None:

@@ -30,6 +30,14 @@ Gradients are averaged over the DP ranks (FSDP2's reduce-scatter divides by the 
 DDP's all-reduce does), so a rank's ``LossShare`` is the same share of the global loss as under
 the unsharded engine.
 
+Ulysses sequence parallelism (``fsdp_config.ulysses_sequence_parallel_size`` above 1,
+:mod:`verl.models.ulysses`): the DP ranks form groups of that many consecutive ranks; each micro-batch
+of each member of a group runs over the whole group (one turn per member, its rows packed and split
+into equal pieces of tokens, attention heads split by all-to-all), the member keeps its rows' outputs
+and its own loss. FSDP2 still shards over every DP rank, and its gradient average stays right: a
+rank's gradients are its tokens' share of every member's loss, which sum over the group to each
+member's whole gradient.
+
 Every forward all-gathers over the DP group, so every rank of the role must run the same number
 of micro-batches in each call -- ``verl.roles.dispatch`` and ``verl.models.micro_batches`` give
 every rank the same count.
@@ -367,12 +375,18 @@ class FSDPEngine(TorchEngine):
             module.requires_grad_(False)
         self.image_feed = self._feed_images(module, freeze_vision_tower, name)
         self.sharded = dist.is_initialized()
+        self.sp_group = self._ulysses(module, pg, fsdp.ulysses_sequence_parallel_size, name)
         if self.sharded:
             self.mesh = _dp_mesh(pg.dp, fsdp.fsdp_size, self.device.type, name)
             done = apply_fsdp2(
                 module, mesh=self.mesh, cfg=fsdp, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                 gradient_checkpointing=gradient_checkpointing, name=name,
             )
+            if self.sp_group is not None:
+                sp = self.sp_group.size()
+                done.append(f"Ulysses sequence parallel: {pg.dp.size() // sp} group(s) of {sp} ranks, each turn's "
+                            f"tokens split over a group and attention heads over its ranks (FSDP2 shards over all "
+                            f"{pg.dp.size()})")
         else:  # a world of one without torch.distributed: nothing to shard over
             self.mesh = None
             if gradient_checkpointing:
@@ -402,6 +416,21 @@ class FSDPEngine(TorchEngine):
         )
         if self.param_offload:
             self._move_params("cpu")
+
+    def _ulysses(self, module: torch.nn.Module, pg: "ProcessGroupCollection", sp: int, name: str) -> Any:
+        """This rank's Ulysses SP group (``fsdp_config.ulysses_sequence_parallel_size`` above 1; the model's
+        attention routed through ``verl.models.ulysses``), else None."""
+        if sp == 1:
+            return None
+        from verl.models.ulysses import enable_ulysses, ulysses_group
+
+        key = f"{name}: fsdp_config.ulysses_sequence_parallel_size={sp}"
+        if not self.sharded:
+            raise ValueError(f"{key} needs torch.distributed (torchrun) over a multiple of {sp} ranks; set it to 1")
+        if self.image_feed is not None:
+            raise ValueError(f"{key}: a vision-language model does not run with Ulysses here; set it to 1")
+        enable_ulysses(module, sp, name)
+        return ulysses_group(pg.dp, sp, name)
 
     def _feed_images(self, module: torch.nn.Module, freeze: bool, name: str) -> Any:
         """A vision-language model's :class:`~verl.models.vlm.ImageFeed` (each micro-batch's images reach its
@@ -530,6 +559,12 @@ class FSDPEngine(TorchEngine):
         every column (``values[:, t]`` the value of the state after token ``t``, as Megatron's scalar head's)."""
         if (output == "values") != (self.head != "lm"):
             raise ValueError(f"{self.name}: output={output!r} from a {self.head} head")
+        if self.sp_group is not None:  # every member's micro-batch, a turn each; this rank's outputs kept
+            mine = None
+            for outputs, _ in self._turns(model, mb, output=output, temperature=temperature, with_entropy=with_entropy,
+                                          topk=topk, score_ids=score_ids):
+                mine = outputs if outputs is not None else mine
+            return mine
         if output != "values":
             return super()._outputs(model, mb, output=output, temperature=temperature, with_entropy=with_entropy,
                                     topk=topk, score_ids=score_ids)
@@ -551,6 +586,37 @@ class FSDPEngine(TorchEngine):
         # root forward's outputs; the zero term puts that output into the graph the loss runs back through.
         values = scores[-1].squeeze(-1) + 0.0 * pooled.sum()  # [b, width]
         return {"values": F.pad(values, (0, ids.shape[1] - width)) * mask.to(values.dtype)}
+
+    def _turns(self, model, mb, *, output, temperature, with_entropy, topk=None, score_ids=None, truncation=None):
+        """``verl.models.ulysses.ulysses_turns`` of one micro-batch (log-probs, entropy or values only)."""
+        from verl.models.ulysses import ulysses_turns
+
+        if output == "logits" or topk is not None or score_ids is not None:
+            what = "output='logits'" if output == "logits" else "topk" if topk is not None else "score_ids"
+            raise ValueError(
+                f"{self.name}: fsdp_config.ulysses_sequence_parallel_size={self.sp_group.size()} computes log-probs, "
+                f"entropy and values; {what} needs it at 1"
+            )
+        return ulysses_turns(model, mb, self.sp_group, output=output, temperature=temperature,
+                             with_entropy=with_entropy, truncation=truncation,
+                             score=self.module.score if output == "values" else None)
+
+    def _micro_step(self, mb, *, last, loss_fn, compute):
+        """As ``TorchEngine._micro_step``; under Ulysses one turn per member of the SP group, each run back
+        before the next (this rank's loss on its own turn, a zero gradient through the others')."""
+        if self.sp_group is None:
+            return super()._micro_step(mb, last=last, loss_fn=loss_fn, compute=compute)
+        from verl.engine.torch_engine import check_loss_share
+
+        share = None
+        for outputs, gathered in self._turns(self.model, mb, **compute):
+            if outputs is None:
+                torch.autograd.backward([gathered], [torch.zeros_like(gathered)])
+                continue
+            share = check_loss_share(loss_fn(outputs, mb))
+            # The gathered tensor beside the loss: its backward is collective, whatever the loss reads.
+            torch.autograd.backward([share.loss, gathered], [torch.ones_like(share.loss), torch.zeros_like(gathered)])
+        return share
 
     # -- memory ---------------------------------------------------------------------------
 

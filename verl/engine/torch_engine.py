@@ -75,6 +75,7 @@ __all__ = [
     "MODULE_FILE",
     "TorchEngine",
     "build_torch_optimizer",
+    "check_loss_share",
     "frozen_copy",
     "restore_rng_states",
     "save_rng_states",
@@ -479,21 +480,11 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         metrics: list[dict[str, torch.Tensor]] = []
+        compute = dict(output=output, temperature=temperature, with_entropy=with_entropy, topk=topk,
+                       score_ids=score_ids)
         for i, index in enumerate(parts):
             mb = self._rows(batch, index, self.device)
-            last = i == len(parts) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                outputs = self._outputs(
-                    self.model, mb, output=output, temperature=temperature, with_entropy=with_entropy,
-                    topk=topk, score_ids=score_ids,
-                )
-                share = loss_fn(outputs, mb)
-                if not isinstance(share, LossShare):
-                    raise TypeError(
-                        f"loss_fn returned {type(share).__name__}, not a LossShare (verl.models.forward's loss contract)"
-                    )
-                share.loss.backward()
+            share = self._micro_step(mb, last=i == len(parts) - 1, loss_fn=loss_fn, compute=compute)
             losses.append(share.loss.detach().float())
             metrics.append(
                 {k: v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in share.metrics.items()}
@@ -513,6 +504,17 @@ class TorchEngine:
             micro_batches=split.count,
             token_fill=split.fill,
         )
+
+    def _micro_step(
+        self, mb: dict[str, torch.Tensor], *, last: bool, loss_fn: LossShareFn, compute: dict[str, Any]
+    ) -> LossShare:
+        """One micro-batch of :meth:`train_step`: its outputs (``compute``: :meth:`_outputs`' keywords),
+        its ``LossShare`` and backward (DDP's gradient all-reduce at the ``last`` one only)."""
+        sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        with sync:
+            share = check_loss_share(loss_fn(self._outputs(self.model, mb, **compute), mb))
+            share.loss.backward()
+        return share
 
     @torch.no_grad()
     def _optimizer_step(self) -> tuple[float, bool]:
@@ -602,6 +604,13 @@ class TorchEngine:
                 raise
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+
+def check_loss_share(share: Any) -> LossShare:
+    """``share`` when it is a ``LossShare``, else TypeError (verl.models.forward's loss contract)."""
+    if not isinstance(share, LossShare):
+        raise TypeError(f"loss_fn returned {type(share).__name__}, not a LossShare (verl.models.forward's loss contract)")
+    return share
 
 
 def _no_routing(name: str, routing: str | None) -> None:
