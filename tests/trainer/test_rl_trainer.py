@@ -93,6 +93,12 @@ COMMON_KEYS = [
     "perf/time_per_step",
     "perf/max_memory_allocated_gb",
     "perf/cpu_memory_used_gb",
+    # model FLOPs utilisation per phase and of the step (verl.trainer.perf), two ranks sharing the FLOPs
+    "perf/mfu/gen",
+    "perf/mfu/ref",
+    "perf/mfu/update_actor",
+    "perf/mfu/step",
+    "perf/tflops/step",
     "training/global_step",
     "training/epoch",
     "training/rollout_probs_diff_max",
@@ -110,6 +116,9 @@ CRITIC_KEYS = [
     # PPO's in-reward KL reads the old log-probabilities before the update: a separate pass (GRPO
     # here is one optimizer step per batch, so its update's own forward gives them)
     "timing_s/old_log_prob",
+    "perf/mfu/values",
+    "perf/mfu/update_critic",
+    "perf/mfu/old_log_prob",
 ]
 
 # The transformers engine and the Megatron actor compute the same float32 log-probabilities with
