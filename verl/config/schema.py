@@ -330,7 +330,7 @@ class RolloutMultiTurnConfig(ConfigBase):
     max_tool_response_length: int = option(256, "Tokens of one tool answer kept (cut on tool_response_truncate_side). (Reference: characters.)", ge=1)
     tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", "Which part of an over-long tool answer is cut: left keeps the end, right keeps the start, middle keeps both ends.")
     tool_timeout_s: float = option(10.0, "Seconds one tool call may run; past it the model gets an error turn and the conversation goes on.", gt=0.0)
-    format: Literal["hermes"] = option("hermes", "Tool-call syntax the model writes: hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, Qwen's).")
+    format: str = option("auto", "Tool-call syntax the model writes: auto (the chat template family's), hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>: Qwen2.5/Qwen3, Hermes, ChatML), qwen3_coder (<tool_call><function=name><parameter=x>...: Qwen3-Coder), llama3_json ({\"name\": ..., \"parameters\": {...}}: Llama 3.x), or a dotted path to a parser fn(text) -> list of calls (docs/agents.md).")
     interaction_config_path: str | None = option(None, "YAML file listing interactions (reference layout: interaction: [{name, class_name, config}]); samples pick one by extra_info.interaction_kwargs.name.")
     interaction_reward: Literal["per_turn", "final", "none"] = option("per_turn", "Where interaction rewards join token_level_scores: per_turn at each judged turn's last sampled token, final summed at the response's last sampled token, none (metrics only).")
     interaction_reward_weight: float = option(1.0, "Factor on interaction rewards before they are added to token_level_scores.")

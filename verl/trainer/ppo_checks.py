@@ -855,6 +855,12 @@ def _multi_turn_problems(cfg: PPOConfig, *, whole_run: bool = False) -> list[str
         return []
     key = "actor_rollout_ref.rollout.multi_turn"
     problems = []
+    from verl.rollout.agent.parser import tool_call_parser
+
+    try:
+        tool_call_parser(mt.format)  # a name, or a parser's dotted path that imports
+    except ValueError as exc:
+        problems.append(str(exc))
     tool_names: list[str] | None = []  # None: the file did not load (reported)
     if mt.tool_config_path:
         from verl.rollout.agent import load_tool_config

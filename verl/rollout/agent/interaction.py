@@ -17,8 +17,13 @@ interaction ports by making its methods plain functions; coroutines are also acc
 - ``finalize_interaction(instance_id)``: the conversation ended.
 
 The agent loop (``verl.rollout.agent.loop``) calls the interaction after every model turn that
-calls no tool. Each turn's reward is recorded at the last sampled token of the model turn it
-judges (``turn_scores`` per sample) and folded into ``token_level_scores`` by the reward step as
+calls no tool. The calls of one round run concurrently across conversations (:func:`call_all`):
+coroutine methods together on one event loop, plain methods each in its own thread, so an
+interaction that waits (a judge model, a web environment) costs one wait per round, not one per
+conversation; plain methods must therefore be safe to call from several threads at once.
+
+Each turn's reward is recorded at the last sampled token of the model turn it judges
+(``turn_scores`` per sample) and folded into ``token_level_scores`` by the reward step as
 ``multi_turn.interaction_reward`` says: ``per_turn`` adds each reward at its turn's last token (a
 GAE critic sees when it was earned), ``final`` adds their sum at the response's last sampled
 token (outcome reward; GRPO and the other sequence-level estimators see the same sum either
@@ -41,7 +46,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,6 +56,7 @@ __all__ = [
     "INTERACTIONS",
     "AnswerCheckInteraction",
     "Interaction",
+    "call_all",
     "fold_turn_scores",
     "load_interaction_config",
     "register_interaction",
@@ -268,3 +275,36 @@ def fold_turn_scores(batch: Any, scores: torch.Tensor) -> tuple[torch.Tensor, di
 def call(method: Any, *args: Any, **kwargs: Any) -> Any:
     """Call an interaction method, running it to completion when it is a coroutine function."""
     return _resolve(method(*args, **kwargs))
+
+
+MAX_THREADS = 64
+"""Plain (not coroutine) interaction methods of one round run in at most this many threads."""
+
+
+def call_all(
+    calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]]], *, return_exceptions: bool = False
+) -> list[Any]:
+    """``[method(*args, **kwargs) for method, args, kwargs in calls]``, concurrently: coroutine
+    methods are awaited together on one event loop, plain ones run in threads (at most
+    :data:`MAX_THREADS`). Results in order. After every call has finished, the first exception (in
+    call order) is raised, or with ``return_exceptions`` each is returned in its call's place."""
+    if not calls:
+        return []
+
+    async def gather() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(calls)), thread_name_prefix="verl-interaction") as pool:
+
+            async def one(method: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+                if inspect.iscoroutinefunction(method):
+                    return await method(*args, **kwargs)
+                value = await loop.run_in_executor(pool, lambda: method(*args, **kwargs))
+                return await value if inspect.isawaitable(value) else value
+
+            return await asyncio.gather(*(one(m, a, k) for m, a, k in calls), return_exceptions=True)
+
+    results = asyncio.run(gather())
+    for value in results:
+        if isinstance(value, BaseException) and not (return_exceptions and isinstance(value, Exception)):
+            raise value
+    return results

@@ -77,9 +77,9 @@ from verl.rollout.agent.agents import (
     Conversation,
     known_agent_names,
 )
-from verl.rollout.agent.interaction import call as interaction_call
+from verl.rollout.agent.interaction import call_all as interaction_calls
 from verl.rollout.agent.interaction import pick_interaction, turn_score_tensor
-from verl.rollout.agent.parser import PARSERS, ToolCall
+from verl.rollout.agent.parser import ToolCall, tool_call_parser
 from verl.rollout.agent.trajectory import CallRecord, Trajectory
 from verl.rollout.agent.turns import ToolTurnEncoder
 from verl.tools.base import Tool, as_tools, check_arguments
@@ -176,13 +176,13 @@ class AgentLoop:
         agent_loops: Mapping[str, AgentLoopBase | AgentProgram] | None = None,
         endpoint: AgentEndpointConfig | None = None,
     ) -> None:
-        if cfg.format not in PARSERS:
-            raise ValueError(f"multi_turn.format={cfg.format!r} is not a known tool-call format; known: {sorted(PARSERS)}")
         self.cfg = cfg
         self.tools = {t.name: t for t in as_tools(list(tools))}
         self.tokenizer = tokenizer
         self.encoder = ToolTurnEncoder(tokenizer)
-        self.parse = PARSERS[cfg.format]
+        # multi_turn.format (auto: the template family's syntax); parsers read the offered tools' schemas.
+        self.format, parse = tool_call_parser(cfg.format, template_format=self.encoder.report.tool_format)
+        self.parse = lambda text: parse(text, {name: tool.schema for name, tool in self.tools.items()})
         self.response_length = int(response_length)
         self.interactions = dict(interactions or {})
         loops = dict(agent_loops or {})
@@ -266,6 +266,7 @@ class AgentLoop:
         for i, name in enumerate(names):
             self._agent_loop(name, i)  # every name is known before anything runs
         self._check_tools_kwargs(names, tools_kwargs)
+        self.encoder.follow_prompts(prompts)  # Qwen3: tool turns in the prompts' thinking mode
         picked = [
             None if names[i] == "single_turn_agent" else pick_interaction(self.interactions, interaction_kwargs[i] if interaction_kwargs is not None else None)
             for i in range(len(prompts))
@@ -430,10 +431,9 @@ class AgentLoop:
         at the end of the conversation's prompt ids (:meth:`ToolTurnEncoder.open_with`). In a
         replica of several ranks the first rank starts the interactions and shares the texts."""
         openings: list[str | None] = [None] * len(talking)
-        if leader:
-            for k, t in enumerate(talking):
-                got = interaction_call(t.interaction.start_interaction, t.instance_id, **t.interaction_kwargs)
-                openings[k] = _opening_text(got, t)
+        if leader:  # all conversations' interactions start concurrently
+            got = interaction_calls([(t.interaction.start_interaction, (t.instance_id,), t.interaction_kwargs) for t in talking])
+            openings = [_opening_text(value, t) for value, t in zip(got, talking)]
         if self.replica is not None and talking:
             openings = self.replica.share(openings)
         for t, text in zip(talking, openings):
@@ -450,11 +450,11 @@ class AgentLoop:
                 )
 
     def _finalize(self, talking: list[Trajectory]) -> None:
-        for t in talking:
-            try:
-                interaction_call(t.interaction.finalize_interaction, t.instance_id)
-            except Exception:  # noqa: BLE001 - a failed clean-up must not lose the rollout
-                logger.exception("finalizing interaction %s of conversation %s failed", t.interaction.name, t.instance_id)
+        talking = [t for t in talking if callable(getattr(t.interaction, "finalize_interaction", None))]  # optional
+        done = interaction_calls([(t.interaction.finalize_interaction, (t.instance_id,), {}) for t in talking], return_exceptions=True)
+        for t, value in zip(talking, done):
+            if isinstance(value, Exception):  # a failed clean-up must not lose the rollout
+                logger.error("finalizing interaction %s of conversation %s failed: %r", t.interaction.name, t.instance_id, value)
 
     def _model_turns(
         self, engine: RolloutEngine, active: list[Trajectory], spec: SamplingSpec, *, seed: int | None
@@ -566,10 +566,10 @@ class AgentLoop:
     def _replies(self, talking: list[tuple[Trajectory, list[ToolCall] | None, bool]]) -> list[tuple[bool, str, float]]:
         """Each conversation's interaction answer to its last model turn: (done, next user turn, reward)."""
         out = []
-        for t, _, _ in talking:
-            reply = interaction_call(
-                t.interaction.generate_response, t.instance_id, [dict(m) for m in t.messages], **t.interaction_kwargs
-            )
+        got = interaction_calls(  # every conversation's interaction answers at once
+            [(t.interaction.generate_response, (t.instance_id, [dict(m) for m in t.messages]), t.interaction_kwargs) for t, _, _ in talking]
+        )
+        for (t, _, _), reply in zip(talking, got):
             if not (isinstance(reply, tuple) and len(reply) in (3, 4)):
                 raise ValueError(
                     f"interaction {t.interaction.name!r}: generate_response must return (done, text, reward[, extra]), "

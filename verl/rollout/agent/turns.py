@@ -9,42 +9,71 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from verl.rollout.agent.templates import ANSWER, USER, TemplateReport, check_template
+
 __all__ = ["ToolTurnEncoder"]
 
 
 class ToolTurnEncoder:
     """Token ids of a tool turn, from the tokenizer's chat template.
 
-    The template renders a fixed two-turn conversation with and without the tool messages (and
-    the next generation prompt); the added text, preceded by what the template writes after an
-    assistant turn's content (ChatML: ``<|im_end|>\\n``) minus the part the model sampled itself
-    (its end-of-turn token), is the tool turn. Its text starts right after a special token, so it
-    is tokenized on its own.
+    The template renders a fixed two-turn conversation followed by the tool messages and the next
+    generation prompt; the text after the assistant turn's content is the template's end of turn
+    (ChatML: ``<|im_end|>\\n``), then the tool turn. Minus the part the model sampled itself (its
+    end-of-turn token), that text is the tool turn. Only what follows the assistant's content is
+    read, so a template that renders earlier turns differently once more turns follow (Qwen3 drops
+    reasoning, or an empty think block) still gives the text the model reads next. It starts right
+    after a special token, so it is tokenized on its own.
+
+    ``template_kwargs``: extra arguments of ``apply_chat_template`` (``enable_thinking``); for a
+    template with such a switch, :meth:`follow_prompts` sets it from the prompts themselves.
+    Construction runs :func:`verl.rollout.agent.templates.check_template` (one log line).
     """
 
-    _BASE = ({"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"})
+    _BASE = ({"role": "user", "content": USER}, {"role": "assistant", "content": ANSWER})
 
-    def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the agent loop renders tool turns with the tokenizer's chat template, and this tokenizer has none; "
-                "use a chat model's tokenizer (or set tokenizer.chat_template)"
-            )
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.base_text = self._render(list(self._BASE), generation_prompt=False)
-        content = self._BASE[-1]["content"]
-        at = self.base_text.rfind(content)
-        if at < 0:
-            raise ValueError("the chat template does not write the assistant's content; the agent loop cannot use it")
-        self.turn_end = self.base_text[at + len(content) :]
+        self.template_kwargs = dict(template_kwargs or {})
+        self.report: TemplateReport = check_template(tokenizer, self.template_kwargs)
+        self.turn_end = self.report.turn_end
         """What the template writes after an assistant turn's content (ChatML: ``<|im_end|>\\n``)."""
         eos = tokenizer.eos_token or ""
         self.after_eos = self.turn_end[len(eos) :] if eos and self.turn_end.startswith(eos) else self.turn_end
         """The part of :attr:`turn_end` after the model's own end token (ChatML: ``\\n``)."""
         self.eos_token_id = tokenizer.eos_token_id
 
-    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    def follow_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """For a template whose generation prompt has a switch (Qwen3's ``enable_thinking``): set
+        it as the prompts were rendered, read from their last ids, so tool turns end with the same
+        generation prompt. Prompts that end with neither variant leave it as it is; prompts that
+        disagree are refused."""
+        if not self.report.thinking_switch or not prompts:
+            return
+        first = [dict(self._BASE[0])]
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        ends = {}
+        for mode in (False, True):  # the longer one (thinking off) first: it ends with more
+            bare = self._render(first, generation_prompt=False, enable_thinking=mode)
+            ends[mode] = list(encode(self._render(first, generation_prompt=True, enable_thinking=mode)[len(bare) :]))
+        seen = set()
+        for p in prompts:
+            for mode, ids in ends.items():
+                if ids and len(p) >= len(ids) and list(p[len(p) - len(ids) :]) == ids:
+                    seen.add(mode)
+                    break
+        if len(seen) > 1:
+            raise ValueError(
+                "the prompts of one batch were rendered with enable_thinking both true and false; the agent loop "
+                "continues every conversation in one mode: render all prompts alike"
+            )
+        if seen:
+            self.template_kwargs["enable_thinking"] = seen.pop()
+
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool, **extra: Any) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **{**self.template_kwargs, **extra}
+        )
 
     def open_with(self, prompt_ids: Sequence[int], text: str) -> list[int]:
         """``prompt_ids`` (a prompt rendered with the generation prompt) with the user turn ``text``
@@ -55,7 +84,7 @@ class ToolTurnEncoder:
         a fixed one-turn conversation when a user turn follows; the check below makes sure that it
         starts on a token boundary (ChatML: ``<|im_start|>``, a special token), so its ids do not
         depend on what precedes."""
-        first = [{"role": "user", "content": "question"}]
+        first = [dict(self._BASE[0])]
         try:
             base = self._render(first, generation_prompt=False)
             with_gen = self._render(first, generation_prompt=True)
@@ -106,10 +135,12 @@ class ToolTurnEncoder:
         next generation prompt. ``model_ended_turn``: the model's last sampled id was its end-of-turn
         (eos) token; otherwise the template's whole end-of-turn text is added first."""
         full = self._render([*self._BASE, *messages], generation_prompt=True)
-        if not full.startswith(self.base_text):
+        at = full.find(ANSWER)
+        tail = full[at + len(ANSWER) :] if at >= 0 else ""
+        if at < 0 or not tail.startswith(self.turn_end):
             raise ValueError(
-                "the chat template renders earlier turns differently once a tool turn follows; the agent loop "
-                "needs a template that appends turns (tool turns are tokenized as an appended suffix)"
+                "the chat template writes an assistant turn's end differently once a tool or user turn follows "
+                f"(expected {self.turn_end!r}); the agent loop cannot add turns token-exactly with this template"
             )
-        text = (self.after_eos if model_ended_turn else self.turn_end) + full[len(self.base_text) :]
+        text = (self.after_eos if model_ended_turn else self.turn_end) + tail[len(self.turn_end) :]
         return list(self.tokenizer.encode(text, add_special_tokens=False))
