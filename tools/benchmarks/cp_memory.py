@@ -42,15 +42,24 @@ def cp_activation_peaks(model_dir: str, *, seq_len: int, rows: int, pack: bool =
     return out
 
 
-def _cp_memory(args: argparse.Namespace) -> dict[str, Any]:
+def _cpu_name() -> str:
     import platform
 
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} cores"
+
+
+def _cp_memory(args: argparse.Namespace) -> dict[str, Any]:
     from verl.data.tiny_model import TinyModelSpec, make_tiny_model
 
     shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads)
     out: dict[str, Any] = {"bench": "cp-memory", "model": {"family": "llama", **shape}, "seq_len": args.seq_len,
                            "rows": args.rows, "packed": args.packed, "dtype": "float32", "ranks": 2,
-                           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
+                           "machine": _cpu_name()}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(os.path.join(tmp, "model"), TinyModelSpec(
             family="llama", **shape, max_position=max(1024, args.seq_len), corpus_lines=300, seed=1))

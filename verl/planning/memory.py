@@ -27,7 +27,10 @@ roles and the rollout engine then own the remaining ranks):
   ``min(PP - i, micro-batches)`` micro-batches in flight; full recompute keeps each layer's input
   only, plus one layer rebuilt during backward; the last stage adds the logits (bf16 output and
   the fp32 log-softmax of the vocabulary shard). Forward-only passes (log-probs, values) hold one
-  layer's working set and the logits.
+  layer's working set and the logits. Under context parallelism every count is of the GPU's
+  ``tokens / CP`` (Transformer Engine's CP attention splits K/V too; verl's attention without TE
+  gathers each layer's whole K/V and keeps unfused scores, which this model does not count:
+  ``tools/bench.py cp-memory`` measures that path).
 
 An FSDP2 role (``strategy=fsdp2``, :func:`fsdp_model_params`) holds ``1/dp`` of the whole Hugging Face
 model in ``fsdp_config.model_dtype``, and as much again of gradients and (Adam) twice of moments

@@ -311,7 +311,7 @@ def context_parallel_suggestion(plan: MemoryPlan) -> CPSuggestion | None:
             if r.name in CP_ROLES and not r.fsdp:
                 mini = r.micro_batch * r.micro_batches * r.dp(world)  # sequences per optimizer step, kept
                 dp = max(1, world // (r.tp * r.pp * cp))
-                r = dataclasses.replace(r, cp=cp, micro_batches=max(1, mini // dp // r.micro_batch) if r.trains else 1)
+                r = dataclasses.replace(r, cp=cp, micro_batches=max(1, mini // dp // r.micro_batch) if r.trains else r.micro_batches)
             roles.append(r)
         v = dataclasses.replace(inputs, roles=tuple(roles))
         found = memory_plan(v, {r.name: formula_stage_params(v.spec_of(r.name), r) for r in v.roles}, formula_sync(v),
