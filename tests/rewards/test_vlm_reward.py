@@ -132,6 +132,25 @@ def test_the_data_paths_tensor_layout_gives_the_same_scores(head_dir, processor)
     assert torch.equal(expected, actual)  # the same model inputs after unpadding: bitwise
 
 
+def _score_on_ranks(path: str, batch: Batch) -> list[float]:
+    """(On each rank) the role's scores with the rows split over the world as its DP group."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    engine = VLMRewardEngine(path, pg=SimpleNamespace(dp=dist.group.WORLD))
+    return RewardModel(None, custom_scorer=False, model_role=engine, micro_batch_size=1).score(batch).scores.tolist()
+
+
+def test_rows_split_over_two_data_parallel_ranks(head_dir, processor, run_dist):
+    """Three rows over DP=2 (one padded row): every rank holds the whole batch's scores, equal to one rank's."""
+    batch = _batch(processor, [RED, BLUE, BLUE])
+    expected = _role(head_dir).score(batch).scores
+    for actual in run_dist(_score_on_ranks, 2, head_dir, batch):
+        # Micro-batches of 1 vs 2 rows (other padding): float32 noise only.
+        assert torch.allclose(torch.tensor(actual), expected, atol=1e-5)
+
+
 def test_a_dropped_image_is_refused(head_dir, processor):
     role = _role(head_dir)
     with pytest.raises(ValueError, match=r"row 0: \d+ image placeholder tokens but no multi_modal_inputs"):
