@@ -133,6 +133,7 @@ def _extension_build() -> tuple[list, dict]:
             sources=CPU_SOURCES,
             include_dirs=[str(ROOT / CSRC)],
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=list(RULES.LD_FLAGS),
         )
     else:
         ext = cpp_extension.CUDAExtension(
@@ -141,6 +142,7 @@ def _extension_build() -> tuple[list, dict]:
             include_dirs=[str(ROOT / CSRC)],
             define_macros=[RULES.CUDA_MACRO],
             extra_compile_args={"cxx": cxx_flags, "nvcc": list(RULES.NVCC_FLAGS)},
+            extra_link_args=list(RULES.LD_FLAGS),
         )
 
     class BuildExt(cpp_extension.BuildExtension):

@@ -38,6 +38,16 @@ def test_installed_extension_matches_torch_build():
     assert callable(_C.copy_shards_) and callable(_C.copy_ranges_)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="-fopenmp is added on Linux only")
+def test_installed_extension_runs_the_cpu_copy_through_openmp():
+    """at::parallel_for spreads the CPU copy over threads only when the module itself was compiled with
+    -fopenmp (a `#pragma omp parallel` in torch's header): such a module calls the OpenMP runtime's
+    GOMP_parallel, and one compiled without the flag has no reference to it (its copy runs serially)."""
+    from verl import _C
+
+    assert b"GOMP_parallel" in Path(_C.__file__).read_bytes(), f"{_C.__file__} was compiled without OpenMP"
+
+
 @pytest.mark.timeout(120)
 def test_cuda_kernel_compiles_standalone_with_nvcc(tmp_path):
     """The kernel file uses raw pointers and the CUDA runtime only, so nvcc alone compiles it

@@ -34,7 +34,14 @@ logger = logging.getLogger(__name__)
 CPU_SOURCES = ("byte_copy.cpp", "copy_ranges.cpp", "bindings.cpp")
 CUDA_SOURCES = ("byte_copy_cuda.cpp", "byte_copy_kernel.cu")
 HEADERS = ("byte_copy.h", "byte_copy_kernel.h", "copy_ranges.h")
-CXX_FLAGS = ("-O3",)  # torch's build adds the C++ standard its headers need
+# OpenMP: the CPU copy's at::parallel_for is a header template that runs its threads through
+# `#pragma omp parallel` only when the extension itself is compiled with -fopenmp (torch's own build
+# flags are not passed on); linked with -fopenmp too, the module needs libgomp.so.1, the runtime
+# torch's libtorch_cpu already loaded (same soname), so both share one pool and one thread setting
+# (torch.set_num_threads). Not on macOS, whose clang has no -fopenmp (the copy runs serially there).
+OPENMP_FLAGS = ("-fopenmp",) if sys.platform.startswith("linux") else ()
+CXX_FLAGS = ("-O3", *OPENMP_FLAGS)  # torch's build adds the C++ standard its headers need
+LD_FLAGS = OPENMP_FLAGS
 NVCC_FLAGS = ("-O3",)
 CUDA_MACRO = ("VERL_WITH_CUDA", "1")
 # Where a wheel keeps the sources (setup.py copies csrc/ there), relative to the package.
@@ -84,7 +91,7 @@ def build_key(torch: Any, sources: Path, with_cuda: bool) -> str:
     for name in (*CPU_SOURCES, *CUDA_SOURCES, *HEADERS):
         path = sources / name
         digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
-    digest.update(repr((CXX_FLAGS, NVCC_FLAGS, with_cuda, torch.version.git_version)).encode())
+    digest.update(repr((CXX_FLAGS, LD_FLAGS, NVCC_FLAGS, with_cuda, torch.version.git_version)).encode())
     torch_tag = torch.__version__.replace("+", "_")
     return (
         f"torch{torch_tag}-{sys.implementation.cache_tag}-{platform.machine()}-"
@@ -150,6 +157,7 @@ def _compile(build_dir: Path, sources: Path, with_cuda: bool, reason: str) -> Mo
                 sources=[str(sources / n) for n in names],
                 extra_cflags=list(CXX_FLAGS) + ([f"-D{CUDA_MACRO[0]}={CUDA_MACRO[1]}"] if with_cuda else []),
                 extra_cuda_cflags=list(NVCC_FLAGS) + [f"-D{CUDA_MACRO[0]}={CUDA_MACRO[1]}"],
+                extra_ldflags=list(LD_FLAGS),
                 extra_include_paths=[str(sources)],
                 build_directory=str(build_dir),
                 with_cuda=with_cuda,
