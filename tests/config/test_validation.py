@@ -92,8 +92,9 @@ def test_launched_world_size_is_checked_against_the_layout_and_the_trainer_shape
         (["actor_rollout_ref.actor.old_log_prob=current", "actor_rollout_ref.actor.ppo_mini_batch_size=1024",
           "algorithm.use_kl_in_reward=true"],
          r"old_log_prob=current leaves no old log-probabilities before the update, and algorithm\.use_kl_in_reward"),
-        (["actor_rollout_ref.actor.old_log_prob=rollout", "actor_rollout_ref.rollout.top_p=0.9"],
-         r"old_log_prob=rollout takes the engine's log-probabilities, which with top_p=0\.9"),
+        (["actor_rollout_ref.actor.old_log_prob=rollout", "actor_rollout_ref.rollout.top_p=0.9",
+          "actor_rollout_ref.actor.replay_sampling_mask=false"],
+         r"old_log_prob=rollout takes the engine's log-probabilities, which with top_p=0\.9 .* set replay_sampling_mask=true"),
         (["trainer.async_training.partial_rollout=true"],
          r"^[^\n]*trainer\.async_training\.partial_rollout=true applies to the async rollout: set trainer\.rollout_mode=async \(it is sync\)$"),
         (["trainer.rollout_mode=one_step_off", "trainer.async_training.stale_samples=drop"],
@@ -107,6 +108,14 @@ def test_launched_world_size_is_checked_against_the_layout_and_the_trainer_shape
 def test_batch_and_layout_rules(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _load(*overrides)
+
+
+def test_rollout_log_probs_with_top_k_top_p_pass_when_the_mask_is_replayed():
+    # bypass mode takes the engine's (truncated) log-probabilities as the old ones: allowed once the
+    # trainer's passes replay the same truncation (actor.replay_sampling_mask, on by default).
+    cfg = _load("algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.top_p=0.9",
+                "actor_rollout_ref.rollout.top_k=20")
+    assert cfg.old_log_prob_source == "rollout" and cfg.actor_rollout_ref.actor.replay_sampling_mask
 
 
 FILL = ["trainer.rollout_mode=async", "trainer.async_training.partial_rollout=true", "trainer.async_training.fill_update_window=true"]

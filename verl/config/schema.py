@@ -264,9 +264,16 @@ class ActorConfig(ConfigBase):
         "Where the PPO ratio's old log-probabilities come from: recompute (a forward pass over the batch "
         "before the update), current (the update's own forward, detached: the same numbers when the batch "
         "is one optimizer step, i.e. ppo_epochs=1 and one mini-batch, and no in-reward KL), rollout (the "
-        "engine's log-probabilities of its samples; top_p/top_k off), auto (current where it gives the same numbers and no "
+        "engine's log-probabilities of its samples; with top_p/top_k only under replay_sampling_mask), auto (current where it gives the same numbers and no "
         "decoupled rollout correction needs them first, else recompute; rollout with "
         "algorithm.rollout_correction.bypass_mode).",
+    )
+    replay_sampling_mask: bool = option(
+        True,
+        "With rollout.top_k > 0 or rollout.top_p < 1: the actor's and the reference's log-probabilities (old, "
+        "update, reference) are those of the sampler's truncated distribution, the same top-k/top-p mask recomputed "
+        "from the trainer's logits at the rollout temperature, so they match the engine's rollout log-probabilities "
+        "(docs/rollout-performance.md); false: full-vocabulary log-probabilities (biased ratio against the rollout's).",
     )
     shuffle: bool = option(False, "Shuffle the rollout batch before splitting it into mini-batches.")
     freeze_vision_tower: bool = option(False, "A vision-language actor (strategy=fsdp2): its vision encoder takes no gradient and no optimizer state (the reference's key).")

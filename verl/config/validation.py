@@ -605,11 +605,13 @@ def _old_log_prob(cfg: PPOConfig, problems: list[str]) -> None:
                 f"{key}=current leaves no old log-probabilities before the update, and "
                 f"algorithm.use_kl_in_reward=true needs them for the reward; use {key}=recompute"
             )
-    if cfg.old_log_prob_source == "rollout" and (rollout.top_p < 1.0 or rollout.top_k > 0):
+    truncated = rollout.top_p < 1.0 or rollout.top_k > 0
+    if cfg.old_log_prob_source == "rollout" and truncated and not actor.replay_sampling_mask:
         problems.append(
             f"{key}=rollout takes the engine's log-probabilities, which with top_p={rollout.top_p} / "
-            f"top_k={rollout.top_k} are of the truncated distribution, not the policy's; turn top_p/top_k "
-            f"off or use {key}=recompute"
+            f"top_k={rollout.top_k} are of the truncated distribution, while actor_rollout_ref.actor."
+            f"replay_sampling_mask=false makes the update's full-vocabulary ones; set replay_sampling_mask=true, "
+            f"turn top_p/top_k off or use {key}=recompute"
             + (" (algorithm.rollout_correction.bypass_mode=true chose rollout)" if actor.old_log_prob == "auto" else "")
         )
     _rollout_correction(cfg, problems)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from verl.models.forward import ForwardResult, LossShareFn, OutputKind
     from verl.models.micro_batches import MicroBatchSplit
+    from verl.models.vocab_parallel import SamplingTruncation
 
 __all__ = ["EngineCapabilities", "EngineStepResult", "TrainingEngine"]
 
@@ -97,6 +98,7 @@ class TrainingEngine(Protocol):
         topk: int | None = None,
         score_ids: str | None = None,
         routing: str | None = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> "ForwardResult": ...
 
     def train_step(
@@ -113,6 +115,7 @@ class TrainingEngine(Protocol):
         topk: int | None = None,
         score_ids: str | None = None,
         routing: str | None = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> EngineStepResult: ...
 
     def save(self, ckpt_dir: str) -> None: ...

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from verl.models.router_replay import RoutingMode
+    from verl.models.vocab_parallel import SamplingTruncation
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ class MegatronEngine:
         topk: int | None = None,
         score_ids: str | None = None,
         routing: "RoutingMode | None" = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> ForwardResult:
         """Forward only: per-token outputs ([B, T]) of ``batch`` on every pipeline stage, in micro-batches
         of ``micro_batch_size`` rows or as ``split`` cuts them (one of the two); ``head_columns``, ``topk``,
@@ -251,6 +253,7 @@ class MegatronEngine:
                 topk=topk,
                 score_ids=score_ids,
                 routing=routing,
+                truncation=truncation,
             )
         finally:
             for chunk in self.chunks:
@@ -270,6 +273,7 @@ class MegatronEngine:
         topk: int | None = None,
         score_ids: str | None = None,
         routing: "RoutingMode | None" = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> EngineStepResult:
         """One optimizer step on this rank's share of the batch (``head_columns``, ``topk``, ``score_ids``,
         ``routing``: as :meth:`forward`; ``routing='replay'`` routes by the batch's ``routed_experts``).
@@ -301,6 +305,7 @@ class MegatronEngine:
             topk=topk,
             score_ids=score_ids,
             routing=routing,
+            truncation=truncation,
         )
         lr = self.current_lr()
         grad_norm, ok = optimizer_step(self.optimizer, self.optim_config.clip_grad)

@@ -511,11 +511,12 @@ class FSDPEngine(TorchEngine):
         routing=None,
     ):
         """``TorchEngine.forward`` with the shards on the device (:meth:`on_device`)."""
+        truncation=None,
         with self.on_device():
             return super().forward(
                 batch, micro_batch_size=micro_batch_size, split=split, output=output,
                 temperature=temperature, with_entropy=with_entropy, head_columns=head_columns,
-                topk=topk, score_ids=score_ids, routing=routing,
+                topk=topk, score_ids=score_ids, routing=routing, truncation=truncation,
             )
 
     def train_step(
@@ -534,11 +535,12 @@ class FSDPEngine(TorchEngine):
         routing=None,
     ):
         """``TorchEngine.train_step`` with the shards on the device (:meth:`on_device`)."""
+        truncation=None,
         with self.on_device():
             return super().train_step(
                 batch, micro_batch_size=micro_batch_size, split=split, loss_fn=loss_fn, output=output,
                 temperature=temperature, with_entropy=with_entropy, head_columns=head_columns,
-                topk=topk, score_ids=score_ids, routing=routing,
+                topk=topk, score_ids=score_ids, routing=routing, truncation=truncation,
             )
 
     def _optimizer_step(self) -> tuple[float, bool]:
@@ -554,7 +556,7 @@ class FSDPEngine(TorchEngine):
 
     # -- compute --------------------------------------------------------------------------
 
-    def _outputs(self, model, mb, *, output, temperature, with_entropy, topk=None, score_ids=None):
+    def _outputs(self, model, mb, *, output, temperature, with_entropy, topk=None, score_ids=None, truncation=None):
         """As ``TorchEngine._outputs``; a critic's or reward model's ``values`` [b, T]: its score head on
         every column (``values[:, t]`` the value of the state after token ``t``, as Megatron's scalar head's)."""
         if (output == "values") != (self.head != "lm"):
@@ -562,12 +564,12 @@ class FSDPEngine(TorchEngine):
         if self.sp_group is not None:  # every member's micro-batch, a turn each; this rank's outputs kept
             mine = None
             for outputs, _ in self._turns(model, mb, output=output, temperature=temperature, with_entropy=with_entropy,
-                                          topk=topk, score_ids=score_ids):
+                                          topk=topk, score_ids=score_ids, truncation=truncation):
                 mine = outputs if outputs is not None else mine
             return mine
         if output != "values":
             return super()._outputs(model, mb, output=output, temperature=temperature, with_entropy=with_entropy,
-                                    topk=topk, score_ids=score_ids)
+                                    topk=topk, score_ids=score_ids, truncation=truncation)
         import torch.nn.functional as F
 
         from verl.engine.torch_engine import module_forward_kwargs

@@ -352,6 +352,7 @@ class TorchEngine:
         topk: int | None = None,
         score_ids: str | None = None,
     ) -> dict[str, torch.Tensor]:
+        truncation: SamplingTruncation | None = None,
         """Per-token outputs [b, T] of one micro-batch (verl.models.forward's layout, ``topk`` and
         ``score_ids`` as there), from the columns up to the last real one; ``model`` is the module, or its
         DDP wrapper when training."""
@@ -373,7 +374,9 @@ class TorchEngine:
         if temperature != 1.0:
             shifted = shifted / temperature
         vocab = dict(vocab_start=0, vocab_size=shifted.shape[-1], group=None)
-        logprobs, entropy = vocab_parallel_logprobs_entropy(shifted, ids[:, 1:width], with_entropy=with_entropy, **vocab)
+        logprobs, entropy = vocab_parallel_logprobs_entropy(
+            shifted, ids[:, 1:width], with_entropy=with_entropy, truncation=truncation, **vocab
+        )
         extra: dict[str, torch.Tensor] = {}  # [b, width - 1, k]
         if topk is not None:
             extra["topk_ids"], extra["topk_logprobs"] = vocab_parallel_topk(shifted, topk, **vocab)
@@ -422,6 +425,7 @@ class TorchEngine:
         score_ids: str | None = None,
         routing: str | None = None,
     ) -> ForwardResult:
+        truncation: SamplingTruncation | None = None,
         """Forward only: per-token outputs ([B, T]) of ``batch`` in micro-batches (as ``MegatronEngine.forward``;
         ``head_columns`` is accepted for the one signature: this engine computes every column; ``routing``
         (router replay) is refused: it is the Megatron engine's)."""
@@ -436,7 +440,7 @@ class TorchEngine:
                     continue
                 out = self._outputs(  # the bare module: no DDP collectives in a forward-only pass
                     self.module, self._rows(batch, index, self.device), output=output, temperature=temperature,
-                    with_entropy=with_entropy, topk=topk, score_ids=score_ids,
+                    with_entropy=with_entropy, topk=topk, score_ids=score_ids, truncation=truncation,
                 )
                 for k, v in out.items():
                     pieces.setdefault(k, []).append(v.float() if k != "logits" and v.is_floating_point() else v)
@@ -467,6 +471,7 @@ class TorchEngine:
         score_ids: str | None = None,
         routing: str | None = None,
     ) -> EngineStepResult:
+        truncation: SamplingTruncation | None = None,
         """One optimizer step on this rank's share of the batch (``MegatronEngine.train_step``'s
         contract): each micro-batch's ``LossShare`` backpropagated, DDP averaging the gradients
         over DP at the last one, the global norm clipped to ``optim.clip_grad``, the step skipped
@@ -481,7 +486,7 @@ class TorchEngine:
         losses: list[torch.Tensor] = []
         metrics: list[dict[str, torch.Tensor]] = []
         compute = dict(output=output, temperature=temperature, with_entropy=with_entropy, topk=topk,
-                       score_ids=score_ids)
+                       score_ids=score_ids, truncation=truncation)
         for i, index in enumerate(parts):
             mb = self._rows(batch, index, self.device)
             share = self._micro_step(mb, last=i == len(parts) - 1, loss_fn=loss_fn, compute=compute)

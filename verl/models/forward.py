@@ -82,6 +82,7 @@ from verl.models import router_replay
 from verl.models.micro_batches import MicroBatchSplit, fixed_split
 from verl.models.packing import PackedMicroBatch, pack_like, pack_micro_batch, packed_width, unpack_to_rows
 from verl.models.vocab_parallel import (
+    SamplingTruncation,
     vocab_parallel_gather_logprobs,
     vocab_parallel_logprobs_entropy,
     vocab_parallel_topk,
@@ -249,6 +250,7 @@ def _head_outputs(
     topk: int | None = None,
     score_ids: str | None = None,
     cp: "_CPSplit | None" = None,
+    truncation: SamplingTruncation | None = None,
 ) -> dict[str, torch.Tensor]:
     """Last-stage model output (packed) -> per-token outputs in the original layout. ``head_columns``:
     log-probabilities (and entropy) of the last that many columns only; ``topk``, ``score_ids``: the
@@ -292,7 +294,9 @@ def _head_outputs(
         logits = logits / temperature
     v_local = logits.shape[-1]
     vocab = dict(vocab_start=dist.get_rank(tp_group) * v_local, vocab_size=vocab_size, group=tp_group)
-    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, with_entropy=with_entropy, **vocab)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, targets, with_entropy=with_entropy, truncation=truncation, **vocab
+    )
     extra: dict[str, torch.Tensor] = {}  # [rows, S-1, k] (or [N, k] with chosen)
     if topk is not None:
         extra["topk_ids"], extra["topk_logprobs"] = vocab_parallel_topk(logits, topk, **vocab)
@@ -441,6 +445,7 @@ def forward_backward(
     topk: int | None = None,
     score_ids: str | None = None,
     routing: "RoutingMode | None" = None,
+    truncation: SamplingTruncation | None = None,
 ) -> ForwardResult:
     """Run the batch through the model in micro-batches with Megatron's pipeline schedule.
 
@@ -472,6 +477,9 @@ def forward_backward(
             come back as ``score_logprobs`` [B, T, k] (module docstring).
         routing: ``record`` the experts every token goes to (output ``routed_experts``), or ``replay``
             the batch's ``routed_experts`` (``verl.models.router_replay``); None: the routers decide.
+        truncation: the rollout sampler's top-k / top-p, applied to ``logprobs``/``entropy``
+            (``verl.models.vocab_parallel``); None: the full vocabulary. Top-k outputs and scored ids
+            stay full-vocabulary.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -542,6 +550,7 @@ def forward_backward(
         head_columns=head_columns,
         topk=topk,
         score_ids=score_ids,
+        truncation=truncation,
     )
     cp_splits: dict[int, _CPSplit] = {}  # per model width, shared by the micro-batches
 

@@ -13,12 +13,92 @@ Both quantities come from one autograd Function with an analytic, communication-
 
 - d logp(y) / d z_j = 1[j = y] - p_j
 - d H / d z_j = -p_j (z_j - E_p[z])          (H = -sum_j p_j log p_j)
+
+With a :class:`SamplingTruncation` (the rollout sampled with top-k / top-p) the softmax runs over the
+tokens the sampler kept only (:func:`truncation_mask`), so the log-probabilities are those of the
+distribution the engine drew from; the dropped tokens get probability 0 and zero gradient, the mask
+itself is a constant of the pass (as it is for the sampler).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingTruncation:
+    """The rollout sampler's top-k / top-p truncation, replayed by the trainer's log-prob passes
+    (``actor_rollout_ref.actor.replay_sampling_mask``)."""
+
+    top_k: int
+    """Keep the ``top_k`` largest logits (ties with the k-th kept); <= 0: off."""
+    top_p: float
+    """Then keep the smallest set of most probable tokens whose mass reaches ``top_p``; 1: off."""
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is truncated."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+@torch.no_grad()
+def truncation_mask(z: torch.Tensor, truncation: SamplingTruncation) -> torch.Tensor:
+    """Which tokens the sampler keeps: bool [N, V] from the temperature-scaled float32 logits ``z`` [N, V]
+    over the whole vocabulary (padding columns already -inf).
+
+    The rule of both engines' samplers (transformers' top-k then top-p warpers, vLLM's
+    ``apply_top_k_top_p``), step for step so the same logits give the same mask bit for bit: top-k
+    drops every logit below the k-th largest; top-p sorts the survivors ascending, takes the cumulative
+    sum of their softmax and drops those whose cumulative mass is <= 1 - top_p, always keeping the
+    largest. The most probable token is always kept.
+    """
+    keep = torch.isfinite(z)
+    if truncation.top_k > 0 and truncation.top_k < z.shape[-1]:
+        kth = z.topk(truncation.top_k, dim=-1).values[:, -1:]  # [N, 1]
+        keep &= z >= kth
+    if truncation.top_p < 1.0:
+        masked = z.masked_fill(~keep, float("-inf"))
+        sorted_z, order = masked.sort(dim=-1, descending=False)
+        cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1.0 - truncation.top_p
+        drop_sorted[:, -1] = False
+        keep &= ~drop_sorted.scatter(-1, order, drop_sorted)
+    return keep
+
+
+# Rows of the mask computed at once: its sort holds ~5 full-vocabulary tensors per row (values, the
+# int64 order, cumulative sums), so a long micro-batch is cut into pieces of about this many elements.
+_MASK_CHUNK_ELEMENTS = 2**24
+
+
+@torch.no_grad()
+def _local_truncation_mask(
+    z: torch.Tensor, truncation: SamplingTruncation, vocab_start: int, vocab_size: int, v_local: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """This rank's columns ``z`` [N, n_valid] of :func:`truncation_mask` over the full vocabulary. Under
+    tensor parallelism the top-k / top-p boundary depends on every rank's logits: the slices are
+    all-gathered (float32, no gradient; a piece of [rows, V] on each rank for the mask only) and each
+    rank keeps its part. Every rank of ``group`` cuts the same row pieces (N is the same on all)."""
+    n, n_valid = z.shape
+    tp = 1 if group is None else dist.get_world_size(group)
+    keep = torch.empty((n, n_valid), dtype=torch.bool, device=z.device)
+    step = max(1, _MASK_CHUNK_ELEMENTS // max(vocab_size, 1))
+    for r0 in range(0, n, step):
+        piece = z[r0 : r0 + step]
+        if tp == 1:
+            keep[r0 : r0 + step] = truncation_mask(piece, truncation)
+            continue
+        padded = torch.full((len(piece), v_local), float("-inf"), dtype=torch.float32, device=z.device)
+        padded[:, :n_valid] = piece
+        parts = [torch.empty_like(padded) for _ in range(tp)]
+        dist.all_gather(parts, padded, group=group)
+        full = torch.cat(parts, dim=-1)[:, :vocab_size]  # [rows, V]
+        keep[r0 : r0 + step] = truncation_mask(full, truncation)[:, vocab_start : vocab_start + n_valid]
+    return keep
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -29,20 +109,31 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, vocab_size, group, with_entropy):
+    def forward(ctx, logits, target, vocab_start, vocab_size, group, with_entropy, truncation):
         # logits [N, V_local] (any float dtype), target [N] global token ids. Megatron pads the
         # vocabulary at its end: this rank's columns past vocab_size are padding, which gets
         # probability 0, so they are left out of every pass (their gradient is 0).
         n, v_local = logits.shape
         n_valid = max(0, min(v_local, vocab_size - vocab_start))
         z = logits[:, :n_valid].float()  # [N, n_valid]
+        dropped = None
+        if truncation is not None and truncation.active:
+            keep = _local_truncation_mask(z, truncation, vocab_start, vocab_size, v_local, group)
+            # The sampled token was in the engine's kept set; where the trainer's logits put it just past
+            # the boundary (logits that differ in the last bits), keep it rather than give it log(0).
+            mine = ((target >= vocab_start) & (target < vocab_start + n_valid)).nonzero().squeeze(-1)
+            keep[mine, target[mine] - vocab_start] = True
+            dropped = ~keep
         if n_valid:
-            zmax = z.max(dim=-1).values  # [N]
+            zmax = z.max(dim=-1).values  # [N] (the most probable token is always kept)
         else:  # a rank holding only padding
             zmax = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
         zmax = _all_reduce(zmax, dist.ReduceOp.MAX, group)
         shifted = z - zmax.unsqueeze(-1)  # [N, n_valid]
         probs = shifted.exp()
+        if dropped is not None:  # probability 0; the shifted logit 0 so that 0 * it stays 0 (not 0 * -inf)
+            probs.masked_fill_(dropped, 0.0)
+            shifted.masked_fill_(dropped, 0.0)
         sum_exp = _all_reduce(probs.sum(dim=-1), dist.ReduceOp.SUM, group)  # [N]
         log_sum = sum_exp.log()
         probs.div_(sum_exp.unsqueeze(-1))  # [N, n_valid]: exp(shifted) / sum, in place
@@ -79,7 +170,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             grad = grad - grad_entropy.unsqueeze(-1) * probs * (shifted - expected.unsqueeze(-1))
         if ctx.padding:
             grad = torch.nn.functional.pad(grad, (0, ctx.padding))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(
@@ -90,8 +181,10 @@ def vocab_parallel_logprobs_entropy(
     vocab_size: int,
     group: dist.ProcessGroup | None,
     with_entropy: bool = True,
+    truncation: SamplingTruncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of ``target`` and entropy of the full-vocabulary softmax, per token.
+    """Log-probability of ``target`` and entropy of the full-vocabulary softmax, per token (of the
+    sampler's truncated softmax with ``truncation``).
 
     Args:
         logits: this rank's vocabulary slice, [..., V_local].
@@ -100,6 +193,8 @@ def vocab_parallel_logprobs_entropy(
         vocab_size: real vocabulary size; columns at or past it are padding.
         group: the tensor-parallel group (None or size 1: no communication).
         with_entropy: False returns zeros for entropy and skips its all-reduce.
+        truncation: the rollout's top-k / top-p (None or inactive: the full vocabulary); ``logits`` must
+            already be divided by the sampling temperature. ``target`` is always kept.
 
     Returns:
         (logprobs [...], entropy [...]) in float32, differentiable w.r.t. ``logits``.
@@ -110,7 +205,7 @@ def vocab_parallel_logprobs_entropy(
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_target = target.reshape(-1).long()
     logprob, entropy = _VocabParallelLogprobEntropy.apply(
-        flat_logits, flat_target, vocab_start, vocab_size, group, with_entropy
+        flat_logits, flat_target, vocab_start, vocab_size, group, with_entropy, truncation
     )
     return logprob.reshape(lead), entropy.reshape(lead)
 

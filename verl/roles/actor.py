@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from verl.config.schema import ActorConfig, DistillationLossConfig, ModelConfig
+    from verl.models.vocab_parallel import SamplingTruncation
 
 __all__ = ["Actor", "SAMPLE_WEIGHT"]
 
@@ -99,6 +100,8 @@ class Actor:
         log_prob_max_token_len: real tokens per forward micro-batch there instead (``rollout.
             log_prob_max_token_len_per_gpu`` with ``log_prob_use_dynamic_bsz``); None: rows.
         temperature: the sampling temperature the log-probabilities are taken at.
+        truncation: the rollout's top-k / top-p that the log-probabilities replay (the old-policy pass and
+            the update; ``actor.replay_sampling_mask``); None: full-vocabulary log-probabilities.
         balance: ``trainer.balance_batch``.
         old_log_prob: where the ratio's old log-probabilities come from (``PPOConfig.old_log_prob_source``):
             ``recompute``/``rollout``: the batch's ``old_log_probs``; ``current``: the update's own
@@ -123,6 +126,7 @@ class Actor:
         old_log_prob: str = "recompute",
         log_prob_max_token_len: int | None = None,
         distillation: "DistillationLossConfig | None" = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> None:
         if old_log_prob not in ("recompute", "current", "rollout"):
             raise ValueError(f"old_log_prob={old_log_prob!r}; expected recompute, current or rollout")
@@ -138,6 +142,7 @@ class Actor:
             key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         )
         self.temperature = temperature if temperature > 0 else 1.0
+        self.truncation = truncation if truncation is not None and truncation.active else None
         # Router replay (verl.models.router_replay): R2, the old-policy pass records each token's experts and
         # the update replays them; R3, both replay the experts the rollout engine recorded while generating.
         self.router_replay = cfg.megatron.router_replay.mode if cfg.strategy == "megatron" else "disabled"
@@ -179,6 +184,7 @@ class Actor:
             temperature=self.temperature,
             with_entropy=True,
             routing={"R2": "record", "R3": "replay"}.get(self.router_replay),
+            truncation=self.truncation,
         )
         if self.router_replay == "R2":
             batch[ROUTED_EXPERTS] = out[ROUTED_EXPERTS]
@@ -351,6 +357,7 @@ class Actor:
             with_entropy=cfg.entropy_coeff != 0 or self.measures_in_update,
             score_ids=TEACHER_TOPK_IDS if self._topk else None,
             routing="replay" if self.router_replay != "disabled" else None,
+            truncation=self.truncation,
         )
         metrics = step_metrics("actor", results, _METRICS)
         if self.measures_in_update and results:

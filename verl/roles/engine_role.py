@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from verl.config.schema import FSDPConfig, MegatronConfig, ModelConfig, OptimConfig
     from verl.engine.fsdp import FSDPEngine
     from verl.models.forward import OutputKind
+    from verl.models.vocab_parallel import SamplingTruncation
     from verl.models.weight_mapping import HeadKind
 
 __all__ = ["LossBuilder", "RoleEngine", "response_slice", "token_budget"]
@@ -278,6 +279,7 @@ class RoleEngine:
         max_token_len: int | None = None,
         topk: int | None = None,
         routing: str | None = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs of the response columns for every row of ``batch``: ``logprobs``
         (and ``entropy``) or ``values``, each [B, R] float32, identical on every rank.
@@ -287,15 +289,16 @@ class RoleEngine:
         also ``routed_experts`` [B, P+R, layers, k] (every column: prompt tokens are routed too);
         ``routing='replay'``: the batch's ``routed_experts`` decide every token's experts, and
         ``router_replay/agreement`` (a 0-dim tensor) is the batch's share of (real token, MoE layer) sets
-        the free choice would have kept."""
+        the free choice would have kept. ``truncation``: the rollout's top-k / top-p, replayed in the
+        log-probabilities (``verl.models.vocab_parallel``)."""
         with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
             return self._forward(batch, output=output, micro_batch_size=micro_batch_size,
                                  response_length=response_length, temperature=temperature,
                                  with_entropy=with_entropy, full=full, max_token_len=max_token_len, topk=topk,
-                                 routing=routing)
+                                 routing=routing, truncation=truncation)
 
     def _forward(self, batch: Batch, *, output, micro_batch_size, response_length, temperature, with_entropy,
-                 full, max_token_len, topk=None, routing=None) -> dict[str, torch.Tensor]:
+                 full, max_token_len, topk=None, routing=None, truncation=None) -> dict[str, torch.Tensor]:
         keys = ["input_ids", "attention_mask", *([ROUTED_EXPERTS] if routing == "replay" else []),
                 *image_columns(batch)]
         piece = shard(batch.select(keys), self.pg.dp, balance=self.balance)
@@ -313,6 +316,7 @@ class RoleEngine:
                     head_columns=response_length if output == "logprobs" and not full else None,
                     topk=topk,
                     routing=routing,
+                    truncation=truncation,
                 )
 
         kind = f"forward ({output})"
@@ -352,6 +356,7 @@ class RoleEngine:
         max_token_len: int | None = None,
         score_ids: str | None = None,
         routing: str | None = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> list[EngineStepResult]:
         """PPO updates: ``epochs`` passes over ``batch`` in global mini-batches of ``mini_batch_rows``
         rows (the last one shorter when the rows do not divide), one optimizer step each; returns
@@ -364,16 +369,17 @@ class RoleEngine:
         micro-batches by real tokens instead. ``score_ids``: one of ``keys``, [B, R, k] token ids of the
         response columns whose log-probabilities the loss reads as ``outputs["score_logprobs"]``
         ([b, P+R, k]; ``verl.models.forward``). ``routing='replay'``: the experts of ``routed_experts`` (one of
-        ``keys``) decide every token's experts (``verl.models.router_replay``).
+        ``keys``) decide every token's experts (``verl.models.router_replay``). ``truncation``: as :meth:`forward`.
         """
         with self.active():  # the role's groups (in its own world, for a role apart) answer inside it
             return self._train(batch, keys=keys, mini_batch_rows=mini_batch_rows, micro_batch_size=micro_batch_size,
                                epochs=epochs, make_loss=make_loss, shuffle_seed=shuffle_seed, output=output,
                                temperature=temperature, with_entropy=with_entropy, max_token_len=max_token_len,
-                               score_ids=score_ids, routing=routing)
+                               score_ids=score_ids, routing=routing, truncation=truncation)
 
     def _train(self, batch: Batch, *, keys, mini_batch_rows, micro_batch_size, epochs, make_loss, shuffle_seed,
-               output, temperature, with_entropy, max_token_len, score_ids=None, routing=None) -> list[EngineStepResult]:
+               output, temperature, with_entropy, max_token_len, score_ids=None, routing=None,
+               truncation=None) -> list[EngineStepResult]:
         needed = ["input_ids", "attention_mask", *dict.fromkeys([*keys, *image_columns(batch)])]
         rows = batch.select(needed)
         results = []
@@ -405,6 +411,7 @@ class RoleEngine:
                             head_columns=width if output == "logprobs" else None,
                             score_ids=score_ids,
                             routing=routing,
+                            truncation=truncation,
                         )
 
                 results.append(self._fit("update", micro_batch_size, max_token_len, local["attention_mask"], run))

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from verl.config.schema import ModelConfig, RefConfig
+    from verl.models.vocab_parallel import SamplingTruncation
     from verl.roles.actor import Actor
 
 __all__ = ["Reference"]
@@ -40,6 +41,8 @@ class Reference:
         pg: the reference's process groups.
         max_sequence_length: prompt + response length.
         temperature: the sampling temperature the log-probabilities are taken at.
+        truncation: the rollout's top-k / top-p, replayed as the actor replays it (so that the first
+            step's KL is 0); None: full-vocabulary log-probabilities.
         balance: ``trainer.balance_batch``.
         policy: the actor whose LoRA adapters are switched off to give the reference (``pg`` must
             be the actor's layout; nothing is built); None builds a frozen model of ``model``.
@@ -55,6 +58,7 @@ class Reference:
         temperature: float,
         balance: bool = False,
         policy: "Actor | None" = None,
+        truncation: "SamplingTruncation | None" = None,
     ) -> None:
         self.cfg = cfg
         self.policy = policy
@@ -65,6 +69,7 @@ class Reference:
             key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         )
         self.temperature = temperature if temperature > 0 else 1.0
+        self.truncation = truncation if truncation is not None and truncation.active else None
         if policy is not None:
             if not has_adapters(policy.engine.chunks[0]):
                 raise ValueError("Reference(policy=...): the actor has no LoRA adapters to switch off")
@@ -83,7 +88,8 @@ class Reference:
 
     def compute_log_prob(self, batch: Batch, *, temperature: float | None = None) -> torch.Tensor:
         """Log-probabilities of every response token under the reference policy, [B, R], at the
-        sampling temperature (or ``temperature``: DPO's pairs use 1)."""
+        sampling temperature and the sampler's truncation (or at ``temperature``, full-vocabulary: DPO's pairs
+        use 1)."""
         off = adapters_disabled(self.role.engine.chunks) if self.policy is not None else contextlib.nullcontext()
         with off:
             out = self._forward(batch, temperature)
@@ -97,4 +103,5 @@ class Reference:
             max_token_len=self.max_token_len,
             response_length=batch["responses"].shape[1],
             temperature=self.temperature if temperature is None else temperature,
+            truncation=self.truncation if temperature is None else None,
         )

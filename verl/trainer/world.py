@@ -40,6 +40,7 @@ from verl.config import PPOConfig
 from verl.config.schema import ModelConfig, OptimConfig
 from verl.engine import lr_schedule_steps
 from verl.hybrid import DisaggregatedSync
+from verl.models.vocab_parallel import SamplingTruncation
 from verl.parallel import megatron_state
 from verl.parallel.bootstrap import new_group
 from verl.parallel.placement import role_ranks
@@ -49,6 +50,7 @@ from verl.rewards import reward_manager_from_config
 from verl.roles import Actor, Critic, Reference, RewardModel, Rollout
 from verl.roles.dispatch import share_columns, share_object
 from verl.roles.engine_role import token_budget
+from verl.rollout.base import sampling_spec
 from verl.roles.teacher import Teacher
 
 logger = logging.getLogger(__name__)
@@ -275,6 +277,17 @@ def _trainer_group(cfg: PPOConfig, world: RLWorld) -> None:
     world.generates_only = dist.get_rank() in only
 
 
+def replayed_truncation(cfg: PPOConfig) -> SamplingTruncation | None:
+    """The rollout sampler's top-k / top-p that the actor's and reference's log-prob passes replay
+    (``actor_rollout_ref.actor.replay_sampling_mask``); None when off, or when training samples are
+    drawn greedily or untruncated."""
+    if not cfg.actor_rollout_ref.actor.replay_sampling_mask:
+        return None
+    spec = sampling_spec(cfg.actor_rollout_ref.rollout, validate=False)
+    truncation = SamplingTruncation(top_k=spec.top_k, top_p=spec.top_p)
+    return truncation if not spec.greedy and truncation.active else None
+
+
 def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_steps: int) -> RLWorld:
     """The placement and this rank's roles for ``cfg`` (module docstring's order); the
     learning-rate schedules span ``total_steps`` trainer steps. What was built is freed when a
@@ -323,6 +336,7 @@ def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_ste
         torch.manual_seed(t.seed)
         # 4. The trained and frozen roles, then the reward.
         balance, temperature = t.balance_batch, arr.rollout.temperature
+        truncation = replayed_truncation(cfg)
         if "actor" in groups:
             world.actor = Actor(
                 dataclasses.replace(arr.actor, optim=actor_optim),
@@ -341,12 +355,13 @@ def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_ste
                 balance=balance,
                 old_log_prob=cfg.old_log_prob_source,
                 distillation=cfg.distillation.distillation_loss if cfg.use_teacher else None,
+                truncation=truncation,
             )
         if "ref" in groups:
             world.reference = Reference(
                 arr.ref, arr.model, pg=groups["ref"].pg_collection, max_sequence_length=max_len,
                 temperature=temperature, balance=balance,
-                policy=world.actor if arr.model.lora_rank > 0 else None,
+                policy=world.actor if arr.model.lora_rank > 0 else None, truncation=truncation,
             )
         if critic_cfg is not None and "critic" in groups:
             world.critic = Critic(
