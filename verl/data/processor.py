@@ -16,9 +16,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ImageTextProcessor", "image_token_id", "is_vlm_dir", "load_processor"]
-
-_VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+__all__ = ["ImageTextProcessor", "image_token_id", "load_processor"]
 
 
 def _image_only_class() -> type:
@@ -46,20 +44,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def is_vlm_dir(path: str) -> bool:
-    """Whether ``path``'s config.json is of a vision-language family this module loads."""
-    import json
-
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type") in _VLM_MODEL_TYPES
-    except (OSError, ValueError):
-        return False
-
-
 def load_processor(path: str, *, trust_remote_code: bool = False) -> Any:
     """The processor saved in ``path``: ``AutoProcessor``'s, or without torchvision the image-and-text
-    :class:`ImageTextProcessor` built from the directory's tokenizer and image processor."""
+    :class:`ImageTextProcessor` (Qwen2.5-VL's processor; its placeholder and grid rules are Qwen2-VL's
+    and Qwen2.5-VL's) built from the directory's tokenizer and image processor."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:

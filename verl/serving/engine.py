@@ -225,7 +225,7 @@ class ServedModel:
         from transformers import AutoTokenizer
 
         from verl.config.schema import RolloutConfig
-        from verl.data.processor import is_vlm_dir, load_processor
+        from verl.data.processor import load_processor
         from verl.rollout import build_rollout_engine
 
         model_dir = os.path.abspath(os.path.expanduser(os.fspath(model_dir)))
@@ -246,7 +246,7 @@ class ServedModel:
         self.engine_name = resolve_engine(engine)
         self.processor: Any = None
         """A vision-language model's processor (``verl.serving.vlm``); None for a text model."""
-        if is_vlm_dir(model_dir):
+        if "vision_config" in self.hf_config:  # a vision-language model (Qwen2.5-VL, Qwen3-VL ...)
             if engine == "vllm":
                 raise ValueError(
                     f"engine=vllm: {model_dir} is a vision-language model, which this server runs on the hf engine "
