@@ -12,9 +12,9 @@ import time
 import pytest
 
 from verl.config.schema import RolloutMultiTurnConfig
-from verl.rollout.agent import AgentLoop, FunctionTool, ToolCall
+from verl.rollout.agent import AgentLoop, AgentLoopBase, FunctionTool, ToolCall
 from verl.rollout.agent.parser import FORMATS, parse_hermes, parse_llama3_json, parse_qwen3_coder, tool_call_parser
-from verl.rollout.base import SamplingSpec
+from verl.rollout.base import Sample, SamplingSpec
 from tests.rollout.test_templates import TOOLS, Scripted, family_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -234,3 +234,44 @@ def test_preflight_names_a_bad_format():
     assert problems("llama3_json") == [] and problems(f"{__name__}.my_parser") == []
     [bad] = problems("pythonic")
     assert bad.startswith("actor_rollout_ref.rollout.multi_turn.format='pythonic' is not a tool-call format")
+
+
+# --------------------------------------------------------------------------- custom loops in the same engine calls
+
+
+class AskAgain(AgentLoopBase):
+    """A custom loop: a model turn, a fixed user follow-up, a second model turn."""
+
+    async def run(self, conversation) -> None:
+        await conversation.generate()
+        if not conversation.stopped and conversation.add_messages([{"role": "user", "content": "Sure?"}]):
+            await conversation.generate()
+
+
+def test_custom_loops_share_the_engine_calls_of_the_built_in_loop():
+    """A built-in conversation (a call, then the answer) and two custom ones (two model turns each):
+    both rounds are ONE engine call holding all three contexts (one after another it took four)."""
+    tok = family_tokenizer("chatml")
+    encode = functools.partial(tok.encode, add_special_tokens=False)
+    prompt = encode(tok.apply_chat_template([{"role": "user", "content": "2+3?"}], add_generation_prompt=True, tokenize=False))
+    call = encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>') + [tok.eos_token_id]
+    answer = encode("5") + [tok.eos_token_id]
+    calls = []
+
+    class Recording(Scripted):
+        def _sample(self, prompts, spec):
+            calls.append([list(p) for p in prompts])
+            # The built-in conversation (first in the call) calls the tool in round 1; every other turn answers.
+            turns = [call if (len(calls) == 1 and i == 0) else answer for i in range(len(prompts))]
+            return [Sample(token_ids=ids, logprobs=[-0.5] * len(ids), hit_length_limit=False) for ids in turns]
+
+    loop = AgentLoop(RolloutMultiTurnConfig(enable=True), TOOLS, tok, response_length=200, agent_loops={"ask_again": AskAgain()})
+    trajs = loop.run(Recording(tok, [answer]), [prompt, prompt, prompt], SPEC, agent_names=[None, "ask_again", "ask_again"])
+    assert len(calls) == 2 and [len(c) for c in calls] == [3, 3]
+    built_in, custom = trajs[0], trajs[1:]
+    assert [c.name for c in built_in.calls] == ["add"] and built_in.assistant_turns == 2 and built_in.stop_reason == "answer"
+    for t in custom:
+        assert t.assistant_turns == 2 and t.user_turns == 1 and t.stop_reason == "answer"
+    # Every context of the second call is its conversation's trajectory up to that turn.
+    for t, ctx in zip(trajs, calls[1]):
+        assert (t.prompt_ids + t.response_ids)[: len(ctx)] == ctx

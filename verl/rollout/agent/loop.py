@@ -130,6 +130,80 @@ class ReplicaShare:
         return box[0]
 
 
+class _CustomLoops:
+    """The custom agent loops' conversations of one :meth:`AgentLoop.run`: ``asyncio`` tasks on a
+    private event loop, stepped by the run's rounds. :meth:`settle` runs them until every live one
+    waits in ``Conversation.generate()`` and returns those conversations; the round samples their
+    turns in the same engine call as the built-in loops' turns; :meth:`answer` hands them the ids.
+    Leaving the ``with`` block cancels what still runs and closes the event loop."""
+
+    def __init__(self, owner: AgentLoop, trajs: list[Trajectory], infos: list[Mapping[str, Any]]) -> None:
+        import asyncio
+
+        self.trajs = trajs
+        self.requests: list[tuple[Trajectory, Any]] = []  # (conversation, future of its sampled ids)
+        self.tasks: list[Any] = []
+        self.loop = asyncio.new_event_loop() if trajs else None
+        if self.loop is None:
+            return
+        self.wake = asyncio.Event()
+        for t, info in zip(trajs, infos):
+            conversation = Conversation(
+                t, self._ask, info, tools=owner.tools, tokenizer=owner.tokenizer, config=owner.cfg, encoder=owner.encoder,
+                response_length=owner.response_length,
+            )
+            task = self.loop.create_task(owner.agent_loops[t.agent_name].run(conversation))
+            task.add_done_callback(lambda _: self.wake.set())
+            self.tasks.append(task)
+
+    def _ask(self, t: Trajectory) -> Any:
+        future = self.loop.create_future()
+        self.requests.append((t, future))
+        self.wake.set()
+        return future
+
+    async def _until_all_wait(self) -> None:
+        while True:
+            for task in self.tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            if len(self.requests) == sum(not task.done() for task in self.tasks):
+                return
+            self.wake.clear()
+            await self.wake.wait()
+
+    def settle(self) -> list[Trajectory]:
+        """Run the conversations until each live one waits for a model turn; those conversations."""
+        if self.loop is None:
+            return []
+        self.loop.run_until_complete(self._until_all_wait())
+        return [t for t, _ in self.requests]
+
+    def answer(self, sampled: list[list[int]]) -> None:
+        """The sampled ids of the turns :meth:`settle` returned, in its order."""
+        batch, self.requests = self.requests, []
+        for (_, future), ids in zip(batch, sampled):
+            future.set_result(ids)
+
+    def __enter__(self) -> _CustomLoops:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.loop is None:
+            return
+        import asyncio
+
+        try:
+            for task in self.tasks:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*self.tasks, return_exceptions=True))
+        finally:
+            self.loop.close()
+        if exc_type is None:
+            for t in self.trajs:
+                t.stop_reason = t.stop_reason or "answer"
+
+
 def _opening_text(value: Any, t: Trajectory) -> str | None:
     """The opening text ``start_interaction`` returned for ``t``, or None. The reference verl's
     ``start_interaction`` returns the instance id it was given; that is not an opening."""
@@ -292,15 +366,17 @@ class AgentLoop:
         runs_env = self.replica is None or self.replica.leader
         try:
             self._open(talking, prompt_width, leader=runs_env)
-            for rnd in itertools.count():
-                if not active:
-                    break
-                pending = self._model_turns(engine, active, spec, seed=_round_seed(seed, rnd))
-                self._tool_turns(pending, created)
-                active = [t for t in active if not t.stop_reason]
-            if custom:
-                infos = [((extra_infos[i // spec.n] if extra_infos is not None else None) or {}) for _, i in custom]
-                self._run_custom(engine, [t for t, _ in custom], infos, spec, seed=seed)
+            infos = [((extra_infos[i // spec.n] if extra_infos is not None else None) or {}) for _, i in custom]
+            with _CustomLoops(self, [t for t, _ in custom], infos) as loops:
+                for rnd in itertools.count():
+                    waiting = loops.settle()  # the custom loops' conversations that ask for a model turn
+                    if not active and not waiting:
+                        break
+                    # One engine call for the built-in and the custom loops' model turns of this round.
+                    got = self._sample_turns(engine, active + waiting, spec, seed=_round_seed(seed, rnd))
+                    loops.answer(got[len(active) :])
+                    self._tool_turns(self._model_turns(active, got[: len(active)]), created)
+                    active = [t for t in active if not t.stop_reason]
             self.last_episodes = []
             if programs:
                 self._run_programs(engine, trajs, programs, samples, spec, seed=seed, prompt_width=prompt_width, tag=tag)
@@ -372,60 +448,6 @@ class AgentLoop:
             else:
                 t.stop_reason = "dropped" if ep.state == "dropped" else "no_request"
 
-    def _run_custom(
-        self, engine: RolloutEngine, trajs: list[Trajectory], infos: list[Mapping[str, Any]], spec: SamplingSpec, *, seed: int | None
-    ) -> None:
-        """Run the custom loops' conversations concurrently (``asyncio``): whenever every live one
-        waits for a model turn, their contexts go to the engine in one call."""
-        import asyncio
-
-        async def main() -> None:
-            wake = asyncio.Event()
-            requests: list[tuple[Trajectory, asyncio.Future]] = []
-
-            def ask(t: Trajectory) -> asyncio.Future:
-                future = asyncio.get_running_loop().create_future()
-                requests.append((t, future))
-                wake.set()
-                return future
-
-            tasks = []
-            for t, info in zip(trajs, infos):
-                conversation = Conversation(
-                    t, ask, info, tools=self.tools, tokenizer=self.tokenizer, config=self.cfg, encoder=self.encoder,
-                    response_length=self.response_length,
-                )
-                task = asyncio.ensure_future(self.agent_loops[t.agent_name].run(conversation))
-                task.add_done_callback(lambda _: wake.set())
-                tasks.append(task)
-            rnd = 0
-            try:
-                while True:
-                    for task in tasks:
-                        if task.done() and task.exception() is not None:
-                            raise task.exception()
-                    live = [task for task in tasks if not task.done()]
-                    if not live:
-                        break
-                    if len(requests) == len(live):  # every live conversation waits for the engine
-                        batch = list(requests)
-                        requests.clear()
-                        # Their own stream of seeds, apart from the built-in loop's rounds.
-                        got = self._sample_turns(engine, [t for t, _ in batch], spec, seed=_round_seed(seed, 100_000 + rnd))
-                        rnd += 1
-                        for (_, future), ids in zip(batch, got):
-                            future.set_result(ids)
-                        continue
-                    wake.clear()
-                    await wake.wait()
-            finally:
-                for task in tasks:
-                    task.cancel()
-            for t in trajs:
-                t.stop_reason = t.stop_reason or "answer"
-
-        asyncio.run(main())
-
     def _open(self, talking: list[Trajectory], prompt_width: int | None, *, leader: bool) -> None:
         """Start each conversation's interaction; an opening text it returns becomes a user turn
         at the end of the conversation's prompt ids (:meth:`ToolTurnEncoder.open_with`). In a
@@ -456,13 +478,12 @@ class AgentLoop:
             if isinstance(value, Exception):  # a failed clean-up must not lose the rollout
                 logger.error("finalizing interaction %s of conversation %s failed: %r", t.interaction.name, t.instance_id, value)
 
-    def _model_turns(
-        self, engine: RolloutEngine, active: list[Trajectory], spec: SamplingSpec, *, seed: int | None
-    ) -> list[tuple[Trajectory, list[ToolCall] | None, bool]]:
-        """One model turn for every live conversation; returns those that called tools (with
-        their calls) or await their interaction's answer (calls None)."""
+    def _model_turns(self, active: list[Trajectory], sampled: list[list[int]]) -> list[tuple[Trajectory, list[ToolCall] | None, bool]]:
+        """Read the model turn every live conversation just had (``sampled``, already appended by
+        :meth:`_sample_turns`); returns those that called tools (with their calls) or await their
+        interaction's answer (calls None)."""
         pending = []
-        for t, ids in zip(active, self._sample_turns(engine, active, spec, seed=seed)):
+        for t, ids in zip(active, sampled):
             if t.stop_reason:
                 continue
             if t.agent_name == "single_turn_agent":
