@@ -3,7 +3,9 @@
 - the tools (:mod:`verl.tools`, re-exported here): the ``Tool`` contract, plain functions as
   tools, the registry and YAML tool config, the calculator, the sandboxed Python interpreter and
   BM25 retrieval over a local collection;
-- :mod:`~verl.rollout.agent.parser`: tool calls in the model's text (Hermes ``<tool_call>``);
+- :mod:`~verl.rollout.agent.parser`: tool calls in the model's text (Hermes, Qwen3-Coder's XML, Llama 3's
+  JSON, or your own parser: ``multi_turn.format``);
+- :mod:`~verl.rollout.agent.templates`: the start-up check of the chat template (its family and quirks);
 - :mod:`~verl.rollout.agent.loop`: ``AgentLoop``: conversations against a rollout engine, token
   in and token out, with the loss mask on sampled tokens only;
 - :mod:`~verl.rollout.agent.trajectory` and :mod:`~verl.rollout.agent.turns`: one conversation as
@@ -39,7 +41,16 @@ from verl.rollout.agent.interaction import (
     register_interaction,
 )
 from verl.rollout.agent.loop import AgentLoop, agent_metrics, assemble_agent_rollout
-from verl.rollout.agent.parser import PARSERS, ToolCall, parse_hermes
+from verl.rollout.agent.parser import (
+    FORMATS,
+    PARSERS,
+    ToolCall,
+    parse_hermes,
+    parse_llama3_json,
+    parse_qwen3_coder,
+    tool_call_parser,
+)
+from verl.rollout.agent.templates import TemplateReport, check_template
 from verl.rollout.agent.trajectory import Trajectory
 from verl.rollout.agent.turns import ToolTurnEncoder
 from verl.tools import (
@@ -69,6 +80,7 @@ __all__ = [
     "load_agent_loop_config",
     "register",
     "INTERACTIONS",
+    "FORMATS",
     "PARSERS",
     "AnswerCheckInteraction",
     "Interaction",
@@ -92,6 +104,11 @@ __all__ = [
     "check_arguments",
     "load_tool_config",
     "parse_hermes",
+    "parse_llama3_json",
+    "parse_qwen3_coder",
+    "tool_call_parser",
+    "check_template",
+    "TemplateReport",
     "register_tool",
     "safe_calculate",
 ]
