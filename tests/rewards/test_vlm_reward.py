@@ -204,3 +204,61 @@ def test_reward_model_scorer_takes_a_vlm_object(vlm, processor, head_dir):
     assert torch.equal(expected, actual)  # the same weights written and read back: bitwise
     with pytest.raises(ValueError, match="tokenizer=.*processor"):
         RewardModelScorer(rm_model=VLMRewardModel(vlm))
+
+
+def _grpo_with_vlm_reward(vlm_dir: str, rm_dir: str, train_file: str, root: str) -> list[dict]:
+    """(On each rank) one GRPO step with images on the FSDP2 actor, scored by the VLM reward model as
+    the trainer's reward-model role; the logged metrics."""
+    import json
+
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(
+        PPOConfig,
+        config_file="grpo_tiny_cpu",
+        overrides=[
+            f"actor_rollout_ref.model.path={vlm_dir}", f"data.train_files={train_file}", "data.val_files=null",
+            "data.max_prompt_length=48", "data.max_response_length=4", "data.train_batch_size=2",
+            "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            "reward_model.enable=true", f"reward_model.model.path={rm_dir}", "reward_model.strategy=fsdp2",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_hf=false",
+            "trainer.n_gpus_per_node=1", "trainer.logger=[jsonl]", "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={root}", f"trainer.log_dir={root}/logs",
+        ],
+        world_size=1,
+    )
+    with PPOTrainer(cfg) as trainer:
+        assert isinstance(trainer.world.reward.model_role, VLMRewardEngine)
+        trainer.fit()
+    with open(f"{root}/logs/metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_grpo_step_scores_with_the_vlm_reward_model(vlm_dir, head_dir, tmp_path, run_dist):
+    """reward_model.model.path = a VLM reward model's directory: the trainer's role is a VLMRewardEngine and
+    a GRPO step with images is scored by it (a row's images missing would stop the step: the role refuses it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def png(image: Image.Image) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+
+    rows = [{"prompt": "<image>Which colour?", "images": [{"bytes": png(im), "path": None}],
+             "data_source": "hiyouga/geometry3k", "reward_model": {"style": "rule", "ground_truth": c}}
+            for im, c in ((RED, "red"), (BLUE, "blue"))]
+    train = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    [steps] = run_dist(_grpo_with_vlm_reward, 1, vlm_dir, head_dir, train, str(tmp_path / "run"), timeout=580)
+    assert "reward/model_score_mean" in steps[0], sorted(steps[0])
+    assert steps[0]["reward/model_score_mean"] != 0.0
