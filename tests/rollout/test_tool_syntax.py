@@ -275,3 +275,29 @@ def test_custom_loops_share_the_engine_calls_of_the_built_in_loop():
     # Every context of the second call is its conversation's trajectory up to that turn.
     for t, ctx in zip(trajs, calls[1]):
         assert (t.prompt_ids + t.response_ids)[: len(ctx)] == ctx
+
+
+def test_preflight_refuses_a_chat_template_the_loop_cannot_use(tiny_models, tmp_path):
+    """Before any engine is built: a template without a generation prompt, with multi_turn on."""
+    import json
+    import shutil
+
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.ppo_checks import _model_folder_problems
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["qwen2"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for f in model.glob("chat_template.j*"):
+        f.unlink()
+
+    def problems(multi_turn: bool) -> list[str]:
+        cfg = load_config(PPOConfig, config_file="grpo_tiny_cpu", world_size=2, overrides=[
+            f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.multi_turn.enable={str(multi_turn).lower()}"])
+        return [p for p in _model_folder_problems(cfg) if "chat template" in p]
+
+    assert problems(False) == []
+    [bad] = problems(True)
+    assert bad.startswith(f"actor_rollout_ref.model.tokenizer_path={model}: the chat template's generation prompt")

@@ -339,6 +339,13 @@ def _model_folder_problems(cfg: PPOConfig) -> list[str]:
     if cfg.reward_model.enable and cfg.reward_model.model.path and cfg.reward_model.strategy == "megatron":
         models.append(("reward_model.model.path", cfg.reward_model.model))
     problems = []
+    if arr.rollout.multi_turn.enable:  # the agent loop adds turns with the chat template: can it?
+        from verl.rollout.agent.templates import check_template
+
+        try:
+            check_template(tokenizer)
+        except ValueError as exc:
+            problems.append(f"actor_rollout_ref.model.tokenizer_path={policy.tokenizer_path or policy.path}: {exc}")
     for key, model in models:
         spec = load_model_spec(model, key=key)
         found = weight_problems(os.path.expanduser(model.path), spec, tokenizer_size=len(tokenizer))
