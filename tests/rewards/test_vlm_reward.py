@@ -159,7 +159,8 @@ def test_a_dropped_image_is_refused(head_dir, processor):
     bad.non_tensors["multi_modal_inputs"][1] = bad.non_tensors["multi_modal_inputs"][0] | {
         "image_grid_thw": torch.tensor([[1, 4, 4]])
     }
-    with pytest.raises(ValueError, match=r"row 1: \d+ image placeholder tokens in the sequence but its image_grid_thw \[\[1, 4, 4\]\] gives 4"):
+    grid_error = r"row 1: \d+ image placeholder tokens in the sequence but its image_grid_thw \[\[1, 4, 4\]\] gives 4"
+    with pytest.raises(ValueError, match=grid_error):
         role.score(bad)
 
 

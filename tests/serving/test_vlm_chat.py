@@ -20,8 +20,8 @@ from verl.testing.tiny_vlm import cached_tiny_vlm  # noqa: E402
 
 NAME = "tiny-vlm"
 MAX_TOKENS = 8
-LIMITS = ServeLimits(max_tokens=MAX_TOKENS, default_completion_tokens=4, max_prompts=2, max_n=2, batch_wait_ms=0, max_image_pixels=64 * 64,
-                     max_images=2)
+LIMITS = ServeLimits(max_tokens=MAX_TOKENS, default_completion_tokens=4, max_prompts=2, max_n=2, batch_wait_ms=0,
+                     max_image_pixels=64 * 64, max_images=2)
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> str:
@@ -69,8 +69,9 @@ def _reference(vlm_dir: str, image: Image.Image, question: str) -> tuple[str, in
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], images=[image], add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=processor.tokenizer.eos_token_id,
-                             pad_token_id=processor.tokenizer.pad_token_id)
+        tok = processor.tokenizer
+        out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
     new = out[0, enc["input_ids"].shape[1]:]
     return processor.tokenizer.decode(new, skip_special_tokens=True), int(enc["input_ids"].shape[1])
 

@@ -215,7 +215,9 @@ def load_vlm_reward(path: str, *, dtype: torch.dtype = torch.float32, tokenizer:
         with open(info_path, encoding="utf-8") as f:
             info = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{info_path} cannot be read ({exc}); write the reward model again with save_pretrained") from None
+        raise ValueError(
+            f"{info_path} cannot be read ({exc}); write the reward model again with save_pretrained"
+        ) from None
     kind = info.get("kind")
     if kind not in ("scalar_head", "judge"):
         raise ValueError(f"{info_path}: kind={kind!r}; it must be 'scalar_head' or 'judge'")

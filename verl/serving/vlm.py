@@ -155,7 +155,10 @@ class VLMEngine(RolloutEngine):
             )
         generated = out.sequences[:, ids.shape[1]:]  # [n, T]
         logps = torch.stack(
-            [torch.log_softmax(s.float(), -1).gather(-1, generated[:, t:t + 1]).squeeze(-1) for t, s in enumerate(out.scores)],
+            [
+                torch.log_softmax(s.float(), -1).gather(-1, generated[:, t:t + 1]).squeeze(-1)
+                for t, s in enumerate(out.scores)
+            ],
             dim=1,
         ).cpu()  # [n, T]
         samples = []
@@ -190,7 +193,9 @@ class VLMEngine(RolloutEngine):
         with torch.no_grad():
             for name, tensor in weights:
                 if name not in targets or tuple(targets[name].shape) != tuple(tensor.shape):
-                    raise ValueError(f"update_weights: {name} {list(tensor.shape)} is not a parameter of the served model")
+                    raise ValueError(
+                        f"update_weights: {name} {list(tensor.shape)} is not a parameter of the served model"
+                    )
                 targets[name].data.copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
