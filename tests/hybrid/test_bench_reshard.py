@@ -46,8 +46,40 @@ def test_plan_only_llama3_70b_matches_the_hand_calculation():
         assert r["peers"] == 3  # the same TP rank of the three other stages
         # Naive: all of the other stages whole, plus 7/8 of its own stage, per rank: ~10x more.
         assert r["naive_bytes_received"] > 9 * r["bytes_received"]
-    assert result["peak_extra_bytes_bound_max"] == 2 * 512 * 2**20  # two 512 MiB buckets
+    # Two buffers of half the largest piece moved (an embedding / LM-head shard: 16032 x 8192 bf16, whose
+    # half is below the 512 MiB bucket), against the naive path's gathered and merged embedding.
+    assert result["peak_extra_bytes_bound_max"] == vocab_rows * h * 2
     assert result["naive_peak_extra_bytes_max"] == 2 * 2 * v * h  # the whole embedding, gathered and merged
+
+
+@pytest.mark.parametrize(("train_tp", "train_pp", "rollout_tp"), [(1, 2, 2), (2, 1, 1), (2, 1, 2)])
+def test_buckets_are_sized_to_the_transfer_of_a_small_model(tmp_path, train_tp, train_pp, rollout_tp):
+    """With the default 512 MiB bucket, a small model's two transfer buffers together are no larger than the
+    largest piece it moves, so the push's peak extra memory stays at or below the naive path's on every rank."""
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from tools.benchmarks.reshard import _reshard_layouts, _reshard_plan_only
+    from verl.hybrid.plan import build_plan
+    from verl.models.hf_config import parse_hf_config
+
+    LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)
+    args = argparse.Namespace(config=str(tmp_path / "config.json"), model=None, train_tp=train_tp, train_pp=train_pp,
+                              train_vpp=None, rollout_tp=rollout_tp, bucket_mb=512.0, destination="hf-shards",
+                              dtype="bf16", world=None)
+    result = _reshard_plan_only(args)
+    for r in result["ranks"]:
+        assert r["peak_extra_bytes_bound"] <= r["naive_peak_extra_bytes"], r
+    # The buffers execute_plan allocates: two of half the largest piece, where the earlier sizing took two of
+    # a peer's whole traffic.
+    plan = build_plan(*_reshard_layouts(parse_hf_config(args.config), args, train_tp * train_pp))
+    for rank in range(plan.world_size):
+        st = plan.rank_stats(rank)
+        traffic = max([*st.received.values(), *st.sent.values(), 0])
+        assert plan.bucket_elements(rank, 2**40) == plan.largest_piece(rank) // 2
+        assert plan.largest_piece(rank) < traffic or traffic == 0
 
 
 @pytest.mark.distributed

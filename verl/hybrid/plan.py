@@ -100,12 +100,30 @@ class ReshardPlan:
                 sent[d] = n
         return RankStats(rank=rank, local_elements=local, received=received, sent=sent, tensors_touched=len(touched))
 
+    def largest_piece(self, rank: int, *, local: bool = False) -> int:
+        """Elements of the largest piece ``rank`` exchanges: the most of one destination tensor that it
+        sends to or receives from one peer (``local``: its own copies count too)."""
+        largest = 0
+        for (s, d), r in self.pairs.items():
+            if rank not in (s, d) or (s == d and not local) or not len(r):
+                continue
+            per_tensor = np.bincount(r[:, DST_TENSOR], weights=r[:, LENGTH])
+            largest = max(largest, int(per_tensor.max()))
+        return largest
+
+    def bucket_elements(self, rank: int, bucket_elements: int, *, local: bool = False) -> int:
+        """The push's bucket on ``rank``: ``bucket_elements``, but no more than half of :meth:`largest_piece`
+        (0 when nothing moves). The push holds two buffers of it, so its extra memory stays at or below
+        the largest piece, which the naive path holds too (gathered whole, with the rest of its tensor):
+        at or below the naive path's peak for any model, where a bucket-sized pair of buffers would be far
+        above it for a small one."""
+        largest = self.largest_piece(rank, local=local)
+        return min(bucket_elements, max(1, largest // 2)) if largest else 0
+
     def peak_extra_bound(self, rank: int, element_size: int, bucket_bytes: int) -> int:
         """Bound on the push's extra memory on ``rank`` in bytes: two buckets (one filling, one in
-        flight), never more than twice the largest exchange with one peer."""
-        st = self.rank_stats(rank)
-        largest_pair = max([*st.received.values(), *st.sent.values(), 0]) * element_size
-        return 2 * min(bucket_bytes, largest_pair)
+        flight) of :meth:`bucket_elements` (same dtypes on both sides: no cast buffer)."""
+        return 2 * self.bucket_elements(rank, bucket_bytes // element_size) * element_size
 
     def describe(self, element_size: int) -> str:
         """A readable table: per rank, bytes copied locally, received (and from whom), sent, tensors touched."""

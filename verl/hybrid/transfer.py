@@ -10,10 +10,11 @@ post ``isend``/``irecv`` together, and the receiver unpacks the receive buffer w
 straight into the destination tensors. A pair with nothing to move costs nothing, so with
 TP == TP' and PP = 1 nothing crosses the network.
 
-Memory: one send and one receive buffer, each at most a bucket (and no larger than the largest
-pair's traffic), allocated once per push: peak extra memory <= 2 x bucket (plus one cast
-buffer when the actor's dtype differs from the engine's, where the receiver casts the bucket
-before unpacking).
+Memory: one send and one receive buffer, each at most a bucket and at most half the largest piece
+moved (the most of one tensor exchanged with one peer: ``ReshardPlan.bucket_elements``), allocated
+once per push: peak extra memory <= min(2 x bucket, that piece), at or below the naive path's, which
+holds the whole tensor (plus one cast buffer when the actor's dtype differs from the engine's, where
+the receiver casts the bucket before unpacking).
 """
 
 from __future__ import annotations
@@ -128,15 +129,12 @@ def execute_plan(
             raise ValueError("execute_plan: this rank holds no tensors; pass device (where its buffers live)")
         device = (destinations or sources)[0].device
     elem = torch.empty((), dtype=src_dtype).element_size()
-    # Buffers sized for the largest bucket this rank will send or receive.
+    # Buffers sized to the transfer: a bucket, or the largest piece this rank moves when smaller.
     sends = [plan.ranges(rank, (rank + k) % world) for k in range(1, world)]
     recvs = [plan.ranges((rank - k) % world, rank) for k in range(1, world)]
     local = plan.ranges(rank, rank)
     cast_needed = src_dtype != dst_dtype
-    largest = max([int(r[:, LENGTH].sum()) for r in (*sends, *recvs)] + [0])
-    if cast_needed:
-        largest = max(largest, int(local[:, LENGTH].sum()))
-    size = min(bucket_elements, largest)
+    size = plan.bucket_elements(rank, bucket_elements, local=cast_needed)
     send_buf = torch.empty(size, dtype=src_dtype, device=device)
     recv_buf = torch.empty(size, dtype=src_dtype, device=device)
     cast_buf = torch.empty(size if cast_needed else 0, dtype=dst_dtype, device=device)
