@@ -134,7 +134,7 @@ def test_episode_ids_equal_engine_ids_turn_by_turn(tok, engine, tiny_models):
         assert out["interaction_scores"][i].nonzero().flatten().tolist() == [last]
         assert float(out["interaction_scores"][i, last]) == 0.5 + i
     m = loop.last_metrics
-    assert m["agent/endpoint/requests"] == 6 and m["agent/endpoint/prefix_mismatch"] == 0 and m["agent/stop/answer"] == 1
+    assert 3 <= m["agent/endpoint/engine_calls"] <= 6 and m["agent/endpoint/requests"] == 6 and m["agent/endpoint/prefix_mismatch"] == 0 and m["agent/stop/answer"] == 1
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
     actual = hf_response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"], response_length=R)
     sampled = out["response_mask"].bool()
@@ -300,3 +300,62 @@ def test_agent_loop_config_lists_programs(tmp_path):
     path.write_text("- {name: both, _target_: x.y, command: [a]}\n")
     with pytest.raises(ValueError, match="entry 0: each entry is a mapping with name and _target_.*or name and command"):
         load_agent_loop_config(str(path))
+
+
+# --------------------------------------------------------------------------- engines that sample together
+class _PairedEngine:
+    """Stands in for vLLM's data-parallel replicas: every ``sample`` all-reduces across the ranks
+    (as vLLM's engine step does), so an unpaired call hangs; answers ``[7, 8, eos]``."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos, self.calls = eos, []
+
+    def sample(self, prompts, spec, *, seed=None):
+        import torch.distributed as dist
+
+        from verl.rollout.base import Sample
+
+        dist.all_reduce(torch.zeros(1))
+        self.calls.append(len(prompts))
+        ids = [7, 8, self.eos][: spec.max_tokens]
+        return [Sample(token_ids=ids, logprobs=[-0.5] * len(ids), hit_length_limit=len(ids) < 3) for _ in prompts]
+
+
+async def turns_by_rank(client, sample):
+    """Rank 1's episodes take three turns with pauses, rank 0's one: their engines' calls differ."""
+    import torch.distributed as dist
+
+    messages = list(sample["messages"])
+    for _ in range(3 if dist.get_rank() == 1 else 1):
+        got = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=3)
+        messages += [{"role": "assistant", "content": got.choices[0].message.content}, {"role": "user", "content": "more"}]
+        await asyncio.sleep(0.1)
+    return 1.0
+
+
+def _lockstep_body(model_dir: str) -> tuple[list[str], int, list[int]]:
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from verl.rollout.agent.endpoint import AgentEndpoint, program_sample
+    from verl.rollout.base import SamplingSpec
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = _PairedEngine(tok.eos_token_id)
+    spec = SamplingSpec(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=R)
+    endpoint = AgentEndpoint(engine, tok, AgentEndpointConfig(episode_timeout_s=60.0), spec, response_length=R,
+                             prompt_width=24, lockstep=dist.group.WORLD)
+    messages = [{"role": "user", "content": q} for q in QUESTIONS]
+    samples = [program_sample(i, [m], "policy") for i, m in enumerate(messages)]
+    program = AgentProgram("turns_by_rank", fn=turns_by_rank)
+    episodes = endpoint.run(samples, [_chat_ids(tok, [m]) for m in messages], [program] * 2, seed=0)
+    return [e.state for e in episodes], sum(len(e.requests) for e in episodes), engine.calls
+
+
+def test_lockstep_ranks_sample_together(run_dist, tiny_models):
+    """Two ranks whose engines must sample together (vLLM's data-parallel replicas), one with more
+    turns than the other: both finish, the same number of engine calls on each (the idle rank
+    samples a one-token placeholder)."""
+    [(s0, r0, c0), (s1, r1, c1)] = run_dist(_lockstep_body, 2, tiny_models["qwen2"], timeout=120)
+    assert s0 == s1 == ["done", "done"] and (r0, r1) == (2, 6)
+    assert len(c0) == len(c1) >= 3 and 1 in c0  # rank 0's placeholder calls

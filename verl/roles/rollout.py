@@ -154,6 +154,10 @@ class Rollout:
             self.agent.default_agent_loop = cfg.agent.default_agent_loop
             with role_world(world):
                 self.agent.replica = _replica_share(cfg.tensor_model_parallel_size)
+                # vLLM's data-parallel replicas all-reduce at every engine step: agent programs'
+                # engine calls, timed by the programs, must then run in rounds across them.
+                if cfg.name == "vllm" and dp_group is not None and dist.get_world_size(dp_group) > 1:
+                    self.agent.lockstep = dp_group
 
     def _build(
         self, cfg: "RolloutConfig", model_path: str, tokenizer: Any, trust_remote_code: bool, record_routing: bool

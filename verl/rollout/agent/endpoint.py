@@ -42,7 +42,11 @@ request asks, so the log-probs are the policy's; a request's ``max_tokens`` (or
 ``max_completion_tokens``) caps its completion. ``n`` other than 1 and ``stream`` are refused.
 Requests of running episodes are sampled together: after the first, the engine takes the others
 as they come until every running episode waits or none came for ``batch_wait_ms``, then samples
-them in one call (on the thread that called :meth:`AgentEndpoint.run`, the rollout's).
+them in one call (on the thread that called :meth:`AgentEndpoint.run`, the rollout's). Engines
+whose replicas must sample together (vLLM's data-parallel replicas, which all-reduce at every
+engine step) get a ``lockstep`` group: the endpoints of its ranks then call their engines in
+rounds, every rank each round (a rank with no request samples one token of a one-token prompt),
+until no rank has an episode left.
 
 Failures end one episode, never the step, each with one log line and a count in
 ``agent/endpoint/dropped/<reason>``: ``timeout`` (the program ran past ``episode_timeout_s``: its
@@ -368,16 +372,19 @@ class AgentEndpoint:
         spec: the call's sampling (``n`` and ``max_tokens`` are the endpoint's own).
         response_length: each trajectory's response budget; prompt_width: its prompt's (``data.max_prompt_length``).
         encoder: the agent loop's turn encoder (made from ``tokenizer`` when None).
+        lockstep: the process group of ranks whose engines must sample together (None: this
+            engine samples alone).
     """
 
     def __init__(
         self, engine: RolloutEngine, tokenizer: Any, cfg: AgentEndpointConfig, spec: SamplingSpec, *,
-        response_length: int, prompt_width: int, encoder: ToolTurnEncoder | None = None,
+        response_length: int, prompt_width: int, encoder: ToolTurnEncoder | None = None, lockstep: Any = None,
     ) -> None:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.spec = spec
         self.response_length, self.prompt_width = int(response_length), int(prompt_width)
         self.encoder = encoder or ToolTurnEncoder(tokenizer)
+        self.lockstep = lockstep
         self.episodes: list[Episode] = []
         self._by_key: dict[str, Episode] = {}
         self._jobs: queue.Queue[_Job] = queue.Queue()
@@ -522,9 +529,15 @@ class AgentEndpoint:
 
     def _sample_jobs(self, jobs: list[_Job], seed: int | None) -> None:
         """One engine call for ``jobs``; each keeps the prefix of its sample that fits its own budget
-        (the engine draws token k without regard to max_tokens, as the agent loop relies on)."""
+        (the engine draws token k without regard to max_tokens, as the agent loop relies on). No
+        jobs: one token of a one-token prompt (a lockstep round this rank has nothing for)."""
         import dataclasses
 
+        self.engine_calls += 1
+        if not jobs:
+            call = dataclasses.replace(self.spec, n=1, max_tokens=1)
+            self.engine.sample([[int(self.encoder.eos_token_id or 0)]], call, seed=seed)
+            return
         call = dataclasses.replace(self.spec, n=1, max_tokens=max(j.max_tokens for j in jobs))
         try:
             samples = self.engine.sample([j.prompt for j in jobs], call, seed=seed)
@@ -532,36 +545,52 @@ class AgentEndpoint:
             for j in jobs:
                 j.future.set_exception(exc)
             raise
-        self.engine_calls += 1
         for j, s in zip(jobs, samples):
             ids, lps = list(s.token_ids[: j.max_tokens]), list(s.logprobs[: j.max_tokens])
             j.future.set_result((ids, lps, len(s.token_ids) > j.max_tokens or s.hit_length_limit))
 
-    def _drive(self, done: threading.Event, seed: int | None, deadline: float) -> None:
-        """Sample the requests as they come (this thread) until every program has ended."""
-        wait_s = self.cfg.batch_wait_ms / 1000.0
-        rnd = 0
-        while not (done.is_set() and self._jobs.empty()):
-            if time.monotonic() > deadline:
-                return
+    def _gather_jobs(self, first_wait_s: float) -> list[_Job]:
+        """The requests that came together: the first within ``first_wait_s``, then the others until
+        every running episode waits or none came for ``batch_wait_ms`` (a burst still arriving keeps
+        the call open)."""
+        try:
+            jobs = [self._jobs.get(timeout=first_wait_s)]
+        except queue.Empty:
+            return []
+        while len(jobs) < self._running():
             try:
-                jobs = [self._jobs.get(timeout=0.02)]
+                jobs.append(self._jobs.get(timeout=self.cfg.batch_wait_ms / 1000.0))
             except queue.Empty:
-                continue
-            # Until every running episode waits, or none asked for batch_wait_ms (a quiet gap: a
-            # burst of requests still arriving keeps the call open).
-            while len(jobs) < self._running():
-                try:
-                    jobs.append(self._jobs.get(timeout=wait_s))
-                except queue.Empty:
-                    break
-            live = [j for j in jobs if j.episode.state == "running"]
-            for j in jobs:
-                if j.episode.state != "running":
-                    j.future.set_exception(_Refusal(409, f"episode {j.episode.index} has ended", kind="conflict"))
-            if live:
-                self._sample_jobs(live, None if seed is None else (int(seed) * 1_000_003 + 200_000 + rnd) % (2**31 - 1))
-                rnd += 1
+                break
+        for j in jobs:
+            if j.episode.state != "running":
+                j.future.set_exception(_Refusal(409, f"episode {j.episode.index} has ended", kind="conflict"))
+        return [j for j in jobs if j.episode.state == "running"]
+
+    def _drive(self, done: threading.Event, seed: int | None, deadline: float) -> None:
+        """Sample the requests as they come (this thread) until every program has ended (on every
+        rank of ``lockstep``)."""
+        rnd = 0
+        while True:
+            jobs = self._gather_jobs(0.02)
+            if self.lockstep is None:
+                if not jobs:
+                    if (done.is_set() and self._jobs.empty()) or time.monotonic() > deadline:
+                        return
+                    continue
+            else:
+                import torch
+                import torch.distributed as dist
+
+                busy = not (done.is_set() and self._jobs.empty()) and time.monotonic() <= deadline
+                flags = torch.tensor([int(bool(jobs)), int(busy or bool(jobs))], dtype=torch.int32)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.lockstep)
+                if not flags[1]:
+                    return  # no rank has an episode left
+                if not flags[0]:
+                    continue  # no rank has a request this round: no engine call
+            self._sample_jobs(jobs, None if seed is None else (int(seed) * 1_000_003 + 200_000 + rnd) % (2**31 - 1))
+            rnd += 1
 
     # ---------------------------------------------------------------- the programs
     async def _run_episode(self, episode: Episode, gate: asyncio.Semaphore) -> None:
@@ -674,6 +703,9 @@ class AgentEndpoint:
         self._by_key = {e.key: e for e in self.episodes}
         if not self.episodes:
             return []
+        for name in ("httpx", "httpx2"):  # the programs' clients log every request at INFO: hundreds a step
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         server = _Server(self._app())
         self.url = server.url
         done = threading.Event()
@@ -738,12 +770,13 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def endpoint_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """``agent/endpoint/*``: episodes, requests, engine calls' share, trajectories per episode,
-    prefix mismatches, dropped episodes by reason, mean program reward."""
+def endpoint_metrics(episodes: Sequence[Episode], engine_calls: int = 0) -> dict[str, float]:
+    """``agent/endpoint/*``: episodes, requests, engine calls (this rank's), trajectories per
+    episode, prefix mismatches, dropped episodes by reason, mean program reward."""
     count = max(len(episodes), 1)
     m: dict[str, float] = {
         "agent/endpoint/episodes": float(len(episodes)),
+        "agent/endpoint/engine_calls": float(engine_calls),
         "agent/endpoint/requests": float(sum(len(e.requests) for e in episodes)),
         "agent/endpoint/prefix_mismatch": float(sum(e.mismatches for e in episodes)),
         "agent/endpoint/trajectories_per_episode": sum(len(e.segments) for e in episodes) / count,

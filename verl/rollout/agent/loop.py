@@ -269,9 +269,13 @@ class AgentLoop:
         self.endpoint_cfg = endpoint
         self.last_episodes: list[Any] = []
         """The agent programs' episodes of the last :meth:`run` (``verl.rollout.agent.endpoint.Episode``)."""
+        self.last_engine_calls = 0
         self.last_metrics: dict[str, float] = {}
         self.default_agent_loop: str | None = None
         """``rollout.agent.default_agent_loop``: the agent of samples whose extra_info names none."""
+        self.lockstep: Any = None
+        """The group of ranks whose engines must sample together (vLLM's data-parallel replicas):
+        agent programs' engine calls then run in rounds across it (``verl.rollout.agent.endpoint``)."""
         self.replica: ReplicaShare | None = None
         """Set when several ranks drive one engine (vLLM tensor parallel): tools run on its first rank."""
 
@@ -430,11 +434,12 @@ class AgentLoop:
         endpoint = AgentEndpoint(
             engine, self.tokenizer, self.endpoint_cfg, dataclasses.replace(spec, n=1),
             response_length=self.response_length, prompt_width=prompt_width or max(len(trajs[i].prompt_ids) for i in rows),
-            encoder=self.encoder,
+            encoder=self.encoder, lockstep=self.lockstep,
         )
         episodes = endpoint.run(given, [trajs[i].prompt_ids for i in rows],
                                 [self._program(trajs[i].agent_name) for i in rows], seed=seed, tag=tag)
         self.last_episodes = episodes
+        self.last_engine_calls = endpoint.engine_calls
         for i, ep in zip(rows, episodes):
             t = trajs[i]
             if ep.state == "done" and ep.segments:
@@ -783,7 +788,7 @@ class AgentLoop:
         if self.last_episodes:
             from verl.rollout.agent.endpoint import endpoint_metrics
 
-            self.last_metrics.update(endpoint_metrics(self.last_episodes))
+            self.last_metrics.update(endpoint_metrics(self.last_episodes, self.last_engine_calls))
         return assemble_agent_rollout(
             prompts,
             trajs,
