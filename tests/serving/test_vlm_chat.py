@@ -125,3 +125,17 @@ def test_text_only_chat_still_works(client):
     r = _chat(client, "hello", n=2, temperature=1.0, seed=3)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
+
+
+def test_generate_takes_two_conversations_with_their_own_images(client):
+    """/generate's conversations with image parts: one engine call, each prompt with its own image, each
+    answer the chat route's greedy answer for that image."""
+    convs = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png(im)}},
+                                           {"type": "text", "text": "Describe it."}]}] for im in IMAGES]
+    r = client.post("/generate", json={"messages": convs, "sampling": {"temperature": 0, "max_tokens": MAX_TOKENS}})
+    assert r.status_code == 200, r.text
+    outputs = r.json()["outputs"]
+    for conv, out in zip(convs, outputs):
+        chat = _chat(client, conv[0]["content"]).json()
+        assert out["responses"][0]["text"] == chat["choices"][0]["message"]["content"]
+        assert out["prompt_tokens"] == chat["usage"]["prompt_tokens"]
