@@ -139,3 +139,13 @@ def test_generate_takes_two_conversations_with_their_own_images(client):
         chat = _chat(client, conv[0]["content"]).json()
         assert out["responses"][0]["text"] == chat["choices"][0]["message"]["content"]
         assert out["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+
+
+def test_command_line_sets_the_image_limits(vlm_dir, capsys):
+    """--max-image-pixels / --max-images reach ServeLimits (a bad value is the limits' one line, exit 2)."""
+    from verl.serving.__main__ import main, parser
+
+    args = parser().parse_args(["--model", vlm_dir, "--max-image-pixels", "1000", "--max-images", "3"])
+    assert (args.max_image_pixels, args.max_images) == (1000, 3)
+    assert main(["--model", vlm_dir, "--max-image-pixels", "0"]) == 2
+    assert "ServeLimits.max_image_pixels=0; it must be >= 1" in capsys.readouterr().err

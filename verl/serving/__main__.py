@@ -60,6 +60,19 @@ def parser() -> argparse.ArgumentParser:
         default=d.batch_wait_ms,
         help=f"wait for more requests before generating (default {d.batch_wait_ms})",
     )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=d.max_image_pixels,
+        help=f"pixels (width x height) of one image of a vision-language model's request at most "
+        f"(default {d.max_image_pixels})",
+    )
+    p.add_argument(
+        "--max-images",
+        type=int,
+        default=d.max_images,
+        help=f"images per request at most (default {d.max_images})",
+    )
     p.add_argument("--device", default=None, help="the hf engine's device (default: cuda when available)")
     return p
 
@@ -78,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             max_prompts=args.max_prompts,
             max_prompt_tokens=args.max_prompt_tokens,
             batch_wait_ms=args.batch_wait_ms,
+            max_image_pixels=args.max_image_pixels,
+            max_images=args.max_images,
             default_completion_tokens=min(ServeLimits().default_completion_tokens, args.max_tokens),
         )
         app = create_app(
