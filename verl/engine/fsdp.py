@@ -444,7 +444,9 @@ class FSDPEngine(TorchEngine):
         if freeze:
             frozen = vlm.freeze_vision_tower(module)
             log_rank0(logger, logging.INFO, "%s: vision encoder frozen (%d parameters)", name, frozen)
-        feed = vlm.ImageFeed(module)
+        # Sharded over several ranks, every rank runs the vision encoder in every micro-batch.
+        several = dist.is_initialized() and self.pg.dp.size() > 1
+        feed = vlm.ImageFeed(module, every_rank_sees_images=several)
         self._outputs = feed.around(self._outputs)
         return feed
 

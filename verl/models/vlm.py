@@ -9,6 +9,12 @@ positions (mrope: temporal, height and width indices for image tokens, text posi
 from the ids, the grids and the attention mask, as it does inside ``generate``. Without images in a
 micro-batch the call goes to the language model with the model's own positions too.
 
+Sharded over data-parallel ranks (FSDP2 gathers each vision block's parameters when it runs), every
+rank must run the vision encoder in each micro-batch, or a rank whose rows have images waits on one
+whose rows have none: with ``every_rank_sees_images``, a micro-batch without images runs the encoder
+on one blank image of the smallest grid and adds 0 x its features to the token embeddings (the
+outputs and the gradients do not change; the collectives pair up).
+
 :func:`freeze_vision_tower` is the reference verl's ``freeze_vision_tower``: the vision encoder
 (patch embedding, blocks, merger) takes no gradient and no optimizer state.
 """
@@ -58,11 +64,14 @@ class ImageFeed:
     images; outside it the hook changes nothing.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, *, every_rank_sees_images: bool = False) -> None:
         self.image_token_id = int(module.config.image_token_id)
         self._pending: dict[str, torch.Tensor] | None = None
         # Before FSDP2's own pre-forward hook, so its mixed-precision cast sees pixel_values.
-        self._handle = module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+        self._handles = [module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)]
+        self._tower = vision_tower(module)
+        if every_rank_sees_images:  # inside the root's forward: its parameters (patch embedding, merger) gathered
+            self._handles.append(module.get_input_embeddings().register_forward_hook(self._blank_image))
 
     @contextlib.contextmanager
     def rows(self, mb: Mapping[str, torch.Tensor]) -> Iterator[None]:
@@ -99,6 +108,23 @@ class ImageFeed:
             kwargs["mm_token_type_ids"] = (input_ids == self.image_token_id).int()
         return args, kwargs
 
+    def _blank_image(self, _module: torch.nn.Module, _args: tuple, embeds: torch.Tensor) -> torch.Tensor | None:
+        """The token embeddings plus 0 x the encoder's features of a blank image, when the micro-batch has none."""
+        if self._pending is None or self._pending:
+            return None
+        vc = self._tower.config
+        merge = int(vc.spatial_merge_size)
+        grid = torch.tensor([[1, merge, merge]], device=embeds.device)  # the smallest grid: one merged token
+        pixels = torch.zeros(merge * merge, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2,
+                             device=embeds.device, dtype=embeds.dtype)
+        out = self._tower(pixels, grid_thw=grid)
+        # Every parameter of the encoder must be in the graph (FSDP2 reduce-scatters the gradients a unit
+        # has): the merged features (pooler_output, after the merger) and the blocks' states both.
+        parts = [out] if torch.is_tensor(out) else [out.last_hidden_state, getattr(out, "pooler_output", None)]
+        total = sum(p.sum() for p in parts if torch.is_tensor(p))
+        return embeds + 0.0 * total
+
     def remove(self) -> None:
-        """Take the hook off the model."""
-        self._handle.remove()
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
