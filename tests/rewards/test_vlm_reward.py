@@ -142,6 +142,7 @@ def _score_on_ranks(path: str, batch: Batch) -> list[float]:
     return RewardModel(None, custom_scorer=False, model_role=engine, micro_batch_size=1).score(batch).scores.tolist()
 
 
+@pytest.mark.distributed
 def test_rows_split_over_two_data_parallel_ranks(head_dir, processor, run_dist):
     """Three rows over DP=2 (one padded row): every rank holds the whole batch's scores, equal to one rank's."""
     batch = _batch(processor, [RED, BLUE, BLUE])
