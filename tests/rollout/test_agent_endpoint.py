@@ -359,3 +359,27 @@ def test_lockstep_ranks_sample_together(run_dist, tiny_models):
     [(s0, r0, c0), (s1, r1, c1)] = run_dist(_lockstep_body, 2, tiny_models["qwen2"], timeout=120)
     assert s0 == s1 == ["done", "done"] and (r0, r1) == (2, 6)
     assert len(c0) == len(c1) >= 3 and 1 in c0  # rank 0's placeholder calls
+
+
+def test_preflight_names_an_unknown_default_agent_and_missing_chat_messages(tmp_path):
+    """Before any model is built: ``rollout.agent.default_agent_loop`` must name a loop or program,
+    and a program needs ``data.return_raw_chat`` (it starts from the prompts' messages)."""
+    from verl.config import PPOConfig, load_config
+    from verl.data.io import write_parquet
+    from verl.trainer.ppo_checks import _multi_turn_problems
+
+    write_parquet([{"prompt": [{"role": "user", "content": "hi"}], "extra_info": {"index": 0}}], str(tmp_path / "train.parquet"))
+    loops = tmp_path / "agents.yaml"
+    loops.write_text(f"- {{name: talker, _target_: {__name__}.talker}}\n")
+
+    def problems(*overrides: str) -> list[str]:
+        cfg = load_config(PPOConfig, config_file="grpo_tiny_cpu", world_size=2, overrides=[
+            "actor_rollout_ref.rollout.multi_turn.enable=true", f"data.train_files={tmp_path}/train.parquet",
+            "data.val_files=null", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}", *overrides])
+        return _multi_turn_problems(cfg)
+
+    [unknown] = problems("actor_rollout_ref.rollout.agent.default_agent_loop=nobody")
+    assert "default_agent_loop='nobody' is not an agent loop or program" in unknown and "'talker'" in unknown
+    [raw] = problems("actor_rollout_ref.rollout.agent.default_agent_loop=talker")
+    assert "agent program(s) ['talker']" in raw and "data.return_raw_chat=true" in raw
+    assert problems("actor_rollout_ref.rollout.agent.default_agent_loop=talker", "data.return_raw_chat=true") == []
