@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import sys
 import threading
@@ -383,3 +384,56 @@ def test_preflight_names_an_unknown_default_agent_and_missing_chat_messages(tmp_
     [raw] = problems("actor_rollout_ref.rollout.agent.default_agent_loop=talker")
     assert "agent program(s) ['talker']" in raw and "data.return_raw_chat=true" in raw
     assert problems("actor_rollout_ref.rollout.agent.default_agent_loop=talker", "data.return_raw_chat=true") == []
+
+
+# --------------------------------------------------------------------------- the recipe's program
+def _recipe_program():
+    """``calculator_program`` of launch/agent_program_tiny_cpu.sh (its imports, the call pattern and
+    the function, without running the launcher)."""
+    import ast
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "agent_program_tiny_cpu.sh")
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    keep = [n for n in tree.body if (isinstance(n, ast.Import) and n.names[0].name in ("json", "re"))
+            or (isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CALL")
+            or (isinstance(n, ast.AsyncFunctionDef) and n.name == "calculator_program")]
+    space: dict = {}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), path, "exec"), space)  # noqa: S102 - our own launcher
+    return space["calculator_program"]
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tiny_models, tmp_path_factory) -> str:
+    from tests.rollout.agent_model import make_tool_caller
+
+    return make_tool_caller(tiny_models["qwen2"], str(tmp_path_factory.mktemp("tool-caller")))
+
+
+def test_recipe_program_trains_on_the_engines_ids(tool_caller, one_thread):
+    """The recipe's own program against a tiny model that calls the calculator: it runs the calls,
+    and every episode's trained ids are the engine's, turn by turn, the tool answers out of the loss."""
+    from transformers import AutoTokenizer
+
+    from verl.rollout.hf_engine import HFRollout
+    from verl.tools import safe_calculate
+
+    tok = AutoTokenizer.from_pretrained(tool_caller)
+    engine = HFRollout(RolloutConfig(name="hf", n=2, temperature=0.7, prompt_length=32, response_length=R, seed=3),
+                       tool_caller, tokenizer=tok, device="cpu")
+    loop = _loop(tok, {"calculator_program": _recipe_program()})
+    questions = ["What is 3+4?", "What is 2+5?"]
+    batch = _batch(tok, ["calculator_program"] * 2, questions)
+    out = loop.generate(engine, batch, seed=5)
+    assert len(out) == 4 and all(e.state == "done" for e in loop.last_episodes)
+    calls = 0
+    for i, ep in enumerate(loop.last_episodes):
+        _check_turn_by_turn(out, i, ep)
+        turns = out["agent_turns"][i]
+        calls += sum(t["role"] == "tool" for t in turns)
+        for before, t in zip(turns, turns[1:]):
+            if t["role"] == "tool":  # the calculator's answer to the expression the model wrote
+                call = json.loads(re.search(r"<tool_call>(.*?)</tool_call>", tok.decode(out["responses"][i][before["start"]:before["end"]])).group(1))
+                text = tok.decode(out["responses"][i][t["start"]:t["end"]])
+                assert f"tool\n{safe_calculate(call['arguments']['expression']):g}<" in text, (call, text)
+    assert calls >= 2 and loop.last_metrics["agent/endpoint/prefix_mismatch"] == 0
