@@ -322,8 +322,13 @@ def test_a_run_killed_during_a_save_leaves_no_checkpoint_writer_behind(tiny_mode
         deadline = time.monotonic() + 600  # hang guard sized for a loaded machine (quiet: ~10 s)
         # A writer is a fork of the trainer (its command line); other children come and go (the
         # `ldconfig -p` of a library lookup at import, which the first version of this test took for one).
-        trainer = _cmdline(proc.pid)
-        while not (writers := {c for c in _descendants(proc.pid) if _cmdline(c) == trainer}):
+        # The trainer's command line is read each round: read once, right after Popen, it can be the
+        # forked pytest's, or empty while the exec is under way on a loaded machine (a CI pass read
+        # "" and then took no fork for a writer for 600 s).
+        trainer = ""
+        while not (trainer := _cmdline(proc.pid)) or not (
+            writers := {c for c in _descendants(proc.pid) if _cmdline(c) == trainer}
+        ):
             assert proc.poll() is None, "the run ended before a writer was seen: " + stderr.read_text(errors="replace")[-2000:]
             if time.monotonic() > deadline:
                 raise AssertionError(f"no checkpoint writer (a fork: {trainer[:160]}) within 600 s" + _stuck(proc.pid, stderr))
