@@ -273,7 +273,7 @@ class ActorConfig(ConfigBase):
         "With rollout.top_k > 0 or rollout.top_p < 1: the actor's and the reference's log-probabilities (old, "
         "update, reference) are those of the sampler's truncated distribution, the same top-k/top-p mask recomputed "
         "from the trainer's logits at the rollout temperature, so they match the engine's rollout log-probabilities "
-        "(docs/rollout-performance.md); false: full-vocabulary log-probabilities (biased ratio against the rollout's).",
+        "(docs/algorithms.md); false: full-vocabulary log-probabilities (biased ratio against the rollout's).",
     )
     shuffle: bool = option(False, "Shuffle the rollout batch before splitting it into mini-batches.")
     freeze_vision_tower: bool = option(False, "A vision-language actor (strategy=fsdp2): its vision encoder takes no gradient and no optimizer state (the reference's key).")
