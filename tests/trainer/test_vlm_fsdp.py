@@ -250,3 +250,23 @@ def test_a_rank_whose_rows_have_no_images_steps_beside_one_whose_rows_have(vlm_d
         assert abs(out["loss"] - one["loss"]) <= 1e-6 and abs(out["norm"] - one["norm"]) <= 1e-6 * one["norm"]
         for name, value in one["weights"].items():
             torch.testing.assert_close(out["weights"][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_image_tokens_without_images_are_refused_by_the_rollout(vlm_dir, rollout):
+    """The agent loop and ``sample`` hand the engine token ids only: a prompt with image tokens is refused
+    there, not generated from without its images."""
+    from transformers import AutoConfig
+
+    from verl.config.schema import RolloutConfig
+    from verl.rollout.base import SamplingSpec
+    from verl.rollout.hf_engine import HFRollout
+
+    engine = HFRollout(RolloutConfig(name="hf", prompt_length=48, response_length=2), vlm_dir, device="cpu")
+    image_token = AutoConfig.from_pretrained(vlm_dir).image_token_id
+    width = rollout["input_ids"].shape[1] - RESPONSE  # the prompt columns, left-padded
+    prompt = rollout["input_ids"][0, :width][rollout["attention_mask"][0, :width].bool()].tolist()
+    assert image_token in prompt
+    with pytest.raises(ValueError, match="prompts hold image tokens but no images reached the engine"):
+        engine.sample([prompt], SamplingSpec(n=1, max_tokens=2, temperature=1.0, top_p=1.0, top_k=-1))
+    assert len(engine.sample([[t for t in prompt if t != image_token]], SamplingSpec(
+        n=1, max_tokens=2, temperature=1.0, top_p=1.0, top_k=-1))) == 1  # text only: generated

@@ -156,6 +156,12 @@ class HFRollout(RolloutEngine):
 
         found = model_image_inputs(images) if images is not None else {}
         if not found:
+            if self.image_token_id is not None and bool((input_ids == self.image_token_id).any()):
+                raise ValueError(
+                    "rollout: prompts hold image tokens but no images reached the engine (the agent loop and "
+                    "RolloutEngine.sample pass token ids only); generate them through RolloutEngine.generate with "
+                    "the batch's mm_pixel_values / mm_image_grid_thw columns"
+                )
             return {}
         found["mm_token_type_ids"] = (input_ids == self.image_token_id).int()
         return {k: v.to(self.device) for k, v in found.items()}
