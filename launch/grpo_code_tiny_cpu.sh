@@ -15,6 +15,7 @@
 #   torchrun --nproc_per_node=2 launch/grpo_code_tiny_cpu.sh
 #   OUT=/path bash launch/grpo_code_tiny_cpu.sh key=value  # outputs elsewhere; extra main_ppo overrides
 #   SFT_STEPS=100 bash launch/grpo_code_tiny_cpu.sh        # another warm-up length (0: no warm-up)
+#   TRAIN=2000 VAL=20 bash launch/grpo_code_tiny_cpu.sh    # fewer training / held-out problems
 #   bash launch/grpo_code_tiny_cpu.sh --dry-run            # the memory plan of this layout
 #
 # Needs bubblewrap (`apt-get install bubblewrap`); where it cannot start, the reward refuses to run
@@ -38,13 +39,14 @@ fi
 out="${OUT:-$root/outputs/grpo_code_tiny_cpu}"
 sft_steps="${SFT_STEPS:-200}"
 train="${TRAIN:-20000}"
+val="${VAL:-100}"
 mkdir -p "$out"
 if [ ! -f "$out/model/config.json" ]; then
   echo "== making the tiny model"
   "$python" "$root/tools/make_tiny_model.py" --family qwen2 --out "$out/model"
 fi
 if [ ! -f "$out/data/train.parquet" ]; then
-  "$python" "$root/tools/data/arithmetic.py" --code --out-dir "$out/data" --train "$train" --val 100 --digits 2 --ops +
+  "$python" "$root/tools/data/arithmetic.py" --code --out-dir "$out/data" --train "$train" --val "$val" --digits 2 --ops +
 fi
 if [ "$sft_steps" != 0 ] && [ ! -f "$out/sft_model/config.json" ]; then
   echo "== SFT warm-up: $sft_steps steps on the reference programs"

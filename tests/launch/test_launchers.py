@@ -260,7 +260,9 @@ def test_the_distillation_launchers_summary_says_distillation_not_grpo(tmp_path)
 @pytest.mark.timeout(1860)
 def test_the_code_recipe_runs_its_pieces(tmp_path):
     """launch/grpo_code_tiny_cpu.sh, shortened: the model, the code task's data, 25 SFT steps (the warm-up is 20), two
-    GRPO steps whose rewards come from running the sampled programs in the sandbox, validation."""
+    GRPO steps whose rewards come from running the sampled programs in the sandbox, validation (on 16
+    held-out problems: 200 sandboxed programs for the recipe's 100 held-out ones, where the check is that both
+    validations ran and scored every program)."""
     from verl.config.schema import SandboxConfig
     from verl.sandbox import Sandbox, SandboxUnavailable
 
@@ -277,7 +279,7 @@ def test_the_code_recipe_runs_its_pieces(tmp_path):
         "trainer.test_freq=2", "trainer.save_freq=-1", "trainer.save_hf=false",
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "OUT": str(out), "SFT_STEPS": "25",
-           "TRAIN": "64", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
+           "TRAIN": "64", "VAL": "16", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
         env.pop(key, None)
     try:
