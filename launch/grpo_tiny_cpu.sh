@@ -13,6 +13,7 @@
 #   OUT=/path bash launch/grpo_tiny_cpu.sh key=value  # outputs elsewhere; extra main_ppo overrides
 #   SFT_STEPS=500 bash launch/grpo_tiny_cpu.sh        # another warm-up length (0: no warm-up)
 #   OPS=- TRAIN=5000 OUT=outputs/grpo_sub bash launch/grpo_tiny_cpu.sh   # another task: 2-digit subtraction
+#   VAL=50 bash launch/grpo_tiny_cpu.sh               # fewer held-out problems (default 200)
 #   NNODES=2 NODE_RANK=i NPROC_PER_NODE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT bash launch/grpo_tiny_cpu.sh
 #                                                     # as two nodes (run it twice, i = 0 and 1)
 #   bash launch/grpo_tiny_cpu.sh --dry-run            # the memory plan of this layout
@@ -43,7 +44,7 @@ if [ ! -f "$out/model/config.json" ]; then
   "$python" "$root/tools/make_tiny_model.py" --family qwen2 --out "$out/model"
 fi
 if [ ! -f "$out/data/train.parquet" ]; then
-  "$python" "$root/tools/data/arithmetic.py" --out-dir "$out/data" --train "$train" --val 200 --digits 2 --ops "$ops"
+  "$python" "$root/tools/data/arithmetic.py" --out-dir "$out/data" --train "$train" --val "${VAL:-200}" --digits 2 --ops "$ops"
 fi
 if [ "$sft_steps" != 0 ] && [ ! -f "$out/sft_model/config.json" ]; then
   echo "== SFT warm-up: $sft_steps steps (the full SFT demo takes 1200 to ~97%)"

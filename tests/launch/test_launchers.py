@@ -219,7 +219,7 @@ def test_the_launchers_summary_is_this_runs_with_folder_overrides(tmp_path):
         f"trainer.log_dir={mine}/logs", f"trainer.default_local_dir={mine}/ckpt",
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "OUT": str(out), "SFT_STEPS": "0",
-           "TRAIN": "200", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
+           "TRAIN": "200", "VAL": "16", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
         env.pop(key, None)
     # A hang guard (tests/processes.py): 41 s quiet, 226-420+ s beside two busy loops (suites 15-17).
