@@ -511,9 +511,9 @@ class FSDPEngine(TorchEngine):
         topk=None,
         score_ids=None,
         routing=None,
+        truncation=None,
     ):
         """``TorchEngine.forward`` with the shards on the device (:meth:`on_device`)."""
-        truncation=None,
         with self.on_device():
             return super().forward(
                 batch, micro_batch_size=micro_batch_size, split=split, output=output,
@@ -535,9 +535,9 @@ class FSDPEngine(TorchEngine):
         topk=None,
         score_ids=None,
         routing=None,
+        truncation=None,
     ):
         """``TorchEngine.train_step`` with the shards on the device (:meth:`on_device`)."""
-        truncation=None,
         with self.on_device():
             return super().train_step(
                 batch, micro_batch_size=micro_batch_size, split=split, loss_fn=loss_fn, output=output,

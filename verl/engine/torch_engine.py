@@ -59,6 +59,7 @@ from verl.engine.step import reduce_step_metrics
 from verl.models.forward import ForwardResult, LossShare, LossShareFn, OutputKind, full_width
 from verl.models.micro_batches import MicroBatchSplit, fixed_split
 from verl.models.vocab_parallel import (
+    SamplingTruncation,
     vocab_parallel_gather_logprobs,
     vocab_parallel_logprobs_entropy,
     vocab_parallel_topk,
@@ -351,8 +352,8 @@ class TorchEngine:
         with_entropy: bool,
         topk: int | None = None,
         score_ids: str | None = None,
-    ) -> dict[str, torch.Tensor]:
         truncation: SamplingTruncation | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Per-token outputs [b, T] of one micro-batch (verl.models.forward's layout, ``topk`` and
         ``score_ids`` as there), from the columns up to the last real one; ``model`` is the module, or its
         DDP wrapper when training."""
@@ -424,8 +425,8 @@ class TorchEngine:
         topk: int | None = None,
         score_ids: str | None = None,
         routing: str | None = None,
-    ) -> ForwardResult:
         truncation: SamplingTruncation | None = None,
+    ) -> ForwardResult:
         """Forward only: per-token outputs ([B, T]) of ``batch`` in micro-batches (as ``MegatronEngine.forward``;
         ``head_columns`` is accepted for the one signature: this engine computes every column; ``routing``
         (router replay) is refused: it is the Megatron engine's)."""
@@ -470,8 +471,8 @@ class TorchEngine:
         topk: int | None = None,
         score_ids: str | None = None,
         routing: str | None = None,
-    ) -> EngineStepResult:
         truncation: SamplingTruncation | None = None,
+    ) -> EngineStepResult:
         """One optimizer step on this rank's share of the batch (``MegatronEngine.train_step``'s
         contract): each micro-batch's ``LossShare`` backpropagated, DDP averaging the gradients
         over DP at the last one, the global norm clipped to ``optim.clip_grad``, the step skipped
