@@ -202,10 +202,13 @@ class Episode:
     def state(self) -> str:
         return self._state
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """``waiting`` -> ``running``; False when it was ended before its turn (the step's deadline)."""
         with self._lock:
-            assert self._state == "waiting", f"episode {self.index}: start() in state {self._state}"
+            if self._state != "waiting":
+                return False
             self._state = "running"
+            return True
 
     def end(self, state: str, reason: str = "", detail: str = "") -> bool:
         """``running`` -> ``done`` or ``dropped``; False when it had ended already."""
@@ -595,7 +598,8 @@ class AgentEndpoint:
     # ---------------------------------------------------------------- the programs
     async def _run_episode(self, episode: Episode, gate: asyncio.Semaphore) -> None:
         async with gate:
-            episode.start()
+            if not episode.start():
+                return
             timeout = self.cfg.episode_timeout_s
             name = episode.program.name
             try:
