@@ -233,7 +233,6 @@ def test_bad_programs_each_end_one_episode(tok, engine, caplog):
     not served: each episode ends with one log line, the good ones finish, and nothing is left running
     (no endpoint or programs thread, the port closed, the commands' processes gone)."""
     import logging
-    import os
 
     programs = {"talker": talker, "hangs": hangs, "raises": raises, "sends_10mb": sends_10mb, "wrong_model": wrong_model,
                 "hang_command": HANG_COMMAND, "good_command": GOOD_COMMAND}
@@ -249,6 +248,9 @@ def test_bad_programs_each_end_one_episode(tok, engine, caplog):
         seen.append(self.url)
 
     before = {t.ident for t in threading.enumerate()}
+    # Children there before (the pooled workers of an earlier multi-rank test in this process) are
+    # not this test's: only new ones count as left running.
+    children_before = _children()
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="verl.rollout.agent.endpoint"), pytest.MonkeyPatch.context() as mp:
         mp.setattr(mod._Server, "__init__", remember)
@@ -273,8 +275,13 @@ def test_bad_programs_each_end_one_episode(tok, engine, caplog):
     host, port = seen[0].removeprefix("http://").split(":")
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1).close()
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
-    assert children == []
+    assert _children() - children_before == set()
+
+
+def _children() -> set[str]:
+    import os
+
+    return {p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()}
 
 
 def _parent(pid: str) -> int:
