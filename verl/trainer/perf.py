@@ -76,6 +76,7 @@ __all__ = [
     "device_peak",
     "generation_terms",
     "gpu_peak",
+    "prepare_step_perf",
     "step_perf_metrics",
     "training_flops",
     "training_terms",
@@ -554,6 +555,16 @@ def _for_run(pieces: Any) -> tuple[StepFlops | None, DevicePeak | None]:
                     ", ".join(f"{k} {v:.4g}" for k, v in peak.tflops.items()), peak.source)
     _RUNS[pieces] = (counter, peak)
     return counter, peak
+
+
+def prepare_step_perf(pieces: Any) -> None:
+    """The run's FLOP counter and device peak, made before its first step begins: on a CPU the peak is
+    a matmul benchmark (:func:`cpu_matmul_peak`, once per machine), which must not run inside a step's
+    timings or beside a streaming rollout's generator thread (it took the cores from it)."""
+    from verl.config import PPOConfig
+
+    if isinstance(getattr(pieces, "cfg", None), PPOConfig):
+        _for_run(pieces)
 
 
 def step_perf_metrics(pieces: Any, batch: Any, seconds: Mapping[str, float]) -> dict[str, float]:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from verl.trainer.perf import step_perf_metrics
+from verl.trainer.perf import prepare_step_perf, step_perf_metrics
 from verl.trainer.step.base import Operator, declared, operator_name
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class StepPipeline:
         step counts in ``training/empty_steps``; the run goes on with the next step."""
         if not self.operators:
             raise ValueError("the step has no operators: add_operator(RolloutOperator()) first")
+        prepare_step_perf(trainer)  # the device's peak measured before the step and its threads start
         ctx = trainer.begin_step(self.schedule(trainer.world))
         try:
             metrics: dict[str, float] = {}
