@@ -45,5 +45,6 @@ def test_cp2_holds_between_half_and_three_quarters_of_cp1s_activations(model_dir
     # Not 0.5: each CP rank gathers the whole sequence's keys and values (verl.models.cp_attention)
     # and keeps its positions' logits including the one that predicts nothing (CP 1 drops it before
     # the log-softmax); the rest (every per-token tensor, the [S/2, S] attention scores) halves.
-    # So strictly above 0.5; 0.75 is the issue's bound. Measured 0.502 here (the scores dominate).
-    assert 0.5 < out["ratio"] < 0.75, out["ratio"]
+    # So strictly above 0.5. Measured 0.502 here (the scores dominate); the issue's bound is 0.75, and
+    # 0.6 is held so that a gather or a kept tensor that grows with CP (a tenth above half) fails here.
+    assert 0.5 < out["ratio"] < 0.6, out["ratio"]
