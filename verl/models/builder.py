@@ -369,11 +369,15 @@ def build_gpt_model(
     *,
     vp_stage: int | None = None,
     vpp_size: int | None = None,
+    mrope_section: list[int] | None = None,
 ) -> "GPTModel":
     """One model chunk of this rank's pipeline stage (``vp_stage`` with interleaving).
 
     Weights are freshly initialised; load them with ``verl.models.checkpoint``. For
     ``cfg.head`` ``value``/``reward`` the LM head is replaced by a :class:`ScalarHead`.
+    ``mrope_section`` (temporal, height, width shares of the rotary half-dimension): multimodal
+    rotary positions (``position_embedding_type="mrope"``; the model then takes position ids
+    [3, B, S], ``verl.models.megatron_vlm``).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -385,6 +389,13 @@ def build_gpt_model(
     config = transformer_config_from_hf(
         spec, cfg, tp_size=tp_size, pp_size=pp_size, cp_size=pg.cp.size(), vpp_size=vpp_size, ep_size=ep_size
     )
+    if mrope_section is not None:
+        if sum(mrope_section) != spec.head_dim // 2:
+            raise ValueError(
+                f"rope_scaling.mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, not head_dim / 2 = "
+                f"{spec.head_dim // 2}; fix the config"
+            )
+        config.mrope_section = list(mrope_section)
     if spec.is_moe:
         _megatron_moe_without_te()
     use_te = config.transformer_impl == "transformer_engine"
@@ -404,7 +415,7 @@ def build_gpt_model(
             post_process=post_process,
             parallel_output=True,
             share_embeddings_and_output_weights=tie,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if mrope_section is None else "mrope",
             rotary_base=spec.rope.theta,
             pg_collection=pg,
             vp_stage=vp_stage,
@@ -419,7 +430,8 @@ def build_gpt_model(
             gate.data = gate.data.to(torch.cuda.current_device())
     # Exact transformers frequencies for every supported rope type (see module docstring).
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
-    model.rotary_pos_emb.forward.cache_clear()
+    if hasattr(model.rotary_pos_emb.forward, "cache_clear"):  # mrope's embedding keeps no cache
+        model.rotary_pos_emb.forward.cache_clear()
     # Bookkeeping the loaders and the forward pass read.
     model.verl_spec = spec
     model.verl_build = cfg

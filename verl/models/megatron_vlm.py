@@ -1,0 +1,236 @@
+"""Qwen2.5-VL on Megatron-core: the language model as verl's GPTModel with multimodal rotary
+positions (mrope), the transformers vision encoder beside it.
+
+- The language model is :func:`verl.models.builder.build_gpt_model` of the checkpoint's
+  ``text_config`` (a Qwen2 decoder: q/k/v biases, SwiGLU, RMSNorm) with
+  ``position_embedding_type="mrope"`` and the config's ``mrope_section``: Megatron's
+  ``MultimodalRotaryEmbedding`` takes position ids [3, B, S] (temporal, height, width) and gives
+  each share of the rotary half-dimension the matching row, as transformers does.
+- The vision encoder is transformers' own Qwen2.5-VL vision tower, whole on every tensor-parallel
+  rank (replicated: each TP rank computes the same features and, since the decoder's first layer
+  all-reduces its input gradient over TP, receives the same gradient). ``freeze_vision_tower``
+  stops its gradients.
+- Before the decoder, the tower's merged features replace the word embeddings at the image tokens
+  (``image_token_id``), row after row in token order, as transformers' ``masked_scatter`` does.
+- The 3D positions are transformers' ``Qwen2_5_VLModel.get_rope_index``, called with a stand-in
+  ``self`` that carries the checkpoint's config (it reads nothing else of the model).
+
+A padded batch is packed as :mod:`verl.models.forward` packs it (each row's real tokens first, pads
+after; Megatron's attention is plain causal), and outputs come back in the batch's layout.
+
+Not supported (refused in one line by :func:`check_vlm_layout`, before anything is built): pipeline
+parallel > 1, context parallel > 1, sequence parallel, value/reward heads, and vision-language
+families other than Qwen2.5-VL (Qwen2-VL, Qwen3-VL...). Checkpoints: Hugging Face safetensors in the
+hub's layout (``model.layers.*``, ``lm_head.weight``, ``visual.*``), read through verl's weight
+mapping; HF <-> Megatron conversion and the Megatron training engine do not take a VLM yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from verl.models.builder import ModelBuildConfig, build_gpt_model
+from verl.models.forward import pack_left, unpack
+from verl.models.hf_config import HFModelSpec, parse_hf_config
+from verl.protocol.images import model_image_inputs
+from verl.utils.logging import log_rank0
+from verl.utils.paths import load_json_object
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MegatronVLM", "VLMSpec", "build_megatron_vlm", "check_vlm_layout", "load_vlm_hf_weights", "parse_vlm_config"]
+
+SUPPORTED_VLM_TYPES = ("qwen2_5_vl",)
+VISION_PREFIX = "visual."
+"""Where the hub's Qwen2.5-VL checkpoints keep the vision encoder's tensors."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLMSpec:
+    """A Qwen2.5-VL checkpoint as verl builds it on Megatron."""
+
+    text: HFModelSpec
+    """The language model (parsed as the Qwen2 decoder it is)."""
+    mrope_section: tuple[int, int, int]
+    """Temporal, height and width shares of the rotary half-dimension."""
+    image_token_id: int
+    """The placeholder token the vision features replace."""
+    hf_config: Any
+    """The transformers config (``Qwen2_5_VLConfig``): the vision tower and ``get_rope_index`` read it."""
+
+
+def parse_vlm_config(model_dir: str) -> VLMSpec:
+    """Validate a Qwen2.5-VL model directory's ``config.json``; ValueError naming the field otherwise."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{model_dir}: no config.json; pass a Hugging Face model directory")
+    raw = load_json_object(path)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_VLM_TYPES:
+        raise ValueError(
+            f"{path}: field 'model_type' is {model_type!r}; verl's Megatron vision-language models support "
+            f"{', '.join(SUPPORTED_VLM_TYPES)} (Qwen2-VL and Qwen3-VL: use the FSDP2 engine, docs/vlm.md)"
+        )
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{path}: field 'text_config' is missing; re-save the model with transformers >= 4.57")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    field_name = "text_config.rope_parameters.mrope_section" if "rope_parameters" in text else "text_config.rope_scaling.mrope_section"
+    if not (isinstance(section, list) and len(section) == 3 and all(isinstance(x, int) and x > 0 for x in section)):
+        raise ValueError(f"{path}: field '{field_name}' is {section!r}; Qwen2.5-VL needs three positive integers")
+    if "image_token_id" not in raw:
+        raise ValueError(f"{path}: field 'image_token_id' is missing; the image placeholder's id is needed")
+    # The decoder is Qwen2's (q/k/v biases); tie_word_embeddings lives at the top level.
+    decoder = {**text, "model_type": "qwen2", "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))}
+    spec = parse_hf_config(decoder, source=f"{path} text_config")
+    if sum(section) != spec.head_dim // 2:
+        raise ValueError(f"{path}: field '{field_name}' {section} sums to {sum(section)}, not head_dim / 2 = {spec.head_dim // 2}")
+    from transformers import AutoConfig
+
+    return VLMSpec(
+        text=spec, mrope_section=tuple(section), image_token_id=int(raw["image_token_id"]),
+        hf_config=AutoConfig.from_pretrained(model_dir),
+    )
+
+
+def check_vlm_layout(cfg: ModelBuildConfig, *, tp_size: int, pp_size: int, cp_size: int = 1,
+                     vpp_size: int | None = None) -> None:
+    """Refuse, in one line, what the Megatron VLM does not do (before any model is built)."""
+    problems = []
+    if pp_size > 1 or vpp_size is not None:
+        problems.append(f"pipeline parallel {pp_size} (virtual {vpp_size}): use pipeline_model_parallel_size=1")
+    if cp_size > 1:
+        problems.append(f"context parallel {cp_size}: use context_parallel_size=1")
+    if cfg.sequence_parallel and tp_size > 1:
+        problems.append("sequence_parallel=true: set it to false")
+    if cfg.head != "lm":
+        problems.append(f"head={cfg.head!r} (a critic or reward model of a VLM): only the LM head ('lm')")
+    if problems:
+        raise ValueError("the Megatron Qwen2.5-VL does not support " + "; ".join(problems))
+
+
+def _rope_index(hf_config: Any):
+    """transformers' ``Qwen2_5_VLModel.get_rope_index`` bound to a stand-in model that holds ``hf_config``."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    # get_vision_position_ids reads nothing of self; get_rope_index reads self.config only.
+    holder = types.SimpleNamespace(
+        config=hf_config, get_vision_position_ids=functools.partial(Qwen2_5_VLModel.get_vision_position_ids, None)
+    )
+    return functools.partial(Qwen2_5_VLModel.get_rope_index, holder)
+
+
+class MegatronVLM(torch.nn.Module):
+    """Qwen2.5-VL: ``language_model`` (verl's GPTModel with mrope) and ``vision`` (transformers' tower)."""
+
+    def __init__(self, spec: VLMSpec, language_model: torch.nn.Module, vision: torch.nn.Module) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.vision = vision
+        self.verl_vlm_spec = spec
+        self._rope_index = _rope_index(spec.hf_config)
+
+    def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """The 3D rotary positions [3, B, T] of a padded batch (0 at pads), as transformers computes them."""
+        image = (input_ids == self.verl_vlm_spec.image_token_id).int()  # [B, T]
+        positions, _ = self._rope_index(
+            input_ids, mm_token_type_ids=image * attention_mask.int(), image_grid_thw=image_grid_thw,
+            attention_mask=attention_mask,
+        )
+        return positions
+
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision tower's merged features of every image, in order: [image tokens, hidden]."""
+        out = self.vision(pixel_values.to(next(self.vision.parameters()).dtype), grid_thw=image_grid_thw)
+        return out.pooler_output
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V/TP] (this rank's vocabulary slice; 0 at pads) of a padded batch.
+
+        ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] are the batch's images in
+        row order (transformers' layout; :meth:`forward_rows` takes the batch's ``mm_*`` columns).
+        """
+        image_mask = input_ids == self.verl_vlm_spec.image_token_id  # [B, T]
+        n_tokens = int((image_mask & attention_mask.bool()).sum())
+        lm = self.language_model
+        positions = self.positions(input_ids, attention_mask, image_grid_thw)  # [3, B, T]
+        packed, order = pack_left(input_ids, attention_mask, input_ids.shape[1])  # [B, T] each
+        positions = positions.gather(2, order.unsqueeze(0).expand_as(positions))
+        packed_mask = attention_mask.gather(1, order).bool()
+        embeds = lm.embedding(input_ids=packed, position_ids=None)  # [T, B, H]
+        if pixel_values is not None and image_grid_thw is not None and len(image_grid_thw):
+            features = self.image_features(pixel_values, image_grid_thw)  # [N, H]
+            if features.shape[0] != n_tokens:
+                raise ValueError(
+                    f"the batch holds {n_tokens} image tokens but its images give {features.shape[0]} features "
+                    "(image_grid_thw does not match the prompts' <|image_pad|> tokens)"
+                )
+            slots = (packed == self.verl_vlm_spec.image_token_id) & packed_mask  # [B, T]
+            embeds = embeds.transpose(0, 1).masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
+            embeds = embeds.transpose(0, 1).contiguous()
+        elif n_tokens:
+            raise ValueError(f"the batch holds {n_tokens} image tokens but no images (pixel_values / image_grid_thw)")
+        logits = lm(packed, positions, None, decoder_input=embeds)  # [B, T, V/TP]
+        return unpack(logits, order) * attention_mask.unsqueeze(-1).to(logits.dtype)
+
+    def forward_rows(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """:meth:`forward` of a batch's columns: ``input_ids``, ``attention_mask`` and the ``mm_*`` images."""
+        return self.forward(rows["input_ids"], rows["attention_mask"], **model_image_inputs(rows))
+
+
+def load_vlm_hf_weights(model: MegatronVLM, model_dir: str, *, pg: "ProcessGroupCollection") -> None:
+    """Fill ``model`` from a Hugging Face Qwen2.5-VL checkpoint: the decoder through verl's weight
+    mapping (only this TP rank's slices are read), the vision tower's ``visual.*`` tensors as they are."""
+    from verl.models.checkpoint import load_hf_weights
+    from verl.models.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(model_dir)
+    load_hf_weights([model.language_model], reader, pg=pg)
+    names = [n for n in reader.names() if n.startswith(VISION_PREFIX)]
+    state = {n[len(VISION_PREFIX):]: reader.read(n) for n in names}
+    missing, unexpected = model.vision.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{model_dir}: the vision encoder's tensors do not match the config's vision_config "
+            f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}); re-save the checkpoint"
+        )
+    bad = [n for n, t in state.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"{model_dir}: vision tensor '{VISION_PREFIX}{bad[0]}' holds NaN/inf; restore the checkpoint")
+
+
+def build_megatron_vlm(model_dir: str, cfg: ModelBuildConfig, pg: "ProcessGroupCollection", *,
+                       freeze_vision_tower: bool = False, load_weights: bool = True) -> MegatronVLM:
+    """The Megatron Qwen2.5-VL of ``model_dir`` on this rank (its TP shard of the decoder, the whole tower)."""
+    spec = parse_vlm_config(model_dir)
+    check_vlm_layout(cfg, tp_size=pg.tp.size(), pp_size=pg.pp.size(), cp_size=pg.cp.size())
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    lm = build_gpt_model(spec.text, cfg, pg, mrope_section=list(spec.mrope_section))
+    vision_config = spec.hf_config.vision_config
+    vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, dtype=cfg.torch_dtype)
+    model = MegatronVLM(spec, lm, vision.to(next(lm.parameters()).device))
+    if load_weights:
+        load_vlm_hf_weights(model, model_dir, pg=pg)
+    if freeze_vision_tower:
+        vision.requires_grad_(False)
+    log_rank0(
+        logger, logging.INFO, "built Qwen2.5-VL on Megatron: mrope %s, vision tower %d parameters (%s), tp=%d",
+        list(spec.mrope_section), sum(p.numel() for p in vision.parameters()),
+        "frozen" if freeze_vision_tower else "trained", pg.tp.size(), group=pg.tp,
+    )
+    return model
