@@ -337,6 +337,14 @@ def validate_ppo(cfg: PPOConfig, world_size: int | None) -> None:
         )
     _old_log_prob(cfg, problems)
     _rollout_mode(cfg, problems)
+    if rollout.update_weights_mode != "full":
+        key = f"actor_rollout_ref.rollout.update_weights_mode={rollout.update_weights_mode}"
+        if not cfg.trainer.placement.get("rollout"):
+            problems.append(f"{key} sends deltas to a rollout on ranks of its own (trainer.placement.rollout); a "
+                            "colocated engine takes the weights in place, nothing crosses the wire: set it to full")
+        elif actor.strategy != "megatron":
+            problems.append(f"{key} needs the Megatron actor's reshard plan (actor.strategy=megatron; fsdp2 sends "
+                            "whole gathered tensors): set it to full")
     _policy_loss(cfg, problems)
     _token_budgets(cfg, problems)
     if cfg.algorithm.filter_groups.enable and not cfg.algorithm.filter_groups.metric:

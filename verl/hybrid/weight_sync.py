@@ -279,15 +279,26 @@ class DisaggregatedSync:
         bucket_bytes: as :class:`WeightSync`.
         rollout_world: the group of the rollout's ranks, the engine's world
             (``verl.parallel.role_world``): the engine's own calls run inside it.
+        mode: ``"full"`` (every push sends everything) or ``"delta"`` (``"delta_sharded"``, the
+            reference verl's name, is the same): only the blocks changed since the last push
+            cross the wire, each bucket checksummed (:mod:`verl.hybrid.delta`).
+        full_every: with ``mode="delta"``, pushes 1, 1 + full_every, 1 + 2 full_every, ... are full.
+        block_bytes: with ``mode="delta"``, the unit of change (bytes of the actor's dtype).
     """
 
     def __init__(self, actor: "MegatronEngine | None", rollout: Any, *, rollout_rank: int | None,
-                 bucket_bytes: int, rollout_world: dist.ProcessGroup | None = None) -> None:
+                 bucket_bytes: int, rollout_world: dist.ProcessGroup | None = None, mode: str = "full",
+                 full_every: int = 10, block_bytes: int = 64 * 1024) -> None:
         from verl.parallel.role_world import role_world
 
         self._engine_world = lambda: role_world(rollout_world)
         if bucket_bytes < 1:
             raise ValueError(f"DisaggregatedSync: bucket_bytes={bucket_bytes}; it must be >= 1")
+        if mode not in ("full", "delta", "delta_sharded"):
+            raise ValueError(f"DisaggregatedSync: mode={mode!r}; use 'full' or 'delta' ('delta_sharded')")
+        if full_every < 1 or block_bytes < 1:
+            raise ValueError(f"DisaggregatedSync: full_every={full_every}, block_bytes={block_bytes}; each must be >= 1")
+        self.mode = "full" if mode == "full" else "delta"
         if (rollout is None) != (rollout_rank is None):
             raise ValueError("DisaggregatedSync: give rollout_rank with the rollout engine, and only there")
         self.actor, self.rollout = actor, rollout
@@ -306,7 +317,10 @@ class DisaggregatedSync:
                 "split": unwrap_model(actor.chunks[0]).verl_split,
             }
         if rollout is not None:
-            mine["rollout"] = {"kind": rollout.weights_layout, "tp": _rollout_tp(rollout), "rank": rollout_rank}
+            with self._engine_world():
+                first_param = next(iter(rollout.named_parameters()), (None, None))[1]
+            mine["rollout"] = {"kind": rollout.weights_layout, "tp": _rollout_tp(rollout), "rank": rollout_rank,
+                               "dtype": str(getattr(first_param, "dtype", "torch.float32")).removeprefix("torch.")}
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, mine)
         actor_ranks = [r for r, i in enumerate(infos) if "actor" in i]
@@ -373,6 +387,16 @@ class DisaggregatedSync:
         else:  # a rank of neither role: nothing to move, a device for its (empty) buffers
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.last_metrics: dict[str, float] = {}
+        self._delta = None
+        if self.mode == "delta":
+            from verl.hybrid.delta import DeltaTransfer
+
+            elem = torch.empty((), dtype=self.source_dtype).element_size()
+            self._delta = DeltaTransfer(
+                self.plan, rank, bucket_elements=self.bucket_elements, block_elements=max(1, block_bytes // elem),
+                full_every=full_every, source_dtype=self.source_dtype, device=self.device,
+                dest_dtype=getattr(torch, infos[rollout_ranks[0]]["rollout"]["dtype"]),
+            )
         stats = self.plan.rank_stats(rank)
         logger.info(
             "disaggregated weight sync planned (%s): rank %d sends %d elements to %d peers, receives %d from %d",
@@ -394,6 +418,8 @@ class DisaggregatedSync:
             with self._engine_world():
                 held = {k: p.data for k, p in self.rollout.named_parameters()}
             destinations = [held[k].view(-1) for k in self.plan.dst_keys[rank]]
+        if self._delta is not None:
+            return self._push_delta(sources, destinations)
         stats = execute_plan(
             self.plan, rank, sources, destinations, bucket_elements=self.bucket_elements,
             source_dtype=self.source_dtype, device=self.device,
@@ -405,6 +431,27 @@ class DisaggregatedSync:
             "timing_s/update_weights": stats.seconds,
             "update_weights/bytes_sent": float(stats.sent_bytes),
             "update_weights/bytes_received": float(stats.received_bytes),
+            "update_weights/buffer_bytes": float(stats.buffer_bytes),
+        }
+        return dict(self.last_metrics)
+
+    def _push_delta(self, sources: list[torch.Tensor], destinations: list[torch.Tensor]) -> dict[str, float]:
+        assert self._delta is not None
+        stats = self._delta.push(sources, destinations)
+        if self.rollout is not None:
+            with self._engine_world():
+                self.rollout.weights_updated()
+        self.last_metrics = {
+            "timing_s/update_weights": stats.seconds,
+            "update_weights/seconds": stats.seconds,
+            "update_weights/bytes_sent": float(stats.sent_bytes),
+            "update_weights/bytes_received": float(stats.received_bytes),
+            "update_weights/bytes_full": float(stats.full_bytes),
+            "update_weights/sent_share": stats.sent_bytes / stats.full_bytes if stats.full_bytes else 0.0,
+            "update_weights/full": float(stats.full),
+            "update_weights/blocks_sent": float(stats.blocks_sent),
+            "update_weights/blocks_total": float(stats.blocks_total),
+            "update_weights/checksum_failures": float(stats.checksum_failures),
             "update_weights/buffer_bytes": float(stats.buffer_bytes),
         }
         return dict(self.last_metrics)
