@@ -1,7 +1,13 @@
-"""``python -m verl.trainer.eval_generation`` refuses bad input before loading the model: exit 2, one line."""
+"""``python -m verl.trainer.eval_generation`` refuses bad input before loading the model: exit 2, one line.
+
+One case runs the module as a command (``python -m``: its exit status and stderr as a user sees them);
+the others call its ``main(argv)`` in this process, the function that command runs, with the same
+checks (exit status 2, no traceback, the one error line): a Python start per case was most of this
+file's time."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +29,28 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           text=True, cwd=REPO, env=env, timeout=240)
 
 
+@pytest.fixture
+def in_process(capsys):
+    """``main(argv)`` in this process, as a finished command: its exit status and what it wrote."""
+    from verl.trainer.eval_generation import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["main", *args], code, out, err)
+
+    # main() configures the root logger as a command does (a handler on this test's captured stderr).
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield run
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 def test_a_model_directory_that_does_not_exist(tmp_path, arithmetic_files):
     proc = _eval("--model", str(tmp_path / "nope"), "--data", arithmetic_files["val"])
     assert one_error_line(proc, PROG).endswith(
@@ -30,11 +58,11 @@ def test_a_model_directory_that_does_not_exist(tmp_path, arithmetic_files):
     )
 
 
-def test_a_truncated_weight_file_is_named(tmp_path, tiny_model_dir, arithmetic_files):
+def test_a_truncated_weight_file_is_named(tmp_path, tiny_model_dir, arithmetic_files, in_process):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     os.truncate(model / "model.safetensors", 6)
-    proc = _eval("--model", str(model), "--data", arithmetic_files["val"])
+    proc = in_process("--model", str(model), "--data", arithmetic_files["val"])
     assert one_error_line(proc, PROG).endswith(
         f"{model}/model.safetensors: not a readable safetensors file (6 bytes, shorter than the 8-byte header "
         "length); a truncated or partial copy? Copy the file again"
@@ -49,8 +77,8 @@ def test_a_truncated_weight_file_is_named(tmp_path, tiny_model_dir, arithmetic_f
         (["--max-new-tokens", "1.5"], "argument --max-new-tokens: expected a whole number, got '1.5'"),
     ],
 )
-def test_nonsensical_numbers(tiny_model_dir, arithmetic_files, args, message):
-    proc = _eval("--model", tiny_model_dir, "--data", arithmetic_files["val"], *args)
+def test_nonsensical_numbers(tiny_model_dir, arithmetic_files, args, message, in_process):
+    proc = in_process("--model", tiny_model_dir, "--data", arithmetic_files["val"], *args)
     assert one_error_line(proc, PROG).endswith(message)
 
 
@@ -61,18 +89,20 @@ def test_nonsensical_numbers(tiny_model_dir, arithmetic_files, args, message):
         ("data_source", "no/such/task", "row 5: no rule-based scorer for data_source='no/such/task'"),
     ],
 )
-def test_a_bad_row_is_named_before_generation(tmp_path, tiny_model_dir, arithmetic_files, column, value, message):
+def test_a_bad_row_is_named_before_generation(
+    tmp_path, tiny_model_dir, arithmetic_files, column, value, message, in_process
+):
     rows = pq.read_table(arithmetic_files["val"]).to_pylist()
     rows[5][column] = value
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), bad)
-    proc = _eval("--model", tiny_model_dir, "--data", str(bad))
+    proc = in_process("--model", tiny_model_dir, "--data", str(bad))
     assert f"{bad}: {message}" in one_error_line(proc, PROG)
 
 
-def test_a_folder_given_as_the_data(tiny_model_dir, arithmetic_files):
+def test_a_folder_given_as_the_data(tiny_model_dir, arithmetic_files, in_process):
     folder = os.path.dirname(arithmetic_files["val"])
-    proc = _eval("--model", tiny_model_dir, "--data", folder)
+    proc = in_process("--model", tiny_model_dir, "--data", folder)
     assert f"{folder} is a directory, not a data file; give the data files in it" in one_error_line(proc, PROG)
 
 
@@ -83,8 +113,8 @@ def test_a_folder_given_as_the_data(tiny_model_dir, arithmetic_files):
         (["--temperature", "-1"], "temperature must be >= 0 (0: greedy), got -1.0"),
     ],
 )
-def test_sampling_arguments_that_cannot_work(tiny_model_dir, arithmetic_files, args, message):
-    proc = _eval("--model", tiny_model_dir, "--data", arithmetic_files["val"], *args)
+def test_sampling_arguments_that_cannot_work(tiny_model_dir, arithmetic_files, args, message, in_process):
+    proc = in_process("--model", tiny_model_dir, "--data", arithmetic_files["val"], *args)
     assert one_error_line(proc, PROG).endswith(message)
 
 
