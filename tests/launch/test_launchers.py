@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,44 +50,89 @@ def test_a_multiprocessing_child_does_not_start_another_run(path, monkeypatch):
     assert watched == [True]
 
 
-@pytest.mark.timeout(1260)
-def test_two_nodes_on_localhost(tmp_path):
-    """NNODES=2 NPROC_PER_NODE=1: c10d rendezvous on 127.0.0.1, two steps of the tiny GRPO (HF rollout)."""
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory):
+    """One run of `launch/grpo_tiny_cpu.sh` as two nodes on localhost (NNODES=2 NPROC_PER_NODE=1: c10d
+    rendezvous on 127.0.0.1), one node started with `bash launch/...` and the other with `torchrun ...
+    launch/...`: two steps of the tiny GRPO (HF rollout) with a checkpoint and two validations, its
+    logs and checkpoints in folders of the user's (``trainer.log_dir``, ``default_local_dir``), after
+    an earlier run's figures in the launcher's default log folder. Checked by
+    test_two_nodes_on_localhost and test_the_launchers_summary_is_this_runs_with_folder_overrides
+    (one launch for both: each is a minute of CPU)."""
+    tmp_path = tmp_path_factory.mktemp("two-nodes")
     port = free_port()
     out = tmp_path / "out"
+    stale = out / "logs"
+    stale.mkdir(parents=True)
+    # An earlier run's figures in the launcher's default log folder.
+    (stale / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "val-core/arith/acc/mean@4": 0.552}) + "\n"
+        + json.dumps({"step": 60, "val-core/arith/acc/mean@4": 0.606}) + "\n"
+    )
+    mine = tmp_path / "elsewhere"
     overrides = [
         "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2", "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.rollout.n=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.val_kwargs.n=1", "data.val_batch_size=16",
+        "trainer.test_freq=2",
         # A checkpoint: Megatron's writer forks workers (verl.models.dist_save: nothing imports the launcher again).
         "trainer.save_freq=2", "trainer.save_hf=false",
+        f"trainer.log_dir={mine}/logs", f"trainer.default_local_dir={mine}/ckpt",
     ]
     env = {
         **os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "OUT": str(out), "SFT_STEPS": "0", "TRAIN": "200",
-        "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "VAL": "16", "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     launcher = os.path.join(ROOT, "launch", "grpo_tiny_cpu.sh")
-    node0 = subprocess.Popen(["bash", launcher, *overrides], cwd=tmp_path, env={**env, "NODE_RANK": "0"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    # The second node is the file run by torchrun itself, as users type it on a cluster.
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "verl",
-         launcher, *overrides],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    # Each node's stdout (the closing lines) apart from its stderr (the logs), in files: a pipe that
+    # nobody reads while the test waits for the other node could fill and stall that node's rank.
+    files = {name: open(tmp_path / name, "w+", encoding="utf-8") for name in ("out0", "err0", "out1", "err1")}
     try:
-        logs = [p.communicate(timeout=1200)[0] for p in (node0, node1)]  # a hang guard (tests/processes.py)
+        node0 = subprocess.Popen(["bash", launcher, *overrides], cwd=tmp_path, env={**env, "NODE_RANK": "0"},
+                                 stdout=files["out0"], stderr=files["err0"], text=True, start_new_session=True)
+        # The second node is the file run by torchrun itself, as users type it on a cluster.
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "verl",
+             launcher, *overrides],
+            cwd=tmp_path, env=env, stdout=files["out1"], stderr=files["err1"], text=True, start_new_session=True,
+        )
+        nodes = (node0, node1)
+        try:
+            # A hang guard (tests/processes.py): 44 s quiet, 226-420+ s beside two busy loops (suites 15-17).
+            # A node that failed ends the wait: the other would wait for it until the guard.
+            deadline = time.monotonic() + 1200
+            while any(p.poll() is None for p in nodes) and not any(p.poll() for p in nodes):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(["bash", launcher, *overrides], 1200)
+                time.sleep(0.5)
+        finally:
+            for p in nodes:
+                kill_tree(p)  # torchrun's ranks too
+                p.wait(timeout=60)
+        outputs = []
+        for i in (0, 1):
+            for name in (f"out{i}", f"err{i}"):
+                files[name].seek(0)
+            outputs.append((files[f"out{i}"].read(), files[f"err{i}"].read()))
     finally:
-        for p in (node0, node1):
-            kill_tree(p)  # torchrun's ranks too
+        for f in files.values():
+            f.close()
+    return {"nodes": nodes, "outputs": outputs, "mine": mine}
+
+
+@pytest.mark.timeout(1260)
+def test_two_nodes_on_localhost(two_node_run):
+    """NNODES=2 NPROC_PER_NODE=1: c10d rendezvous on 127.0.0.1, two steps of the tiny GRPO (HF rollout)."""
+    node0, node1 = two_node_run["nodes"]
+    logs = [stdout + stderr for stdout, stderr in two_node_run["outputs"]]
     assert node0.returncode == 0 and node1.returncode == 0, "\n\n".join(log[-4000:] for log in logs)
     both = "".join(logs)
     assert "--nnodes 2" in logs[0]  # bash started torchrun for two nodes
     assert "world_size=2" in both  # one world of two ranks, one per node
-    with open(out / "logs" / "metrics.jsonl", encoding="utf-8") as f:
+    with open(two_node_run["mine"] / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "actor/pg_loss" in r] == [1, 2]
     assert "done: step 2" in both
@@ -199,37 +245,20 @@ def test_recipe_summary_without_validation_before_training(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1260)
-def test_the_launchers_summary_is_this_runs_with_folder_overrides(tmp_path):
+def test_the_launchers_summary_is_this_runs_with_folder_overrides(two_node_run):
     """`bash launch/grpo_tiny_cpu.sh trainer.log_dir=... trainer.default_local_dir=...` after an
-    earlier run in $OUT: the closing lines name the overridden folders and this run's figures."""
-    out = tmp_path / "out"
-    stale = out / "logs"
-    stale.mkdir(parents=True)
-    # An earlier run's figures in the launcher's default log folder.
-    (stale / "metrics.jsonl").write_text(
-        json.dumps({"step": 0, "val-core/arith/acc/mean@4": 0.552}) + "\n"
-        + json.dumps({"step": 60, "val-core/arith/acc/mean@4": 0.606}) + "\n"
-    )
-    mine = tmp_path / "elsewhere"
-    overrides = [
-        "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2", "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.val_kwargs.n=1", "data.val_batch_size=16",
-        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.save_hf=false",
-        f"trainer.log_dir={mine}/logs", f"trainer.default_local_dir={mine}/ckpt",
-    ]
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "OUT": str(out), "SFT_STEPS": "0",
-           "TRAIN": "200", "VAL": "16", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "NODE_RANK"):
-        env.pop(key, None)
-    # A hang guard (tests/processes.py): 41 s quiet, 226-420+ s beside two busy loops (suites 15-17).
-    proc = run_tree(["bash", os.path.join(ROOT, "launch", "grpo_tiny_cpu.sh"), *overrides], timeout=1200,
-                    cwd=tmp_path, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    earlier run in $OUT: the closing lines (printed by global rank 0, on whichever node it is) name
+    the overridden folders and this run's figures."""
+    node0, node1 = two_node_run["nodes"]
+    assert node0.returncode == 0 and node1.returncode == 0, "\n\n".join(
+        (stdout + stderr)[-4000:] for stdout, stderr in two_node_run["outputs"])
+    mine = two_node_run["mine"]
     with open(mine / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         val = [v for r in map(json.loads, f) for k, v in r.items() if k.startswith("val-core/")]
     assert len(val) == 2  # before training and at step 2
-    closing = proc.stdout.splitlines()
+    printed = [stdout for stdout, _ in two_node_run["outputs"] if "== validation reward" in stdout]
+    assert len(printed) == 1, [stdout[-2000:] for stdout, _ in two_node_run["outputs"]]  # rank 0's node alone
+    closing = printed[0].splitlines()
     closing = closing[next(i for i, line in enumerate(closing) if line.startswith("== validation reward")):]
     assert f"{val[0]:.3f} before GRPO (step 0) -> {val[1]:.3f} after (step 2)" in closing[0], closing
     assert f"== metrics:      {mine / 'logs' / 'metrics.jsonl'}" in closing
