@@ -226,6 +226,11 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _cmdline_of(cmd: list[str]) -> str:
+    """What :func:`_cmdline` reads for a process started as ``cmd``."""
+    return " ".join(cmd)[:300]
+
+
 def _stuck(pid: int, stderr: os.PathLike) -> str:
     """What a hang guard reports of the trainer ``pid``: its processes with their command lines, the
     Python stacks and the end of its stderr (a file, never a pipe: an undrained pipe that fills
@@ -251,7 +256,7 @@ def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_onc
     cmd = [
         sys.executable, "-m", "verl.trainer.main_sft", "--config", "sft_tiny_cpu",
         f"model.path={tiny_model_dir}", f"data.train_files={arithmetic_files['train']}", "data.val_files=null",
-        "data.train_batch_size=16", "data.micro_batch_size_per_gpu=16", "trainer.total_training_steps=12",
+        "data.train_batch_size=16", "data.micro_batch_size_per_gpu=16", "trainer.total_training_steps=6",
         "optim.lr_warmup_steps=1", "trainer.test_freq=-1", "trainer.save_freq=3", "trainer.save_hf=false",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={run}", f"trainer.log_dir={run}/logs",
     ]
@@ -285,7 +290,7 @@ def test_a_killed_run_leaves_no_process_behind_and_its_resume_logs_each_step_onc
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     with open(run / "logs" / "metrics.jsonl", encoding="utf-8") as f:
         steps = [json.loads(line)["step"] for line in f]
-    assert steps == list(range(1, 13))
+    assert steps == list(range(1, 7))
 
 
 @pytest.mark.slow
@@ -322,13 +327,12 @@ def test_a_run_killed_during_a_save_leaves_no_checkpoint_writer_behind(tiny_mode
         deadline = time.monotonic() + 600  # hang guard sized for a loaded machine (quiet: ~10 s)
         # A writer is a fork of the trainer (its command line); other children come and go (the
         # `ldconfig -p` of a library lookup at import, which the first version of this test took for one).
-        # The trainer's command line is read each round: read once, right after Popen, it can be the
-        # forked pytest's, or empty while the exec is under way on a loaded machine (a CI pass read
-        # "" and then took no fork for a writer for 600 s).
-        trainer = ""
-        while not (trainer := _cmdline(proc.pid)) or not (
-            writers := {c for c in _descendants(proc.pid) if _cmdline(c) == trainer}
-        ):
+        # The command line compared is the one given to Popen, not the trainer's as read from /proc:
+        # read once right after Popen that can be the forked pytest's, and read each round a loaded CI
+        # pass still got "" until the 600 s limit, when the stuck report read the trainer and its
+        # writer as this command (2026-12-07).
+        trainer = _cmdline_of(cmd)
+        while not (writers := {c for c in _descendants(proc.pid) if _cmdline(c) == trainer}):
             assert proc.poll() is None, "the run ended before a writer was seen: " + stderr.read_text(errors="replace")[-2000:]
             if time.monotonic() > deadline:
                 raise AssertionError(f"no checkpoint writer (a fork: {trainer[:160]}) within 600 s" + _stuck(proc.pid, stderr))
