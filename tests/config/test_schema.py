@@ -51,6 +51,7 @@ def test_data_section_has_exactly_the_agreed_fields():
         "filter_overlong_prompts", "tokenizer", "custom_cls", "dataloader_num_workers", "apply_chat_template",
         "pairs",  # DPO's preference pairs (verl.DPOUpdateOperator)
         "tool_config_path",  # the reference's: tool schemas rendered into prompts (docs/agents.md)
+        "image_key",  # the reference's: the column of a vision-language model's images (docs/vlm.md)
     }
     actual = {f.name for f in dataclasses.fields(PPOConfig().data)}
     assert actual == expected

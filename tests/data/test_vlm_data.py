@@ -145,3 +145,48 @@ def test_make_vlm_data_writes_a_geometry3k_shaped_file(encoder, tmp_path, capsys
     assert make_vlm_data(["--input", str(tmp_path / "bad.jsonl"), "--output", str(out)]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl: line 1: image[0]: image file" in err and err.count("\n") == 1
+
+
+def test_data_image_key_names_the_column_of_the_images(encoder, tmp_path):
+    """``data.image_key`` (the reference's key; default ``images``) picks the column the dataset reads the rows'
+    images from; a file without that column is refused in one line naming the key and the fix."""
+    from verl.config import PPOConfig, load_config
+    from verl.data.rl_dataset import create_rl_dataset
+
+    path = write(tmp_path / "d.parquet", [{"prompt": [{"role": "user", "content": "<image>Which colour?"}],
+                                          "pictures": [image(png("red", (56, 56)))], "data_source": "colour"}])
+    cfg = load_config(PPOConfig, overrides=["data.image_key=pictures", "data.max_prompt_length=64"])
+    item = create_rl_dataset(cfg.data, encoder.tokenizer, [path], processor=encoder)[0]
+    pixels, grid = encoder.pixels([ds_image(png("red", (56, 56)))])
+    assert item[IMAGE_GRID_THW].tolist() == grid.tolist() == [[1, 4, 4]]
+    assert torch.equal(item[PIXEL_VALUES][: len(pixels)], pixels)  # the same processor on the same image: exact
+    with pytest.raises(ValueError, match=r"^\S+d.parquet: no column 'images' .*data.image_key='images' .*set "
+                                         r"data.image_key to the column that holds them$"):
+        create_rl_dataset(load_config(PPOConfig, overrides=["data.max_prompt_length=64"]).data, encoder.tokenizer,
+                          [path], processor=encoder)
+
+
+def test_the_colour_square_task_and_its_scorer():
+    """The recipe's task: balanced colours, a square only in the task's images (the control's images are the same
+    grey background), and the first word of the response judged."""
+    import numpy as np
+    from PIL import Image
+
+    from verl.data.tasks.colour_square import BACKGROUND, colour_square_records
+    from verl.rewards import default_compute_score
+
+    task = colour_square_records(8, seed=3, split="test")
+    blank = colour_square_records(8, seed=3, split="test", blank=True)
+    assert sorted(r["reward_model"]["ground_truth"] for r in task) == sorted(["red", "green", "blue", "yellow"] * 2)
+    assert [r["prompt"] for r in task] == [r["prompt"] for r in blank]
+    for with_square, without in zip(task, blank):
+        a = np.asarray(Image.open(io.BytesIO(with_square["images"][0]["bytes"])), np.int16)
+        b = np.asarray(Image.open(io.BytesIO(without["images"][0]["bytes"])), np.int16)
+        assert a.shape == b.shape == (28, 28, 3)
+        assert np.abs(b - BACKGROUND).max() <= 12  # background noise only
+        assert (np.abs(a - BACKGROUND).max(-1) > 40).sum() >= 14 * 14  # the square: half the side at least
+    assert [default_compute_score(r["data_source"], " Red.", "red") for r in (task[0], blank[0])] == [1.0, 1.0]
+    assert default_compute_score("verl/colour_square", "blue red", "red") == 0.0
+    assert default_compute_score("verl/colour_square", "", "red") == 0.0
+    with pytest.raises(ValueError, match="colours"):
+        colour_square_records(4, seed=0, split="x", colours=("red", "purple"))

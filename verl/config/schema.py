@@ -89,6 +89,7 @@ class DataConfig(ConfigBase):
     train_files: str | list[str] = option("~/data/gsm8k/train.parquet", "Training prompt file(s): parquet, arrow or jsonl.")
     val_files: str | list[str] | None = option("~/data/gsm8k/test.parquet", "Validation prompt file(s); None: no validation set.")
     prompt_key: str = option("prompt", "Column holding the prompt (a chat message list or plain text).")
+    image_key: str = option("images", "Column holding each row's images for a vision-language model (the reference's key): a list of {'bytes' or 'path'} dicts or paths, one per <image> placeholder of the prompt (docs/vlm.md).")
     reward_fn_key: str = option("data_source", "Column whose value selects the rule-based reward function.")
     max_prompt_length: int = option(512, "Prompt token budget; longer prompts are filtered or truncated (see truncation).", ge=1)
     max_response_length: int = option(512, "Response token budget per sample.", ge=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import logging
 import os
 import sys
@@ -261,7 +262,15 @@ class RLPromptDataset(Dataset):
         column, _ = split_key(self.prompt_key)
         patches: list[list[int]] = []
         prompts = source.iter_column(column, 1024)
-        for values in source.iter_column(self.image_key, 1024):
+        image_batches = source.iter_column(self.image_key, 1024)
+        try:
+            first = next(image_batches, None)  # opens the file: a missing column is named here
+        except ValueError as exc:
+            if f"no column {self.image_key!r}" not in str(exc):
+                raise
+            raise ValueError(f"{exc}: data.image_key={self.image_key!r} names the column of the rows' images (a "
+                             "vision-language model's data); set data.image_key to the column that holds them") from None
+        for values in itertools.chain([] if first is None else [first], image_batches):
             for value, prompt in zip(values, next(prompts)):
                 row = len(patches)
                 where = f"{source.path}: row {row}: {self.image_key}"
@@ -465,6 +474,9 @@ def _options(data_cfg: Any) -> dict[str, Any]:
     )
     out = {name: _config_field(data_cfg, name) for name in names}
     out["tool_config_path"] = _optional_field(data_cfg, "tool_config_path")  # absent from older mapping configs
+    image_key = _optional_field(data_cfg, "image_key")  # absent from older mapping configs: the dataset's default
+    if image_key is not None:
+        out["image_key"] = image_key
     return out
 
 

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from verl.rewards import arithmetic, code, countdown, gsm8k, math_answer, reference
+from verl.rewards import arithmetic, code, colour_square, countdown, gsm8k, math_answer, reference
 from verl.rewards.extract import as_text, last_boxed
 from verl.rewards.format_reward import format_reward
 
@@ -128,6 +128,8 @@ register_scorer("math_dapo", "math", "math_dapo_reasoning")(math_answer.compute_
 register_scorer("aime", prefix=True)(math_answer.compute_score_dapo)
 register_scorer("countdown")(countdown.compute_score)
 register_scorer(arithmetic.DATA_SOURCE)(arithmetic.compute_score)
+# The vision-language demo's task and its control set without the square (verl.data.tasks.colour_square).
+register_scorer(colour_square.DATA_SOURCE, colour_square.BLANK_DATA_SOURCE)(colour_square.compute_score)
 # Programs run against the task's tests in the sandbox (verl.sandbox): stdin/stdout or function calls.
 register_scorer(*code.DATA_SOURCES, code.ARITHMETIC_CODE_DATA_SOURCE)(code.compute_score)
 

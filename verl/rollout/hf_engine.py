@@ -16,7 +16,10 @@ continuous batching). Selected with ``actor_rollout_ref.rollout.name: hf``.
 - A vision-language model (a checkpoint whose config has a ``vision_config``) loads whole
   (``AutoModelForImageTextToText``) and generates each prompt with its images: the prompt batch's
   ``mm_pixel_values`` / ``mm_image_grid_thw`` columns (``verl.protocol.images``), which the output batch
-  repeats for the trainer; the model computes its multimodal rotary positions itself.
+  repeats for the trainer; the model computes its multimodal rotary positions itself. Its image and
+  video tokens are never sampled (a response holds no image); the reported log-probs are still over
+  the whole vocabulary, as the trainer's (exact without top-k/top-p; with them the removed tokens
+  count as if the cut kept them).
 - Randomness comes from the engine's own RNG stream (see ``RolloutEngine.generate``); samples
   differ from vLLM's for the same seed (different samplers).
 
@@ -103,6 +106,11 @@ class HFRollout(RolloutEngine):
         self.model = loader.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).to(self.device)
         vision = getattr(self.model.config, "vision_config", None)
         self.image_token_id = self.model.config.image_token_id if vision is not None else None
+        # Never sampled (_NoVisionTokens): the trainer's forward reads every image token as an image slot.
+        self.vision_token_ids = sorted({
+            int(i) for i in (getattr(self.model.config, k, None) for k in ("image_token_id", "video_token_id"))
+            if i is not None
+        }) if vision is not None else []
         self._prompt_images: dict[str, torch.Tensor] | None = None  # the prompt batch's mm_* columns, in generate()
         self.model.eval()
         # Every sampling setting comes from cfg: nothing from the checkpoint's generation_config
@@ -190,11 +198,13 @@ class HFRollout(RolloutEngine):
             use_cache=True,
         )
         recorder = RoutingRecorder(self.model) if self.record_routing else None
+        no_vision = _NoVisionTokens(self.vision_token_ids) if self.vision_token_ids else None
         with torch.no_grad(), recorder or contextlib.nullcontext():
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg,
+                logits_processor=[no_vision] if no_vision is not None else None,
                 tokenizer=self.tokenizer if spec.stop else None,
                 **self._image_kwargs(input_ids, images),
             )
@@ -203,10 +213,14 @@ class HFRollout(RolloutEngine):
         routed = recorder.routing(len(rows)) if recorder is not None else None  # [N, width + T, L, K]
         generated = out.sequences[:, width:]  # [N, T], T <= max_tokens
         # Logprob of each generated token under the processed distribution it was drawn from.
+        scores = list(out.scores)  # each [N, V]
+        if no_vision is not None:  # the vision tokens' logits back, warped as the others were (temperature)
+            scale = 1.0 if spec.greedy else float(spec.temperature)
+            scores = [torch.cat([s.float(), removed / scale], dim=-1) for s, removed in zip(scores, no_vision.removed)]
         token_lps = torch.stack(
             [
                 torch.log_softmax(score.float(), dim=-1).gather(-1, generated[:, t : t + 1]).squeeze(-1)
-                for t, score in enumerate(out.scores)
+                for t, score in enumerate(scores)
             ],
             dim=1,
         ).cpu()  # [N, T]
@@ -397,6 +411,26 @@ class RoutingRecorder:
         from verl.models.router_replay import as_routing
 
         return as_routing(torch.stack(per_layer, dim=2).to("cpu"))
+
+
+class _NoVisionTokens:
+    """``generate``'s logits processor that never lets a vision token be sampled (a response holds no image:
+    a sampled ``<|image_pad|>`` would be an image slot without an image to the trainer's forward).
+
+    Its logits go to -inf; each step's removed logits [N, k] are kept in ``removed`` so the reported
+    log-probs are the policy's over the whole vocabulary, as the trainer computes them (the removed mass,
+    ~k / vocab for an untrained model, would otherwise shift every log-prob by log(1 - mass))."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = torch.tensor(token_ids, dtype=torch.long)
+        self.removed: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        ids = self.token_ids.to(scores.device)
+        self.removed.append(scores.index_select(-1, ids).float())
+        scores = scores.clone()
+        scores[:, ids] = float("-inf")
+        return scores
 
 
 def hf_response_logprobs(
