@@ -99,8 +99,8 @@ def _logits_body(model_dir: str, tp: int, batch: dict[str, torch.Tensor], text_b
     pg = initialize_model_parallel(tensor_model_parallel_size=tp)
     model = build_megatron_vlm(model_dir, ModelBuildConfig(), pg).eval()
     with torch.no_grad():
-        images = model(**batch)  # [B, T, V/TP]
-        no_images = model(text_batch["input_ids"], text_batch["attention_mask"])
+        images = model.logits(**batch)  # [B, T, V/TP]
+        no_images = model.logits(text_batch["input_ids"], text_batch["attention_mask"])
         # 3D positions read from the batch: the row with two images, where they depart from 1D ones
         positions = model.positions(batch["input_ids"], batch["attention_mask"], batch["image_grid_thw"])
     return {"tp_rank": pg.tp.rank(), "images": images, "text": no_images, "positions": positions,
@@ -165,3 +165,109 @@ def test_refusals_before_build(vlm_dir, tmp_path):
     with pytest.raises(ValueError, match="mrope_section"):
         parse_vlm_config(str(tmp_path))
     assert parse_vlm_config(vlm_dir).mrope_section == (4, 6, 6)
+
+
+LR = 0.5  # SGD: large enough that one step moves the log-probabilities far beyond the tolerance
+
+
+def _rows_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch as verl's Batch carries it: each row's images in its own ``mm_*`` columns."""
+    from verl.protocol.images import pad_row_images
+
+    grid, pixels = batch["image_grid_thw"], batch["pixel_values"]
+    patches = grid.prod(-1).tolist()
+    starts = [sum(patches[:k]) for k in range(len(patches) + 1)]
+    per_row = [[], [0], [1, 2]]  # image indices of each row
+    width, dim = max(sum(patches[k] for k in row) for row in per_row), pixels.shape[1]
+    cols = []
+    for row in per_row:
+        pv = torch.cat([pixels[starts[k]:starts[k + 1]] for k in row]) if row else None
+        cols.append(pad_row_images(pv, grid[row] if row else None, patches=width, images=2, dim=dim))
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+            **{k: torch.stack([c[k] for c in cols]) for k in cols[0]}}
+
+
+def _step_body(model_dir: str, tp: int, rows: dict[str, torch.Tensor], freeze: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from verl.config.schema import OptimConfig
+    from verl.engine.build import build_optimizer
+    from verl.engine.step import optimizer_step
+    from verl.models.builder import ModelBuildConfig
+    from verl.models.forward import LossShare, forward_backward
+    from verl.models.megatron_vlm import build_megatron_vlm
+    from verl.parallel.megatron_state import initialize_model_parallel
+
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp)
+    model = build_megatron_vlm(model_dir, ModelBuildConfig(), pg, freeze_vision_tower=freeze)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
+                                  pg_collection=pg)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    optimizer = build_optimizer(OptimConfig(optimizer="sgd", lr=LR, weight_decay=0.0), [ddp], pg,
+                                dtype=torch.float32, use_distributed_optimizer=False)
+    tokens = rows["attention_mask"].sum()
+
+    def loss_fn(outputs, mb):  # the mean of every token's -log p over the batch: each micro-batch's share
+        return LossShare(-(outputs["logprobs"] * mb["attention_mask"]).sum() / tokens, {})
+
+    # Micro-batches of 2 rows: the images travel with their rows (rows 0-1, then row 2's two images).
+    before = forward_backward([ddp], rows, pg=pg, micro_batch_size=2, output="logprobs").outputs["logprobs"]
+    ddp.zero_grad_buffer()
+    forward_backward([ddp], rows, pg=pg, micro_batch_size=2, output="logprobs", loss_fn=loss_fn)
+    vision_grads = {n: p.main_grad.clone() for n, p in model.vision.named_parameters() if p.requires_grad}
+    _, ok = optimizer_step(optimizer, 0.0)
+    after = forward_backward([ddp], rows, pg=pg, micro_batch_size=2, output="logprobs").outputs["logprobs"]
+    vision = {n: p.detach().clone() for n, p in model.vision.named_parameters()}
+    return {"before": before, "after": after, "ok": ok, "vision_grads": vision_grads, "vision": vision}
+
+
+def _hf_step(model_dir: str, batch: dict[str, torch.Tensor], freeze: bool):
+    """transformers' log-probs before and after the same SGD step, its vision gradients and weights."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tests.models.tiny import reference_logprobs_entropy
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    if freeze:
+        model.model.visual.requires_grad_(False)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+
+    def logprobs():
+        logits = model(input_ids=ids, attention_mask=mask, pixel_values=batch["pixel_values"],
+                       image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
+        return reference_logprobs_entropy(logits, ids, mask)[0]  # [B, T]; differentiable
+
+    before = logprobs()
+    (-(before * mask).sum() / mask.sum()).backward()
+    grads = {n[len("model.visual."):]: p.grad.clone() for n, p in model.named_parameters()
+             if n.startswith("model.visual.") and p.grad is not None}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= LR * p.grad
+        after = logprobs()
+    vision = {n: p.detach().clone() for n, p in model.model.visual.named_parameters()}
+    return before.detach(), after, grads, vision
+
+
+@pytest.mark.parametrize("tp,freeze", [(2, False), (1, True)], ids=["tp2-trained-tower", "tp1-frozen-tower"])
+def test_logprobs_and_one_sgd_step_match_transformers(vlm_dir, run_dist, tp, freeze):
+    batch = _image_batch(vlm_dir)
+    results = run_dist(_step_body, 2, vlm_dir, tp, _rows_batch(batch), freeze)
+    before, after, grads, vision = _hf_step(vlm_dir, batch, freeze)
+    mask = batch["attention_mask"].bool()
+    assert (after - before)[mask].abs().max() > 100 * ATOL  # the step moves the log-probs
+    for r in results:  # every TP rank: the same log-probs, the same (replicated) tower
+        assert r["ok"]
+        torch.testing.assert_close(r["before"], before, rtol=0, atol=ATOL)
+        # After a step of lr 0.5 the log-probs carry the gradients' rounding too: 1e-4 is still
+        # far below a wrong or missing gradient (the step moves them by > 1e-3).
+        torch.testing.assert_close(r["after"], after, rtol=0, atol=1e-4)
+        assert set(r["vision_grads"]) == (set() if freeze else set(grads))
+        for name, grad in r["vision_grads"].items():
+            # Sums of many rounded products: relative 1e-4 / absolute 1e-6, far below a missing
+            # TP reduction (a factor of 2) or a gradient that did not reach the tower (0).
+            torch.testing.assert_close(grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        for name, weight in r["vision"].items():
+            torch.testing.assert_close(weight, vision[name], rtol=0, atol=1e-6, msg=name)

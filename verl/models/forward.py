@@ -87,6 +87,7 @@ from verl.models.vocab_parallel import (
     vocab_parallel_logprobs_entropy,
     vocab_parallel_topk,
 )
+from verl.protocol.images import model_image_inputs
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -534,6 +535,12 @@ def forward_backward(
             lengths, split, math.lcm(8, width_multiple), common=pp_size > 1, segment_multiple=segment_multiple
         )
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
+    vlm = hasattr(inner, "verl_vlm_spec")  # verl.models.megatron_vlm: each micro-batch's images go with its rows
+    if vlm and (pack_sequences or cp_size > 1 or pp_size > 1):
+        raise ValueError(
+            "a vision-language model runs with one pipeline stage, no context parallelism and unpacked rows: "
+            "set use_remove_padding=false, context_parallel_size=1, pipeline_model_parallel_size=1"
+        )
     replay_chunks = _routing_setup(chunks, batch, pg, routing)  # per chunk: (its layers of L, its routers)
     replay_routers = [router for _, routers in replay_chunks for router in routers]
     chunk_of = {id(chunk): i for i, chunk in enumerate(chunks)}
@@ -606,7 +613,10 @@ def forward_backward(
         if cp_size > 1:  # this rank's chunks of every row or sequence (verl.models.cp_attention)
             mine = cp_split(mb).positions
             ids, positions = ids[:, mine], positions[:, mine]
-        if mb.packed is None:
+        if vlm:  # the rows' mask in the model's layout and their images (verl.protocol.images)
+            out = chunk(ids, positions, None, rows_mask=mb.to_model(mb.tensors["attention_mask"]),
+                        **model_image_inputs(mb.tensors))
+        elif mb.packed is None:
             out = chunk(ids, positions, None)
         else:
             out = chunk(ids, positions, None, packed_seq_params=mb.packed.seq_params())

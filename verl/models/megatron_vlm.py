@@ -31,7 +31,6 @@ import functools
 import logging
 import os
 import types
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +39,6 @@ import torch
 from verl.models.builder import ModelBuildConfig, build_gpt_model
 from verl.models.forward import pack_left, unpack
 from verl.models.hf_config import HFModelSpec, parse_hf_config
-from verl.protocol.images import model_image_inputs
 from verl.utils.logging import log_rank0
 from verl.utils.paths import load_json_object
 
@@ -141,15 +139,24 @@ class MegatronVLM(torch.nn.Module):
         self.vision = vision
         self.verl_vlm_spec = spec
         self._rope_index = _rope_index(spec.hf_config)
+        # What verl.models.forward and Megatron's DDP and schedule read of a model chunk.
+        self.config = language_model.config
+        self.verl_spec = language_model.verl_spec
+        self.verl_build = language_model.verl_build
+        self.verl_padded_vocab = language_model.verl_padded_vocab
+        self.model_type = language_model.model_type
 
     def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   image_grid_thw: torch.Tensor | None) -> torch.Tensor:
         """The 3D rotary positions [3, B, T] of a padded batch (0 at pads), as transformers computes them."""
         image = (input_ids == self.verl_vlm_spec.image_token_id).int()  # [B, T]
-        positions, _ = self._rope_index(
-            input_ids, mm_token_type_ids=image * attention_mask.int(), image_grid_thw=image_grid_thw,
-            attention_mask=attention_mask,
-        )
+        real = attention_mask.bool().any(-1)  # rows without any token (a micro-batch's filler): all 0
+        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
+        if bool(real.any()):
+            positions[:, real], _ = self._rope_index(
+                input_ids[real], mm_token_type_ids=image[real] * attention_mask[real].int(),
+                image_grid_thw=image_grid_thw, attention_mask=attention_mask[real],
+            )
         return positions
 
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -157,39 +164,50 @@ class MegatronVLM(torch.nn.Module):
         out = self.vision(pixel_values.to(next(self.vision.parameters()).dtype), grid_thw=image_grid_thw)
         return out.pooler_output
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *, rows_mask: torch.Tensor,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V/TP] (this rank's vocabulary slice; 0 at pads) of a padded batch.
+        """Logits [b, S, V/TP] (this rank's vocabulary slice) of rows packed left, as
+        :func:`verl.models.forward.forward_backward` runs a model: ``input_ids`` [b, S] with each row's
+        real tokens first, ``rows_mask`` [b, S] 1 at them. The one-dimensional ``position_ids`` and
+        the ``attention_mask`` of Megatron's call are not used (the positions are 3D; attention is causal).
 
-        ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] are the batch's images in
-        row order (transformers' layout; :meth:`forward_rows` takes the batch's ``mm_*`` columns).
+        ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]: the rows' images in row
+        order (transformers' layout, ``verl.protocol.images.model_image_inputs``).
         """
-        image_mask = input_ids == self.verl_vlm_spec.image_token_id  # [B, T]
-        n_tokens = int((image_mask & attention_mask.bool()).sum())
+        image_id = self.verl_vlm_spec.image_token_id
+        slots = (input_ids == image_id) & rows_mask.bool()  # [b, S]
+        n_tokens = int(slots.sum())
+        positions = self.positions(input_ids, rows_mask, image_grid_thw)  # [3, b, S]
         lm = self.language_model
-        positions = self.positions(input_ids, attention_mask, image_grid_thw)  # [3, B, T]
-        packed, order = pack_left(input_ids, attention_mask, input_ids.shape[1])  # [B, T] each
-        positions = positions.gather(2, order.unsqueeze(0).expand_as(positions))
-        packed_mask = attention_mask.gather(1, order).bool()
-        embeds = lm.embedding(input_ids=packed, position_ids=None)  # [T, B, H]
-        if pixel_values is not None and image_grid_thw is not None and len(image_grid_thw):
-            features = self.image_features(pixel_values, image_grid_thw)  # [N, H]
+        embeds = lm.embedding(input_ids=input_ids, position_ids=None)  # [S, b, H]
+        if image_grid_thw is not None and len(image_grid_thw):
+            features = self.image_features(pixel_values, image_grid_thw)  # [image tokens, H]
             if features.shape[0] != n_tokens:
                 raise ValueError(
-                    f"the batch holds {n_tokens} image tokens but its images give {features.shape[0]} features "
+                    f"the rows hold {n_tokens} image tokens but their images give {features.shape[0]} features "
                     "(image_grid_thw does not match the prompts' <|image_pad|> tokens)"
                 )
-            slots = (packed == self.verl_vlm_spec.image_token_id) & packed_mask  # [B, T]
             embeds = embeds.transpose(0, 1).masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
             embeds = embeds.transpose(0, 1).contiguous()
         elif n_tokens:
-            raise ValueError(f"the batch holds {n_tokens} image tokens but no images (pixel_values / image_grid_thw)")
-        logits = lm(packed, positions, None, decoder_input=embeds)  # [B, T, V/TP]
-        return unpack(logits, order) * attention_mask.unsqueeze(-1).to(logits.dtype)
+            raise ValueError(
+                f"the rows hold {n_tokens} image tokens but no images (mm_pixel_values / mm_image_grid_thw): "
+                "a step dropped the batch's image columns"
+            )
+        return lm(input_ids, positions, None, decoder_input=embeds)  # [b, S, V/TP]
 
-    def forward_rows(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """:meth:`forward` of a batch's columns: ``input_ids``, ``attention_mask`` and the ``mm_*`` images."""
-        return self.forward(rows["input_ids"], rows["attention_mask"], **model_image_inputs(rows))
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor | None = None,
+               image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V/TP] of a padded batch ([B, T] ids and mask; 0 at pads), images as in :meth:`forward`."""
+        packed, order = pack_left(input_ids, attention_mask, input_ids.shape[1])  # [B, T] each
+        rows_mask = attention_mask.gather(1, order)
+        out = self.forward(packed, rows_mask=rows_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+        return unpack(out, order) * attention_mask.unsqueeze(-1).to(out.dtype)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Megatron's schedule hands a pipeline stage its input here (one stage: None)."""
+        self.language_model.set_input_tensor(tensor)
 
 
 def load_vlm_hf_weights(model: MegatronVLM, model_dir: str, *, pg: "ProcessGroupCollection") -> None:
