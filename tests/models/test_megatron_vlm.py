@@ -165,6 +165,11 @@ def test_refusals_before_build(vlm_dir, tmp_path):
     with pytest.raises(ValueError, match="mrope_section"):
         parse_vlm_config(str(tmp_path))
     assert parse_vlm_config(vlm_dir).mrope_section == (4, 6, 6)
+    # The text-model path (the Megatron engine, the converters) names what to use instead.
+    from verl.models.hf_config import parse_hf_config
+
+    with pytest.raises(ValueError, match="strategy=fsdp2"):
+        parse_hf_config(vlm_dir)
 
 
 LR = 0.5  # SGD: large enough that one step moves the log-probabilities far beyond the tolerance

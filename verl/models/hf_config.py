@@ -263,7 +263,13 @@ def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str |
             source,
             "model_type",
             f"is '{model_type}'",
-            f"verl builds Megatron models for: {', '.join(SUPPORTED_MODEL_TYPES)}.",
+            f"verl builds Megatron models for: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            + (
+                " (a vision-language model: train it with the FSDP2 engine, strategy=fsdp2; Qwen2.5-VL's Megatron "
+                "model, verl.models.megatron_vlm, is not yet taken by the Megatron engine or the converters)."
+                if isinstance(cfg.get("vision_config"), dict)
+                else "."
+            ),
         )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
