@@ -134,7 +134,8 @@ def test_verl_and_tools_start_worlds_in_one_place():
 
 
 def _two_ranks(code: str, arg: str, *, timeout: float) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
-    """``code`` as ranks 0 and 1 of a torchrun-like world on this machine; each rank's (stdout, stderr)."""
+    """``code`` as ranks 0 and 1 of a torchrun-like world on this machine; each rank's (stdout, stderr).
+    Rank 0 is waited for first; then rank 1's stdin is closed (``_UNTIL_RANK_0_IS_DONE``) and it is waited for."""
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -142,12 +143,17 @@ def _two_ranks(code: str, arg: str, *, timeout: float) -> tuple[list[subprocess.
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT)
         procs.append(subprocess.Popen([sys.executable, "-c", code, arg], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs, [p.communicate(timeout=timeout) for p in procs]
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs, [p.communicate(timeout=timeout) for p in procs]  # communicate closes stdin
+
+
+# Rank 1 alive (and silent) while rank 0 waits: until the test closes its stdin once rank 0 is done
+# (a hang guard of 120 s, and EOF if the test dies).
+_UNTIL_RANK_0_IS_DONE = "select.select([sys.stdin], [], [], 120)"
 
 
 _LATE_RANK = """
-import datetime, os, sys, time
+import datetime, os, select, sys, time
 import torch
 import torch.distributed as dist
 from verl.parallel.bootstrap import init_distributed, new_group
@@ -172,7 +178,7 @@ if rank == 0:
     # abort in teardown ("terminate called without an active exception", seen once in a loaded suite).
     os._exit(0)
 else:
-    time.sleep(3 * late)  # alive (and silent) while rank 0 waits
+    """ + _UNTIL_RANK_0_IS_DONE + """
 """
 
 
@@ -186,12 +192,12 @@ def test_a_rank_may_join_late_but_a_collective_waits_only_the_collective_timeout
     assert procs[0].returncode == 0, (lines, outs[0][1][-3000:])
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["group timed out", "world timed out"], outs[0]
     # 2 s plus scheduling on a loaded machine; the connect timeout would be 300 s, and rank 1
-    # leaving (12 s) would show as a closed connection, not a timeout.
+    # leaving early would show as a closed connection, not a timeout.
     assert all(int(line.rsplit(" ", 1)[1]) < 8 for line in lines), lines
 
 
 _SLOW_BUILD = """
-import os, sys, time, types
+import os, select, sys, time, types
 import torch
 import torch.distributed as dist
 from verl.parallel.bootstrap import end_startup, new_group, start_world
@@ -217,7 +223,7 @@ if rank == 0:
     sys.stdout.flush()
     os._exit(0)  # as in _LATE_RANK: a pending timed-out gloo collective may abort the teardown
 else:
-    time.sleep(3 * late)  # alive (and silent) while rank 0 waits
+    """ + _UNTIL_RANK_0_IS_DONE + """
 """
 
 
