@@ -1,5 +1,9 @@
 """``tools/bench.py async`` under torchrun on 2 ranks (rollout on rank 1, actor on rank 0): the
-three modes run in one process and report their throughput, staleness and phases."""
+modes run in one process and report their throughput, staleness and phases.
+
+One torchrun runs all five modes (the three ``trainer.rollout_mode`` modes and the two partial-
+rollout ones asked for with ``--modes``); each test checks its modes of that one report (a
+second torchrun cost a process start per rank and an async mode run twice)."""
 
 from __future__ import annotations
 
@@ -24,29 +28,41 @@ SMALL = [
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
 ]
+MODES = ["sync", "one_step_off", "async", "async_partial", "async_fill"]
 
 
-@pytest.mark.timeout(660)
-def test_bench_async_reports_every_mode(tmp_path):
+@pytest.fixture(scope="module")
+def bench_async(tmp_path_factory) -> dict:
+    """The report of ``bench.py async --modes sync one_step_off async async_partial async_fill
+    --partial-tokens 4`` (partial rollout in segments of 4 of the 12 tokens: a batch begun 2
+    windows ahead gets 2 segments there, the rest at its step; async_fill fills each update
+    window with segments until the update ends, fill_update_window)."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "async",
-         "--inputs", str(tmp_path), "--prompts", "64", "--steps", "2", "--warmup", "1", *SMALL],
-        620, cwd=REPO, env=env,  # a hang guard: 25 s quiet, 115 s beside two busy loops
+         "--inputs", str(tmp_path_factory.mktemp("bench-async")), "--prompts", "64", "--steps", "2", "--warmup", "1",
+         "--modes", *MODES, "--partial-tokens", "4", *SMALL],
+        1000, cwd=REPO, env=env,  # a hang guard: 40 s quiet, 190 s beside two busy loops
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     [line] = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
-    result = json.loads(line)
+    return json.loads(line)
+
+
+@pytest.mark.timeout(1060)
+def test_bench_async_reports_every_mode(bench_async):
+    result = bench_async
     assert result["bench"] == "async" and result["world_size"] == 2
     modes = result["modes"]
-    assert list(modes) == ["sync", "one_step_off", "async"]
+    assert list(modes) == MODES
     assert modes["sync"]["speedup"] == 1.0
     # the bounds: sync trains fresh samples, one_step_off one version stale, async (bound 2) at most 2
     assert modes["sync"]["staleness_max"] == 0.0 and modes["one_step_off"]["staleness_max"] == 1.0
     assert 1.0 <= modes["async"]["staleness_max"] <= 2.0
-    for name, mode in modes.items():
+    for name in ("sync", "one_step_off", "async"):
+        mode = modes[name]
         assert mode["generated_tokens_per_s"] > 0, name
         actor, rollout = mode["phases_by_rank"]
         # the actor on rank 0 only (rank 1 enters the phase and leaves it: microseconds)
@@ -57,24 +73,13 @@ def test_bench_async_reports_every_mode(tmp_path):
     assert 0 < result["first_mode_generation_share"] < 1
 
 
-@pytest.mark.timeout(660)
-def test_bench_async_partial_mode(tmp_path):
-    """``--modes async async_partial async_fill``: the same async run with partial rollout (segments of
-    4 of the 12 tokens: a batch begun 2 windows ahead gets 2 segments there, the rest at its step), and
-    with it filling each update window (fill_update_window: segments until the update ends)."""
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = run_tree(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH, "async",
-         "--inputs", str(tmp_path), "--prompts", "64", "--steps", "2", "--warmup", "1", "--modes", "async",
-         "async_partial", "async_fill", "--partial-tokens", "4", *SMALL],
-        620, cwd=REPO, env=env,  # a hang guard: 25 s quiet, 115 s beside two busy loops
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    [line] = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
-    modes = json.loads(line)["modes"]
-    assert list(modes) == ["async", "async_partial", "async_fill"]
-    for name, mode in modes.items():
+@pytest.mark.timeout(1060)
+def test_bench_async_partial_mode(bench_async):
+    """async against async_partial and async_fill: the same async run with partial rollout, and with
+    it filling each update window."""
+    modes = bench_async["modes"]
+    assert list(modes)[2:] == ["async", "async_partial", "async_fill"]
+    for name in ("async", "async_partial", "async_fill"):
+        mode = modes[name]
         assert mode["generated_tokens_per_s"] > 0 and 1.0 <= mode["staleness_max"] <= 2.0, name
         assert mode["phases_by_rank"][1]["gen_ahead"] > 0, name  # segments inside the update window
