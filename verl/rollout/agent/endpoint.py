@@ -40,13 +40,16 @@ completion, ``finish_reason: "length"``.
 Sampling is the rollout's (temperature, top-p, top-k of ``rollout`` or ``val_kwargs``), whatever a
 request asks, so the log-probs are the policy's; a request's ``max_tokens`` (or
 ``max_completion_tokens``) caps its completion. ``n`` other than 1 and ``stream`` are refused.
-Requests of running episodes are sampled together: after the first, the engine takes the others
-as they come until every running episode waits or none came for ``batch_wait_ms``, then samples
-them in one call (on the thread that called :meth:`AgentEndpoint.run`, the rollout's). Engines
-whose replicas must sample together (vLLM's data-parallel replicas, which all-reduce at every
-engine step) get a ``lockstep`` group: the endpoints of its ranks then call their engines in
-rounds, every rank each round (a rank with no request samples one token of a one-token prompt),
-until no rank has an episode left.
+Requests of running episodes are sampled together: the engine takes them as they come until every
+running episode waits in one, or no program showed life (started, or sent a request) for
+``batch_wait_ms``, then samples them in one call (on the thread that called
+:meth:`AgentEndpoint.run`, the rollout's). Engines whose replicas must sample together (vLLM's
+data-parallel replicas, which all-reduce at every engine step) get a ``lockstep`` group: the
+endpoints of its ranks then call their engines in rounds, every rank each round (a rank with no
+request samples one token of a one-token prompt), a round once every rank's requests are in by the
+same rule, until no rank has an episode left. The programs' ``openai`` clients share one pool of
+keep-alive connections per call (each with its episode's key), so a request costs no connection,
+thread or TLS set-up.
 
 Failures end one episode, never the step, each with one log line and a count in
 ``agent/endpoint/dropped/<reason>``: ``timeout`` (the program ran past ``episode_timeout_s``: its
@@ -392,6 +395,10 @@ class AgentEndpoint:
         self._by_key: dict[str, Episode] = {}
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._server: Any = None
+        self._http: Any = None
+        self._stir = 0.0
+        """When a program last showed life (started, or sent a request): a monotonic time, written
+        by the programs' and the server's threads, read by the caller's (one float: no lock)."""
         self.url = ""
         self.engine_calls = 0
 
@@ -408,6 +415,7 @@ class AgentEndpoint:
             return JSONResponse(body, status_code=exc.status, headers=headers)
 
         async def handle(request: Any, body_type: type[_Body], serve: Any) -> Any:
+            self._stir = time.monotonic()
             try:
                 episode = self._episode_of(request)
                 raw = await self._read_body(request)
@@ -528,7 +536,9 @@ class AgentEndpoint:
 
     # ---------------------------------------------------------------- the engine
     def _running(self) -> int:
-        return sum(e.state == "running" for e in self.episodes)
+        """The episodes whose programs run, or will as soon as the programs' thread starts them."""
+        live = sum(e.state in ("waiting", "running") for e in self.episodes)
+        return min(live, self.cfg.max_concurrent_episodes)
 
     def _sample_jobs(self, jobs: list[_Job], seed: int | None) -> None:
         """One engine call for ``jobs``; each keeps the prefix of its sample that fits its own budget
@@ -552,54 +562,79 @@ class AgentEndpoint:
             ids, lps = list(s.token_ids[: j.max_tokens]), list(s.logprobs[: j.max_tokens])
             j.future.set_result((ids, lps, len(s.token_ids) > j.max_tokens or s.hit_length_limit))
 
-    def _gather_jobs(self, first_wait_s: float) -> list[_Job]:
-        """The requests that came together: the first within ``first_wait_s``, then the others until
-        every running episode waits or none came for ``batch_wait_ms`` (a burst still arriving keeps
-        the call open)."""
+    def _take_jobs(self, pending: list[_Job], timeout: float) -> bool:
+        """Move the requests that have come into ``pending``, waiting up to ``timeout`` for the
+        first; a request of an episode that has ended meanwhile is answered 409. True when any came."""
         try:
-            jobs = [self._jobs.get(timeout=first_wait_s)]
+            got = [self._jobs.get(timeout=timeout) if timeout > 0 else self._jobs.get_nowait()]
         except queue.Empty:
-            return []
-        while len(jobs) < self._running():
+            return False
+        while True:
             try:
-                jobs.append(self._jobs.get(timeout=self.cfg.batch_wait_ms / 1000.0))
+                got.append(self._jobs.get_nowait())
             except queue.Empty:
                 break
-        for j in jobs:
-            if j.episode.state != "running":
+        for j in got:
+            if j.episode.state == "running":
+                pending.append(j)
+            else:
                 j.future.set_exception(_Refusal(409, f"episode {j.episode.index} has ended", kind="conflict"))
-        return [j for j in jobs if j.episode.state == "running"]
+        return True
 
     def _drive(self, done: threading.Event, seed: int | None, deadline: float) -> None:
         """Sample the requests as they come (this thread) until every program has ended (on every
-        rank of ``lockstep``)."""
+        rank of ``lockstep``).
+
+        A rank is *ready* when every running episode waits in a request, or none came for
+        ``batch_wait_ms`` (since the last request, or the last engine call); then its waiting
+        requests go to the engine in one call. With ``lockstep`` a round starts when some rank has
+        requests and every rank is ready, so the ranks' turns of one conversation step share a
+        round instead of spreading over several (each round costs every rank an engine call)."""
+        wait = self.cfg.batch_wait_ms / 1000.0
+        pending: list[_Job] = []
+        last = time.monotonic()  # the last request or engine call: a quiet spell since then ends the wait
         rnd = 0
         while True:
-            jobs = self._gather_jobs(0.02)
+            left = wait - (time.monotonic() - max(last, self._stir))
+            if self._take_jobs(pending, min(max(left, 0.001), 0.005) if pending else 0.005):
+                last = time.monotonic()
+            pending = [j for j in pending if j.episode.state == "running" or self._refuse_ended(j)]
+            now = time.monotonic()
+            over = (done.is_set() and self._jobs.empty()) or now > deadline
+            ready = over or len(pending) >= self._running() or now - max(last, self._stir) >= wait
             if self.lockstep is None:
-                if not jobs:
-                    if (done.is_set() and self._jobs.empty()) or time.monotonic() > deadline:
+                if not pending:
+                    if over:
                         return
+                    continue
+                if not ready:
                     continue
             else:
                 import torch
                 import torch.distributed as dist
 
-                busy = not (done.is_set() and self._jobs.empty()) and time.monotonic() <= deadline
-                flags = torch.tensor([int(bool(jobs)), int(busy or bool(jobs))], dtype=torch.int32)
+                flags = torch.tensor([int(bool(pending)), int(not over or bool(pending)), int(not ready)], dtype=torch.int32)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.lockstep)
                 if not flags[1]:
                     return  # no rank has an episode left
-                if not flags[0]:
-                    continue  # no rank has a request this round: no engine call
+                if not flags[0] or flags[2]:
+                    continue  # no rank has a request yet, or some rank's requests are still coming
+            jobs, pending = pending, []
             self._sample_jobs(jobs, None if seed is None else (int(seed) * 1_000_003 + 200_000 + rnd) % (2**31 - 1))
+            last = time.monotonic()
             rnd += 1
+
+    @staticmethod
+    def _refuse_ended(job: _Job) -> bool:
+        job.future.set_exception(_Refusal(409, f"episode {job.episode.index} has ended", kind="conflict"))
+        return False
 
     # ---------------------------------------------------------------- the programs
     async def _run_episode(self, episode: Episode, gate: asyncio.Semaphore) -> None:
         async with gate:
             if not episode.start():
                 return
+            self._stir = time.monotonic()
             timeout = self.cfg.episode_timeout_s
             name = episode.program.name
             try:
@@ -622,23 +657,20 @@ class AgentEndpoint:
     async def _run_function(self, episode: Episode, timeout: float) -> Any:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=episode.key, max_retries=0, timeout=timeout)
+        # The episode's own key on the call's one pool of keep-alive connections (a client of its own
+        # would build an SSL context and open a connection per episode: most of a step's time here).
+        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=episode.key, max_retries=0, timeout=timeout,
+                                    http_client=self._http)
         task = asyncio.ensure_future(episode.program.fn(client, dict(episode.sample)))
-        try:
-            finished, _ = await asyncio.wait({task}, timeout=timeout)
-            if not finished:
-                task.cancel()  # not awaited: a program that swallows the cancel cannot hold the step
-                raise _Ended("timeout", f"ran past episode_timeout_s={timeout:g} s; cancelled")
-            exc = task.exception()
-            if exc is not None:
-                first = (str(exc).strip().splitlines() or [""])[0][:200]
-                raise _Ended("error", f"raised {type(exc).__name__}: {first}")
-            return task.result()
-        finally:
-            try:
-                await client.close()
-            except Exception:  # noqa: BLE001 - the episode is over either way
-                pass
+        finished, _ = await asyncio.wait({task}, timeout=timeout)
+        if not finished:
+            task.cancel()  # not awaited: a program that swallows the cancel cannot hold the step
+            raise _Ended("timeout", f"ran past episode_timeout_s={timeout:g} s; cancelled")
+        exc = task.exception()
+        if exc is not None:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise _Ended("error", f"raised {type(exc).__name__}: {first}")
+        return task.result()
 
     async def _run_command(self, episode: Episode, timeout: float) -> Any:
         env = dict(os.environ)
@@ -676,7 +708,11 @@ class AgentEndpoint:
                 gate = asyncio.Semaphore(self.cfg.max_concurrent_episodes)
 
                 async def all_episodes() -> None:
-                    await asyncio.gather(*(self._run_episode(e, gate) for e in self.episodes))
+                    self._http = _shared_http_client(self.cfg.max_concurrent_episodes)
+                    try:
+                        await asyncio.gather(*(self._run_episode(e, gate) for e in self.episodes))
+                    finally:
+                        await self._http.close_pool()
 
                 loop.run_until_complete(all_episodes())
                 pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
@@ -759,6 +795,30 @@ class _Server:
         if self._thread.is_alive():
             self._server.force_exit = True
             self._thread.join(timeout_s)
+
+
+def _shared_http_client(connections: int) -> Any:
+    """The HTTP client every episode's ``openai`` client of one call sends through: keep-alive
+    connections to 127.0.0.1 for up to ``connections`` episodes at once, no proxy from the
+    environment. A program that closes its client (``async with client:``) leaves the pool open for
+    the others; the endpoint closes it when every program has ended (:meth:`close_pool`)."""
+    import importlib
+
+    import openai
+
+    base = openai.DefaultAsyncHttpxClient  # the openai client's own httpx flavour and defaults
+    httpx = importlib.import_module(next(c for c in base.__mro__ if c.__name__ == "AsyncClient").__module__.split(".")[0])
+
+    class SharedClient(base):
+        async def aclose(self) -> None:
+            pass
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    n = max(int(connections), 1)
+    # Plain HTTP to 127.0.0.1: no TLS, so no certificate store to load (verify=True costs ~0.1 s a call).
+    return SharedClient(limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), trust_env=False, verify=False)
 
 
 class _Ended(Exception):
