@@ -180,15 +180,41 @@ def _megatron2hf(megatron_dir: Path, out_dir: Path) -> subprocess.CompletedProce
     )
 
 
+def _megatron2hf_in_process(capsys, megatron_dir: Path, out_dir: Path) -> subprocess.CompletedProcess:
+    """The tool's ``main(argv)`` in this process (what its command runs): exit status and output as
+    :func:`_megatron2hf` returns them, without a Python start per case."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron2hf_tool", ROOT / "tools" / "megatron2hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # main() configures the root logger as a command does
+    capsys.readouterr()
+    try:
+        code = tool.main(["--megatron-dir", str(megatron_dir), "--out-dir", str(out_dir), "--no-progress"])
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["megatron2hf"], code, out, err)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_megatron2hf_refuses_nan_weights_and_corrupt_trainer_checkpoints(nan_checkpoint, sft_run, tmp_path):
+def test_megatron2hf_refuses_nan_weights_and_corrupt_trainer_checkpoints(
+    nan_checkpoint, sft_run, tmp_path, capsys
+):
     root, _ = nan_checkpoint
-    # Inside a trainer checkpoint (consistent manifest) and as a bare copy (as hf2megatron writes).
+    # Inside a trainer checkpoint (consistent manifest) and as a bare copy (as hf2megatron writes):
+    # the first as a command, the others by the command's main() in this process.
     bare = tmp_path / "bare"
     shutil.copytree(root / "global_step_7" / "actor" / "model", bare)
-    for source in (root / "global_step_7" / "actor" / "model", bare):
-        out = _megatron2hf(source, tmp_path / "hf")
+    for source, convert in ((root / "global_step_7" / "actor" / "model", _megatron2hf),
+                            (bare, lambda *a: _megatron2hf_in_process(capsys, *a))):
+        out = convert(source, tmp_path / "hf")
         assert out.returncode == 2, out.stderr[-3000:]
         # Rank 1's first row of the fused gate/up weight (fused per TP rank): a gate_proj row, in
         # the file rank 1 wrote.
@@ -203,6 +229,6 @@ def test_megatron2hf_refuses_nan_weights_and_corrupt_trainer_checkpoints(nan_che
     run = _copy(sft_run, tmp_path)
     shard = sorted((run / "global_step_4" / "actor" / "model").glob("*.distcp"))[0]
     flip_one_byte(shard)
-    out = _megatron2hf(run / "global_step_4" / "actor" / "model", tmp_path / "hf")
+    out = _megatron2hf_in_process(capsys, run / "global_step_4" / "actor" / "model", tmp_path / "hf")
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"actor/model/{shard.name} does not hold what was saved" in out.stderr, out.stderr[-3000:]
