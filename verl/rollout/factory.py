@@ -40,7 +40,8 @@ def _build_vllm(cfg: RolloutConfig, model_path: str, *, tokenizer: Any = None, *
     if is_vlm_dir(model_path):  # the vLLM adapter passes no images yet: refuse rather than drop them
         raise ValueError(
             f"actor_rollout_ref.rollout.name=vllm: {model_path} is a vision-language model, and the vLLM engine does not "
-            "take the prompts' images yet; set actor_rollout_ref.rollout.name=hf (docs/vlm.md)"
+            "take the prompts' images yet (the CPU vLLM build cannot load Qwen2.5-VL without torchvision: its qwen2_vl "
+            "model imports transformers' torchvision image processor); set actor_rollout_ref.rollout.name=hf (docs/vlm.md)"
         )
     from verl.rollout.vllm_engine import VLLMRollout, require_vllm
 
