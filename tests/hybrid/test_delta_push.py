@@ -163,3 +163,28 @@ def test_delta_mode_is_refused_where_it_cannot_apply(extra, expected):
         load_config(PPOConfig, config_file="configs/grpo_tiny_cpu.yaml", world_size=2, overrides=[
             "actor_rollout_ref.rollout.update_weights_mode=delta_sharded", "trainer.n_gpus_per_node=2", *extra])
     assert expected in str(info.value)
+
+
+def test_block_bitmask_and_checksum():
+    from verl.hybrid.delta import _pack_bits, _unpack_bits, bucket_checksum
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 63, 64, 65, 1000):
+        flags = torch.rand(n, generator=gen) < 0.3
+        words = torch.zeros(-(-n // 64), dtype=torch.int64)
+        bits = _pack_bits(flags)
+        words.view(torch.uint8)[: bits.numel()] = bits
+        assert torch.equal(_unpack_bits(words, n), flags), n
+    x = torch.randn(1000, generator=gen)
+    swapped = x.clone()
+    swapped[[3, 500]] = x[[500, 3]]
+    assert bucket_checksum(x) == bucket_checksum(x.clone())
+    assert bucket_checksum(x) != bucket_checksum(swapped)  # the position-weighted sum sees the order
+    flipped = x.clone()
+    flipped.view(torch.int32)[999] ^= 1  # the last bit of the last element
+    assert bucket_checksum(x) != bucket_checksum(flipped)
+    assert bucket_checksum(torch.zeros(3)) != bucket_checksum(torch.tensor([0.0, -0.0, 0.0]))  # bits, not values
+    b16 = x.to(torch.bfloat16)
+    b16_flipped = b16.clone()
+    b16_flipped.view(torch.int16)[10] ^= 1
+    assert bucket_checksum(b16) != bucket_checksum(b16_flipped)  # 2-byte elements

@@ -387,7 +387,7 @@ class RolloutConfig(ConfigBase):
     update_weights_bucket_megabytes: int = option(512, "Bucket size of the weight transfer from the actor into the engine (MiB); the transfer's extra memory is at most two buckets.", ge=1)
     update_weights_mode: Literal["full", "delta", "delta_sharded"] = option("full", "Weight pushes to a rollout apart (trainer.placement.rollout, a Megatron actor): full sends every weight; delta (delta_sharded, the reference's name, is the same) sends only the blocks changed since the last push, each bucket checksummed, a failed check redoing the push in full (docs/async.md, weight sync).")
     update_weights_full_every: int = option(10, "With update_weights_mode=delta: pushes 1, 1 + N, 1 + 2N, ... are full.", ge=1)
-    update_weights_delta_block_kilobytes: int = option(64, "With update_weights_mode=delta: the unit of change (KiB of the actor's weights); a block with any changed bit is sent whole.", ge=1)
+    update_weights_delta_block_bytes: int = option(0, "With update_weights_mode=delta: the unit of change in bytes of the actor's weights; a block with any changed bit is sent whole; 0: one element (the changed elements alone, marked by one header bit each).", ge=0)
     max_num_batched_tokens: int = option(8192, "Tokens the engine schedules per step; must be >= prompt_length + response_length.", ge=1)
     log_prob_micro_batch_size_per_gpu: int = option(4, "Sequences per old-log-prob forward on one rank. (Reference: no default.)", ge=1)
     log_prob_use_dynamic_bsz: bool = option(False, "Cut old-log-prob micro-batches by log_prob_max_token_len_per_gpu tokens instead of rows.")

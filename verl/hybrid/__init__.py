@@ -5,6 +5,8 @@ memory handoff between the training state and the rollout KV cache.
   and on a rollout rank (vLLM, transformers, Hugging Face shards);
 - :mod:`verl.hybrid.plan`: the reshard plan (ranges per source/destination rank pair), pure data;
 - :mod:`verl.hybrid.transfer`: executing it: local copies, then buckets with every peer in turn;
+- :mod:`verl.hybrid.delta`: delta pushes to a rollout apart (only changed blocks, each bucket
+  checksummed against the engine's own values);
 - :mod:`verl.hybrid.memory`: moving the actor's training state to host memory and back, and the
   per-phase memory ledger;
 - :mod:`verl.hybrid.weight_sync`: ``WeightSync``, the trainer's entry point, ``DisaggregatedSync``

@@ -7,8 +7,8 @@ as :func:`verl.hybrid.transfer.execute_plan`, but per bucket:
 
 - the sender packs the bucket, compares it block by block (``update_weights_delta_block_kilobytes``)
   with what it sent for that bucket last time (a host copy it keeps: one copy of the shards this
-  rank sends), and sends a header (the changed blocks' mask and a checksum of the WHOLE bucket)
-  and then only the changed blocks;
+  rank sends), and sends a header (a bitmask of the changed blocks and a checksum of the WHOLE
+  bucket) and then only the changed blocks;
 - the receiver gathers the bucket's current values from the engine's own tensors, overwrites the
   changed blocks with what arrived, checks the bucket against the checksum, and unpacks it.
 
@@ -45,7 +45,8 @@ __all__ = ["DeltaStats", "DeltaTransfer", "bucket_checksum"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHECKSUM_CHUNK = 1 << 20
-_HEADER = 3  # [changed blocks, checksum sum, checksum position-weighted sum], then one flag per block
+_HEADER = 3  # [changed blocks, checksum sum, checksum position-weighted sum], then the blocks' bitmask
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -189,10 +190,10 @@ class DeltaTransfer:
                     sent += outgoing[0].numel() * outgoing[0].element_size()
                     full_elements += _extent(out_cuts[j])
                     blocks_sent += int(outgoing[0][0])
-                    blocks_total += outgoing[0].numel() - _HEADER
+                    blocks_total += _blocks(_extent(out_cuts[j]), block)
                 if j < len(in_cuts):
                     n = _extent(in_cuts[j])
-                    incoming = torch.empty(_HEADER + _blocks(n, block), dtype=torch.int64, device=self.device)
+                    incoming = torch.empty(_header_size(_blocks(n, block)), dtype=torch.int64, device=self.device)
                     header_ops.append(dist.P2POp(dist.irecv, incoming, _peer(frm, self.group), self.group))
                     received += incoming.numel() * incoming.element_size()
                 _exchange(header_ops)
@@ -202,7 +203,7 @@ class DeltaTransfer:
                     sent += outgoing[1].numel() * elem
                 if incoming is not None:
                     n = _extent(in_cuts[j])
-                    flags = incoming[_HEADER:].bool()
+                    flags = _unpack_bits(incoming[_HEADER:], _blocks(n, block))
                     element_mask = None if bool(flags.all()) else _element_mask(flags, n, block)
                     m = n if element_mask is None else int(element_mask.sum())
                     if m:
@@ -231,10 +232,10 @@ class DeltaTransfer:
             differs = _bits(bucket) != _bits(last)
             flags = _block_flags(differs, self.block)
         check = bucket_checksum(bucket.to(self.dest_dtype) if self.dest_dtype != bucket.dtype else bucket)
-        header = torch.cat([
-            torch.tensor([int(flags.sum()), *check], dtype=torch.int64, device=self.device),
-            flags.to(torch.int64),
-        ])
+        header = torch.zeros(_header_size(flags.numel()), dtype=torch.int64, device=self.device)
+        header[:_HEADER] = torch.tensor([int(flags.sum()), *check], dtype=torch.int64)
+        bits = _pack_bits(flags)
+        header[_HEADER:].view(torch.uint8)[: bits.numel()] = bits
         payload = bucket if bool(flags.all()) else bucket[_element_mask(flags, n, self.block)]
         if key not in self._sent or self._sent[key].numel() != n:
             pin = self.device.type == "cuda"
@@ -271,6 +272,25 @@ def _extent(cut: np.ndarray) -> int:
 
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)
+
+
+def _header_size(blocks: int) -> int:
+    """int64 elements of a bucket's header: three numbers and one bit per block."""
+    return _HEADER + -(-blocks // 64)
+
+
+def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """[n] bool -> [ceil(n / 8)] uint8, little-endian bit order."""
+    padded = torch.zeros(-(-flags.numel() // 8) * 8, dtype=torch.uint8, device=flags.device)
+    padded[: flags.numel()] = flags
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(flags.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` flags packed by :func:`_pack_bits` into ``words`` (int64, viewed as bytes)."""
+    raw = words.view(torch.uint8)[: -(-n // 8)]
+    bits = raw.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(raw.device)).ne(0)
+    return bits.view(-1)[:n]
 
 
 def _block_flags(differs: torch.Tensor, block: int) -> torch.Tensor:

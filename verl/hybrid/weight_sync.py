@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,9 @@ if TYPE_CHECKING:
     from verl.engine import MegatronEngine
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-__all__ = ["DisaggregatedSync", "HFShards", "WeightSync", "destination_layout", "naive_push"]
+__all__ = ["DisaggregatedSync", "HFShards", "WeightSync", "destination_layout", "naive_push", "write_into"]
 
 class HFShards:
     """A destination that is a dict of Hugging Face tensors as rollout rank ``tp_rank`` of ``tp``
@@ -78,6 +79,25 @@ class HFShards:
     def kv_cache_bytes(self) -> int:
         """No KV cache."""
         return 0
+
+
+def write_into(destination: Any, keys: list[str], write: Callable[[list[torch.Tensor]], _T]) -> _T:
+    """Run ``write`` (a push: it writes the destination's tensors ``keys``, flattened, in place) on the
+    destination, then let it drop what it cached; returns what ``write`` returns.
+
+    An engine with ``transfer_weights`` (vLLM: verl's push registered as vLLM's weight-transfer engine,
+    driven by vLLM's public update session) runs it itself; other destinations hand their
+    ``named_parameters``.
+    """
+    def run(params: dict[str, torch.Tensor]) -> _T:
+        return write([params[k].view(-1) for k in keys])
+
+    transfer = getattr(destination, "transfer_weights", None)
+    if transfer is not None:
+        return transfer(run)
+    result = run({k: p.data for k, p in destination.named_parameters()})
+    destination.weights_updated()
+    return result
 
 
 def _rollout_tp(destination: Any) -> int:
@@ -208,10 +228,10 @@ class WeightSync:
 
     def push(self) -> dict[str, float]:
         """Write the actor's current weights into the destination (collective); returns step metrics."""
-        stats = execute_plan(
-            self.plan, dist.get_rank(), self._sources(), self._destinations(), bucket_elements=self.bucket_elements
-        )
-        self.rollout.weights_updated()
+        rank = dist.get_rank()
+        stats = write_into(self.rollout, self.plan.dst_keys[rank], lambda destinations: execute_plan(
+            self.plan, rank, self._sources(), destinations, bucket_elements=self.bucket_elements
+        ))
         self.last_metrics = {
             "timing_s/update_weights": stats.seconds,
             "timing_s/update_weights_local": stats.local_seconds,
@@ -283,21 +303,25 @@ class DisaggregatedSync:
             reference verl's name, is the same): only the blocks changed since the last push
             cross the wire, each bucket checksummed (:mod:`verl.hybrid.delta`).
         full_every: with ``mode="delta"``, pushes 1, 1 + full_every, 1 + 2 full_every, ... are full.
-        block_bytes: with ``mode="delta"``, the unit of change (bytes of the actor's dtype).
+        block_bytes: with ``mode="delta"``, the unit of change in bytes of the actor's weights (0: one
+            element, so the changed elements alone are sent, found by a bitmask of one bit each).
     """
 
     def __init__(self, actor: "MegatronEngine | None", rollout: Any, *, rollout_rank: int | None,
                  bucket_bytes: int, rollout_world: dist.ProcessGroup | None = None, mode: str = "full",
-                 full_every: int = 10, block_bytes: int = 64 * 1024) -> None:
+                 full_every: int = 10, block_bytes: int = 0) -> None:
         from verl.parallel.role_world import role_world
 
         self._engine_world = lambda: role_world(rollout_world)
+        # The whole world, named explicitly: the push runs inside the engine's world block (vLLM's
+        # update session), where the default group is the rollout's ranks only.
+        self._world_group = dist.group.WORLD
         if bucket_bytes < 1:
             raise ValueError(f"DisaggregatedSync: bucket_bytes={bucket_bytes}; it must be >= 1")
         if mode not in ("full", "delta", "delta_sharded"):
             raise ValueError(f"DisaggregatedSync: mode={mode!r}; use 'full' or 'delta' ('delta_sharded')")
-        if full_every < 1 or block_bytes < 1:
-            raise ValueError(f"DisaggregatedSync: full_every={full_every}, block_bytes={block_bytes}; each must be >= 1")
+        if full_every < 1 or block_bytes < 0:
+            raise ValueError(f"DisaggregatedSync: full_every={full_every} (>= 1), block_bytes={block_bytes} (>= 0)")
         self.mode = "full" if mode == "full" else "delta"
         if (rollout is None) != (rollout_rank is None):
             raise ValueError("DisaggregatedSync: give rollout_rank with the rollout engine, and only there")
@@ -395,7 +419,7 @@ class DisaggregatedSync:
             self._delta = DeltaTransfer(
                 self.plan, rank, bucket_elements=self.bucket_elements, block_elements=max(1, block_bytes // elem),
                 full_every=full_every, source_dtype=self.source_dtype, device=self.device,
-                dest_dtype=getattr(torch, infos[rollout_ranks[0]]["rollout"]["dtype"]),
+                dest_dtype=getattr(torch, infos[rollout_ranks[0]]["rollout"]["dtype"]), group=self._world_group,
             )
         stats = self.plan.rank_stats(rank)
         logger.info(
@@ -413,20 +437,12 @@ class DisaggregatedSync:
                 for name, param in named_weights(unwrap_model(chunk)):  # LoRA: merged W + s B A
                     params[f"{v}/{name}"] = param
             sources = [params[k].view(-1) for k in self.plan.src_keys[rank]]
-        destinations: list[torch.Tensor] = []
-        if self.rollout is not None:
-            with self._engine_world():
-                held = {k: p.data for k, p in self.rollout.named_parameters()}
-            destinations = [held[k].view(-1) for k in self.plan.dst_keys[rank]]
         if self._delta is not None:
-            return self._push_delta(sources, destinations)
-        stats = execute_plan(
+            return self._push_delta(sources)
+        stats = self._into_engine(lambda destinations: execute_plan(
             self.plan, rank, sources, destinations, bucket_elements=self.bucket_elements,
-            source_dtype=self.source_dtype, device=self.device,
-        )
-        if self.rollout is not None:
-            with self._engine_world():
-                self.rollout.weights_updated()
+            source_dtype=self.source_dtype, device=self.device, group=self._world_group,
+        ))
         self.last_metrics = {
             "timing_s/update_weights": stats.seconds,
             "update_weights/bytes_sent": float(stats.sent_bytes),
@@ -435,12 +451,19 @@ class DisaggregatedSync:
         }
         return dict(self.last_metrics)
 
-    def _push_delta(self, sources: list[torch.Tensor], destinations: list[torch.Tensor]) -> dict[str, float]:
-        assert self._delta is not None
-        stats = self._delta.push(sources, destinations)
-        if self.rollout is not None:
-            with self._engine_world():
-                self.rollout.weights_updated()
+    def _into_engine(self, write: Callable[[list[torch.Tensor]], _T]) -> _T:
+        """``write`` into the engine's tensors on the rollout's ranks (:func:`write_into`, in the engine's
+        world); elsewhere with no destinations."""
+        if self.rollout is None:
+            return write([])
+        keys = self.plan.dst_keys[dist.get_rank()]  # a rank of the whole world, taken outside the block
+        with self._engine_world():
+            return write_into(self.rollout, keys, write)
+
+    def _push_delta(self, sources: list[torch.Tensor]) -> dict[str, float]:
+        delta = self._delta
+        assert delta is not None
+        stats = self._into_engine(lambda destinations: delta.push(sources, destinations))
         self.last_metrics = {
             "timing_s/update_weights": stats.seconds,
             "update_weights/seconds": stats.seconds,

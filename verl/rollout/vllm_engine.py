@@ -16,7 +16,14 @@ paths, the in-process worker, aborting by internal request ids, shutdown, leftov
 function of ``verl.rollout.vllm_internals``, pinned there to the vLLM versions it was checked
 on. Outside them the engine runs on the public API and logs once, at start, what it turned off.
 
-Weights (``update_weights``) go through the model's own ``load_weights`` with Hugging Face
+The hybrid engine's push (``transfer_weights``) goes through vLLM's public weight-transfer API:
+the engine starts with verl's registered weight-transfer engine (``verl.rollout.vllm_transfer``,
+backend ``verl_inplace``), and each push is one ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` session in which verl's write runs on the model vLLM handed that engine
+(docs/weight-sync.md). Without the layer (vLLM before 0.32) the write runs on
+``named_parameters``.
+
+Weights given whole (``update_weights``) go through the model's own ``load_weights`` with Hugging Face
 names and full tensors (each TP' rank slices its shard). On the CPU build the weights are kept
 unpacked (``vllm_internals.plain_cpu_linear``; a Mixture-of-Experts model's fused experts stay plain
 beside the packed copy the CPU kernel reads, ``vllm_internals.plain_cpu_moe``, renewed by
@@ -61,8 +68,8 @@ import importlib.util
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -82,6 +89,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["VLLMRollout", "require_vllm", "vllm_package_name"]
 
 WeightMethod = Literal["load_weights", "reload_weights"]
+_T = TypeVar("_T")
 _SEED_STRIDE_PER_REPLICA = 1_000_003
 _CPU_BLOCK_MAX = 128  # vLLM CPU's default KV block (tokens)
 _CPU_BLOCK_ALIGN = 32  # block sizes the CPU attention kernels are optimised for are multiples of this
@@ -145,6 +153,14 @@ def _captured_logprobs(
             "verl.rollout.vllm_internals.SampledLogprobCapture expects"
         )
     return logprobs
+
+
+def _has_weight_transfer() -> bool:
+    """Whether the installed vLLM has the public weight-transfer layer (0.32 and later)."""
+    try:
+        return importlib.util.find_spec("vllm.distributed.weight_transfer") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _the_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -370,6 +386,12 @@ class VLLMRollout(RolloutEngine):
             )
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
+        if _has_weight_transfer():
+            from verl.rollout import vllm_transfer
+
+            # verl's push as vLLM's weight-transfer engine: the public session calls reach the model.
+            vllm_transfer.register()
+            kwargs["weight_transfer_config"] = {"backend": vllm_transfer.BACKEND}
         if self.on_cpu:
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
@@ -403,6 +425,9 @@ class VLLMRollout(RolloutEngine):
             if "unique_shm_names" in self._internals:
                 build.enter_context(internals.unique_shm_names(self._shm_names))
             llm = LLM(**kwargs)
+        self._transfer_api = "weight_transfer_config" in kwargs
+        if self._transfer_api:
+            llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
         logger.info(
             "vLLM engine up: %s, %s, TP'=%d x %d replica(s), max_model_len %d%s",
             model_path, kwargs["dtype"], tp, world // tp, max_model_len,
@@ -556,6 +581,30 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError("the engine's weights are asleep; call resume() before touching them")
         self._check_plain_weights("named_parameters()")
         return self._model().named_parameters()
+
+    def transfer_weights(self, write: Callable[[dict[str, torch.Tensor]], _T]) -> _T:
+        """Run ``write`` on the engine's parameters (``{vLLM name: tensor}``, this rank's TP' shards, to be
+        written in place), then drop cached prefixes; returns what ``write`` returns.
+
+        Through vLLM's public weight-update session where the installed vLLM has one
+        (``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` by ``collective_rpc``,
+        verl's engine ``verl.rollout.vllm_transfer`` running ``write`` on the model vLLM handed it),
+        else on :meth:`named_parameters`. Every rank of the engine calls it at the same point.
+        """
+        if not self.on_cpu and self._released:
+            raise RuntimeError("the engine's weights are asleep; call resume() before transfer_weights()")
+        self._check_plain_weights("transfer_weights()")
+        if not self._transfer_api:
+            result = write({name: p.data for name, p in self._model().named_parameters()})
+        else:
+            box: list[_T] = []
+            self._llm.collective_rpc("start_weight_update")
+            # A write that raises ends vLLM's session there (the worker resets it): no finish then.
+            self._llm.collective_rpc("update_weights", kwargs={"update_info": {"write": lambda p: box.append(write(p))}})
+            self._llm.collective_rpc("finish_weight_update")
+            [result] = box
+        self.weights_updated()
+        return result
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, method: WeightMethod = "load_weights"

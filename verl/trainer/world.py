@@ -398,7 +398,7 @@ def build_rl_world(cfg: PPOConfig, tokenizer: Any, *, world_size: int, total_ste
                     bucket_bytes=arr.rollout.update_weights_bucket_megabytes * 2**20,
                     rollout_world=groups["rollout"].groups["all"] if world.rollout is not None else None,
                     mode=arr.rollout.update_weights_mode, full_every=arr.rollout.update_weights_full_every,
-                    block_bytes=arr.rollout.update_weights_delta_block_kilobytes * 1024,
+                    block_bytes=arr.rollout.update_weights_delta_block_bytes,
                 )
         elif world.rollout is not None:
             world.rollout.attach(world.actor.engine)
