@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import logging
 import math
 import os
 import signal
@@ -106,12 +108,25 @@ def test_step_kinds_that_cannot_hold_fail_naming_the_keys(overrides, message):
 
 
 def _main_ppo(argv: list[str], cwd: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    return subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *argv], cwd=cwd, env=env,
-        capture_output=True, text=True, timeout=600,
-    )
+    """``python -m verl.trainer.main_ppo ARGV`` as its ``main(argv)`` in this process (a world of one
+    that it starts and ends, as test_distillation's runs): the exit status and what it logged,
+    without a Python start per run."""
+    from verl.trainer.main_ppo import main
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # main() configures the root logger as a command does
+    stderr, here = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        os.chdir(here)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(["main_ppo", *argv], code, "", stderr.getvalue())
 
 
 def _logged(log_dir: str) -> dict[int, dict[str, float]]:
