@@ -82,6 +82,15 @@ def converted(tmp_path_factory):
     return model, ckpt, out
 
 
+@pytest.fixture(scope="module")
+def back_to_hf(converted, tmp_path_factory):
+    """That checkpoint converted back by megatron2hf once for the file (the tests that need a plain
+    conversion of it read or copy this one), and the CLI's output."""
+    _, ckpt, _ = converted
+    back = tmp_path_factory.mktemp("back") / "back"
+    return back, _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
+
+
 def test_convert_with_check(converted):
     model, ckpt, out = converted
     assert out.returncode == 0, out.stderr[-3000:]
@@ -93,12 +102,11 @@ def test_convert_with_check(converted):
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
-def test_back_to_hf_loads_in_transformers(converted, tmp_path):
+def test_back_to_hf_loads_in_transformers(converted, back_to_hf):
     from transformers import AutoModelForCausalLM
 
-    model, ckpt, _ = converted
-    back = tmp_path / "back"
-    out = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
+    model, _, _ = converted
+    back, out = back_to_hf
     assert out.returncode == 0, out.stderr[-3000:]
     original = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     reloaded = AutoModelForCausalLM.from_pretrained(str(back))
@@ -108,7 +116,7 @@ def test_back_to_hf_loads_in_transformers(converted, tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_overwrite_replaces_only_what_verl_wrote(converted, tmp_path):
+def test_overwrite_replaces_only_what_verl_wrote(converted, back_to_hf, tmp_path):
     """--overwrite onto a folder verl did not write deleted the user's files in it; without it, a
     folder verl did write was called "not written by verl". Both tools share the rule."""
     _, ckpt, _ = converted
@@ -122,7 +130,8 @@ def test_overwrite_replaces_only_what_verl_wrote(converted, tmp_path):
     )
     assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
     back = tmp_path / "back"
-    assert _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress").returncode == 0
+    assert back_to_hf[1].returncode == 0, back_to_hf[1].stderr[-3000:]
+    shutil.copytree(back_to_hf[0], back)  # a folder megatron2hf wrote (its marker file with it)
     proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
     assert one_error_line(proc, "megatron2hf").endswith(
         f"--out-dir={back} holds an earlier Hugging Face checkpoint (tools/megatron2hf.py) written by verl; pass "
@@ -133,7 +142,7 @@ def test_overwrite_replaces_only_what_verl_wrote(converted, tmp_path):
     assert os.path.isfile(back / "config.json") and os.path.isfile(back / MARKER_FILE)
 
 
-def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, tmp_path):
+def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, back_to_hf, tmp_path):
     """--megatron-dir global_step_N finds the actor's model inside; the checkpoint root names the step."""
     _, ckpt, _ = converted
     step = tmp_path / "ckpt" / "global_step_3"
@@ -141,12 +150,12 @@ def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, tmp_
     out = _run(MEG2HF, "--megatron-dir", str(step), "--out-dir", str(tmp_path / "from_step"), "--no-progress")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"reading the model checkpoint {step}/actor/model" in out.stderr
-    direct = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(tmp_path / "direct"), "--no-progress")
+    direct_dir, direct = back_to_hf  # the same checkpoint converted from its own folder
     assert direct.returncode == 0, direct.stderr[-3000:]
-    expected = sorted(p.name for p in (tmp_path / "direct").iterdir())
+    expected = sorted(p.name for p in direct_dir.iterdir())
     assert sorted(p.name for p in (tmp_path / "from_step").iterdir()) == expected
     for name in (n for n in expected if n != MARKER_FILE):  # the marker holds its write time
-        assert (tmp_path / "from_step" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+        assert (tmp_path / "from_step" / name).read_bytes() == (direct_dir / name).read_bytes(), name
     root = _run(MEG2HF, "--megatron-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "o"), "--no-progress")
     assert one_error_line(root, "megatron2hf").endswith(
         f"pass one step, e.g. the newest: --megatron-dir {step} (its actor model, {step}/actor/model)")
@@ -183,7 +192,7 @@ def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, da
 def test_an_output_over_its_input_is_refused(converted, tmp_path, where):
     import shutil
 
-    model, ckpt, _ = converted
+    model, _, _ = converted
     hf = tmp_path / "hf"
     shutil.copytree(model, hf)
     before = sorted(os.listdir(hf))
@@ -195,6 +204,12 @@ def test_an_output_over_its_input_is_refused(converted, tmp_path, where):
         "made from: choose a --out-dir elsewhere"
     )
     assert sorted(os.listdir(hf)) == before
+
+
+def test_megatron2hf_output_over_its_input_is_refused(converted, tmp_path):
+    """The same rule in megatron2hf (its one case here: it ran once per case of the test above, the
+    same command each time)."""
+    _, ckpt, _ = converted
     copy = tmp_path / "ckpt"
     shutil.copytree(ckpt, copy)
     proc = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(copy), "--overwrite", "--no-progress")
