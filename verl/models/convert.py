@@ -139,6 +139,13 @@ def hf_to_megatron(
     progress: bool = True,
 ) -> ConversionReport:
     """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint at ``out_dir``."""
+    from verl.models.megatron_vlm import is_vlm_config
+
+    if is_vlm_config(hf_dir):  # Qwen2.5-VL: the decoder's checkpoint plus the vision tower (verl.models.convert_vlm)
+        from verl.models.convert_vlm import vlm_hf_to_megatron
+
+        return vlm_hf_to_megatron(hf_dir=hf_dir, out_dir=out_dir, tp=tp, pp=pp, dtype=dtype, head=head,
+                                  vocab_pad_multiple=vocab_pad_multiple, overwrite=overwrite)
     spec, reader = validate_hf_dir(hf_dir, head=head)
     build_kwargs: dict[str, Any] = {"dtype": dtype, "head": head, "init_weights": False}
     if vocab_pad_multiple is not None:
@@ -248,6 +255,10 @@ def _check_rank(ckpt_dir: str, expected_path: str, tp: int, pp: int) -> float:
 def check_conversion(*, ckpt_dir: str, hf_dir: str, tp: int, pp: int) -> float:
     """Max |logit difference| between the checkpoint loaded at TP x PP and transformers on ``hf_dir``."""
     from verl.models.checkpoint import read_checkpoint_meta
+    from verl.models.convert_vlm import is_vlm_checkpoint, vlm_check_conversion
+
+    if is_vlm_checkpoint(ckpt_dir):
+        return vlm_check_conversion(ckpt_dir=ckpt_dir, hf_dir=hf_dir, tp=tp, pp=pp)
 
     meta, spec = read_checkpoint_meta(ckpt_dir)
     if meta.head != "lm":
@@ -354,6 +365,11 @@ def megatron_to_hf(
     megatron_dir = find_megatron_model(megatron_dir)
 
     validate_enclosing_checkpoint(megatron_dir)  # inside a trainer checkpoint: its checksums hold
+    from verl.models.convert_vlm import is_vlm_checkpoint, vlm_megatron_to_hf
+
+    if is_vlm_checkpoint(megatron_dir):
+        return vlm_megatron_to_hf(megatron_dir=megatron_dir, out_dir=out_dir, dtype=dtype, overwrite=overwrite,
+                                  max_shard_bytes=max_shard_bytes)
     meta, spec = read_checkpoint_meta(megatron_dir)
     _check_storage_files(megatron_dir)
     out_dtype = dtype or meta.dtype

@@ -45,9 +45,14 @@ from verl.utils.paths import load_json_object
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from verl.models.safetensors_io import SafetensorsReader
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["MegatronVLM", "VLMSpec", "build_megatron_vlm", "check_vlm_layout", "load_vlm_hf_weights", "parse_vlm_config"]
+__all__ = [
+    "MegatronVLM", "VLMSpec", "build_megatron_vlm", "check_vlm_layout", "is_vlm_config", "load_vision_weights",
+    "load_vlm_hf_weights", "parse_vlm_config",
+]
 
 SUPPORTED_VLM_TYPES = ("qwen2_5_vl",)
 VISION_PREFIX = "visual."
@@ -66,6 +71,12 @@ class VLMSpec:
     """The placeholder token the vision features replace."""
     hf_config: Any
     """The transformers config (``Qwen2_5_VLConfig``): the vision tower and ``get_rope_index`` read it."""
+
+
+def is_vlm_config(model_dir: str) -> bool:
+    """Whether ``model_dir``'s config.json is a vision-language model's (it has a ``vision_config``)."""
+    path = os.path.join(model_dir, "config.json")
+    return os.path.isfile(path) and isinstance(load_json_object(path).get("vision_config"), dict)
 
 
 def parse_vlm_config(model_dir: str) -> VLMSpec:
@@ -210,6 +221,21 @@ class MegatronVLM(torch.nn.Module):
         self.language_model.set_input_tensor(tensor)
 
 
+def load_vision_weights(model: MegatronVLM, reader: "SafetensorsReader") -> None:
+    """Copy the ``visual.*`` tensors of ``reader``'s checkpoint into the vision tower, as they are."""
+    names = [n for n in reader.names() if n.startswith(VISION_PREFIX)]
+    state = {n[len(VISION_PREFIX):]: reader.read(n) for n in names}
+    missing, unexpected = model.vision.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{reader.model_dir}: the vision encoder's tensors do not match the config's vision_config "
+            f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}); re-save the checkpoint"
+        )
+    bad = [n for n, t in state.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"{reader.model_dir}: vision tensor '{VISION_PREFIX}{bad[0]}' holds NaN/inf; restore the checkpoint")
+
+
 def load_vlm_hf_weights(model: MegatronVLM, model_dir: str, *, pg: "ProcessGroupCollection") -> None:
     """Fill ``model`` from a Hugging Face Qwen2.5-VL checkpoint: the decoder through verl's weight
     mapping (only this TP rank's slices are read), the vision tower's ``visual.*`` tensors as they are."""
@@ -218,17 +244,7 @@ def load_vlm_hf_weights(model: MegatronVLM, model_dir: str, *, pg: "ProcessGroup
 
     reader = SafetensorsReader(model_dir)
     load_hf_weights([model.language_model], reader, pg=pg)
-    names = [n for n in reader.names() if n.startswith(VISION_PREFIX)]
-    state = {n[len(VISION_PREFIX):]: reader.read(n) for n in names}
-    missing, unexpected = model.vision.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{model_dir}: the vision encoder's tensors do not match the config's vision_config "
-            f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}); re-save the checkpoint"
-        )
-    bad = [n for n, t in state.items() if not torch.isfinite(t).all()]
-    if bad:
-        raise ValueError(f"{model_dir}: vision tensor '{VISION_PREFIX}{bad[0]}' holds NaN/inf; restore the checkpoint")
+    load_vision_weights(model, reader)
 
 
 def build_megatron_vlm(model_dir: str, cfg: ModelBuildConfig, pg: "ProcessGroupCollection", *,
