@@ -266,7 +266,7 @@ def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str |
             f"verl builds Megatron models for: {', '.join(SUPPORTED_MODEL_TYPES)}"
             + (
                 " (a vision-language model: train it with the FSDP2 engine, strategy=fsdp2; Qwen2.5-VL's Megatron "
-                "model, verl.models.megatron_vlm, is not yet taken by the Megatron engine or the converters)."
+                "model, verl.models.megatron_vlm, is not yet taken by the Megatron engine)."
                 if isinstance(cfg.get("vision_config"), dict)
                 else "."
             ),

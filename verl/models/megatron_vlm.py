@@ -22,7 +22,8 @@ Not supported (refused in one line by :func:`check_vlm_layout`, before anything 
 parallel > 1, context parallel > 1, sequence parallel, value/reward heads, and vision-language
 families other than Qwen2.5-VL (Qwen2-VL, Qwen3-VL...). Checkpoints: Hugging Face safetensors in the
 hub's layout (``model.layers.*``, ``lm_head.weight``, ``visual.*``), read through verl's weight
-mapping; HF <-> Megatron conversion and the Megatron training engine do not take a VLM yet.
+mapping; HF <-> Megatron conversion: ``verl.models.convert_vlm``. The Megatron training engine
+does not take a VLM yet (its config parser refuses it, naming the FSDP2 engine).
 """
 
 from __future__ import annotations
