@@ -70,13 +70,14 @@ def _row_ids(out: Batch, i: int) -> tuple[list[int], list[int], list[float]]:
     return ids, out["response_mask"][i][:k].tolist(), out["rollout_log_probs"][i][:k].tolist()
 
 
-def _check_turn_by_turn(out: Batch, i: int, episode) -> None:
-    """Every request of the row's trajectory: its prompt is the row's ids up to it, its completion the
-    row's next ids, in the loss exactly there, with the engine's log-probs; nothing else is in the loss."""
+def _check_turn_by_turn(out: Batch, i: int, episode, segment: int = -1) -> None:
+    """Every request of the row's trajectory (the episode's ``segment``-th): its prompt is the row's
+    ids up to it, its completion the row's next ids, in the loss exactly there, with the engine's
+    log-probs; nothing else is in the loss."""
     ids, loss, lps = _row_ids(out, i)
     p = len(ids) - len(loss)
     sampled = [0] * len(loss)
-    last = [r for r in episode.requests if r.segment == len(episode.segments) - 1]
+    last = [r for r in episode.requests if r.segment == segment % len(episode.segments)]
     assert last, "the trajectory has no request"
     for r in last:
         start = len(r.prompt_ids)
@@ -111,7 +112,7 @@ async def editor(client, sample):
     edited = [{"role": "user", "content": "Let me rephrase: " + messages[0]["content"]},
               {"role": "assistant", "content": got.choices[0].message.content}, {"role": "user", "content": "again"}]
     await client.chat.completions.create(model=sample["model"], messages=edited, max_tokens=4)
-    return None
+    return 0.75
 
 
 def test_episode_ids_equal_engine_ids_turn_by_turn(tok, engine, tiny_models):
@@ -144,6 +145,21 @@ def test_episode_ids_equal_engine_ids_turn_by_turn(tok, engine, tiny_models):
     torch.testing.assert_close(actual[sampled], out["rollout_log_probs"][sampled], atol=1e-4, rtol=0)
 
 
+async def closer(client, sample):
+    """Closes its client after one turn, as ``async with client:`` does."""
+    async with client:
+        await client.chat.completions.create(model=sample["model"], messages=list(sample["messages"]), max_tokens=3)
+    return None
+
+
+def test_a_program_closing_its_client_leaves_the_others_theirs(tok, engine):
+    """The programs' clients share one pool of connections: one that closes its client (after its
+    only turn) does not close the others', which go on with their later turns."""
+    loop = _loop(tok, {"closer": closer, "talker": talker})
+    loop.generate(engine, _batch(tok, ["closer", "talker"]), seed=5)
+    assert [(e.state, len(e.requests)) for e in loop.last_episodes] == [("done", 1), ("done", 3)]
+
+
 async def by_ids(client, sample):
     """/v1/completions on token ids: the second prompt is the first's ids, the completion's ids (the
     answer's ``token_ids``) and new ids."""
@@ -173,19 +189,70 @@ def test_completions_route_extends_by_token_ids(tok, engine, tiny_models):
 @pytest.mark.parametrize("policy", ["split", "refuse"])
 def test_prefix_mismatch_splits_or_refuses(tok, engine, policy):
     """A program that edits its history: counted; ``split`` gives a second trajectory from the edited
-    prompt (the row holds it, its own prompt in the prompt columns); ``refuse`` drops the episode."""
-    loop = _loop(tok, {"editor": editor}, on_prefix_mismatch=policy)
-    out = loop.generate(engine, _batch(tok, ["editor"], QUESTIONS[:1]), seed=2)
-    [ep] = loop.last_episodes
+    prompt, and in training each trajectory is a row (the second with its own prompt in the prompt
+    columns), both of the prompt's group and scored as the episode; in validation the episode is
+    one row, its last trajectory; ``refuse`` drops the episode."""
+    from verl.rollout.agent.interaction import fold_turn_scores
+
+    loop = _loop(tok, {"editor": editor, "talker": talker}, on_prefix_mismatch=policy)
+    batch = _batch(tok, ["editor", "talker"])
+    batch["uid"] = np.array(["a", "b"], dtype=object)
+    out = loop.generate(engine, batch, seed=2)
+    ep, other = loop.last_episodes
     assert ep.mismatches == 1 and loop.last_metrics["agent/endpoint/prefix_mismatch"] == 1
     if policy == "split":
         assert ep.state == "done" and len(ep.segments) == 2 and [r.segment for r in ep.requests] == [0, 1]
-        _check_turn_by_turn(out, 0, ep)
-        assert "Let me rephrase" in tok.decode(_row_ids(out, 0)[0])
+        assert len(out) == 3 and loop.last_rows_per_prompt == [2, 1]
+        assert list(out["uid"]) == ["a", "a", "b"] and out["agent_trajectory"].tolist() == [0, 1, 0]
+        assert out["agent_episode"][0] == out["agent_episode"][1] != out["agent_episode"][2]
+        _check_turn_by_turn(out, 0, ep, segment=0)
+        _check_turn_by_turn(out, 1, ep, segment=1)
+        _check_turn_by_turn(out, 2, other)
+        assert "Let me rephrase" not in tok.decode(_row_ids(out, 0)[0])
+        assert "Let me rephrase" in tok.decode(_row_ids(out, 1)[0])
+        # The episode's reward: a scorer's 1.0 on its last row plus the program's 0.75 there; the
+        # earlier row's own score (0.25, which a scorer would give its text) is replaced by that total.
+        scores = torch.zeros(out["responses"].shape)
+        ends = [int(out["response_mask"][i].nonzero().max()) for i in range(3)]
+        scores[0, ends[0]], scores[1, ends[1]], scores[2, ends[2]] = 0.25, 1.0, 0.5
+        folded, _ = fold_turn_scores(out, scores)
+        assert folded[0].nonzero().flatten().tolist() == [ends[0]] and float(folded[0, ends[0]]) == 1.75
+        assert float(folded[1].sum()) == 1.75 and float(folded[2].sum()) == 2.0  # the talker: 0.5 and its program's 1.5
+        val = loop.generate(engine, batch, seed=2, validate=True)
+        assert len(val) == 2 and "Let me rephrase" in tok.decode(_row_ids(val, 0)[0])
     else:
         assert ep.state == "dropped" and ep.reason == "refused" and len(ep.requests) == 1
-        assert loop.last_metrics["agent/endpoint/dropped/refused"] == 1
+        assert loop.last_metrics["agent/endpoint/dropped/refused"] == 1 and len(out) == 2
         assert int(out["response_mask"][0].sum()) == 0 and int(out["attention_mask"][0, 24:].sum()) == 0
+
+
+def _split_rows_body() -> list[int]:
+    import torch.distributed as dist
+
+    from verl.roles.rollout import Rollout
+
+    class SplitAgent:
+        """Stands in for the agent loop (the unit here is the rollout's gather): an even prompt k
+        gives 2 rows, as an agent program's episode split once would, an odd one 1."""
+
+        last_metrics: dict = {}
+
+        def generate(self, engine, rows, *, validate=False, seed=None):
+            counts = [2 - int(k) % 2 for k in rows["input_ids"][:, 0]]
+            self.last_rows_per_prompt = counts
+            return rows[[j for j, c in enumerate(counts) for _ in range(c)]]
+
+    rollout = Rollout.__new__(Rollout)
+    rollout.dp_group, rollout.agent, rollout.engine = dist.group.WORLD, SplitAgent(), None
+    prompts = Batch.from_dict({"input_ids": torch.arange(3).unsqueeze(1)})  # 2 ranks: rank 1 pads with prompt 0
+    return rollout._generate(prompts, seed=0, validate=False, greedy=False)["input_ids"][:, 0].tolist()
+
+
+def test_split_episode_rows_are_gathered_whole_without_padding(run_dist):
+    """Ranks whose agent rollouts give different numbers of rows per prompt: every rank gets every
+    real prompt's rows, in order, and none of the padding prompt's (a copy of prompt 0, which splits:
+    dropping n rows per padding prompt, as for plain rollouts, would keep one of its two)."""
+    assert run_dist(_split_rows_body, 2, timeout=60) == [[0, 0, 1, 2, 2]] * 2
 
 
 # --------------------------------------------------------------------------- bad programs

@@ -254,8 +254,16 @@ class Rollout:
                 local = generate(piece.rows, seed=seed)
         else:
             local = generate(piece.rows, validate=validate, seed=seed)
-        n = len(local) // max(len(piece.rows), 1)
-        whole = collect(local, self.dp_group, dataclasses.replace(piece, pad=piece.pad * n))
+        if self.agent is not None:
+            # An agent rollout's rows per prompt vary (each trajectory of a split agent-program
+            # episode is a row): this rank drops its padding prompts' rows before the gather.
+            start = len(piece.rows) * (dist.get_rank(self.dp_group) if self.dp_group is not None else 0)
+            real = min(max(len(prompts) - start, 0), len(piece.rows))
+            local = local[: sum(self.agent.last_rows_per_prompt[:real])]
+            whole = collect(local, self.dp_group, dataclasses.replace(piece, pad=0))
+        else:
+            n = len(local) // max(len(piece.rows), 1)
+            whole = collect(local, self.dp_group, dataclasses.replace(piece, pad=piece.pad * n))
         metrics = self.engine.last_metrics if self.agent is None else self.agent.last_metrics
         self.last_metrics = {**metrics, "timing_s/gen": time.perf_counter() - start}
         return whole

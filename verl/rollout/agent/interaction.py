@@ -263,13 +263,47 @@ def turn_score_tensor(
 
 def fold_turn_scores(batch: Any, scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """``scores`` (the reward step's ``token_level_scores``) plus the batch's ``interaction_scores``
-    when it has them (an agent rollout with interactions); metrics ``reward/interaction/mean``."""
-    if "interaction_scores" not in batch:
-        return scores, {}
-    extra = batch["interaction_scores"].to(device=scores.device, dtype=scores.dtype)
-    if extra.shape != scores.shape:
-        raise ValueError(f"interaction_scores {tuple(extra.shape)} and token_level_scores {tuple(scores.shape)} differ")
-    return scores + extra, {"reward/interaction/mean": float(extra.sum(-1).mean())}
+    when it has them (an agent rollout with interactions); metrics ``reward/interaction/mean``.
+    Then the rows of one split agent-program episode (``agent_episode``) get the episode's reward:
+    each earlier trajectory's row has its last row's total at its own last sampled token, and nothing
+    else (:func:`share_episode_rewards`)."""
+    more: dict[str, float] = {}
+    if "interaction_scores" in batch:
+        extra = batch["interaction_scores"].to(device=scores.device, dtype=scores.dtype)
+        if extra.shape != scores.shape:
+            raise ValueError(f"interaction_scores {tuple(extra.shape)} and token_level_scores {tuple(scores.shape)} differ")
+        scores = scores + extra
+        more["reward/interaction/mean"] = float(extra.sum(-1).mean())
+    if "agent_episode" in batch and "agent_trajectory" in batch:
+        scores = share_episode_rewards(scores, batch["response_mask"], batch["agent_episode"], batch["agent_trajectory"])
+    return scores, more
+
+
+def share_episode_rewards(scores: torch.Tensor, response_mask: torch.Tensor, episode: Any, within: Any) -> torch.Tensor:
+    """``scores`` [B, R] with every row of an episode of several rows (same ``episode`` id) scored
+    as the episode: its last trajectory's row (highest ``within``) keeps its scores; each other row
+    gets that row's total at its own last sampled token (``response_mask`` [B, R]) and 0 elsewhere.
+    Rows alone in their episode are unchanged. (A scorer reads one row's response: an earlier
+    trajectory of a program that edited its history holds no answer of the episode.)"""
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(episode):
+        groups.setdefault(key, []).append(i)
+    out = None
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        if out is None:
+            out = scores.clone()
+        final = max(members, key=lambda i: int(within[i]))
+        total = scores[final].sum()
+        for i in members:
+            if i == final:
+                continue
+            out[i] = 0
+            sampled = response_mask[i].nonzero()
+            if len(sampled):
+                out[i, int(sampled[-1])] = total
+    return scores if out is None else out
 
 
 def call(method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -100,6 +100,11 @@ model turn (no tool call is read, no interaction). Other names: custom agent loo
 
 STOP_REASONS = ("answer", "interaction", "length", "max_assistant_turns", "max_user_turns")
 
+AGENT_EPISODE = "agent_episode"
+"""Column of an agent rollout: each row's episode (conversation) id; the rows of a split agent-program episode share it."""
+AGENT_TRAJECTORY = "agent_trajectory"
+"""Column of an agent rollout: the row's trajectory in its episode, 0, 1, ... (the episode's last has the highest)."""
+
 
 @dataclass
 class _Job:
@@ -271,6 +276,9 @@ class AgentLoop:
         """The agent programs' episodes of the last :meth:`run` (``verl.rollout.agent.endpoint.Episode``)."""
         self.last_engine_calls = 0
         self.last_metrics: dict[str, float] = {}
+        self.last_rows_per_prompt: list[int] = []
+        """Rows of the last :meth:`generate`'s batch per prompt row: ``n``, more where an agent
+        program's episode was split (each of its trajectories a row in training)."""
         self.default_agent_loop: str | None = None
         """``rollout.agent.default_agent_loop``: the agent of samples whose extra_info names none."""
         self.lockstep: Any = None
@@ -413,7 +421,8 @@ class AgentLoop:
         spec: SamplingSpec, *, seed: int | None, prompt_width: int | None, tag: str,
     ) -> None:
         """The agent programs' episodes through one agent endpoint (``verl.rollout.agent.endpoint``);
-        each row's trajectory becomes its episode's last one (an empty response when it was dropped)."""
+        each row's trajectory becomes its episode's last one (an empty response when it was dropped),
+        the episode's earlier ones (a split episode's) in its :attr:`Trajectory.earlier`."""
         from verl.rollout.agent.endpoint import AgentEndpoint, program_sample
 
         if self.replica is not None:
@@ -443,8 +452,12 @@ class AgentLoop:
         for i, ep in zip(rows, episodes):
             t = trajs[i]
             if ep.state == "done" and ep.segments:
-                last = ep.segments[-1]
-                last.own_prompt = last.prompt_ids != t.prompt_ids
+                for seg in ep.segments:
+                    seg.own_prompt = seg.prompt_ids != t.prompt_ids
+                *earlier, last = ep.segments
+                for seg in earlier:
+                    seg.stop_reason = "split"
+                last.earlier = earlier
                 last.stop_reason = last.stop_reason or "answer"
                 sampled = [j for j, m in enumerate(last.loss_mask) if m]
                 if ep.reward is not None and sampled:
@@ -789,6 +802,10 @@ class AgentLoop:
             from verl.rollout.agent.endpoint import endpoint_metrics
 
             self.last_metrics.update(endpoint_metrics(self.last_episodes, self.last_engine_calls))
+        if validate:  # validation scores episodes: one row each, its last trajectory
+            for t in trajs:
+                t.earlier = []
+        self.last_rows_per_prompt = [sum(len(t.earlier) + 1 for t in trajs[i * spec.n : (i + 1) * spec.n]) for i in range(len(prompts))]
         return assemble_agent_rollout(
             prompts,
             trajs,
@@ -814,16 +831,28 @@ def assemble_agent_rollout(
     ``verl.rollout.base.assemble_rollout`` except that ``response_mask`` is the loss mask (1 on
     sampled ids only) while the response part of ``attention_mask`` covers tool turns too.
     Adds the non-tensor columns ``num_turns`` and ``agent_turns`` (each turn's role and span).
+
+    A conversation with :attr:`~Trajectory.earlier` trajectories (a split agent-program episode)
+    gives a row for each, before its own, all with its prompt row's columns (its ``uid``: one GRPO
+    group); ``agent_episode`` (the episode's id) and ``agent_trajectory`` (0, 1, ... in the episode)
+    say which rows are one episode, so the reward step gives them the episode's reward
+    (:func:`~verl.rollout.agent.interaction.fold_turn_scores`). The batch then has more than
+    ``B * n`` rows.
     When a conversation had an interaction: ``turn_scores`` (each sample's interaction rewards,
     the reference verl's column) and ``interaction_scores`` [B*n, R] (those rewards placed as
     ``interaction_reward`` says, times the weight; the reward step adds them to
     ``token_level_scores``, ``verl.rollout.agent.interaction.fold_turn_scores``)."""
     b, r = len(prompts), response_length
     assert len(trajs) == b * n, f"{len(trajs)} trajectories for {b} prompts x n={n}"
-    responses = torch.full((b * n, r), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((b * n, r), dtype=torch.long)
-    filled = torch.zeros((b * n, r), dtype=torch.long)
-    logprobs = torch.zeros((b * n, r), dtype=torch.float32)
+    source = [i for i, t in enumerate(trajs) for _ in range(len(t.earlier) + 1)]  # each row's conversation
+    episode = np.array([trajs[i].instance_id for i in source], dtype=object)
+    within = np.array([k for t in trajs for k in range(len(t.earlier) + 1)], dtype=np.int64)
+    trajs = [seg for t in trajs for seg in (*t.earlier, t)]
+    rows = len(trajs)
+    responses = torch.full((rows, r), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((rows, r), dtype=torch.long)
+    filled = torch.zeros((rows, r), dtype=torch.long)
+    logprobs = torch.zeros((rows, r), dtype=torch.float32)
     for i, t in enumerate(trajs):
         k = len(t.response_ids)
         assert k <= r and len(t.loss_mask) == len(t.logprobs) == k, f"trajectory {i}: {k} ids, budget {r}"
@@ -832,6 +861,8 @@ def assemble_agent_rollout(
         logprobs[i, :k] = torch.tensor(t.logprobs, dtype=torch.float32)
         filled[i, :k] = 1
     out = prompts.repeat(n, interleave=True)
+    if rows != b * n:
+        out = out[source]
     if any(t.opening is not None or t.own_prompt for t in trajs):
         _with_openings(out, trajs, pad_token_id)
     prompt_ids = out["input_ids"]  # [B*n, P]
@@ -849,6 +880,8 @@ def assemble_agent_rollout(
     out["position_ids"] = torch.cat([prompt_pos, response_pos.to(prompt_pos.device)], dim=1)
     out["num_turns"] = np.array([t.num_turns for t in trajs], dtype=np.int64)
     out["agent_turns"] = [[dict(turn) for turn in t.turns] for t in trajs]
+    out[AGENT_EPISODE] = episode
+    out[AGENT_TRAJECTORY] = within
     if any(t.interaction is not None or t.turn_scores for t in trajs):
         last = [max((j for j, m in enumerate(t.loss_mask) if m), default=-1) for t in trajs]
         out["turn_scores"] = [[r for _, r in t.turn_scores] for t in trajs]

@@ -73,6 +73,10 @@ class Trajectory:
     turn_scores: list[tuple[int, float]] = field(default_factory=list)
     """``(position, reward)`` of every interaction reward: the response position of the last
     sampled token of the model turn it judges."""
+    earlier: list[Trajectory] = field(default_factory=list)
+    """The trajectories of this one's episode before it (an agent program's episode split where a
+    request did not extend the conversation, ``verl.rollout.agent.endpoint``), in order; a training
+    rollout makes each a row of its own (:func:`~verl.rollout.agent.loop.assemble_agent_rollout`)."""
 
     @property
     def num_turns(self) -> int:
