@@ -218,13 +218,17 @@ HAND_LOOP = textwrap.dedent(
 )
 
 
-def _hand_loop(model: str, train: str, out: str, *, kill_after: int) -> subprocess.CompletedProcess:
-    os.makedirs(out, exist_ok=True)
-    overrides = [
+def _hand_loop_overrides(out: str) -> list[str]:
+    return [
         *FAST, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true",
         f"custom_reward_function.path={WORDS}", "trainer.total_training_steps=6", "trainer.save_freq=2",
         "trainer.resume_mode=auto", f"trainer.default_local_dir={out}/ckpt", f"trainer.log_dir={out}/logs",
     ]
+
+
+def _hand_loop(model: str, train: str, out: str, *, kill_after: int) -> subprocess.CompletedProcess:
+    os.makedirs(out, exist_ok=True)
+    overrides = _hand_loop_overrides(out)
     script = os.path.join(out, "hand_loop.py")
     with open(script, "w", encoding="utf-8") as f:
         f.write(HAND_LOOP)
@@ -248,12 +252,36 @@ def _hand_loop(model: str, train: str, out: str, *, kill_after: int) -> subproce
     return subprocess.CompletedProcess(proc.args, code, text, text)
 
 
+def _hand_loop_in_process(model: str, train: str, out: str) -> None:
+    """The uninterrupted reference run: the same script's ``main()`` in this process (no kill to
+    survive, so no Python start of its own), on one torch thread as the script runs
+    (``OMP_NUM_THREADS=1``), so that its float32 arithmetic is the killed and resumed runs'."""
+    import torch
+
+    os.makedirs(out, exist_ok=True)
+    script: dict = {"__name__": "hand_loop"}
+    exec(compile(HAND_LOOP, os.path.join(out, "hand_loop.py"), "exec"), script)
+    argv, threads, here = sys.argv, torch.get_num_threads(), os.getcwd()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    sys.argv = ["hand_loop.py", model, train, out, "0", json.dumps(_hand_loop_overrides(out))]
+    torch.set_num_threads(1)
+    os.chdir(out)
+    try:
+        script["main"]()
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+        os.chdir(here)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 @pytest.mark.slow
 def test_a_stream_stepped_by_hand_resumes_after_a_kill_with_equal_metrics(tiny_model_dir, arithmetic_files, tmp_path):
     train = arithmetic_files["train"]
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
-    done = _hand_loop(tiny_model_dir, train, whole, kill_after=0)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _hand_loop_in_process(tiny_model_dir, train, whole)
     killed = _hand_loop(tiny_model_dir, train, parts, kill_after=4)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # (and the killed run's lock file, which the next run takes over: verl.utils.run_lock)
