@@ -41,6 +41,9 @@ def _mine(fault: dict) -> bool:
 
 
 def install(faults: list[dict]) -> None:
+    faults = [f for f in faults if _mine(f)]
+    if not faults:  # nothing to inject on this rank: import nothing (a run refused at its start builds nothing)
+        return
     import torch
 
     from verl.engine import LossShare, MegatronEngine
@@ -49,7 +52,6 @@ def install(faults: list[dict]) -> None:
     from verl.trainer.ppo_trainer import PPOTrainer
     from verl.trainer.step.pieces import StepPieces
 
-    faults = [f for f in faults if _mine(f)]
     phase_faults = [f for f in faults if f["kind"] in ("kill", "term", "hang")]
     if phase_faults:
         enter = StepPieces.post_phase  # every phase a rank enters is posted there (PPOTrainer.post_phase too)
