@@ -160,6 +160,50 @@ def test_a_program_closing_its_client_leaves_the_others_theirs(tok, engine):
     assert [(e.state, len(e.requests)) for e in loop.last_episodes] == [("done", 1), ("done", 3)]
 
 
+class _RecordingEngine:
+    """Stands in for the engine where only the prompts it gets matter: answers ``[7, 8, eos]``."""
+
+    def __init__(self, eos: int, pad: int) -> None:
+        self.cfg = RolloutConfig(name="hf", n=1, response_length=R)
+        self.eos, self.pad_token_id, self.prompts = eos, pad, []
+
+    def sample(self, prompts, spec, *, seed=None):
+        from verl.rollout.base import Sample
+
+        self.prompts.extend(list(p) for p in prompts)
+        ids = [7, 8, self.eos][: spec.max_tokens]
+        return [Sample(token_ids=ids, logprobs=[-0.5] * len(ids), hit_length_limit=False) for _ in prompts]
+
+
+async def system_first(client, sample):
+    """Starts with a system turn of its own (so the endpoint renders its first prompt), then a tool turn."""
+    messages = [{"role": "system", "content": "Be brief."}, *sample["messages"]]
+    got = await client.chat.completions.create(model=sample["model"], messages=messages)
+    messages += [{"role": "assistant", "content": got.choices[0].message.content}, {"role": "tool", "content": "42"}]
+    await client.chat.completions.create(model=sample["model"], messages=messages)
+
+
+def test_qwen3_thinking_off_prompts_are_followed():
+    """Prompts rendered with Qwen3's enable_thinking=false: the endpoint renders a program's own first
+    prompt in that mode too, so every prompt the engine gets ends with the empty think block."""
+    from tests.rollout.test_templates import family_tokenizer
+
+    tok = family_tokenizer("qwen3")
+    user = [{"role": "user", "content": QUESTIONS[0]}]
+    render = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False, enable_thinking=False)  # noqa: E731
+    ids, mask = left_pad([list(tok.encode(render(user), add_special_tokens=False))], 64, tok.pad_token_id)
+    raw = np.empty(1, dtype=object)
+    raw[:] = [user]
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask}, {"raw_prompt": raw,
+                            "extra_info": np.array([{"agent_name": "system_first"}], dtype=object)})
+    engine = _RecordingEngine(tok.eos_token_id, tok.pad_token_id)
+    _loop(tok, {"system_first": system_first}).generate(engine, batch, seed=0)
+    first, second = engine.prompts
+    system = [{"role": "system", "content": "Be brief."}, *user]
+    assert first == list(tok.encode(render(system), add_special_tokens=False))
+    assert tok.decode(second).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
 async def by_ids(client, sample):
     """/v1/completions on token ids: the second prompt is the first's ids, the completion's ids (the
     answer's ``token_ids``) and new ids."""

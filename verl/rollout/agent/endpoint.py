@@ -330,9 +330,13 @@ class Episode:
 
 
 def _render(encoder: ToolTurnEncoder, messages: list[dict[str, str]], tools: Any) -> list[int]:
+    """The template's rendering of a request's messages, in the mode the encoder follows (Qwen3's
+    ``enable_thinking``, read from the batch's prompts), so its generation prompt is the one the
+    dataset's prompts and the tool turns end with."""
     tok = encoder.tokenizer
     try:
-        text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                                       **encoder.template_kwargs)
     except Exception as exc:  # noqa: BLE001 - a template's refusal is the request's fault
         raise _Refusal(400, f"the chat template refuses these messages: {exc}", param="messages") from None
     return list(tok.encode(text, add_special_tokens=False))
