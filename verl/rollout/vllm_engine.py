@@ -16,12 +16,12 @@ paths, the in-process worker, aborting by internal request ids, shutdown, leftov
 function of ``verl.rollout.vllm_internals``, pinned there to the vLLM versions it was checked
 on. Outside them the engine runs on the public API and logs once, at start, what it turned off.
 
-The hybrid engine's push (``transfer_weights``) goes through vLLM's public weight-transfer API:
-the engine starts with verl's registered weight-transfer engine (``verl.rollout.vllm_transfer``,
-backend ``verl_inplace``), and each push is one ``start_weight_update`` / ``update_weights`` /
-``finish_weight_update`` session in which verl's write runs on the model vLLM handed that engine
-(docs/weight-sync.md). Without the layer (vLLM before 0.32) the write runs on
-``named_parameters``.
+The hybrid engine's push (``transfer_weights``) and ``update_weights(method="load_weights")`` go
+through vLLM's public weight-transfer API: the engine starts with verl's registered
+weight-transfer engine (``verl.rollout.vllm_transfer``, backend ``verl_inplace``), and each update
+is one ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` session in which
+verl's write runs on the model vLLM handed that engine (docs/weight-sync.md). Without the layer
+(vLLM before 0.32) the write runs on the model ``LLM.apply_model`` returns.
 
 Weights given whole (``update_weights``) go through the model's own ``load_weights`` with Hugging Face
 names and full tensors (each TP' rank slices its shard). On the CPU build the weights are kept
@@ -594,17 +594,21 @@ class VLLMRollout(RolloutEngine):
         if not self.on_cpu and self._released:
             raise RuntimeError("the engine's weights are asleep; call resume() before transfer_weights()")
         self._check_plain_weights("transfer_weights()")
-        if not self._transfer_api:
-            result = write({name: p.data for name, p in self._model().named_parameters()})
-        else:
-            box: list[_T] = []
-            self._llm.collective_rpc("start_weight_update")
-            # A write that raises ends vLLM's session there (the worker resets it): no finish then.
-            self._llm.collective_rpc("update_weights", kwargs={"update_info": {"write": lambda p: box.append(write(p))}})
-            self._llm.collective_rpc("finish_weight_update")
-            [result] = box
+        result = self._update_session(lambda model: write({name: p.data for name, p in model.named_parameters()}))
         self.weights_updated()
         return result
+
+    def _update_session(self, write: Callable[[torch.nn.Module], _T]) -> _T:
+        """``write(model)`` inside one vLLM weight-update session (verl's registered engine runs it on the
+        model vLLM handed it); on the model itself where the installed vLLM has no such session."""
+        if not self._transfer_api:
+            return write(self._model())
+        box: list[_T] = []
+        self._llm.collective_rpc("start_weight_update")
+        # A write that raises ends vLLM's session there (the worker resets it): no finish then.
+        self._llm.collective_rpc("update_weights", kwargs={"update_info": {"write": lambda m: box.append(write(m))}})
+        self._llm.collective_rpc("finish_weight_update")
+        return box[0]
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, method: WeightMethod = "load_weights"
@@ -619,7 +623,7 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError("the engine's weights are asleep; call resume() before update_weights()")
         if method == "load_weights":
             self._check_plain_weights("update_weights(method='load_weights')")
-            self._model().load_weights(weights)
+            self._update_session(lambda model: model.load_weights(weights))
         elif method == "reload_weights":
             if self.on_cpu and self._moe:
                 self._check_plain_weights("update_weights(method='reload_weights')")

@@ -6,8 +6,9 @@ a ``weight_transfer_config``, hands it the worker's model, and drives it through
 (one or more chunks), ``finish_weight_update``. ``register_engine`` admits a trainer's own engine.
 
 verl registers :class:`InPlaceTransferEngine` as backend ``"verl_inplace"``: its ``update_weights``
-runs the caller's write (verl's reshard, :mod:`verl.hybrid`: local copies and buckets exchanged
-with the actor's ranks, each rank writing its own pieces) into the model vLLM handed it, so the
+runs the caller's write on the model vLLM handed it (verl's reshard, :mod:`verl.hybrid`: local
+copies and buckets exchanged with the actor's ranks, each rank writing its own pieces in place;
+or whole Hugging Face tensors through the model's ``load_weights``), so the
 push reaches the engine's parameters through vLLM's session, with vLLM's bookkeeping around it
 (one update at a time, LoRA state reset at the end). The write travels as a Python callable in
 the update info: the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker
@@ -59,8 +60,9 @@ class InPlaceInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class InPlaceUpdateInfo(WeightTransferUpdateInfo):
-    write: Callable[[dict[str, torch.Tensor]], Any]
-    """Called with the model's parameters by vLLM name (their ``.data``); writes into them in place."""
+    write: Callable[[torch.nn.Module], Any]
+    """Called with the model vLLM handed the engine: writes into its parameters in place (verl's
+    reshard) or loads whole Hugging Face tensors with its ``load_weights``."""
 
 
 class InPlaceTransferEngine(WeightTransferEngine[InPlaceInitInfo, InPlaceUpdateInfo]):
@@ -79,7 +81,7 @@ class InPlaceTransferEngine(WeightTransferEngine[InPlaceInitInfo, InPlaceUpdateI
 
     def receive_weights(self, update_info: InPlaceUpdateInfo) -> None:
         with torch.no_grad():
-            update_info.write({name: p.data for name, p in self.model.named_parameters()})
+            update_info.write(self.model)
         self.updates += 1
 
     def finish_weight_update(self) -> None:
