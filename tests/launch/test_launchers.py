@@ -18,7 +18,7 @@ from verl.parallel.bootstrap import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHERS = ["launch/ppo_70b.sh", "launch/grpo_7b.sh", "launch/grpo_tiny_cpu.sh", "launch/grpo_smollm2_cpu.sh",
              "launch/grpo_tools_tiny_cpu.sh", "launch/distill_tiny_cpu.sh", "launch/grpo_qwen3_30b_a3b.sh",
-             "launch/grpo_code_tiny_cpu.sh", "launch/agent_program_tiny_cpu.sh"]
+             "launch/grpo_code_tiny_cpu.sh", "launch/agent_program_tiny_cpu.sh", "launch/grpo_vlm_tiny_cpu.sh"]
 
 
 @pytest.mark.parametrize("path", LAUNCHERS)
