@@ -17,8 +17,9 @@
 #   OUT=/path bash launch/agent_program_tiny_cpu.sh key=value  # outputs elsewhere; extra main_ppo overrides
 #   SFT_STEPS=400 bash launch/agent_program_tiny_cpu.sh        # another warm-up length
 #
-# Measured (docs/agents.md; AMD EPYC, 2 cores, load 3-16 from other jobs, 10 min 51 s from an empty OUT):
-# validation 0.275 -> 0.431 -> 0.525 at steps 0, 40, 80; 0 prefix mismatches, 0 dropped episodes.
+# Measured (docs/agents.md; AMD EPYC, 2 cores, load 13 falling to 5 from other jobs, 9 min 5 s from an
+# empty OUT): validation 0.266 -> 0.404 -> 0.530 at steps 0, 40, 80; GRPO 3.2 s a step; 0 prefix
+# mismatches, 0 dropped episodes.
 #
 # Outputs land in $OUT (default: outputs/agent_program_tiny_cpu): the model, data, SFT checkpoint,
 # GRPO checkpoints, metrics.jsonl (agent/endpoint/* among them) and the exported model. A rerun
