@@ -29,6 +29,30 @@ def _run(*args, timeout=240):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _in_process(capsys, tool_path: str, *args: str) -> subprocess.CompletedProcess:
+    """The tool's ``main(argv)`` in this process (what its command runs): exit status and output as
+    :func:`_run` returns them, without a Python start (torch and Megatron imports) per case. The
+    refusal tests run one case as a command and the others this way."""
+    import importlib.util
+    import logging
+
+    spec = importlib.util.spec_from_file_location(os.path.basename(tool_path)[: -len(".py")] + "_tool", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # main() configures the root logger as a command does
+    capsys.readouterr()
+    try:
+        code = tool.main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([tool_path, *args], code, out, err)
+
+
 def test_help_explains_every_flag():
     for tool, flags in (
         (HF2MEG, ["--hf-dir", "--out-dir", "--tp", "--pp", "--dtype", "--head", "--vocab-pad-multiple", "--check",
@@ -54,14 +78,14 @@ def test_help_names_every_family_the_builder_takes():
         assert name in out.stdout, name
 
 
-def test_missing_and_partial_inputs_are_clear_errors(tmp_path):
+def test_missing_and_partial_inputs_are_clear_errors(tmp_path, capsys):
     out = _run(HF2MEG, "--hf-dir", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "o"))
     assert out.returncode == 2 and "no such directory" in out.stderr
     model = make_tiny_model(str(tmp_path / "hf"), "llama_gqa")
     os.remove(os.path.join(model, "model.safetensors"))
-    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "o"))
+    out = _in_process(capsys, HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "o"))
     assert out.returncode == 2 and "no *.safetensors" in out.stderr
-    out = _run(MEG2HF, "--megatron-dir", model, "--out-dir", str(tmp_path / "o"))
+    out = _in_process(capsys, MEG2HF, "--megatron-dir", model, "--out-dir", str(tmp_path / "o"))
     assert out.returncode == 2 and "verl_model.json is missing" in out.stderr
     assert not os.path.exists(tmp_path / "o")
 
@@ -170,7 +194,7 @@ def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, back
         ("metadata", r"\.metadata cannot be read \(UnpicklingError: .*\); a truncated or partial copy"),
     ],
 )
-def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, damage, pattern):
+def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, capsys, damage, pattern):
     import re
     import shutil
 
@@ -183,13 +207,14 @@ def test_a_damaged_distributed_checkpoint_names_the_file(converted, tmp_path, da
         os.remove(copy / "__0_0.distcp")
     else:
         os.truncate(copy / ".metadata", 100)
-    out = _run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(tmp_path / "back"), "--no-progress")
+    run = _run if damage == "truncate" else lambda *args: _in_process(capsys, *args)  # one case as a command
+    out = run(MEG2HF, "--megatron-dir", str(copy), "--out-dir", str(tmp_path / "back"), "--no-progress")
     assert re.search(pattern, one_error_line(out, "megatron2hf")), out.stderr
     assert not os.path.exists(tmp_path / "back") and os.listdir(tmp_path) == ["ckpt"]  # nothing written
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "around"])
-def test_an_output_over_its_input_is_refused(converted, tmp_path, where):
+def test_an_output_over_its_input_is_refused(converted, tmp_path, capsys, where):
     import shutil
 
     model, _, _ = converted
@@ -198,7 +223,8 @@ def test_an_output_over_its_input_is_refused(converted, tmp_path, where):
     before = sorted(os.listdir(hf))
     out = {"same": hf, "inside": hf / "megatron", "around": tmp_path}[where]
     relation = {"same": "is", "inside": "is inside", "around": "contains"}[where]
-    proc = _run(HF2MEG, "--hf-dir", str(hf), "--out-dir", str(out), "--overwrite", "--no-progress")
+    run = _run if where == "same" else lambda *args: _in_process(capsys, *args)  # one case as a command
+    proc = run(HF2MEG, "--hf-dir", str(hf), "--out-dir", str(out), "--overwrite", "--no-progress")
     assert one_error_line(proc, "hf2megatron").endswith(
         f"--out-dir={out} {relation} the input --hf-dir={hf}; writing there would replace or delete what it is "
         "made from: choose a --out-dir elsewhere"
