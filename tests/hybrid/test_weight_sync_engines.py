@@ -1,7 +1,6 @@
 """WeightSync into real rollout engines (the CPU vLLM build, transformers) colocated with a Megatron actor.
 
-Per case, in one call on the 2-rank pool (engine start-up dominates; cases of the same model, engine
-and TP' share one engine, each with an actor of its own layout):
+Per case, in one call on the 2-rank pool (engine start-up dominates):
 
 1. the engine's own loader fills its parameters from the checkpoint (the ground truth of its
    layout); they are overwritten with a marker value, WeightSync pushes the actor's (equal)
@@ -67,117 +66,88 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).max())
 
 
-def _engine_body(model_dir: str, rollout_tp: int, engine_name: str, layouts: list[tuple]) -> list[dict]:
-    """One engine, and per actor layout ``(tp, pp, offload, ep, sp)`` in turn the checks above (a fresh
-    actor from the checkpoint each time); the engine's loaded parameters, taken once at its start, are
-    every layout's ground truth."""
-    from verl.config.schema import RolloutConfig
-    from verl.parallel import megatron_state as ms
-    from verl.rollout import build_rollout_engine
-
-    results = []
-    rollout = None
-    truth: dict[str, torch.Tensor] = {}  # filled by the first layout, from the engine's own loader
-    try:
-        for i, (tp, pp, offload, ep, sp) in enumerate(layouts):
-            if i:
-                ms.destroy_model_parallel()
-            pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                              expert_model_parallel_size=ep, seed=3)
-            actor = _actor(model_dir, pg, tp, pp, offload, ep, sp)
-            if rollout is None:  # built after the first actor, as the trainer builds them
-                cfg = RolloutConfig(name=engine_name, n=N, temperature=1.0, prompt_length=PROMPT_LEN,
-                                    response_length=RESPONSE_LEN, tensor_model_parallel_size=rollout_tp,
-                                    free_cache_engine=True)
-                rollout = build_rollout_engine(cfg, model_dir)
-            else:
-                rollout.resume()  # the previous layout's rollout_phase released it
-            results.append(_layout_checks(model_dir, pg, actor, rollout, truth))
-            del actor
-    finally:
-        if rollout is not None:
-            rollout.shutdown()
-    return results
-
-
-def _actor(model_dir: str, pg, tp: int, pp: int, offload: bool, ep: int, sp: bool):
-    from verl.config import MegatronConfig, ModelConfig, OptimConfig
-    from verl.engine import MegatronEngine
-
-    return MegatronEngine(
-        model=ModelConfig(path=model_dir),
-        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                expert_model_parallel_size=ep, sequence_parallel=sp, param_offload=offload,
-                                grad_offload=offload, optimizer_offload=offload),
-        pg=pg, optim=OptimConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0), total_training_steps=10,
-    )
-
-
-def _layout_checks(model_dir: str, pg, actor, rollout, truth: dict[str, torch.Tensor]) -> dict:
-    """Steps 1-3 of the module's docstring for one actor."""
+def _engine_body(model_dir: str, tp: int, pp: int, rollout_tp: int, engine_name: str, offload: bool, ep: int = 1,
+                 sp: bool = False) -> dict:
     import torch.distributed as dist
 
     from verl.algos import GlobalBatchInfo, agg_loss
-    from verl.engine import LossShare
+    from verl.config import MegatronConfig, ModelConfig, OptimConfig
+    from verl.config.schema import RolloutConfig
+    from verl.engine import LossShare, MegatronEngine
     from verl.hybrid import WeightSync
     from verl.hybrid.layout import box_view
+    from verl.parallel import megatron_state as ms
     from verl.protocol import Batch
+    from verl.rollout import build_rollout_engine
 
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      expert_model_parallel_size=ep, seed=3)
+    actor = MegatronEngine(
+        model=ModelConfig(path=model_dir),
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                expert_model_parallel_size=ep, sequence_parallel=sp, param_offload=offload, grad_offload=offload, optimizer_offload=offload),
+        pg=pg, optim=OptimConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0), total_training_steps=10,
+    )
+    cfg = RolloutConfig(name=engine_name, n=N, temperature=1.0, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
+                        tensor_model_parallel_size=rollout_tp, free_cache_engine=True)
+    rollout = build_rollout_engine(cfg, model_dir)
     result: dict = {"rank": dist.get_rank()}
-    sync = WeightSync(actor, rollout, bucket_bytes=16 * 1024)
-    dst_boxes = sync.destination.boxes
-    if not truth:  # the engine as its loader filled it (later layouts find it holding a stepped model)
-        truth.update({k: p.detach().clone() for k, p in rollout.named_parameters()})
-    with torch.no_grad():
-        for _, p in rollout.named_parameters():
-            p.data.fill_(MARKER)
-    metrics = sync.push()
-    params = dict(rollout.named_parameters())
-    owned = {k: torch.zeros(p.shape, dtype=torch.bool) for k, p in params.items()}
-    wrong = []
-    for box in dst_boxes:
-        if not torch.equal(box_view(box, params[box.tensor]), box_view(box, truth[box.tensor])):
-            wrong.append((box.tensor, box.hf_name))
-        box_view(box, owned[box.tensor]).fill_(True)
-    result["wrong"] = wrong
-    result["untouched_ok"] = all(bool((params[k][~owned[k]] == MARKER).all()) for k in params)
-    result["padding_elements"] = sum(int((~owned[k]).sum()) for k in params)
-    result["push"] = metrics
+    try:
+        sync = WeightSync(actor, rollout, bucket_bytes=16 * 1024)
+        dst_boxes = sync.destination.boxes
+        truth = {k: p.detach().clone() for k, p in rollout.named_parameters()}
+        with torch.no_grad():
+            for _, p in rollout.named_parameters():
+                p.data.fill_(MARKER)
+        metrics = sync.push()
+        params = dict(rollout.named_parameters())
+        owned = {k: torch.zeros(p.shape, dtype=torch.bool) for k, p in params.items()}
+        wrong = []
+        for box in dst_boxes:
+            if not torch.equal(box_view(box, params[box.tensor]), box_view(box, truth[box.tensor])):
+                wrong.append((box.tensor, box.hf_name))
+            box_view(box, owned[box.tensor]).fill_(True)
+        result["wrong"] = wrong
+        result["untouched_ok"] = all(bool((params[k][~owned[k]] == MARKER).all()) for k in params)
+        result["padding_elements"] = sum(int((~owned[k]).sum()) for k in params)
+        result["push"] = metrics
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 500, (4, PROMPT_LEN), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    prompts = Batch.from_dict({"input_ids": ids * mask, "attention_mask": mask})
-    out = rollout.generate(prompts, seed=5)
-    resp_mask = out["response_mask"].float()
-    result["before"] = _max_diff(out["rollout_log_probs"], _response_logprobs(actor, out, 1.0), resp_mask)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 500, (4, PROMPT_LEN), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        prompts = Batch.from_dict({"input_ids": ids * mask, "attention_mask": mask})
+        out = rollout.generate(prompts, seed=5)
+        resp_mask = out["response_mask"].float()
+        result["before"] = _max_diff(out["rollout_log_probs"], _response_logprobs(actor, out, 1.0), resp_mask)
 
-    from verl.protocol import all_gather
+        from verl.protocol import all_gather
 
-    every = all_gather(out.select(["input_ids", "attention_mask"]))
-    # One DP rank here when tp * pp = 2: every rank steps on the whole gathered batch.
-    info = GlobalBatchInfo.from_masks([every["attention_mask"].float()], group=pg.dp)
+        every = all_gather(out.select(["input_ids", "attention_mask"]))
+        # One DP rank here when tp * pp = 2: every rank steps on the whole gathered batch.
+        info = GlobalBatchInfo.from_masks([every["attention_mask"].float()], group=pg.dp)
 
-    def loss_fn(outputs, mb):
-        return LossShare(agg_loss(-outputs["logprobs"], mb["attention_mask"].float(), "token-mean",
-                                  global_batch_info=info))
+        def loss_fn(outputs, mb):
+            return LossShare(agg_loss(-outputs["logprobs"], mb["attention_mask"].float(), "token-mean",
+                                      global_batch_info=info))
 
-    old = _response_logprobs(actor, out, 1.0)
-    step = actor.train_step({"input_ids": every["input_ids"], "attention_mask": every["attention_mask"]},
-                            micro_batch_size=4, loss_fn=loss_fn)
-    result["step_ok"] = step.update_successful
-    result["actor_moved"] = _max_diff(_response_logprobs(actor, out, 1.0), old, resp_mask)
-    rollout.release()  # as after the previous rollout: rollout_phase resumes it
-    with sync.rollout_phase() as push_metrics:
-        after = rollout.generate(prompts, seed=6)
-        result["held_during_rollout"] = sync._state_offload.held_bytes()
-    result["phase_metrics"] = sorted(push_metrics)
-    result["memory"] = {k: v for k, v in sync.last_metrics.items() if k.startswith("memory/")}
-    after_mask = after["response_mask"].float()
-    result["after"] = _max_diff(after["rollout_log_probs"], _response_logprobs(actor, after, 1.0), after_mask)
-    # The same samples under the weights before the step: what a stale engine would report.
-    result["stale_gap"] = _max_diff(after["rollout_log_probs"], _stale_logprobs(model_dir, after), after_mask)
+        old = _response_logprobs(actor, out, 1.0)
+        step = actor.train_step({"input_ids": every["input_ids"], "attention_mask": every["attention_mask"]},
+                                micro_batch_size=4, loss_fn=loss_fn)
+        result["step_ok"] = step.update_successful
+        result["actor_moved"] = _max_diff(_response_logprobs(actor, out, 1.0), old, resp_mask)
+        rollout.release()  # as after the previous rollout: rollout_phase resumes it
+        with sync.rollout_phase() as push_metrics:
+            after = rollout.generate(prompts, seed=6)
+            result["held_during_rollout"] = sync._state_offload.held_bytes()
+        result["phase_metrics"] = sorted(push_metrics)
+        result["memory"] = {k: v for k, v in sync.last_metrics.items() if k.startswith("memory/")}
+        after_mask = after["response_mask"].float()
+        result["after"] = _max_diff(after["rollout_log_probs"], _response_logprobs(actor, after, 1.0), after_mask)
+        # The same samples under the weights before the step: what a stale engine would report.
+        result["stale_gap"] = _max_diff(after["rollout_log_probs"], _stale_logprobs(model_dir, after), after_mask)
+    finally:
+        rollout.shutdown()
     return result
 
 
@@ -207,36 +177,10 @@ CASES = [  # (family, tp, pp, rollout TP', engine, offload the training state du
     ("family", "tp", "pp", "rollout_tp", "engine", "offload"), CASES,
     ids=[f"{f}-tp{a}-pp{b}-to-{e}{c}{'-offload' if o else ''}" for f, a, b, c, e, o in CASES],
 )
-@pytest.mark.timeout(900)  # the first case of a shared engine runs the other's layout too
-def test_push_into_a_real_engine(engine_runs, family, tp, pp, rollout_tp, engine, offload):
-    results = engine_runs((family, tp, pp, rollout_tp, engine, offload))
+def test_push_into_a_real_engine(model_dirs, family, tp, pp, rollout_tp, engine, offload):
+    model_dir = model_dirs[family]
+    results = run_distributed(_engine_body, 2, model_dir, tp, pp, rollout_tp, engine, offload, timeout=480)
     _check_push(results, tp, pp, rollout_tp, engine, offload)
-
-
-@pytest.fixture(scope="module")
-def engine_runs(model_dirs):
-    """``engine_runs(case)``: the ranks' results of ``case`` of CASES. The cases of one model, engine and
-    TP' share one engine start (one call on the pool runs each of their actor layouts against it, in
-    CASES order), made when the first of them asks; an error is raised again for every case of it."""
-    done: dict[tuple, dict | BaseException] = {}
-
-    def results_of(case: tuple) -> list[dict]:
-        family, _, _, rollout_tp, engine, _ = case
-        key = (family, rollout_tp, engine)
-        if key not in done:
-            group = [c for c in CASES if (c[0], c[3], c[4]) == key]
-            layouts = [(tp, pp, offload, 1, False) for _, tp, pp, _, _, offload in group]
-            try:
-                per_rank = run_distributed(_engine_body, 2, model_dirs[family], rollout_tp, engine, layouts,
-                                           timeout=480 * len(group))
-                done[key] = {c: [ranks[i] for ranks in per_rank] for i, c in enumerate(group)}
-            except BaseException as exc:  # noqa: BLE001 - kept for the group's other cases
-                done[key] = exc
-        if isinstance(done[key], BaseException):
-            raise done[key]
-        return done[key][case]
-
-    return results_of
 
 
 MOE_CASES = [  # (family, tp, ep, rollout TP'): the CPU build's fused experts stay plain (vllm_internals.plain_cpu_moe)
@@ -250,9 +194,9 @@ MOE_CASES = [  # (family, tp, ep, rollout TP'): the CPU build's fused experts st
 def test_push_moe_into_vllm(model_dirs, family, tp, ep, rollout_tp):
     """The same checks for a Mixture-of-Experts actor (Megatron's experts over EP or TP) and vLLM's fused
     experts; the logprob checks run through the CPU kernel's packed copy, renewed after each push."""
-    layout = (tp, 1, False, ep, tp > 1)  # (tp, pp, offload, ep, sequence parallel)
-    [results] = zip(*run_distributed(_engine_body, 2, model_dirs[family], rollout_tp, "vllm", [layout], timeout=480))
-    _check_push(list(results), tp, 1, rollout_tp, "vllm", False)
+    results = run_distributed(_engine_body, 2, model_dirs[family], tp, 1, rollout_tp, "vllm", False, ep, tp > 1,
+                              timeout=480)
+    _check_push(results, tp, 1, rollout_tp, "vllm", False)
 
 
 def _check_push(results: list[dict], tp: int, pp: int, rollout_tp: int, engine: str, offload: bool) -> None:
