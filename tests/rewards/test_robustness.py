@@ -27,6 +27,7 @@ GROUND_TRUTHS = {
     "countdown": {"target": 21, "numbers": [1, 2, 5, 6]},
     "verl/arithmetic": "579",
     "hiyouga/geometry3k": "30",
+    "verl/colour_square": "red",
     "codecontests": {"inputs": ["1 2\n"], "outputs": ["3\n"]},  # runs each response in the sandbox
 }
 CODE_SOURCES = {"codecontests"}
@@ -64,7 +65,7 @@ def test_every_registered_family_is_covered():
     plain = {name for name in known_data_sources() if not name.endswith("*")}
     covered = {
         "openai/gsm8k", "lighteval/MATH", "math_dapo", "countdown", "verl/arithmetic", "hiyouga/geometry3k",
-        "codecontests", "numina_olympiads",
+        "codecontests", "numina_olympiads", "verl/colour_square",
     }  # fmt: skip
     # Every registered name is an alias of one of the covered scorers.
     from verl.rewards import get_scorer
