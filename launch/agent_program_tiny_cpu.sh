@@ -17,9 +17,9 @@
 #   OUT=/path bash launch/agent_program_tiny_cpu.sh key=value  # outputs elsewhere; extra main_ppo overrides
 #   SFT_STEPS=400 bash launch/agent_program_tiny_cpu.sh        # another warm-up length
 #
-# Measured (docs/agents.md; AMD EPYC, 2 cores, load 13 falling to 5 from other jobs, 9 min 5 s from an
-# empty OUT): validation 0.266 -> 0.404 -> 0.530 at steps 0, 40, 80; GRPO 3.2 s a step; 0 prefix
-# mismatches, 0 dropped episodes.
+# Measured (docs/agents.md; AMD EPYC, 2 quiet cores, from a fresh clone): validation 0.270 -> 0.374
+# -> 0.496 at steps 0, 40, 80 in 6 min 14 s; GRPO 2.2-2.7 s a step; 0 prefix mismatches, 0 dropped
+# episodes. With other jobs loading the machine (load 13 falling to 5): 9 min 5 s.
 #
 # Outputs land in $OUT (default: outputs/agent_program_tiny_cpu): the model, data, SFT checkpoint,
 # GRPO checkpoints, metrics.jsonl (agent/endpoint/* among them) and the exported model. A rerun
