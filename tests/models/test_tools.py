@@ -33,24 +33,9 @@ def _in_process(capsys, tool_path: str, *args: str) -> subprocess.CompletedProce
     """The tool's ``main(argv)`` in this process (what its command runs): exit status and output as
     :func:`_run` returns them, without a Python start (torch and Megatron imports) per case. The
     refusal tests run one case as a command and the others this way."""
-    import importlib.util
-    import logging
+    from verl.testing.commands import load_script, run_main
 
-    spec = importlib.util.spec_from_file_location(os.path.basename(tool_path)[: -len(".py")] + "_tool", tool_path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level  # main() configures the root logger as a command does
-    capsys.readouterr()
-    try:
-        code = tool.main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess([tool_path, *args], code, out, err)
+    return run_main(load_script(tool_path).main, args, capsys=capsys, name=tool_path)
 
 
 def test_help_explains_every_flag():

@@ -183,23 +183,11 @@ def _megatron2hf(megatron_dir: Path, out_dir: Path) -> subprocess.CompletedProce
 def _megatron2hf_in_process(capsys, megatron_dir: Path, out_dir: Path) -> subprocess.CompletedProcess:
     """The tool's ``main(argv)`` in this process (what its command runs): exit status and output as
     :func:`_megatron2hf` returns them, without a Python start per case."""
-    import importlib.util
+    from verl.testing.commands import load_script, run_main
 
-    spec = importlib.util.spec_from_file_location("megatron2hf_tool", ROOT / "tools" / "megatron2hf.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level  # main() configures the root logger as a command does
-    capsys.readouterr()
-    try:
-        code = tool.main(["--megatron-dir", str(megatron_dir), "--out-dir", str(out_dir), "--no-progress"])
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["megatron2hf"], code, out, err)
+    tool = load_script(ROOT / "tools" / "megatron2hf.py")
+    return run_main(tool.main, ["--megatron-dir", str(megatron_dir), "--out-dir", str(out_dir), "--no-progress"],
+                    capsys=capsys, name="megatron2hf")
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ file's time."""
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
@@ -32,23 +31,10 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def in_process(capsys):
     """``main(argv)`` in this process, as a finished command: its exit status and what it wrote."""
+    from verl.testing.commands import run_main
     from verl.trainer.eval_generation import main
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exc:
-            code = exc.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["main", *args], code, out, err)
-
-    # main() configures the root logger as a command does (a handler on this test's captured stderr).
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield run
-    root.handlers[:] = handlers
-    root.setLevel(level)
+    return lambda *args: run_main(main, args, capsys=capsys)
 
 
 def test_a_model_directory_that_does_not_exist(tmp_path, arithmetic_files):

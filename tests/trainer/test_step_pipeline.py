@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import math
@@ -111,22 +110,10 @@ def _main_ppo(argv: list[str], cwd: str) -> subprocess.CompletedProcess:
     """``python -m verl.trainer.main_ppo ARGV`` as its ``main(argv)`` in this process (a world of one
     that it starts and ends, as test_distillation's runs): the exit status and what it logged,
     without a Python start per run."""
+    from verl.testing.commands import run_main
     from verl.trainer.main_ppo import main
 
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level  # main() configures the root logger as a command does
-    stderr, here = io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stderr(stderr):
-            code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        os.chdir(here)
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return subprocess.CompletedProcess(["main_ppo", *argv], code, "", stderr.getvalue())
+    return run_main(main, argv, cwd=cwd, name="main_ppo")
 
 
 def _logged(log_dir: str) -> dict[int, dict[str, float]]:
