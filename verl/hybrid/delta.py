@@ -5,7 +5,7 @@ network, ``actor_rollout_ref.rollout.update_weights_mode=delta`` (the reference 
 push ``delta_sharded``; both names are accepted) runs the same reshard plan and the same buckets
 as :func:`verl.hybrid.transfer.execute_plan`, but per bucket:
 
-- the sender packs the bucket, compares it block by block (``update_weights_delta_block_kilobytes``)
+- the sender packs the bucket, compares it block by block (``update_weights_delta_block_bytes``)
   with what it sent for that bucket last time (a host copy it keeps: one copy of the shards this
   rank sends), and sends a header (a bitmask of the changed blocks and a checksum of the WHOLE
   bucket) and then only the changed blocks;
