@@ -572,6 +572,16 @@ class GroupFilterOperator(Operator):
         }
 
 
+def first_groups(batch: "Batch", groups: int) -> "Batch":
+    """The rows of ``batch``'s first ``groups`` prompt groups (``uid``, in first-appearance order).
+    A group's rows are not always ``n``: a split agent-program episode gives a row per trajectory,
+    so cutting at ``groups * n`` rows could split a group or drop a kept one."""
+    from verl.algos.checks import group_ids
+
+    gid, _, _ = group_ids(batch.non_tensors["uid"], len(batch))
+    return batch[torch.nonzero(gid < groups).flatten().numpy()]
+
+
 class DynamicSamplingOperator(Operator):
     """DAPO's dynamic sampling (arXiv:2503.14476; ``algorithm.filter_groups``): draws prompt
     batches (rollout, then the config's reward) and keeps the prompt groups whose ``metric``
@@ -623,7 +633,7 @@ class DynamicSamplingOperator(Operator):
             kept_groups += result.num_kept_groups
             if kept_groups >= want:
                 metrics.update({"dapo/num_gen_batches": float(draw), "dapo/num_kept_groups": float(kept_groups)})
-                return Batch.concat(kept)[: want * trainer.n], metrics
+                return first_groups(Batch.concat(kept), want), metrics
             if 0 < self.max_num_gen_batches <= draw:
                 raise ValueError(
                     f"dynamic sampling (algorithm.filter_groups) kept {kept_groups} of the {want} prompt "

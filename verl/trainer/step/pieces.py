@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from verl.algos import apply_kl_penalty, compute_advantage, masked_mean
+from verl.algos.checks import group_ids
 from verl.algos.distill import teacher_topk
 from verl.protocol import Batch
 from verl.roles.dispatch import share_batch, share_object
@@ -53,6 +54,17 @@ _REMAX_OFFSET = 500
 # Call i > 0 of a step's generation split into calls (generate(call_sizes=...)) samples with
 # seed + i * _CALL_STRIDE: its own stream, apart from the step's draws and ReMax's baseline.
 _CALL_STRIDE = 100_003
+
+
+def baseline_per_row(baseline: torch.Tensor, uids: Any) -> torch.Tensor:
+    """ReMax's greedy baseline [B] (one per prompt, in prompt order) spread over the samples' rows:
+    each row gets its prompt group's value (``uid``, groups in first-appearance order, as the rollout
+    lays rows out prompt-major). A group may have more than ``n`` rows (a split agent-program
+    episode gives a row per trajectory), so this is not ``repeat_interleave(n)``."""
+    gid, num_groups, _ = group_ids(uids, len(uids))
+    if num_groups != baseline.shape[0]:
+        raise ValueError(f"ReMax: {baseline.shape[0]} greedy baselines for {num_groups} prompt groups in the samples")
+    return baseline[gid.to(baseline.device)]
 
 
 def _step_being_made(host: Any) -> int:
@@ -229,7 +241,7 @@ class StepPieces:
                 greedy = share_batch(greedy, src)
         if remax:
             baseline = self.reward.score(greedy).scores  # [B]
-            batch["reward_baselines"] = baseline.repeat_interleave(self.n)
+            batch["reward_baselines"] = baseline_per_row(baseline, batch.non_tensors["uid"])
         batch["response_mask"] = batch["response_mask"].to(torch.float32)
         return batch, metrics
 
