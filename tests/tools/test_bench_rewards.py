@@ -146,7 +146,6 @@ def test_trl_side_mfu_counts_its_step_on_its_lengths(tmp_path, monkeypatch):
     """TRL's step's model FLOPs (``_trl_mfu``): generation plus one forward and backward, its head on the
     completion tokens and the one before them, over its step's seconds and the peak of its dtype."""
     import json
-    from types import SimpleNamespace
 
     from verl.trainer import perf
 
@@ -157,10 +156,15 @@ def test_trl_side_mfu_counts_its_step_on_its_lengths(tmp_path, monkeypatch):
     peak = perf.DevicePeak("cpu", {"bf16": 1e-3, "fp32": 5e-4}, "test")  # TFLOP/s
     monkeypatch.setattr(perf, "device_peak", lambda device=None: peak)
     trl = [{"step_s": 2.0, "generated_tokens": 8 * 3}]  # 4 prompts x 2 samples, 3 tokens each
-    bench._trl_mfu(str(tmp_path), SimpleNamespace(bf16=True), trl, [{"prompt_tokens_mean": 5.4}], sequences=8)
+    bench._trl_mfu(str(tmp_path), True, trl, [{"prompt_tokens_mean": 5.4}], sequences=8)
     per_token = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 * 32 + 2 * 64 * 64 + 3 * 2 * 64 * 256)  # 2 layers
     attention = 2 * 2 * 2 * 2 * 32  # per (token, key) pair: 2 matmuls x 2 FLOPs x 2 layers x 2 heads x 32
     gen = 8 * (7 * per_token + attention * 7 * 8 // 2) + 2 * 64 * 1024 * 3 * 8  # prompt 5 + 3 - 1 tokens
     update = 3 * (8 * (8 * per_token + attention * 8 * 9 // 2) + 2 * 64 * 1024 * (3 + 1) * 8)
     assert trl[0]["tflops"] == pytest.approx((gen + update) / 2.0 / 1e12, rel=1e-12)  # float division only
     assert trl[0]["mfu"] == pytest.approx((gen + update) / 2.0 / 1e9, rel=1e-12)  # bf16 peak 1e-3 TFLOP/s
+    # --nproc 2: the same step's FLOPs shared by 2 processes, per device as ours; fp32's peak.
+    two = [{"step_s": 2.0, "generated_tokens": 8 * 3}]
+    bench._trl_mfu(str(tmp_path), False, two, [{"prompt_tokens_mean": 5.4}], sequences=8, devices=2)
+    assert two[0]["tflops"] == pytest.approx((gen + update) / 2 / 2.0 / 1e12, rel=1e-12)
+    assert two[0]["mfu"] == pytest.approx((gen + update) / 2 / 2.0 / 5e8, rel=1e-12)  # fp32 peak 5e-4 TFLOP/s

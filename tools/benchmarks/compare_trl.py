@@ -1,5 +1,5 @@
 """``bench.py compare-trl``: our GRPO against TRL's GRPOTrainer on the same work, rounds alternated,
-in one process."""
+in one process (``--nproc N``: N processes a side, ``tools/benchmarks/compare_trl_nproc.py``)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,15 @@ from verl.utils.cli import non_negative_int, positive_float, positive_int
 logger = logging.getLogger(__name__)
 
 
-def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on_step: Callable[[], None]):
+def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on_step: Callable[[], None], *,
+              before_step: Callable[[], None] | None = None, processes: int = 1):
     """TRL's ``GRPOTrainer`` on the same model, prompts and settings, its defaults otherwise; ``on_step``
-    runs after each of its steps, outside its timing. Returns (trainer, per-step records)."""
+    runs after each of its steps and ``before_step`` before each, both outside its timing. ``processes``:
+    how many processes TRL's data-parallel launch runs (each takes its share of the step's samples).
+    Returns (trainer, per-step records, its config)."""
     import datasets
     import pyarrow.parquet as pq
+    import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -48,7 +52,8 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
         use_cpu=True, seed=args.seed,
         # The same work as our side: B prompts x n samples per step, one optimizer update per step on
         # all of them, the same response length, sampling, learning rate (constant, no warm-up) and steps.
-        per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1, num_generations=args.n,
+        per_device_train_batch_size=args.prompts * args.n // processes, gradient_accumulation_steps=1,
+        num_generations=args.n,
         max_completion_length=args.response_length, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=args.steps + args.warmup,
@@ -59,6 +64,8 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
 
     class Timing(TrainerCallback):
         def on_step_begin(self, *_, **__):
+            if before_step is not None:
+                before_step()
             self.start = time.perf_counter()
             trainer._bench_gen_s = 0.0
 
@@ -69,6 +76,7 @@ def _trl_side(args: argparse.Namespace, model: str, train: str, out_dir: str, on
                 "step_s": step_s, "gen_s": trainer._bench_gen_s,
                 "generated_tokens": m["completions/mean_length"][-1] * args.prompts * args.n,
                 "score_mean": m["reward"][-1],
+                "torch_threads": torch.get_num_threads(),
             })
             on_step()
 
@@ -219,11 +227,12 @@ def _micro_batch(choice: int | None, hidden_size: int, rows: int) -> int:
 
 
 def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf: dict[str, Any],
-                           train_dtype: str) -> list[str]:
+                           train_dtype: str, ranks: int = 1) -> list[str]:
     """Our side's overrides of grpo_tiny_cpu for compare-trl: TRL's work (batch, samples, length, one
     update per step on the whole batch, no KL, learning rate), the training dtype, the reward; the
-    user's overrides last."""
+    user's overrides last. ``ranks``: our data-parallel ranks, each with its share of the samples."""
     sequences = args.prompts * args.n
+    per_rank = sequences // ranks
     # A KV cache that holds the whole step's batch at once (float32 keys and values, twice over for
     # the engine's blocks and padding), so our engine is not throttled by the small config default.
     kv_bytes = (sequences * (64 + args.response_length)  # 64: grpo_tiny_cpu's data.max_prompt_length
@@ -239,8 +248,8 @@ def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf:
         # step's), and the speed: 16 rows measured faster than the whole 64 at ~30M on CPU
         # (docs/benchmarks.md). TRL runs its batch whole.
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
-        f"{_micro_batch(args.micro_batch, hf['hidden_size'], sequences)}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={sequences}",
+        f"{_micro_batch(args.micro_batch, hf['hidden_size'], per_rank)}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.actor.use_kl_loss=false",  # TRL's default beta=0: no reference model
         f"actor_rollout_ref.rollout.cpu_kv_cache_gib={kv_gib}",
         f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
@@ -253,32 +262,48 @@ def _compare_trl_overrides(args: argparse.Namespace, model: str, train: str, hf:
     ]
 
 
+def our_record(m: dict[str, float] | None, sequences: int) -> dict[str, Any]:
+    """One of our trainer's steps (its metrics) as a compare-trl record: seconds, generated tokens (the
+    whole batch, every rank's), reward, MFU, threads, rollout agreement."""
+    import torch
+
+    if m is None:
+        raise ValueError("our side ran out of prompts")
+    return {
+        "step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"] - m.get("timing_s/update_weights", 0.0),
+        "generated_tokens": m["response_length/mean"] * sequences,
+        "score_mean": m["critic/score/mean"],
+        "prompt_tokens_mean": m["prompt_length/mean"],
+        # The step's model FLOPs utilisation and achieved TFLOP/s per device (verl.trainer.perf).
+        "mfu": m.get("perf/mfu/step"), "tflops": m.get("perf/tflops/step"),
+        "torch_threads": torch.get_num_threads(),  # after the step (in one process: TRL's and ours)
+        # The update's logprobs against the rollout engine's on the same samples.
+        **{k.split("/", 1)[1]: m[k] for k in _AGREEMENT_KEYS if k in m},
+    }
+
+
+def trl_settings(trl_config: Any, trl_trainer: Any) -> dict[str, Any]:
+    """What TRL's side ran with, for the JSON: its precision and defaults kept, the model's size."""
+    import transformers
+    import trl
+
+    return {"version": trl.__version__, "transformers": transformers.__version__,
+            "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
+            "use_vllm": bool(trl_config.use_vllm), "loss_type": trl_config.loss_type, "beta": trl_config.beta,
+            "model_parameters": sum(p.numel() for p in trl_trainer.model.parameters())}
+
+
 def _alternate_rounds(args: argparse.Namespace, cfg: Any, model: str, train: str, root: str,
                       sequences: int) -> tuple[Any, Any, list[dict[str, Any]], list[dict[str, Any]]]:
     """One TRL step then one of ours, ``--warmup + --steps`` times, in a world of one started through
     the harness: (TRL's trainer, its config, its per-step records, ours)."""
-    import torch
-
     from verl.trainer.ppo_trainer import PPOTrainer
 
     with bench_world(device="cpu"), PPOTrainer(cfg) as ours:
         ours_records: list[dict[str, float]] = []
 
         def our_step() -> None:  # right after each TRL step: a round is one step of each
-            m = ours.train_step()
-            if m is None:
-                raise ValueError("our side ran out of prompts")
-            ours_records.append({
-                "step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"] - m.get("timing_s/update_weights", 0.0),
-                "generated_tokens": m["response_length/mean"] * sequences,
-                "score_mean": m["critic/score/mean"],
-                "prompt_tokens_mean": m["prompt_length/mean"],
-                # The step's model FLOPs utilisation and achieved TFLOP/s (verl.trainer.perf).
-                "mfu": m.get("perf/mfu/step"), "tflops": m.get("perf/tflops/step"),
-                "torch_threads": torch.get_num_threads(),  # after the TRL step and ours
-                # The update's logprobs against the rollout engine's on the same samples.
-                **{k.split("/", 1)[1]: m[k] for k in _AGREEMENT_KEYS if k in m},
-            })
+            ours_records.append(our_record(ours.train_step(), sequences))
             logger.info("compare-trl round %d: TRL %.3f s/step (%.3f s generating), ours %.3f s/step "
                         "(%.3f s generating)", len(ours_records), trl_records[-1]["step_s"],
                         trl_records[-1]["gen_s"], ours_records[-1]["step_s"], ours_records[-1]["gen_s"])
@@ -321,44 +346,44 @@ def _compare_trl_run(args: argparse.Namespace) -> dict[str, Any]:
     if len(trl_records) != args.steps + args.warmup or len(ours_records) != len(trl_records):
         raise RuntimeError(f"expected {args.steps + args.warmup} rounds, got TRL {len(trl_records)}, "
                            f"ours {len(ours_records)}")
-    return _compare_trl_result(args, model, cfg, train_dtype, trl_trainer, trl_config, trl_records, ours_records)
+    ours_info = {"engine": cfg.actor_rollout_ref.rollout.name, "train_dtype": _VERL_DTYPES[train_dtype],
+                 "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype}
+    return compare_trl_result(args, model, ours_info, trl_settings(trl_config, trl_trainer), trl_records,
+                              ours_records)
 
 
-def _compare_trl_result(args: argparse.Namespace, model: str, cfg: Any, train_dtype: str, trl_trainer: Any,
-                        trl_config: Any, trl_records: list[dict[str, Any]],
-                        ours_records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON object: both sides' medians over the measured rounds, their ratios, the reward curves."""
-    _trl_mfu(model, trl_config, trl_records, ours_records, sequences=args.prompts * args.n)
+def compare_trl_result(args: argparse.Namespace, model: str, ours_info: dict[str, Any], trl_info: dict[str, Any],
+                       trl_records: list[dict[str, Any]], ours_records: list[dict[str, Any]], *,
+                       devices: int = 1) -> dict[str, Any]:
+    """The JSON object: both sides' medians over the measured rounds, their ratios, the reward curves.
+    ``devices``: processes per side (TRL's MFU is per device, as ours)."""
+    _trl_mfu(model, trl_info["bf16"], trl_records, ours_records, sequences=args.prompts * args.n, devices=devices)
     mine, theirs = _side_summary(ours_records[args.warmup:]), _side_summary(trl_records[args.warmup:])
     per_round = [
         (a["generated_tokens"] / a["step_s"]) / (b["generated_tokens"] / b["step_s"])
         for a, b in zip(ours_records[args.warmup:], trl_records[args.warmup:])
     ]
     step_rounds = [b["step_s"] / a["step_s"] for a, b in zip(ours_records[args.warmup:], trl_records[args.warmup:])]
-    import transformers
-    import trl
-
+    trl_info = dict(trl_info)
     return {
         "bench": "compare-trl",
         "model": model,
-        "model_parameters": sum(p.numel() for p in trl_trainer.model.parameters()),
+        "model_parameters": trl_info.pop("model_parameters"),
         "reward": args.reward,
         "prompts_per_step": args.prompts, "n": args.n, "response_length": args.response_length, "lr": args.lr,
         "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
         # torch's intra-op threads seen after each round (one process: both sides share the setting).
-        "threads_seen": sorted({r["torch_threads"] for r in ours_records}),
+        "threads_seen": sorted({r["torch_threads"] for r in ours_records + trl_records if "torch_threads" in r}),
         "machine": machine(),
-        "ours": {"engine": cfg.actor_rollout_ref.rollout.name, "train_dtype": _VERL_DTYPES[train_dtype],
-                 "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, **mine},
-        "trl": {"version": trl.__version__, "transformers": transformers.__version__,
-                "bf16": bool(trl_config.bf16), "gradient_checkpointing": bool(trl_config.gradient_checkpointing),
-                "use_vllm": bool(trl_config.use_vllm), "loss_type": trl_config.loss_type, "beta": trl_config.beta,
-                **theirs},
+        "ours": {**ours_info, **mine},
+        "trl": {**trl_info, **theirs},
         # ours / TRL: > 1 means ours generates more tokens per second of step.
         "tokens_per_s_ratio_of_medians": mine["generated_tokens_per_s"] / theirs["generated_tokens_per_s"],
         "tokens_per_s_ratio_rounds": per_round,
         "tokens_per_s_ratio_median_of_rounds": median(per_round),
         "step_time_ratio_trl_over_ours_median_of_rounds": median(step_rounds),
+        # Samples trained on before each entry of the curves (warm-up included): the same on both sides.
+        "samples_seen": [i * args.prompts * args.n for i in range(len(ours_records))],
         "reward_curve_ours": [r["score_mean"] for r in ours_records],
         "reward_curve_trl": [r["score_mean"] for r in trl_records],
         # Mean reward of each step's samples, drawn before that step's update: the last entry is the
@@ -367,13 +392,14 @@ def _compare_trl_result(args: argparse.Namespace, model: str, cfg: Any, train_dt
     }
 
 
-def _trl_mfu(model: str, trl_config: Any, trl_records: list[dict[str, Any]], ours_records: list[dict[str, Any]],
-             *, sequences: int) -> None:
+def _trl_mfu(model: str, bf16: bool, trl_records: list[dict[str, Any]], ours_records: list[dict[str, Any]],
+             *, sequences: int, devices: int = 1) -> None:
     """Each TRL round's ``mfu`` and ``tflops``: its step's model FLOPs counted as ours are
     (verl.trainer.perf) on its mean completion length and the prompts' mean length of our same round
     (both sides draw from the same prompts), generation plus one forward and backward with the head on
     the completion tokens and the one before them (TRL's ``logits_to_keep``), over its step's seconds and
-    the peak of its dtype (bf16 or fp32). Gradient checkpointing's recomputation is not counted (model FLOPs)."""
+    the peak of its dtype (bf16 or fp32), per device (``devices`` processes share the step's FLOPs).
+    Gradient checkpointing's recomputation is not counted (model FLOPs)."""
     import dataclasses
 
     from verl.config.schema import ModelConfig
@@ -382,19 +408,20 @@ def _trl_mfu(model: str, trl_config: Any, trl_records: list[dict[str, Any]], our
 
     shape = ModelShape.from_spec(load_model_spec(ModelConfig(path=model), key="--model"))
     peak = device_peak("cpu")
-    rate = peak.of("bf16" if trl_config.bf16 else "fp32") if peak is not None else None
+    rate = peak.of("bf16" if bf16 else "fp32") if peak is not None else None
     for trl, ours in zip(trl_records, ours_records):
         prompt = round(ours["prompt_tokens_mean"])
         completion = round(trl["generated_tokens"] / sequences)
         gen = generation_terms(shape, [prompt] * sequences, [completion] * sequences).forward
         terms = training_terms(shape, [prompt + completion] * sequences)
         terms = dataclasses.replace(terms, head=2.0 * (completion + 1) * sequences * shape.hidden * shape.vocab)
-        flops = gen + training_flops(shape, terms)
+        flops = (gen + training_flops(shape, terms)) / devices
         trl["tflops"] = flops / trl["step_s"] / 1e12
         trl["mfu"] = flops / trl["step_s"] / (rate * 1e12) if rate else None
 
 
-@subcommand("compare-trl", "our GRPO against TRL's GRPOTrainer on the same work, rounds alternated, in one run")
+@subcommand("compare-trl", "our GRPO against TRL's GRPOTrainer on the same work, rounds alternated, in one run "
+                           "(--nproc N: N processes a side)")
 def _compare_trl(p: argparse.ArgumentParser) -> Runner:
     p.description = (
         "One process, one machine: verl's RL trainer (GRPO, world of one) and TRL's GRPOTrainer on the same local "
@@ -403,7 +430,8 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
         "round is one TRL step then one of ours (after --warmup rounds). Reports each side's generated tokens "
         "per second of step, seconds per step, share of the step spent generating, the ratio ours/TRL (of the "
         "medians, and the median of per-round ratios) and both reward curves. TRL keeps its defaults (bf16 "
-        "autocast, gradient checkpointing, transformers generate) unless --trl-dtype fp32."
+        "autocast, gradient checkpointing, transformers generate) unless --trl-dtype fp32. With --nproc N each "
+        "side runs on N processes (two torchrun launches stepped in turn), each process on --threads threads."
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides for our side (main_ppo's)")
     made_model_arguments(p, "the model and prompts")
@@ -413,7 +441,13 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
     p.add_argument("--lr", type=positive_float, default=2e-4, help="learning rate, both sides (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=5, help="measured rounds (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="rounds run first, not measured (default %(default)s)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads, both sides (default %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch threads, both sides (per process under --nproc) (default %(default)s)")
+    p.add_argument("--nproc", type=positive_int, default=1,
+                   help="processes per side: 1 runs both trainers in this process, rounds alternated; N > 1 starts "
+                        "two torchrun launches of N processes, TRL's data-parallel launch and ours on N ranks "
+                        "(colocated, data parallel N, sync), alive together and stepped in turn: TRL's step k, "
+                        "then ours (tools/benchmarks/compare_trl_nproc.py) (default %(default)s)")
     p.add_argument("--verl-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
                         f"{_BF16_FROM_HIDDEN} up on a CPU with bf16 matrix instructions (avx512_bf16/amx_bf16), "
@@ -438,12 +472,17 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                         "spaces, which a raw model earns, so the curves move) (default %(default)s)")
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        result = _compare_trl_run(args)
+        if args.nproc > 1:
+            from tools.benchmarks.compare_trl_nproc import compare_trl_nproc
+
+            result = compare_trl_nproc(args)
+        else:
+            result = _compare_trl_run(args)
         logger.info(
-            "compare-trl (median of %d rounds): ours %.0f generated tokens/s, %.3f s/step, %.0f%% generating; "
+            "compare-trl, %d process(es) a side (median of %d rounds): ours %.0f generated tokens/s, %.3f s/step, %.0f%% generating; "
             "TRL (%s) %.0f tokens/s, %.3f s/step, %.0f%% generating; ours/TRL %.2fx (ratio of medians), %.2fx "
             "(median of per-round ratios); MFU of the step ours %s, TRL %s; reward ours %s, TRL %s",
-            args.steps, result["ours"]["generated_tokens_per_s"], result["ours"]["step_s"],
+            args.nproc, args.steps, result["ours"]["generated_tokens_per_s"], result["ours"]["step_s"],
             100 * result["ours"]["gen_share"], "bf16" if result["trl"]["bf16"] else "fp32",
             result["trl"]["generated_tokens_per_s"], result["trl"]["step_s"], 100 * result["trl"]["gen_share"],
             result["tokens_per_s_ratio_of_medians"], result["tokens_per_s_ratio_median_of_rounds"],
