@@ -23,7 +23,8 @@ from verl.rollout.agent import (
     parse_hermes,
     safe_calculate,
 )
-from verl.rollout.base import RolloutEngine, Sample, SamplingSpec, left_pad
+from verl.rollout.base import Sample, SamplingSpec, left_pad
+from verl.testing.engines import WeightlessEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,7 +47,7 @@ def _chars(tok, text: str) -> list[int]:
     return [i for ch in text for i in _ids(tok, ch)]
 
 
-class ScriptedEngine(RolloutEngine):
+class ScriptedEngine(WeightlessEngine):
     """An engine whose "samples" come from ``reply(context_ids) -> ids``; the logprob of the
     token at context length L is -L/1000, so every logprob names its position."""
 
@@ -64,24 +65,6 @@ class ScriptedEngine(RolloutEngine):
                 lps = [-(len(p) + k) / 1000 for k in range(len(ids))]
                 out.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=not stopped and len(ids) == spec.max_tokens))
         return out
-
-    def update_weights(self, weights):
-        raise NotImplementedError
-
-    def named_parameters(self):
-        return iter(())
-
-    def release(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def kv_cache_bytes(self):
-        return 0
-
-    def shutdown(self):
-        pass
 
 
 def _spec(n: int = 1) -> SamplingSpec:

@@ -18,8 +18,9 @@ from verl.rollout import (
     rollout_metrics,
     sampling_spec,
 )
-from verl.rollout.base import RolloutEngine, merge_rollout_metrics
+from verl.rollout.base import merge_rollout_metrics
 from verl.rollout.checks import logprob_agreement
+from verl.testing.engines import WeightlessEngine
 
 PAD = 0
 
@@ -195,30 +196,12 @@ def test_rollout_metrics_of_no_samples_in_no_time():
     assert all(math.isfinite(v) for v in m.values())
 
 
-class _EchoEngine(RolloutEngine):
+class _EchoEngine(WeightlessEngine):
     """Answers each prompt with its own last token (no model): the base class's checks only."""
 
     def _sample(self, prompts, spec):
         echo = [Sample(token_ids=[p[-1]], logprobs=[-1.0], hit_length_limit=False) for p in prompts]
         return [s for s in echo for _ in range(spec.n)]
-
-    def update_weights(self, weights):
-        raise AssertionError("this test engine has no weights")
-
-    def named_parameters(self):
-        return iter(())
-
-    def release(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def kv_cache_bytes(self):
-        return 0
-
-    def shutdown(self):
-        pass
 
 
 def test_prompts_exactly_prompt_length_wide_are_accepted_one_more_refused():

@@ -24,7 +24,8 @@ from verl.config.schema import RolloutConfig, RolloutMultiTurnConfig
 from verl.rollout.agent import AgentLoop, FunctionTool
 from verl.rollout.agent.templates import check_template, detect_family
 from verl.rollout.agent.turns import ToolTurnEncoder
-from verl.rollout.base import RolloutEngine, Sample, SamplingSpec
+from verl.rollout.base import Sample, SamplingSpec
+from verl.testing.engines import WeightlessEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -233,7 +234,7 @@ def family_tokenizer(family: str):
 # --------------------------------------------------------------------------- a scripted engine
 
 
-class Scripted(RolloutEngine):
+class Scripted(WeightlessEngine):
     """Answers model turn k with ``turns[k]`` (ids); records every context it is given. The
     log-prob of a sampled token names its place: -(context length + k) / 1000."""
 
@@ -251,24 +252,6 @@ class Scripted(RolloutEngine):
             lps = [-(len(p) + k) / 1000 for k in range(len(ids))]
             out.append(Sample(token_ids=ids, logprobs=lps, hit_length_limit=False))
         return out
-
-    def update_weights(self, weights):
-        raise NotImplementedError
-
-    def named_parameters(self):
-        return iter(())
-
-    def release(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def kv_cache_bytes(self):
-        return 0
-
-    def shutdown(self):
-        pass
 
 
 def add(a: int, b: int) -> str:
