@@ -1,6 +1,7 @@
 """The Megatron Qwen2.5-VL (verl.models.megatron_vlm) against transformers' on the same weights.
 
-The tiny Qwen2.5-VL of verl.data.tiny_vlm with two key/value heads, its norms and biases randomised (transformers initialises
+The tiny Qwen2.5-VL of verl.data.tiny_vlm with two key/value heads and three decoder layers (split
+unevenly over two pipeline stages), its norms and biases randomised (transformers initialises
 them to ones and zeros, which would hide a mapping mistake there). One batch: a text-only row, a
 left-padded row with a 28 x 28 image (1 image token) and a right-padded row with a 56 x 42 and a
 28 x 56 image (2 x 2 and 1 x 2 merged tokens): images of different sizes, several per row.
@@ -29,6 +30,8 @@ def vlm_dir(tmp_path_factory):
 
     config = AutoConfig.from_pretrained(cached_tiny_vlm())
     config.text_config.num_key_value_heads = 2  # two key/value heads: tensor parallel 2 splits them
+    config.text_config.num_hidden_layers = 3  # pipeline parallel 2: an uneven split of the decoder
+    config.text_config.layer_types = ["full_attention"] * 3
     torch.manual_seed(3)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     gen = torch.Generator().manual_seed(3)
@@ -75,19 +78,22 @@ def _image_batch(model_dir: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": processed["pixel_values"], "image_grid_thw": grid}
 
 
-def _hf_logits(model_dir: str, batch: dict[str, torch.Tensor], *, images: bool) -> torch.Tensor:
+def _hf_logits(model_dir: str, batch: dict[str, torch.Tensor], *, images: bool, positions_1d: bool = False) -> torch.Tensor:
+    """transformers' logits [B, T, V]; ``positions_1d``: with each token's index in its row on all three
+    rotary axes instead of the 3D positions (what a fall back to text positions would compute)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)  # 1D: cumsum of the mask
     with torch.no_grad():
-        if not images:  # text only: transformers' 1D positions (cumsum of the mask), on all three rows
-            positions = (mask.cumsum(-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
+        if not images:  # text only: transformers' 1D positions, on all three rows
             return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         image_tokens = (ids == model.config.image_token_id).int()
         return model(
             input_ids=ids, attention_mask=mask, pixel_values=batch["pixel_values"],
             image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=image_tokens,
+            position_ids=positions if positions_1d else None,
         ).logits
 
 
@@ -143,16 +149,79 @@ def test_logits_match_transformers(vlm_dir, run_dist, tp):
         assert (actual[mask] - other[mask]).abs().max().item() > 100 * ATOL
 
 
+def _layout_body(model_dir: str, tp: int, pp: int, sp: bool, pack: bool, rows: dict[str, torch.Tensor]):
+    from verl.models.builder import ModelBuildConfig
+    from verl.models.forward import forward_backward
+    from verl.models.megatron_vlm import build_megatron_vlm
+    from verl.models.packing import pack_like, pack_micro_batch
+    from verl.parallel.megatron_state import initialize_model_parallel
+    from verl.protocol.images import model_image_inputs
+
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = build_megatron_vlm(model_dir, ModelBuildConfig(sequence_parallel=sp), pg).eval()
+    # Micro-batches of two rows: the two image rows together (packed: one sequence of both), then the text row.
+    logits = forward_backward([model], rows, pg=pg, micro_batch_size=2, output="logits", pack_sequences=pack,
+                              broadcast=False).outputs.get("logits")  # [B, T, V/TP] on the last stage
+    # The 3D positions of the image rows packed into one row, against each row's own (padded layout).
+    ids, mask = rows["input_ids"][:2], rows["attention_mask"][:2]
+    grid = model_image_inputs({k: v[:2] for k, v in rows.items()})["image_grid_thw"]
+    packed = pack_micro_batch(ids, mask, 48)
+    packed_positions = model.positions(packed.input_ids, pack_like(mask, packed.real, 48), grid, packed.seq_params())
+    row_positions = model.positions(ids, mask, grid)  # [3, 2, T]
+    return {"tp_rank": pg.tp.rank(), "logits": logits, "vocab": model.verl_vlm_spec.text.vocab_size,
+            "packed_positions": packed_positions[:, 0, packed.slots],  # [3, real tokens] in packed order
+            "row_positions": row_positions.flatten(1)[:, packed.real]}
+
+
+LAYOUTS = {  # world size, (tp, pp, sequence parallel, packed sequences)
+    "pp2": (2, (1, 2, False, False)),
+    "tp2-packed": (2, (2, 1, False, True)),
+    "tp2-sp-packed": (2, (2, 1, True, True)),
+    "pp2-packed": (2, (1, 2, False, True)),
+    "tp2xpp2-sp": (4, (2, 2, True, False)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_transformers(vlm_dir, run_dist, layout):
+    """Pipeline stages, packed (THD) sequences, sequence parallel: the logits of every row equal
+    transformers' on the rows unpacked; an image row's 3D positions in a packed row are its own."""
+    world, (tp, pp, sp, pack) = LAYOUTS[layout]
+    batch = _image_batch(vlm_dir)
+    order = [1, 2, 0]  # the two image rows first: one micro-batch (one packed sequence) of both
+    rows = {k: v[order] for k, v in _rows_batch(batch).items()}
+    results = run_dist(_layout_body, world, vlm_dir, tp, pp, sp, pack, rows)
+    expected = _hf_logits(vlm_dir, batch, images=True)[order]
+    last = sorted((r for r in results if r["logits"] is not None), key=lambda r: r["tp_rank"])
+    assert len(last) == tp  # the last stage's TP ranks
+    actual = torch.cat([r["logits"] for r in last], dim=-1)[..., : results[0]["vocab"]]
+    mask = rows["attention_mask"].bool()
+    err = (actual[mask] - expected[mask]).abs().max().item()
+    assert err <= ATOL, f"{layout}: max |Megatron - transformers| = {err:.3g}"
+    for r in results:
+        torch.testing.assert_close(r["packed_positions"], r["row_positions"], rtol=0, atol=0)
+    # The check can fail: the rows' 3D positions are not 1D ones (each real token's index in its row)...
+    positions = results[0]["row_positions"]
+    assert not torch.equal(positions[1], positions[0])
+    # ...transformers with 1D positions, or with the images' patches in another order (features on
+    # other tokens), gives logits far beyond the tolerance.
+    one_d = _hf_logits(vlm_dir, batch, images=True, positions_1d=True)[order]
+    moved = _hf_logits(vlm_dir, dict(batch, pixel_values=batch["pixel_values"].flip(0)), images=True)[order]
+    for wrong in (one_d, moved):
+        assert (actual[mask] - wrong[mask]).abs().max().item() > 100 * ATOL
+
+
 def test_refusals_before_build(vlm_dir, tmp_path):
     import json
 
     from verl.models.builder import ModelBuildConfig
     from verl.models.megatron_vlm import check_vlm_layout, parse_vlm_config
 
-    with pytest.raises(ValueError, match="pipeline parallel 2"):
-        check_vlm_layout(ModelBuildConfig(), tp_size=1, pp_size=2)
-    with pytest.raises(ValueError, match="sequence_parallel=true"):
-        check_vlm_layout(ModelBuildConfig(sequence_parallel=True), tp_size=2, pp_size=1)
+    check_vlm_layout(ModelBuildConfig(sequence_parallel=True), tp_size=2, pp_size=2)  # the layouts it runs
+    with pytest.raises(ValueError, match="virtual pipeline stages"):
+        check_vlm_layout(ModelBuildConfig(), tp_size=1, pp_size=2, vpp_size=2)
+    with pytest.raises(ValueError, match="context parallel 2"):
+        check_vlm_layout(ModelBuildConfig(), tp_size=1, pp_size=1, cp_size=2)
     with pytest.raises(ValueError, match="head='value'"):
         check_vlm_layout(ModelBuildConfig(head="value"), tp_size=1, pp_size=1)
     with open(f"{vlm_dir}/config.json") as f:
@@ -192,7 +261,8 @@ def _rows_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             **{k: torch.stack([c[k] for c in cols]) for k in cols[0]}}
 
 
-def _step_body(model_dir: str, tp: int, rows: dict[str, torch.Tensor], freeze: bool):
+def _step_body(model_dir: str, rows: dict[str, torch.Tensor], freeze: bool, tp: int, pp: int = 1, sp: bool = False,
+               pack: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -204,8 +274,8 @@ def _step_body(model_dir: str, tp: int, rows: dict[str, torch.Tensor], freeze: b
     from verl.models.megatron_vlm import build_megatron_vlm
     from verl.parallel.megatron_state import initialize_model_parallel
 
-    pg = initialize_model_parallel(tensor_model_parallel_size=tp)
-    model = build_megatron_vlm(model_dir, ModelBuildConfig(), pg, freeze_vision_tower=freeze)
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = build_megatron_vlm(model_dir, ModelBuildConfig(sequence_parallel=sp), pg, freeze_vision_tower=freeze)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
                                   pg_collection=pg)
     model.config.finalize_model_grads_func = finalize_model_grads
@@ -217,14 +287,17 @@ def _step_body(model_dir: str, tp: int, rows: dict[str, torch.Tensor], freeze: b
         return LossShare(-(outputs["logprobs"] * mb["attention_mask"]).sum() / tokens, {})
 
     # Micro-batches of 2 rows: the images travel with their rows (rows 0-1, then row 2's two images).
-    before = forward_backward([ddp], rows, pg=pg, micro_batch_size=2, output="logprobs").outputs["logprobs"]
+    run = dict(pg=pg, micro_batch_size=2, output="logprobs", pack_sequences=pack)
+    before = forward_backward([ddp], rows, **run).outputs["logprobs"]
     ddp.zero_grad_buffer()
-    forward_backward([ddp], rows, pg=pg, micro_batch_size=2, output="logprobs", loss_fn=loss_fn)
-    vision_grads = {n: p.main_grad.clone() for n, p in model.vision.named_parameters() if p.requires_grad}
+    forward_backward([ddp], rows, loss_fn=loss_fn, **run)
+    tower = model.vision  # the first pipeline stage's only
+    vision_grads = {} if tower is None else {n: p.main_grad.clone() for n, p in tower.named_parameters() if p.requires_grad}
     _, ok = optimizer_step(optimizer, 0.0)
-    after = forward_backward([ddp], rows, pg=pg, micro_batch_size=2, output="logprobs").outputs["logprobs"]
-    vision = {n: p.detach().clone() for n, p in model.vision.named_parameters()}
-    return {"before": before, "after": after, "ok": ok, "vision_grads": vision_grads, "vision": vision}
+    after = forward_backward([ddp], rows, **run).outputs["logprobs"]
+    vision = {} if tower is None else {n: p.detach().clone() for n, p in tower.named_parameters()}
+    return {"before": before, "after": after, "ok": ok, "vision_grads": vision_grads, "vision": vision,
+            "first_stage": tower is not None}
 
 
 def _hf_step(model_dir: str, batch: dict[str, torch.Tensor], freeze: bool):
@@ -256,19 +329,31 @@ def _hf_step(model_dir: str, batch: dict[str, torch.Tensor], freeze: bool):
     return before.detach(), after, grads, vision
 
 
-@pytest.mark.parametrize("tp,freeze", [(2, False), (1, True)], ids=["tp2-trained-tower", "tp1-frozen-tower"])
-def test_logprobs_and_one_sgd_step_match_transformers(vlm_dir, run_dist, tp, freeze):
+STEP_LAYOUTS = {  # (tp, pp, sequence parallel, packed sequences, frozen tower); two ranks each
+    "tp2-trained-tower": (2, 1, False, False, False),
+    "tp1-frozen-tower": (1, 1, False, False, True),
+    "pp2-trained-tower": (1, 2, False, False, False),
+    "tp2-sp-packed-trained-tower": (2, 1, True, True, False),
+}
+
+
+@pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
+def test_logprobs_and_one_sgd_step_match_transformers(vlm_dir, run_dist, layout):
+    tp, pp, sp, pack, freeze = STEP_LAYOUTS[layout]
     batch = _image_batch(vlm_dir)
-    results = run_dist(_step_body, 2, vlm_dir, tp, _rows_batch(batch), freeze)
+    results = run_dist(_step_body, 2, vlm_dir, _rows_batch(batch), freeze, tp, pp, sp, pack)
     before, after, grads, vision = _hf_step(vlm_dir, batch, freeze)
     mask = batch["attention_mask"].bool()
     assert (after - before)[mask].abs().max() > 100 * ATOL  # the step moves the log-probs
-    for r in results:  # every TP rank: the same log-probs, the same (replicated) tower
+    assert sum(r["first_stage"] for r in results) == 2 // pp  # the tower on the first stage's ranks only
+    for r in results:  # every rank: the same log-probs; every first-stage rank: the same (replicated) tower
         assert r["ok"]
         torch.testing.assert_close(r["before"], before, rtol=0, atol=ATOL)
         # After a step of lr 0.5 the log-probs carry the gradients' rounding too: 1e-4 is still
         # far below a wrong or missing gradient (the step moves them by > 1e-3).
         torch.testing.assert_close(r["after"], after, rtol=0, atol=1e-4)
+        if not r["first_stage"]:
+            continue
         assert set(r["vision_grads"]) == (set() if freeze else set(grads))
         for name, grad in r["vision_grads"].items():
             # Sums of many rounded products: relative 1e-4 / absolute 1e-6, far below a missing

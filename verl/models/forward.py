@@ -536,11 +536,8 @@ def forward_backward(
         )
         seq_len, rows = max(widths), 1  # the pipeline's fixed shape: one packed row per micro-batch
     vlm = hasattr(inner, "verl_vlm_spec")  # verl.models.megatron_vlm: each micro-batch's images go with its rows
-    if vlm and (pack_sequences or cp_size > 1 or pp_size > 1):
-        raise ValueError(
-            "a vision-language model runs with one pipeline stage, no context parallelism and unpacked rows: "
-            "set use_remove_padding=false, context_parallel_size=1, pipeline_model_parallel_size=1"
-        )
+    if vlm and cp_size > 1:
+        raise ValueError("a vision-language model runs without context parallelism: set context_parallel_size=1")
     replay_chunks = _routing_setup(chunks, batch, pg, routing)  # per chunk: (its layers of L, its routers)
     replay_routers = [router for _, routers in replay_chunks for router in routers]
     chunk_of = {id(chunk): i for i, chunk in enumerate(chunks)}
@@ -614,8 +611,9 @@ def forward_backward(
             mine = cp_split(mb).positions
             ids, positions = ids[:, mine], positions[:, mine]
         if vlm:  # the rows' mask in the model's layout and their images (verl.protocol.images)
+            packed = {} if mb.packed is None else {"packed_seq_params": mb.packed.seq_params()}
             out = chunk(ids, positions, None, rows_mask=mb.to_model(mb.tensors["attention_mask"]),
-                        **model_image_inputs(mb.tensors))
+                        **model_image_inputs(mb.tensors), **packed)
         elif mb.packed is None:
             out = chunk(ids, positions, None)
         else:

@@ -6,21 +6,36 @@ positions (mrope), the transformers vision encoder beside it.
   ``position_embedding_type="mrope"`` and the config's ``mrope_section``: Megatron's
   ``MultimodalRotaryEmbedding`` takes position ids [3, B, S] (temporal, height, width) and gives
   each share of the rotary half-dimension the matching row, as transformers does.
-- The vision encoder is transformers' own Qwen2.5-VL vision tower, whole on every tensor-parallel
-  rank (replicated: each TP rank computes the same features and, since the decoder's first layer
-  all-reduces its input gradient over TP, receives the same gradient). ``freeze_vision_tower``
-  stops its gradients.
+- The vision encoder is transformers' own Qwen2.5-VL vision tower, on the first pipeline stage only
+  and there whole on every tensor-parallel rank (replicated: each TP rank computes the same features
+  and, since the decoder's first layer all-reduces its input gradient over TP, or sequence
+  parallel's scatter all-gathers it, receives the same gradient). ``freeze_vision_tower`` stops its
+  gradients.
 - Before the decoder, the tower's merged features replace the word embeddings at the image tokens
-  (``image_token_id``), row after row in token order, as transformers' ``masked_scatter`` does.
+  (``image_token_id``), row after row in token order, as transformers' ``masked_scatter`` does. The
+  word embeddings are taken whole (the embedding's own sequence-parallel scatter is turned off) and
+  split over sequence parallel after the features are in.
 - The 3D positions are transformers' ``Qwen2_5_VLModel.get_rope_index``, called with a stand-in
-  ``self`` that carries the checkpoint's config (it reads nothing else of the model).
+  ``self`` that carries the checkpoint's config (it reads nothing else of the model). Every pipeline
+  stage computes them from the micro-batch's ids and image grids (no tower needed; every stage holds
+  the micro-batch), so the rotary embedding of each stage's layers sees the same 3D positions.
 
-A padded batch is packed as :mod:`verl.models.forward` packs it (each row's real tokens first, pads
-after; Megatron's attention is plain causal), and outputs come back in the batch's layout.
+Layouts (:mod:`verl.models.forward` runs the model through Megatron's schedule):
 
-Not supported (refused in one line by :func:`check_vlm_layout`, before anything is built): pipeline
-parallel > 1, context parallel > 1, sequence parallel, value/reward heads, and vision-language
-families other than Qwen2.5-VL (Qwen2-VL, Qwen3-VL...). Checkpoints: Hugging Face safetensors in the
+- rows: a padded batch is packed as :mod:`verl.models.forward` packs it (each row's real tokens
+  first, pads after; Megatron's attention is plain causal), and outputs come back in the batch's layout;
+- pipeline parallel: the decoder's layers split over stages as for text models (uneven splits
+  included); the first stage runs the tower and the embedding, the others take the hidden states;
+- packed sequences (THD, ``use_remove_padding``): a micro-batch's rows are one row of their real
+  tokens; each sequence (``cu_seqlens``) gets the 3D positions of its row alone, laid out per packed
+  token ([3, 1, S]), and Megatron's rotary code then takes each sequence's frequencies at its own
+  offset in the packed row (its exact per-token mapping when the frequencies cover the whole packed
+  row, megatron-core 0.16.1 ``_apply_rotary_pos_emb_thd``) instead of restarting at 0;
+- sequence parallel with TP > 1.
+
+Not supported (refused in one line by :func:`check_vlm_layout`, before anything is built): virtual
+pipeline stages, context parallel > 1, value/reward heads, and vision-language families other than
+Qwen2.5-VL (Qwen2-VL, Qwen3-VL...). Checkpoints: Hugging Face safetensors in the
 hub's layout (``model.layers.*``, ``lm_head.weight``, ``visual.*``), read through verl's weight
 mapping; HF <-> Megatron conversion: ``verl.models.convert_vlm``. The Megatron training engine
 does not take a VLM yet (its config parser refuses it, naming the FSDP2 engine).
@@ -119,12 +134,13 @@ def check_vlm_layout(cfg: ModelBuildConfig, *, tp_size: int, pp_size: int, cp_si
                      vpp_size: int | None = None) -> None:
     """Refuse, in one line, what the Megatron VLM does not do (before any model is built)."""
     problems = []
-    if pp_size > 1 or vpp_size is not None:
-        problems.append(f"pipeline parallel {pp_size} (virtual {vpp_size}): use pipeline_model_parallel_size=1")
+    if vpp_size is not None:
+        problems.append(
+            f"virtual pipeline stages ({vpp_size} per rank, with pipeline parallel {pp_size}): leave "
+            "virtual_pipeline_model_parallel_size unset"
+        )
     if cp_size > 1:
         problems.append(f"context parallel {cp_size}: use context_parallel_size=1")
-    if cfg.sequence_parallel and tp_size > 1:
-        problems.append("sequence_parallel=true: set it to false")
     if cfg.head != "lm":
         problems.append(f"head={cfg.head!r} (a critic or reward model of a VLM): only the LM head ('lm')")
     if problems:
@@ -143,24 +159,65 @@ def _rope_index(hf_config: Any):
 
 
 class MegatronVLM(torch.nn.Module):
-    """Qwen2.5-VL: ``language_model`` (verl's GPTModel with mrope) and ``vision`` (transformers' tower)."""
+    """Qwen2.5-VL: ``language_model`` (verl's GPTModel with mrope, this pipeline stage's layers) and
+    ``vision`` (transformers' tower; None off the first pipeline stage)."""
 
-    def __init__(self, spec: VLMSpec, language_model: torch.nn.Module, vision: torch.nn.Module) -> None:
+    def __init__(self, spec: VLMSpec, language_model: torch.nn.Module, vision: torch.nn.Module | None) -> None:
         super().__init__()
         self.language_model = language_model
         self.vision = vision
         self.verl_vlm_spec = spec
         self._rope_index = _rope_index(spec.hf_config)
-        # What verl.models.forward and Megatron's DDP and schedule read of a model chunk.
+        self._merge = spec.hf_config.vision_config.spatial_merge_size
+        # What verl.models.forward and Megatron's DDP, schedule and finalize_model_grads read of a model chunk.
         self.config = language_model.config
         self.verl_spec = language_model.verl_spec
         self.verl_build = language_model.verl_build
         self.verl_padded_vocab = language_model.verl_padded_vocab
         self.model_type = language_model.model_type
+        self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+        if self.pre_process != (vision is not None):
+            raise ValueError("the vision tower belongs on the first pipeline stage, and only there")
+        if self.pre_process:
+            # The image features go into the whole sequence's embeddings; sequence parallel splits them
+            # after (forward), so the embedding must neither reduce-scatter nor scatter by itself.
+            embedding = language_model.embedding
+            embedding.reduce_scatter_embeddings = False
+            embedding.word_embeddings.reduce_scatter_embeddings = False
+            embedding.scatter_to_sequence_parallel = False
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The word embedding the first and last stages share when the embeddings are tied (Megatron's
+        ``finalize_model_grads`` all-reduces its gradient over them)."""
+        return self.language_model.shared_embedding_or_output_weight()
 
     def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """The 3D rotary positions [3, B, T] of a padded batch (0 at pads), as transformers computes them."""
+                  image_grid_thw: torch.Tensor | None, packed_seq_params: Any = None) -> torch.Tensor:
+        """The 3D rotary positions [3, B, T] of a padded batch (0 at pads), as transformers computes them.
+
+        With ``packed_seq_params`` (THD: ``input_ids`` [1, S], the sequences' boundaries in its
+        ``cu_seqlens_q``, ``S`` its last entry): each sequence's positions are those of its row alone
+        ([3, 1, S]; the padding's sequences get 0)."""
+        if packed_seq_params is None:
+            return self._row_positions(input_ids, attention_mask, image_grid_thw)
+        cu = packed_seq_params.cu_seqlens_q.long()  # [k + 1]
+        width = input_ids.shape[1]
+        if input_ids.shape[0] != 1 or int(cu[-1]) != width:
+            raise ValueError(
+                f"packed sequences: input_ids {tuple(input_ids.shape)} is not one row of cu_seqlens' {int(cu[-1])} tokens"
+            )
+        lengths = cu[1:] - cu[:-1]  # [k]
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=width)
+        offset = torch.arange(width, device=cu.device) - cu[:-1][segment]  # [S]: each token's place in its sequence
+        rows, longest = len(lengths), int(lengths.max())
+        ids = input_ids.new_zeros(rows, longest).index_put((segment, offset), input_ids[0])  # [k, L]
+        mask = attention_mask.new_zeros(rows, longest).index_put((segment, offset), attention_mask[0])
+        return self._row_positions(ids, mask, image_grid_thw)[:, segment, offset].unsqueeze(1)  # [3, 1, S]
+
+    def _row_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       image_grid_thw: torch.Tensor | None) -> torch.Tensor:
         image = (input_ids == self.verl_vlm_spec.image_token_id).int()  # [B, T]
         real = attention_mask.bool().any(-1)  # rows without any token (a micro-batch's filler): all 0
         positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
@@ -176,54 +233,79 @@ class MegatronVLM(torch.nn.Module):
         out = self.vision(pixel_values.to(next(self.vision.parameters()).dtype), grid_thw=image_grid_thw)
         return out.pooler_output
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, *, rows_mask: torch.Tensor,
-                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, S, V/TP] (this rank's vocabulary slice) of rows packed left, as
-        :func:`verl.models.forward.forward_backward` runs a model: ``input_ids`` [b, S] with each row's
-        real tokens first, ``rows_mask`` [b, S] 1 at them. The one-dimensional ``position_ids`` and
-        the ``attention_mask`` of Megatron's call are not used (the positions are 3D; attention is causal).
+    def embed(self, input_ids: torch.Tensor, slots: torch.Tensor, pixel_values: torch.Tensor | None,
+              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's input on the first stage: word embeddings with the image features at ``slots``
+        ([b, S] bool), [S, b, H] ([S / TP, b, H] under sequence parallel)."""
+        from megatron.core import tensor_parallel
 
-        ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]: the rows' images in row
-        order (transformers' layout, ``verl.protocol.images.model_image_inputs``).
-        """
-        image_id = self.verl_vlm_spec.image_token_id
-        slots = (input_ids == image_id) & rows_mask.bool()  # [b, S]
-        n_tokens = int(slots.sum())
-        positions = self.positions(input_ids, rows_mask, image_grid_thw)  # [3, b, S]
-        lm = self.language_model
-        embeds = lm.embedding(input_ids=input_ids, position_ids=None)  # [S, b, H]
+        embedding = self.language_model.embedding
+        embeds = embedding(input_ids=input_ids, position_ids=None)  # [S, b, H], whole (__init__)
         if image_grid_thw is not None and len(image_grid_thw):
             features = self.image_features(pixel_values, image_grid_thw)  # [image tokens, H]
-            if features.shape[0] != n_tokens:
-                raise ValueError(
-                    f"the rows hold {n_tokens} image tokens but their images give {features.shape[0]} features "
-                    "(image_grid_thw does not match the prompts' <|image_pad|> tokens)"
-                )
             embeds = embeds.transpose(0, 1).masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
             embeds = embeds.transpose(0, 1).contiguous()
-        elif n_tokens:
+        if self.config.sequence_parallel:
+            # This rank's slice of the sequence; the backward all-gathers, so every TP rank's tower
+            # receives the whole gradient, as without sequence parallel.
+            embeds = tensor_parallel.scatter_to_sequence_parallel_region(embeds, group=embedding.tp_group)
+        return embeds
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *, rows_mask: torch.Tensor,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
+        """Logits [b, S, V/TP] (this rank's vocabulary slice; off the last pipeline stage, the hidden
+        states [S, b, H]) of rows packed left, as :func:`verl.models.forward.forward_backward` runs a
+        model: ``input_ids`` [b, S] with each row's real tokens first, ``rows_mask`` [b, S] 1 at them;
+        or with ``packed_seq_params`` (THD), one row [1, S] of the sequences' real tokens. The
+        one-dimensional ``position_ids`` and the ``attention_mask`` of Megatron's call are not used
+        (the positions are 3D; attention is causal).
+
+        ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]: the rows' images in row
+        order (transformers' layout, ``verl.protocol.images.model_image_inputs``). Every stage reads
+        the grids (the positions); only the first runs the tower on the pixels.
+        """
+        slots = (input_ids == self.verl_vlm_spec.image_token_id) & rows_mask.bool()  # [b, S]
+        n_tokens = int(slots.sum())
+        # Checked from the grids alone, so every pipeline stage refuses the same micro-batch.
+        has_images = image_grid_thw is not None and len(image_grid_thw) > 0
+        n_features = int(image_grid_thw.prod(-1).sum()) // self._merge**2 if has_images else 0
+        if n_features != n_tokens:
+            if not has_images:
+                raise ValueError(
+                    f"the rows hold {n_tokens} image tokens but no images (mm_pixel_values / mm_image_grid_thw): "
+                    "a step dropped the batch's image columns"
+                )
             raise ValueError(
-                f"the rows hold {n_tokens} image tokens but no images (mm_pixel_values / mm_image_grid_thw): "
-                "a step dropped the batch's image columns"
+                f"the rows hold {n_tokens} image tokens but their images give {n_features} features "
+                "(image_grid_thw does not match the prompts' <|image_pad|> tokens)"
             )
-        return lm(input_ids, positions, None, decoder_input=embeds)  # [b, S, V/TP]
+        positions = self.positions(input_ids, rows_mask, image_grid_thw, packed_seq_params)  # [3, b, S]
+        embeds = self.embed(input_ids, slots, pixel_values, image_grid_thw) if self.pre_process else None
+        return self.language_model(input_ids, positions, None, decoder_input=embeds, packed_seq_params=packed_seq_params)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor | None = None,
                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V/TP] of a padded batch ([B, T] ids and mask; 0 at pads), images as in :meth:`forward`."""
+        """Logits [B, T, V/TP] of a padded batch ([B, T] ids and mask; 0 at pads), images as in :meth:`forward`.
+        One pipeline stage only (with several, :func:`verl.models.forward.forward_backward` runs the stages)."""
+        if not (self.pre_process and self.post_process):
+            raise ValueError("MegatronVLM.logits runs one pipeline stage; with several use verl.models.forward.forward_backward")
         packed, order = pack_left(input_ids, attention_mask, input_ids.shape[1])  # [B, T] each
         rows_mask = attention_mask.gather(1, order)
         out = self.forward(packed, rows_mask=rows_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
         return unpack(out, order) * attention_mask.unsqueeze(-1).to(out.dtype)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Megatron's schedule hands a pipeline stage its input here (one stage: None)."""
+        """Megatron's schedule hands a pipeline stage its input here (the first stage: None)."""
         self.language_model.set_input_tensor(tensor)
 
 
 def load_vision_weights(model: MegatronVLM, reader: "SafetensorsReader") -> None:
-    """Copy the ``visual.*`` tensors of ``reader``'s checkpoint into the vision tower, as they are."""
+    """Copy the ``visual.*`` tensors of ``reader``'s checkpoint into the vision tower, as they are
+    (nothing off the first pipeline stage, which holds no tower)."""
+    if model.vision is None:
+        return
     names = [n for n in reader.names() if n.startswith(VISION_PREFIX)]
     state = {n[len(VISION_PREFIX):]: reader.read(n) for n in names}
     missing, unexpected = model.vision.load_state_dict(state, strict=False)
@@ -239,7 +321,8 @@ def load_vision_weights(model: MegatronVLM, reader: "SafetensorsReader") -> None
 
 def load_vlm_hf_weights(model: MegatronVLM, model_dir: str, *, pg: "ProcessGroupCollection") -> None:
     """Fill ``model`` from a Hugging Face Qwen2.5-VL checkpoint: the decoder through verl's weight
-    mapping (only this TP rank's slices are read), the vision tower's ``visual.*`` tensors as they are."""
+    mapping (only this TP rank's slices of this stage's layers are read), the vision tower's
+    ``visual.*`` tensors as they are (first stage)."""
     from verl.models.checkpoint import load_hf_weights
     from verl.models.safetensors_io import SafetensorsReader
 
@@ -250,22 +333,27 @@ def load_vlm_hf_weights(model: MegatronVLM, model_dir: str, *, pg: "ProcessGroup
 
 def build_megatron_vlm(model_dir: str, cfg: ModelBuildConfig, pg: "ProcessGroupCollection", *,
                        freeze_vision_tower: bool = False, load_weights: bool = True) -> MegatronVLM:
-    """The Megatron Qwen2.5-VL of ``model_dir`` on this rank (its TP shard of the decoder, the whole tower)."""
+    """The Megatron Qwen2.5-VL of ``model_dir`` on this rank: its TP shard of this pipeline stage's
+    decoder layers, and on the first stage the whole tower."""
     spec = parse_vlm_config(model_dir)
     check_vlm_layout(cfg, tp_size=pg.tp.size(), pp_size=pg.pp.size(), cp_size=pg.cp.size())
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     lm = build_gpt_model(spec.text, cfg, pg, mrope_section=list(spec.mrope_section))
-    vision_config = spec.hf_config.vision_config
-    vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, dtype=cfg.torch_dtype)
-    model = MegatronVLM(spec, lm, vision.to(next(lm.parameters()).device))
+    vision = None
+    if lm.pre_process:
+        vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(spec.hf_config.vision_config, dtype=cfg.torch_dtype)
+        vision = vision.to(next(lm.parameters()).device)
+    model = MegatronVLM(spec, lm, vision)
     if load_weights:
         load_vlm_hf_weights(model, model_dir, pg=pg)
-    if freeze_vision_tower:
+    if freeze_vision_tower and vision is not None:
         vision.requires_grad_(False)
     log_rank0(
-        logger, logging.INFO, "built Qwen2.5-VL on Megatron: mrope %s, vision tower %d parameters (%s), tp=%d",
-        list(spec.mrope_section), sum(p.numel() for p in vision.parameters()),
-        "frozen" if freeze_vision_tower else "trained", pg.tp.size(), group=pg.tp,
+        logger, logging.INFO, "built Qwen2.5-VL on Megatron: mrope %s, vision tower %s, tp=%d pp=%d%s",
+        list(spec.mrope_section),
+        "on the first pipeline stage" if vision is None else
+        f"{sum(p.numel() for p in vision.parameters())} parameters ({'frozen' if freeze_vision_tower else 'trained'})",
+        pg.tp.size(), pg.pp.size(), " +sp" if cfg.sequence_parallel and pg.tp.size() > 1 else "", group=pg.tp,
     )
     return model
