@@ -78,6 +78,9 @@ class ReshardPlan:
     """Per rank: the destination tensor keys, sorted; a range's DST_TENSOR indexes this list."""
     pairs: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     """(src rank, dst rank) -> int64 [N, 5] ranges, sorted by destination; src == dst: local copies."""
+    schedules: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What a push works out from the plan once per rank and bucket size (:func:`verl.hybrid.transfer.schedule`);
+    a plan's ranges are not changed once it is built."""
 
     def ranges(self, src: int, dst: int) -> np.ndarray:
         """The ranges ``src`` sends to ``dst`` (an empty [0, 5] array when none)."""

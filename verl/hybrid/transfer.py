@@ -10,6 +10,11 @@ post ``isend``/``irecv`` together, and the receiver unpacks the receive buffer w
 straight into the destination tensors. A pair with nothing to move costs nothing, so with
 TP == TP' and PP = 1 nothing crosses the network.
 
+Everything that depends on the plan alone (the ranges of each peer, their cuts into buckets, the
+range tables the copies take, the buffer size) is worked out on a rank's first push and kept on the
+plan (:func:`schedule`): a later push runs one ``copy_ranges_`` call per bucket and per side and no
+per-range Python.
+
 Memory: one send and one receive buffer, each at most a bucket and at most half the largest piece
 moved (the most of one tensor exchanged with one peer: ``ReshardPlan.bucket_elements``), allocated
 once per push: peak extra memory <= min(2 x bucket, that piece), at or below the naive path's, which
@@ -30,7 +35,7 @@ import torch.distributed as dist
 from verl.hybrid.copy_ranges import copy_ranges_
 from verl.hybrid.plan import DST_OFFSET, DST_TENSOR, LENGTH, SRC_OFFSET, SRC_TENSOR, ReshardPlan
 
-__all__ = ["TransferStats", "bucket_cuts", "execute_plan"]
+__all__ = ["Schedule", "TransferStats", "bucket_cuts", "execute_plan", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,60 @@ def _unpack_ranges(cut: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(r))
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """One bucket of a peer step: its elements and the range tables that pack it (sender) or unpack it
+    (receiver), int64 [M, 5] on the CPU."""
+
+    elements: int
+    pack: torch.Tensor
+    unpack: torch.Tensor
+
+
+def _buckets(ranges: np.ndarray, size: int) -> tuple[_Bucket, ...]:
+    cuts = bucket_cuts(ranges, size) if size else []
+    return tuple(_Bucket(int(c[-1, 5] + c[-1, LENGTH]), _pack_ranges(c), _unpack_ranges(c)) for c in cuts)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One rank's push of a plan, worked out once (:func:`schedule`): what :func:`execute_plan` runs."""
+
+    size: int
+    """Elements of each transfer buffer (:meth:`ReshardPlan.bucket_elements`)."""
+    local_elements: int
+    local_table: torch.Tensor
+    """The same-rank ranges, int64 [N, 5]: one tensor-to-tensor call."""
+    local_buckets: tuple[_Bucket, ...]
+    """The same-rank ranges through the buffers (a cast on the way), when the dtypes differ."""
+    sends: tuple[tuple[_Bucket, ...], ...]
+    """Step k (1 .. W-1): the buckets to rank + k."""
+    recvs: tuple[tuple[_Bucket, ...], ...]
+    """Step k: the buckets from rank - k."""
+
+
+def schedule(plan: ReshardPlan, rank: int, bucket_elements: int, *, cast: bool) -> Schedule:
+    """``rank``'s :class:`Schedule` of ``plan`` for this bucket size (``cast``: the two sides' dtypes differ),
+    computed on first use and kept on the plan (a plan is not changed once built)."""
+    key = (rank, bucket_elements, cast)
+    cached = plan.schedules.get(key)
+    if cached is not None:
+        return cached
+    world = plan.world_size
+    size = plan.bucket_elements(rank, bucket_elements, local=cast)
+    local = plan.ranges(rank, rank)
+    made = Schedule(
+        size=size,
+        local_elements=int(local[:, LENGTH].sum()),
+        local_table=torch.from_numpy(np.ascontiguousarray(local)),
+        local_buckets=_buckets(local, size) if cast else (),
+        sends=tuple(_buckets(plan.ranges(rank, (rank + k) % world), size) for k in range(1, world)),
+        recvs=tuple(_buckets(plan.ranges((rank - k) % world, rank), size) for k in range(1, world)),
+    )
+    plan.schedules[key] = made
+    return made
+
+
 def _single_dtype(tensors: Sequence[torch.Tensor], what: str) -> torch.dtype:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
@@ -129,61 +188,56 @@ def execute_plan(
             raise ValueError("execute_plan: this rank holds no tensors; pass device (where its buffers live)")
         device = (destinations or sources)[0].device
     elem = torch.empty((), dtype=src_dtype).element_size()
-    # Buffers sized to the transfer: a bucket, or the largest piece this rank moves when smaller.
-    sends = [plan.ranges(rank, (rank + k) % world) for k in range(1, world)]
-    recvs = [plan.ranges((rank - k) % world, rank) for k in range(1, world)]
-    local = plan.ranges(rank, rank)
     cast_needed = src_dtype != dst_dtype
-    size = plan.bucket_elements(rank, bucket_elements, local=cast_needed)
+    # Buffers sized to the transfer: a bucket, or the largest piece this rank moves when smaller.
+    plan_of = schedule(plan, rank, bucket_elements, cast=cast_needed)
+    size = plan_of.size
     send_buf = torch.empty(size, dtype=src_dtype, device=device)
     recv_buf = torch.empty(size, dtype=src_dtype, device=device)
     cast_buf = torch.empty(size if cast_needed else 0, dtype=dst_dtype, device=device)
     buffer_bytes = 2 * size * elem + cast_buf.numel() * cast_buf.element_size()
+    srcs, dsts = list(sources), list(destinations)
 
-    def unpack(buf: torch.Tensor, cut: np.ndarray) -> None:
-        n = int(cut[:, 5][-1] + cut[:, LENGTH][-1])
+    def unpack(buf: torch.Tensor, bucket: _Bucket) -> None:
         if cast_needed:
-            cast_buf[:n].copy_(buf[:n])
+            cast_buf[: bucket.elements].copy_(buf[: bucket.elements])
             buf = cast_buf
-        copy_ranges_(list(destinations), [buf], _unpack_ranges(cut))
+        copy_ranges_(dsts, [buf], bucket.unpack)
 
     local_start = time.perf_counter()
-    if len(local):
+    if plan_of.local_elements:
         if cast_needed:  # through the buffers, cast on the way
-            for cut in bucket_cuts(local, size):
-                copy_ranges_([send_buf], list(sources), _pack_ranges(cut))
-                unpack(send_buf, cut)
+            for bucket in plan_of.local_buckets:
+                copy_ranges_([send_buf], srcs, bucket.pack)
+                unpack(send_buf, bucket)
         else:
-            copy_ranges_(list(destinations), list(sources), torch.from_numpy(np.ascontiguousarray(local)))
+            copy_ranges_(dsts, srcs, plan_of.local_table)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     local_seconds = time.perf_counter() - local_start
     sent = received = 0
     for k in range(1, world):
         to, frm = (rank + k) % world, (rank - k) % world
-        out_cuts = bucket_cuts(sends[k - 1], size) if size else []
-        in_cuts = bucket_cuts(recvs[k - 1], size) if size else []
-        for j in range(max(len(out_cuts), len(in_cuts))):
+        out_buckets, in_buckets = plan_of.sends[k - 1], plan_of.recvs[k - 1]
+        for j in range(max(len(out_buckets), len(in_buckets))):
             ops = []
-            if j < len(out_cuts):
-                cut = out_cuts[j]
-                n = int(cut[:, 5][-1] + cut[:, LENGTH][-1])
-                copy_ranges_([send_buf], list(sources), _pack_ranges(cut))
+            if j < len(out_buckets):
+                n = out_buckets[j].elements
+                copy_ranges_([send_buf], srcs, out_buckets[j].pack)
                 ops.append(dist.P2POp(dist.isend, send_buf[:n], _peer(to, group), group))
                 sent += n
-            if j < len(in_cuts):
-                cut = in_cuts[j]
-                n = int(cut[:, 5][-1] + cut[:, LENGTH][-1])
+            if j < len(in_buckets):
+                n = in_buckets[j].elements
                 ops.append(dist.P2POp(dist.irecv, recv_buf[:n], _peer(frm, group), group))
                 received += n
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
-            if j < len(in_cuts):
-                unpack(recv_buf, in_cuts[j])
+            if j < len(in_buckets):
+                unpack(recv_buf, in_buckets[j])
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return TransferStats(
-        local_bytes=int(local[:, LENGTH].sum()) * elem,
+        local_bytes=plan_of.local_elements * elem,
         sent_bytes=sent * elem,
         received_bytes=received * elem,
         buffer_bytes=buffer_bytes,
