@@ -46,7 +46,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-__all__ = ["DisaggregatedSync", "HFShards", "WeightSync", "destination_layout", "naive_push", "write_into"]
+__all__ = ["DisaggregatedSync", "HFShards", "WeightSync", "destination_layout", "naive_push", "push_totals", "write_into"]
+
+# Push metrics that count what each rank moved: a push's total is their sum over the ranks.
+_SUMMED = ("update_weights/bytes_", "update_weights/blocks_", "update_weights/checksum_failures")
 
 class HFShards:
     """A destination that is a dict of Hugging Face tensors as rollout rank ``tp_rank`` of ``tp``
@@ -478,6 +481,24 @@ class DisaggregatedSync:
             "update_weights/buffer_bytes": float(stats.buffer_bytes),
         }
         return dict(self.last_metrics)
+
+
+def push_totals(metrics: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """A push's metrics over every rank of ``group`` (collective; the same dict on every rank), from each
+    rank's own (:meth:`DisaggregatedSync.push`, ``GatheredSend.push``: the actor's ranks count what they
+    sent, the rollout's what they received). Bytes, blocks and checksum failures are summed,
+    ``update_weights/sent_share`` is recomputed from the sums (sent over a full push's bytes), and every
+    other figure (times, buffer bytes, buckets, whether the push was full) is the largest of the ranks'."""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, metrics, group=group)
+    totals: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in every for k in m):
+        values = [float(m[key]) for m in every if key in m]
+        totals[key] = sum(values) if key.startswith(_SUMMED) else max(values)
+    if "update_weights/sent_share" in totals:
+        full = totals.get("update_weights/bytes_full", 0.0)
+        totals["update_weights/sent_share"] = totals.get("update_weights/bytes_sent", 0.0) / full if full else 0.0
+    return totals
 
 
 def _hf_order(actor: "MegatronEngine") -> list[str]:

@@ -40,6 +40,7 @@ from verl.config import PPOConfig
 from verl.config.schema import ModelConfig, OptimConfig
 from verl.engine import lr_schedule_steps
 from verl.hybrid import DisaggregatedSync
+from verl.hybrid.weight_sync import push_totals
 from verl.models.vocab_parallel import SamplingTruncation
 from verl.parallel import megatron_state
 from verl.parallel.bootstrap import new_group
@@ -152,10 +153,11 @@ class RLWorld:
     def rollout_phase(self) -> Iterator[dict[str, float]]:
         """The rollout phase on the rollout's ranks (``Rollout.phase``: the block runs in their
         world); with the engine apart from the actor, the actor's weights are sent to it first
-        (collective over the world). Yields the push's metrics on the rollout's ranks."""
+        (collective over the world). Yields the push's metrics on the rollout's ranks (a push to an
+        engine apart: its totals over every rank, the actor's sent bytes with the engine's received)."""
         sent: dict[str, float] = {}
         if self.send is not None:
-            sent = self.send.push()
+            sent = push_totals(self.send.push())
         if self.rollout is None:
             yield {}
             return

@@ -118,6 +118,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from verl.hybrid.weight_sync import push_totals
 from verl.trainer.step.base import Operator
 from verl.trainer.step.ops import ROLLOUT_FIELDS
 from verl.trainer.step.queue import AheadBatch, AheadQueue, State
@@ -268,7 +269,7 @@ class StreamRolloutOperator(Operator):
         pushed: dict[str, float] = {}
         if trainer.world.send is not None:  # the current weights to the engine apart (collective)
             with trainer.phase("push"):
-                pushed = trainer.world.send.push()
+                pushed = push_totals(trainer.world.send.push())  # the actor's sent bytes too
         self._engine_version = trainer.step_ctx.version
         if self.queue:
             item = self.queue.pop(step)
