@@ -732,6 +732,14 @@ class TrainerConfig(RunConfig):
         "generated, so the actor's ranks run no reference pass.",
     )
     async_training: AsyncTrainingConfig = section(AsyncTrainingConfig, "rollout_mode=async's staleness bound, partial rollout and stale samples.")
+    deterministic: bool = option(
+        False,
+        "Exact mode: the same config and seed give the same run bit for bit (every metric but wall-clock times "
+        "and speeds), in every rollout mode and across a resume: torch's deterministic algorithms, and the async "
+        "schedules whose samples depend on timing (async_training.free_running, fill_update_window) run step-paced. "
+        "docs/reproducibility.md: what it pins, what it costs, what an engine cannot promise. (Reference: "
+        "actor_rollout_ref.rollout.full_determinism.)",
+    )
 
 def _fill_run_names(path: str, project_name: str, experiment_name: str) -> str:
     # str.replace, not str.format: a user path may contain other braces.
@@ -798,6 +806,8 @@ class PPOConfig(ConfigBase):
     ALIASES: ClassVar[dict[str, str]] = {
         "model.pretrained_model_name_or_path": "actor_rollout_ref.model.path",
         "trainer.num_epochs": "trainer.total_epochs",
+        # the reference verl's switch of its rollout's (and engines') determinism: one run-wide key here
+        "actor_rollout_ref.rollout.full_determinism": "trainer.deterministic",
         "trainer.batch_size_per_device": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         "actor_micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         # the reference verl's teacher entry under its default name (one teacher here)

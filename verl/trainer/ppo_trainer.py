@@ -46,6 +46,7 @@ import torch.distributed as dist
 from verl.algos import make_kl_controller
 from verl.config import PPOConfig, to_dict
 from verl.trainer import report
+from verl.trainer.exact import ExactMode
 from verl.trainer.loop import Loop
 from verl.trainer.ppo_checks import preflight
 from verl.trainer.resilience import PhaseBoard, SkippedSteps
@@ -88,11 +89,14 @@ class PPOTrainer:
             config=to_dict(cfg),
             outputs=run_outputs(t, model="actor", report_freq=t.report_freq),
         )
+        # Exact mode's process-wide settings, before any model or engine is built (put back by close()).
+        self.exact = ExactMode(t.deterministic).__enter__()
         try:
             self.data = RLData(cfg)
             self.world = build_rl_world(cfg, self.data.tokenizer, world_size=self.world_size, total_steps=self.data.total_steps)
         except BaseException:
             self.tracking.close(list_outputs=False)
+            self.exact.close()
             raise
         w = self.world
         self.tokenizer, self.total_steps = self.data.tokenizer, self.data.total_steps
@@ -356,6 +360,7 @@ class PPOTrainer:
         finally:
             self.tracking.close()
             self.world.close()
+            self.exact.close()
             release_run_outputs(self.cfg.trainer)  # the next run into these folders may start
 
     def __enter__(self) -> "PPOTrainer":

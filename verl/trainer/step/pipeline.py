@@ -205,13 +205,16 @@ def build_step(cfg: "PPOConfig", *, hybrid_condition: Any = None) -> StepPipelin
     if cfg.trainer.rollout_mode != "sync":  # generation ahead of training (verl.trainer.step.stream)
         from verl.trainer.step.stream import StreamRolloutOperator
 
+        from verl.trainer.exact import pinned_async
+
         at = cfg.trainer.async_training
+        fill_window, free_running = pinned_async(at.fill_update_window, at.free_running, deterministic=cfg.trainer.deterministic)
         head: Operator = StreamRolloutOperator(
             depth=cfg.staleness_bound,
             partial_tokens=at.partial_rollout_tokens if at.partial_rollout else None,
             stale_samples=at.stale_samples,
-            fill_window=at.fill_update_window,
-            free_running=at.free_running,
+            fill_window=fill_window,
+            free_running=free_running,
         )
         _warn_uncorrected(cfg)
     else:
