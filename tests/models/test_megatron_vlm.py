@@ -363,16 +363,20 @@ def test_logprobs_and_one_sgd_step_match_transformers(vlm_dir, run_dist, layout)
             torch.testing.assert_close(weight, vision[name], rtol=0, atol=1e-6, msg=name)
 
 
-def _convert_body(hf_dir: str, ckpt_dir: str) -> float:
+def _convert_body(hf_dir: str, ckpt_dir: str, tp: int, pp: int) -> tuple[float, float]:
+    """Convert at TP ``tp`` x PP ``pp``; --check's difference there and at the other layout of two ranks."""
     from verl.models.convert import check_conversion, hf_to_megatron
 
-    hf_to_megatron(hf_dir=hf_dir, out_dir=ckpt_dir, tp=2, progress=False)
-    return check_conversion(ckpt_dir=ckpt_dir, hf_dir=hf_dir, tp=2, pp=1)
+    hf_to_megatron(hf_dir=hf_dir, out_dir=ckpt_dir, tp=tp, pp=pp, progress=False)
+    return check_conversion(ckpt_dir=ckpt_dir, hf_dir=hf_dir, tp=tp, pp=pp), check_conversion(
+        ckpt_dir=ckpt_dir, hf_dir=hf_dir, tp=pp, pp=tp)
 
 
-def test_conversion_round_trip_and_check(vlm_dir, run_dist, tmp_path):
-    """HF -> Megatron (TP 2) -> HF: every tensor bit-exact, the same config; --check's logits (images of
-    three sizes) equal transformers' within ATOL (float32: rounding only)."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_conversion_round_trip_and_check(vlm_dir, run_dist, tmp_path, tp, pp):
+    """HF -> Megatron (TP 2 or PP 2) -> HF: every tensor bit-exact, the same config; --check's logits
+    (images of three sizes) equal transformers' within ATOL (float32: rounding only), at the layout
+    written and loaded resharded at the other one (TP 2 <-> PP 2)."""
     import json
 
     from safetensors.torch import load_file
@@ -380,8 +384,8 @@ def test_conversion_round_trip_and_check(vlm_dir, run_dist, tmp_path):
     from verl.models.convert import megatron_to_hf
 
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    diffs = run_dist(_convert_body, 2, vlm_dir, ckpt)
-    assert diffs[0] == diffs[1] and diffs[0] <= ATOL, diffs
+    diffs = run_dist(_convert_body, 2, vlm_dir, ckpt, tp, pp)
+    assert diffs[0] == diffs[1] and max(diffs[0]) <= ATOL, diffs
     megatron_to_hf(megatron_dir=ckpt, out_dir=back, progress=False)
     expected, actual = load_file(f"{vlm_dir}/model.safetensors"), load_file(f"{back}/model.safetensors")
     assert set(actual) == set(expected)

@@ -3,9 +3,11 @@
 ``tools/hf2megatron.py`` / ``tools/megatron2hf.py``), which hand a vision-language directory here.
 
 The checkpoint is the language model's own verl Megatron checkpoint (a reshardable distributed
-checkpoint, ``verl_model.json``, ``hf/`` with the decoder's config and the tokenizer) plus
-``vision/``: the vision encoder's ``visual.*`` tensors as they are (``model.safetensors``, whole:
-the tower is replicated over TP), the model's own ``config.json`` and its image processor's files.
+checkpoint, ``verl_model.json``, ``hf/`` with the decoder's config and the tokenizer; any TP x PP,
+the decoder's layers split over the stages as for text models) plus ``vision/``: the vision
+encoder's ``visual.*`` tensors as they are (``model.safetensors``, whole: the tower is replicated
+over TP and lives on the first pipeline stage), the model's own ``config.json`` and its image
+processor's files.
 Back to Hugging Face, the decoder's tensors come out under the hub's names (``model.layers.*``,
 ``lm_head.weight``), the tower's unchanged, with the original config: a round trip is bit-exact.
 """
@@ -38,14 +40,14 @@ def is_vlm_checkpoint(ckpt_dir: str) -> bool:
     return os.path.isfile(os.path.join(ckpt_dir, VISION_SUBDIR, "config.json"))
 
 
-def _convert_rank(hf_dir: str, tmp_dir: str, tp: int, build: ModelBuildConfig) -> float:
+def _convert_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, build: ModelBuildConfig) -> float:
     from verl.models.builder import verify_model_matches_spec
     from verl.models.checkpoint import save_checkpoint
     from verl.models.convert import _peak_rss_mib
     from verl.models.megatron_vlm import build_megatron_vlm
     from verl.parallel.megatron_state import initialize_model_parallel
 
-    pg = initialize_model_parallel(tensor_model_parallel_size=tp)
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model = build_megatron_vlm(hf_dir, build, pg)
     verify_model_matches_spec(model.language_model, pg)
     save_checkpoint([model.language_model], tmp_dir, pg=pg, hf_dir=hf_dir)
@@ -85,7 +87,7 @@ def vlm_hf_to_megatron(*, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
         tmp_dir = staging_dir(out_dir)
     tmp_dir = _share_from_coordinator(tmp_dir)
     try:
-        rss = run_on_ranks(_convert_rank, tp, os.path.abspath(hf_dir), tmp_dir, tp, build)
+        rss = run_on_ranks(_convert_rank, tp * pp, os.path.abspath(hf_dir), tmp_dir, tp, pp, build)
         if _is_coordinator():
             _write_vision(hf_dir, os.path.join(tmp_dir, VISION_SUBDIR))
     except BaseException:
@@ -132,6 +134,28 @@ def check_batch(hf_config, *, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids}
 
 
+CHECK_ROW_IMAGES = ([], [0], [1, 2])
+"""The images of each row of :func:`check_batch`, as indices into its ``image_grid_thw``."""
+
+
+def row_image_columns(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                      row_images: tuple[list[int], ...]) -> dict[str, torch.Tensor]:
+    """A batch's images ([patches, D], [images, 3]) as the per-row ``mm_*`` columns that
+    :func:`verl.models.forward.forward_backward` hands the model (``verl.protocol.images``)."""
+    from verl.protocol.images import pad_row_images
+
+    patches = image_grid_thw.prod(-1).tolist()
+    starts = [sum(patches[:k]) for k in range(len(patches) + 1)]
+    width = max(1, max(sum(patches[k] for k in row) for row in row_images))
+    most = max(1, max(len(row) for row in row_images))
+    cols = []
+    for row in row_images:
+        pv = torch.cat([pixel_values[starts[k]:starts[k + 1]] for k in row]) if row else None
+        cols.append(pad_row_images(pv, image_grid_thw[row] if row else None, patches=width, images=most,
+                                   dim=pixel_values.shape[1]))
+    return {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
+
+
 def _hf_logits(hf_dir: str, batch: dict[str, torch.Tensor], round_to: str) -> torch.Tensor:
     """transformers' float32 logits [B, T, V], weights rounded to ``round_to`` (the checkpoint's dtype)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -147,33 +171,38 @@ def _hf_logits(hf_dir: str, batch: dict[str, torch.Tensor], round_to: str) -> to
                      ).logits.float()
 
 
-def _check_rank(ckpt_dir: str, expected_path: str, tp: int) -> float:
+def _check_rank(ckpt_dir: str, expected_path: str, tp: int, pp: int) -> float:
     from verl.models.checkpoint import load_checkpoint
+    from verl.models.forward import forward_backward
     from verl.models.megatron_vlm import build_megatron_vlm, load_vision_weights
     from verl.parallel.megatron_state import initialize_model_parallel
 
-    pg = initialize_model_parallel(tensor_model_parallel_size=tp)
+    pg = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     vision_dir = os.path.join(ckpt_dir, VISION_SUBDIR)
     model = build_megatron_vlm(vision_dir, ModelBuildConfig(dtype="fp32", init_weights=False), pg, load_weights=False)
     load_checkpoint([model.language_model], ckpt_dir, pg=pg)
     load_vision_weights(model, SafetensorsReader(vision_dir))
     model.eval()
     data = torch.load(expected_path)
-    with torch.no_grad():
-        actual = model.logits(data["input_ids"], data["attention_mask"], data["pixel_values"], data["image_grid_thw"])
-    expected, mask = data["expected"], data["attention_mask"].bool()
-    start = pg.tp.rank() * actual.shape[-1]
-    stop = min(start + actual.shape[-1], expected.shape[-1])
+    rows = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"],
+            **row_image_columns(data["pixel_values"], data["image_grid_thw"], CHECK_ROW_IMAGES)}
+    # Through the pipeline schedule (any PP), one row a micro-batch; the logits are on the last stage.
+    result = forward_backward([model], rows, pg=pg, micro_batch_size=1, output="logits", broadcast=False)
     diff = torch.zeros(())
-    if stop > start:
-        diff = (actual[..., : stop - start] - expected[..., start:stop])[mask].abs().max()
+    if pg.pp.rank() == pg.pp.size() - 1:
+        actual = result.outputs["logits"]  # [B, T, V/TP]
+        expected, mask = data["expected"], data["attention_mask"].bool()
+        start = pg.tp.rank() * actual.shape[-1]
+        stop = min(start + actual.shape[-1], expected.shape[-1])
+        if stop > start:
+            diff = (actual[..., : stop - start] - expected[..., start:stop])[mask].abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
 
 
 def vlm_check_conversion(*, ckpt_dir: str, hf_dir: str, tp: int, pp: int) -> float:
-    """Max |logit difference| between the VLM checkpoint loaded at TP ``tp`` and transformers on
-    ``hf_dir``, on :func:`check_batch` (images of three sizes)."""
+    """Max |logit difference| between the VLM checkpoint loaded at TP ``tp`` x PP ``pp`` and
+    transformers on ``hf_dir``, on :func:`check_batch` (images of three sizes)."""
     from transformers import AutoConfig
 
     from verl.models.checkpoint import read_checkpoint_meta
@@ -190,7 +219,7 @@ def vlm_check_conversion(*, ckpt_dir: str, hf_dir: str, tp: int, pp: int) -> flo
         torch.save({**batch, "expected": expected}, os.path.join(work, "expected.pt"))
     work = _share_from_coordinator(work)
     try:
-        diffs = run_on_ranks(_check_rank, tp, os.path.abspath(ckpt_dir), os.path.join(work, "expected.pt"), tp)
+        diffs = run_on_ranks(_check_rank, tp * pp, os.path.abspath(ckpt_dir), os.path.join(work, "expected.pt"), tp, pp)
     finally:
         if under_torchrun():
             dist.barrier()
