@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from verl.models.convert import check_conversion, hf_to_megatron, quiet_megatron_warnings
+    from verl.models.convert import hf_to_megatron, quiet_megatron_warnings
     from verl.parallel.bootstrap import under_torchrun
     from verl.utils.cli import user_errors
     from verl.utils.logging import global_rank, setup_logging
@@ -70,15 +70,16 @@ def main(argv: list[str] | None = None) -> int:
             vocab_pad_multiple=args.vocab_pad_multiple,
             overwrite=args.overwrite,
             progress=not args.no_progress and bar_allowed(),  # a bar on a terminal only, never in a log
+            check=args.check,  # on the conversion's own ranks, after every rank has written its part
         )
         if show:
             rss = report.peak_rss_mib_per_rank
             print(f"wrote {report.out_dir} ({report.num_tensors} HF tensors, tp={args.tp} pp={args.pp}, {args.dtype})")
             if rss:
                 print(f"peak_rss_mib_per_rank={','.join(f'{r:.0f}' for r in rss)} max={max(rss):.0f} sum={sum(rss):.0f}")
-        if not args.check:
-            return 0
-        diff = check_conversion(ckpt_dir=args.out_dir, hf_dir=args.hf_dir, tp=args.tp, pp=args.pp)
+    if not args.check:
+        return 0
+    diff = report.max_abs_diff
     if show:
         print(f"max_abs_diff={diff:.6g}")
         if diff > args.tolerance:

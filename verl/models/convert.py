@@ -7,7 +7,9 @@ The logic behind ``tools/hf2megatron.py`` and ``tools/megatron2hf.py``:
   files, checks the model against config.json, and writes its part of a reshardable
   ``megatron.core.dist_checkpointing`` checkpoint.
 - :func:`check_conversion` loads a written checkpoint at a chosen TP x PP and compares the
-  model's logits (or scalar-head outputs) with transformers' on a few padded token sequences.
+  model's logits (or scalar-head outputs) with transformers' on a few padded token sequences;
+  ``hf_to_megatron(check=True)`` runs that check on the conversion's own ranks, once every rank
+  has written its part (one start of the ranks, not two).
 - :func:`megatron_to_hf` streams a checkpoint back into safetensors in one process, one
   layer at a time.
 
@@ -126,6 +128,37 @@ def _convert_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, build: ModelBuild
     return _peak_rss_mib()
 
 
+def _convert_and_check_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, build: ModelBuildConfig, progress: bool,
+                            expected_path: str) -> tuple[float, float]:
+    """:func:`_convert_rank`, then :func:`_check_rank` on the files the ranks wrote: the model is
+    built again from the checkpoint (not the converted model in memory), so the check reads what a
+    later load reads. Returns (peak RSS in MiB, max |difference|)."""
+    from verl.parallel.megatron_state import destroy_model_parallel
+
+    rss = _convert_rank(hf_dir, tmp_dir, tp, pp, build, progress)
+    destroy_model_parallel()
+    dist.barrier()  # every rank's part is on disk before any rank reads the checkpoint
+    return rss, _check_rank(tmp_dir, expected_path, tp, pp)
+
+
+def _write_check_reference(hf_dir: str, *, vocab_size: int, max_positions: int, head: HeadKind, round_to: str) -> str:
+    """transformers' outputs on :func:`check_batch`, saved for the check's ranks; returns the temporary
+    folder that holds them (``expected.pt``), which the caller removes."""
+    batch = check_batch(vocab_size, seq_len=min(24, max_positions))
+    expected = hf_reference_outputs(hf_dir, batch, head=head, round_to=round_to)
+    work = tempfile.mkdtemp(prefix="verl-check-")
+    torch.save({**batch, "expected": expected}, os.path.join(work, "expected.pt"))
+    return work
+
+
+def _refuse_unmatched_head_check(hf_dir: str, head: str) -> None:
+    if head != "lm" and "score.weight" not in SafetensorsReader(hf_dir):
+        raise ValueError(
+            f"--check of a {head} head needs score.weight in {hf_dir} (a *ForSequenceClassification "
+            "checkpoint); an LM checkpoint gives the head a fresh initialisation there is nothing to compare with"
+        )
+
+
 def hf_to_megatron(
     *,
     hf_dir: str,
@@ -137,16 +170,27 @@ def hf_to_megatron(
     vocab_pad_multiple: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    check: bool = False,
 ) -> ConversionReport:
-    """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint at ``out_dir``."""
+    """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint at ``out_dir``.
+
+    ``check``: then load the written checkpoint at ``tp`` x ``pp`` on the same ranks and compare its
+    outputs with transformers' (:func:`check_conversion`'s comparison); the result is the report's
+    ``max_abs_diff``. The checkpoint is kept whatever the difference (the caller judges it).
+    """
     from verl.models.megatron_vlm import is_vlm_config
 
     if is_vlm_config(hf_dir):  # Qwen2.5-VL: the decoder's checkpoint plus the vision tower (verl.models.convert_vlm)
         from verl.models.convert_vlm import vlm_hf_to_megatron
 
-        return vlm_hf_to_megatron(hf_dir=hf_dir, out_dir=out_dir, tp=tp, pp=pp, dtype=dtype, head=head,
-                                  vocab_pad_multiple=vocab_pad_multiple, overwrite=overwrite)
+        report = vlm_hf_to_megatron(hf_dir=hf_dir, out_dir=out_dir, tp=tp, pp=pp, dtype=dtype, head=head,
+                                    vocab_pad_multiple=vocab_pad_multiple, overwrite=overwrite)
+        if check:  # the vision tower's check has its own inputs (images): a second start of the ranks
+            report.max_abs_diff = check_conversion(ckpt_dir=out_dir, hf_dir=hf_dir, tp=tp, pp=pp)
+        return report
     spec, reader = validate_hf_dir(hf_dir, head=head)
+    if check:
+        _refuse_unmatched_head_check(hf_dir, head)  # before anything is written
     build_kwargs: dict[str, Any] = {"dtype": dtype, "head": head, "init_weights": False}
     if vocab_pad_multiple is not None:
         build_kwargs["vocab_pad_multiple"] = vocab_pad_multiple
@@ -154,17 +198,31 @@ def hf_to_megatron(
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp {tp} / --pp {pp}: both must be >= 1")
     transformer_config_from_hf(spec, build, tp_size=tp, pp_size=pp)  # fails early, naming the field
-    tmp_dir = None
+    tmp_dir = work = None
     if _is_coordinator():
         check_output_dir(out_dir, key="--out-dir", inputs={"--hf-dir": hf_dir}, overwrite=overwrite)
+        if check:
+            work = _write_check_reference(hf_dir, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                                          head=head, round_to=dtype)
         tmp_dir = staging_dir(out_dir)
-    tmp_dir = _share_from_coordinator(tmp_dir)
+    tmp_dir, work = _share_from_coordinator((tmp_dir, work))
+    diff = None
     try:
-        rss = run_on_ranks(_convert_rank, tp * pp, os.path.abspath(hf_dir), tmp_dir, tp, pp, build, progress)
+        if check:
+            results = run_on_ranks(_convert_and_check_rank, tp * pp, os.path.abspath(hf_dir), tmp_dir, tp, pp, build,
+                                   progress, os.path.join(work, "expected.pt"))
+            results = [r for r in results if r is not None]
+            rss = [r for r, _ in results]
+            diff = max(d for _, d in results)
+        else:
+            rss = run_on_ranks(_convert_rank, tp * pp, os.path.abspath(hf_dir), tmp_dir, tp, pp, build, progress)
     except BaseException:
         if _is_coordinator():
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+    finally:
+        if _is_coordinator() and work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     if _is_coordinator():
         commit_output(tmp_dir, out_dir, what="Megatron checkpoint (tools/hf2megatron.py)")
     if under_torchrun():
@@ -173,6 +231,7 @@ def hf_to_megatron(
         out_dir=os.path.abspath(out_dir),
         num_tensors=len(reader.names()),
         peak_rss_mib_per_rank=[r for r in rss if r is not None],
+        max_abs_diff=diff,
     )
 
 
@@ -261,20 +320,11 @@ def check_conversion(*, ckpt_dir: str, hf_dir: str, tp: int, pp: int) -> float:
         return vlm_check_conversion(ckpt_dir=ckpt_dir, hf_dir=hf_dir, tp=tp, pp=pp)
 
     meta, spec = read_checkpoint_meta(ckpt_dir)
-    if meta.head != "lm":
-        reader = SafetensorsReader(hf_dir)
-        if "score.weight" not in reader:
-            raise ValueError(
-                f"--check of a {meta.head} head needs score.weight in {hf_dir} (a *ForSequenceClassification "
-                "checkpoint); an LM checkpoint gives the head a fresh initialisation there is nothing to compare with"
-            )
+    _refuse_unmatched_head_check(hf_dir, meta.head)
     work = None
     if _is_coordinator():
-        batch = check_batch(spec.vocab_size, seq_len=min(24, spec.max_position_embeddings))
-        expected = hf_reference_outputs(hf_dir, batch, head=meta.head, round_to=meta.dtype)
-        work = tempfile.mkdtemp(prefix="verl-check-")
-        torch.save({**batch, "expected": expected}, os.path.join(work, "expected.pt"))
-        del expected
+        work = _write_check_reference(hf_dir, vocab_size=spec.vocab_size, max_positions=spec.max_position_embeddings,
+                                      head=meta.head, round_to=meta.dtype)
     work = _share_from_coordinator(work)
     try:
         diffs = run_on_ranks(_check_rank, tp * pp, os.path.abspath(ckpt_dir), os.path.join(work, "expected.pt"), tp, pp)
