@@ -3,6 +3,9 @@
 - :func:`load_model_spec`: the HF config of ``model.path`` with ``model.override_config`` applied;
 - :func:`build_trainable_chunks`: Megatron model chunks on the role's layout with the HF weights
   loaded, wrapped in Megatron's ``DistributedDataParallel`` when the role trains;
+  :func:`build_vlm_chunk` the same for a Qwen2.5-VL (``verl.models.megatron_vlm``: the decoder on
+  the layout, the vision tower whole beside it), after :func:`check_vlm_engine` refused, in one line,
+  what it does not run;
 - :func:`check_remove_padding`: ``model.use_remove_padding`` checked against the built model;
 - :func:`build_optimizer` (``get_megatron_optimizer``: Adam/SGD, fp32 master weights) and
   :func:`build_scheduler` (``OptimizerParamScheduler``: linear warm-up, then constant, linear,
@@ -33,7 +36,10 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "build_trainable_chunks",
+    "build_vlm_chunk",
     "check_remove_padding",
+    "check_vlm_engine",
+    "vlm_sharded_state_dict",
     "load_model_spec",
     "lora_spec",
     "lr_schedule_steps",
@@ -128,45 +134,56 @@ def lora_spec(model: ModelConfig, megatron: MegatronConfig, *, key: str = "model
 def load_model_spec(model: ModelConfig, *, key: str = "model.path") -> HFModelSpec:
     """The Hugging Face config at ``model.path`` with ``model.override_config`` applied.
 
-    ``key`` names the config field in errors (``critic.model.path``, ...).
+    ``key`` names the config field in errors (``critic.model.path``, ...). A Qwen2.5-VL directory
+    gives its language model's spec (``verl.models.megatron_vlm.parse_vlm_config``): what the layout
+    checks, the memory plan and the weight mapping read.
     """
     path = check_model_dir(model.path, key)
     config_path = os.path.join(path, "config.json")
     raw = load_json_object(config_path)
+    if isinstance(raw.get("vision_config"), dict):  # a vision-language model (verl.models.megatron_vlm)
+        from verl.models.megatron_vlm import parse_vlm_config
+
+        if model.override_config:
+            raise ValueError(
+                f"{key.rsplit('.', 1)[0]}.override_config={dict(model.override_config)}: not applied to a vision-language "
+                f"model ({config_path}); edit its config.json (text_config, vision_config) instead"
+            )
+        return parse_vlm_config(path).text
     raw.update(model.override_config)
     return parse_hf_config(raw, source=config_path)
 
 
-def build_trainable_chunks(
-    spec: HFModelSpec,
-    build: ModelBuildConfig,
-    hf_dir: str,
-    pg: "ProcessGroupCollection",
-    *,
-    device: torch.device,
-    vpp_size: int | None,
-    megatron: MegatronConfig,
-    trainable: bool,
-    lora: LoRASpec | None = None,
-) -> list[torch.nn.Module]:
-    """This rank's model chunks with the weights of ``hf_dir``; DDP-wrapped when ``trainable``,
-    frozen (no grads, eval mode) otherwise. With ``lora``, adapters are added after the base
-    weights are loaded and only they (and a value/reward head) train (``verl.models.lora``)."""
+def check_vlm_engine(model: ModelConfig, megatron: MegatronConfig, build: ModelBuildConfig, pg: "ProcessGroupCollection",
+                     *, key: str = "model") -> None:
+    """Refuse, in one line naming the fields, what the Megatron engine does not run for a vision-language
+    model (before anything is built): pipeline/virtual pipeline/context parallel, sequence parallel,
+    packed sequences, LoRA adapters, value/reward heads."""
+    problems = []
+    pp, vpp, cp = pg.pp.size(), megatron.virtual_pipeline_model_parallel_size, pg.cp.size()
+    if pp > 1 or vpp is not None:
+        problems.append(f"pipeline_model_parallel_size={pp} (virtual {vpp}): set it to 1")
+    if cp > 1:
+        problems.append(f"context_parallel_size={cp}: set it to 1")
+    if build.sequence_parallel and pg.tp.size() > 1:
+        problems.append("megatron.sequence_parallel=true: set it to false")
+    if model.use_remove_padding:
+        problems.append(f"{key}.use_remove_padding=true (packed sequences do not carry images yet): set it to false")
+    if model.lora_rank > 0:
+        problems.append(f"{key}.lora_rank={model.lora_rank}: LoRA adapters are not built on the vision-language model")
+    if build.head != "lm":
+        problems.append(f"a {build.head} head (critic or reward model): only the policy head 'lm'")
+    if problems:
+        raise ValueError(
+            f"{model.path}: the Megatron engine runs a vision-language model (Qwen2.5-VL) with TP and DP only; "
+            + "; ".join(problems) + " (docs/vlm.md)"
+        )
+
+
+def _ddp_wrap(chunks: list[torch.nn.Module], pg: "ProcessGroupCollection", megatron: MegatronConfig) -> list[torch.nn.Module]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    chunks = build_model_chunks(spec, build, pg, vpp_size=vpp_size)
-    if device.type == "cuda":
-        chunks = [c.to(device) for c in chunks]
-    load_hf_weights(chunks, hf_dir, pg=pg)
-    if lora is not None:
-        apply_lora(chunks, lora, pg, trainable_head=build.head != "lm")
-    if not trainable:
-        for chunk in chunks:
-            chunk.requires_grad_(False)
-            chunk.eval()
-        return chunks
-    mark_experts_replicated_over_tp(chunks, pg)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -187,6 +204,87 @@ def build_trainable_chunks(
         # The pipeline schedule calls these; forward_backward passes pg_collection through.
         chunk.config.finalize_model_grads_func = finalize_model_grads
     return wrapped
+
+
+def vlm_sharded_state_dict(model: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+    """Megatron's sharded state dict of a ``MegatronVLM`` (the engine's checkpoint, the optimizer's state):
+    the language model's under its own checkpoint keys (those of a text model's checkpoint), the vision
+    tower's tensors whole under ``vision.*``, replicated over TP and DP (written once, read by any layout).
+    The returned dict's keys are the module's ``state_dict`` names, so ``load_state_dict`` takes what
+    ``dist_checkpointing.load`` gives back."""
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+    lm = model.language_model
+    out = {f"language_model.{k}": v for k, v in lm.sharded_state_dict(prefix, sharded_offsets, metadata).items()}
+    if model.vision is None:
+        return out
+    pg = lm.pg_collection
+    # keep_vars: the parameters themselves, not copies: Megatron's optimizer finds each one's state by its id.
+    for name, tensor in model.vision.state_dict(keep_vars=True).items():
+        out[f"vision.{name}"] = make_sharded_tensor_for_checkpoint(
+            tensor, f"{prefix}vision.{name}", tp_group=pg.tp, dp_cp_group=pg.dp_cp
+        )
+    return out
+
+
+def build_vlm_chunk(
+    build: ModelBuildConfig,
+    hf_dir: str,
+    pg: "ProcessGroupCollection",
+    *,
+    device: torch.device,
+    megatron: MegatronConfig,
+    trainable: bool,
+    freeze_vision_tower: bool,
+) -> list[torch.nn.Module]:
+    """The one model chunk of a Qwen2.5-VL (``verl.models.megatron_vlm.MegatronVLM``: the decoder's TP
+    shard, the vision tower whole) with the weights of ``hf_dir``; DDP-wrapped when ``trainable``
+    (a frozen tower takes no gradient buffer and no optimizer state), frozen otherwise."""
+    import types
+
+    from verl.models.megatron_vlm import build_megatron_vlm
+
+    model = build_megatron_vlm(hf_dir, build, pg, freeze_vision_tower=freeze_vision_tower or not trainable)
+    # What the engine's checkpoint and Megatron's optimizer state read of a chunk (vlm_sharded_state_dict).
+    model.sharded_state_dict = types.MethodType(vlm_sharded_state_dict, model)
+    if device.type == "cuda":
+        model = model.to(device)
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+        return [model]
+    return _ddp_wrap([model], pg, megatron)
+
+
+def build_trainable_chunks(
+    spec: HFModelSpec,
+    build: ModelBuildConfig,
+    hf_dir: str,
+    pg: "ProcessGroupCollection",
+    *,
+    device: torch.device,
+    vpp_size: int | None,
+    megatron: MegatronConfig,
+    trainable: bool,
+    lora: LoRASpec | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks with the weights of ``hf_dir``; DDP-wrapped when ``trainable``,
+    frozen (no grads, eval mode) otherwise. With ``lora``, adapters are added after the base
+    weights are loaded and only they (and a value/reward head) train (``verl.models.lora``)."""
+    chunks = build_model_chunks(spec, build, pg, vpp_size=vpp_size)
+    if device.type == "cuda":
+        chunks = [c.to(device) for c in chunks]
+    load_hf_weights(chunks, hf_dir, pg=pg)
+    if lora is not None:
+        apply_lora(chunks, lora, pg, trainable_head=build.head != "lm")
+    if not trainable:
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+            chunk.eval()
+        return chunks
+    mark_experts_replicated_over_tp(chunks, pg)
+    return _ddp_wrap(chunks, pg, megatron)
 
 
 def build_optimizer(

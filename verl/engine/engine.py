@@ -11,6 +11,11 @@ the modules of ``verl.engine``:
   ``LossShare``), gradient finalisation over DP (and TP for sequence-parallel norms), clipping,
   one optimizer and scheduler step (:mod:`verl.engine.step`);
 - ``save``/``load`` (:mod:`verl.engine.state`) and ``export_hf`` (:mod:`verl.engine.export`).
+
+A Qwen2.5-VL directory builds ``verl.models.megatron_vlm.MegatronVLM`` as the one chunk (TP and DP;
+PP, CP, packing, LoRA refused before the build by ``verl.engine.build.check_vlm_engine``): the
+batch's image columns reach each micro-batch's forward, the vision tower is in the checkpoint, the
+export and :meth:`MegatronEngine.hf_weights` (the push into a transformers rollout engine).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from verl.engine.build import (
     build_optimizer,
     build_scheduler,
     build_trainable_chunks,
+    build_vlm_chunk,
     check_remove_padding,
+    check_vlm_engine,
     load_model_spec,
     lora_spec,
     resolve_dtype,
@@ -72,6 +79,8 @@ class MegatronEngine:
         total_training_steps: optimizer steps of the run (sizes the LR schedule); ignored without ``optim``.
         head: ``lm`` (policy), ``value`` (critic) or ``reward``.
         max_sequence_length: longest sequence the model will see; None: the HF config's maximum.
+        freeze_vision_tower: a vision-language model's vision encoder takes no gradient and no optimizer
+            state (the reference's key); refused for a text model.
     """
 
     capabilities = EngineCapabilities(megatron_layout=True, hf_checkpoint=True, packed_sequences=True, head_columns=True)
@@ -86,6 +95,7 @@ class MegatronEngine:
         total_training_steps: int | None = None,
         head: HeadKind = "lm",
         max_sequence_length: int | None = None,
+        freeze_vision_tower: bool = False,
     ) -> None:
         overrides = dict(megatron.override_transformer_config)
         unknown = sorted(set(overrides) - set(TRANSFORMER_CONFIG_OVERRIDES))
@@ -118,19 +128,41 @@ class MegatronEngine:
             **overrides,
         )
         self.trainable = optim is not None
+        from verl.models.megatron_vlm import is_vlm_config
+
+        self.is_vlm = is_vlm_config(self.hf_dir)
+        """A vision-language model (``verl.models.megatron_vlm``): its one chunk holds the vision tower."""
+        if freeze_vision_tower and not self.is_vlm:
+            raise ValueError(
+                f"freeze_vision_tower=true, but {model.path} is not a vision-language model (no vision_config); "
+                "set it to false"
+            )
+        if self.is_vlm:
+            check_vlm_engine(model, megatron, self.build_config, pg)
         self.lora = lora_spec(model, megatron)
         self._lora_base: dict | None = None
-        self.chunks: list[torch.nn.Module] = build_trainable_chunks(
-            self.spec,
-            self.build_config,
-            self.hf_dir,
-            pg,
-            device=self.device,
-            vpp_size=megatron.virtual_pipeline_model_parallel_size,
-            megatron=megatron,
-            trainable=self.trainable,
-            lora=self.lora,
-        )
+        if self.is_vlm:
+            self.chunks: list[torch.nn.Module] = build_vlm_chunk(
+                self.build_config,
+                self.hf_dir,
+                pg,
+                device=self.device,
+                megatron=megatron,
+                trainable=self.trainable,
+                freeze_vision_tower=freeze_vision_tower,
+            )
+        else:
+            self.chunks = build_trainable_chunks(
+                self.spec,
+                self.build_config,
+                self.hf_dir,
+                pg,
+                device=self.device,
+                vpp_size=megatron.virtual_pipeline_model_parallel_size,
+                megatron=megatron,
+                trainable=self.trainable,
+                lora=self.lora,
+            )
         self.transformer_config = self.chunks[0].config
         first_rank = pg.dp.rank() == 0 and pg.tp.rank() == 0 and pg.pp.rank() == 0
         check_remove_padding(
@@ -374,7 +406,41 @@ class MegatronEngine:
 
     def export_hf(self, out_dir: str) -> None:
         """Write a Hugging Face checkpoint (config, tokenizer, safetensors) of the weights (collective);
-        with LoRA adapters, of the merged weights ``W + scaling B A``."""
+        with LoRA adapters, of the merged weights ``W + scaling B A``. A vision-language model's holds
+        the vision tower (``visual.*``), its own config and image processor: transformers loads it."""
+        if self.is_vlm:
+            from verl.models.builder import unwrap_model
+            from verl.models.convert_vlm import IMAGE_PROCESSOR_FILES
+            from verl.models.megatron_vlm import VISION_PREFIX
+            from verl.utils.paths import load_json_object
+
+            vlm = unwrap_model(self.chunks[0])
+            export_hf_checkpoint(
+                [vlm.language_model], self.pg, spec=self.spec, dtype=self.build_config.dtype, hf_dir=self.hf_dir,
+                out_dir=out_dir, config=load_json_object(os.path.join(self.hf_dir, "config.json")),
+                extra=lambda: ((VISION_PREFIX + n, p.detach()) for n, p in vlm.vision.named_parameters()),
+                more_side_files=IMAGE_PROCESSOR_FILES,
+            )
+            return
         export_hf_checkpoint(
             self.chunks, self.pg, spec=self.spec, dtype=self.build_config.dtype, hf_dir=self.hf_dir, out_dir=out_dir
         )
+
+    def hf_weights(self):
+        """(Hugging Face name, whole tensor) pairs of the weights in the hub's layout, gathered over TP one
+        tensor at a time (collective over the role's TP group: every TP rank iterates to the end); a
+        vision-language model's vision tower (``visual.*``) after its decoder. One pipeline stage only."""
+        from verl.models.builder import unwrap_model
+        from verl.models.checkpoint import iter_hf_weights
+
+        if self.pg.pp.size() > 1:
+            raise ValueError("MegatronEngine.hf_weights: one pipeline stage only (each stage holds its own layers)")
+        if not self.is_vlm:
+            yield from iter_hf_weights(self.chunks, pg=self.pg)
+            return
+        from verl.models.megatron_vlm import VISION_PREFIX
+
+        vlm = unwrap_model(self.chunks[0])
+        yield from iter_hf_weights([vlm.language_model], pg=self.pg)
+        for name, param in vlm.vision.named_parameters():
+            yield VISION_PREFIX + name, param.detach()

@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,11 +67,17 @@ def export_hf_checkpoint(
     dtype: str,
     hf_dir: str,
     out_dir: str,
+    config: dict[str, Any] | None = None,
+    extra: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    more_side_files: tuple[str, ...] = (),
 ) -> None:
     """Write the weights of ``chunks`` as a Hugging Face checkpoint in ``out_dir`` (collective).
 
     ``dtype`` is verl's short name of the weights' dtype (the config's ``torch_dtype``);
     ``hf_dir`` is the model the engine started from (tokenizer and generation files come from it).
+    ``config``: the config.json to write (None: ``spec.raw``); ``extra``: more (name, whole tensor)
+    pairs, replicated on every rank, written by the first stage's writer (a VLM's vision tower);
+    ``more_side_files``: files of ``hf_dir`` copied too when present (a VLM's image processor).
     Raises ``verl.utils.outputs.OutputPathError`` on every rank when ``out_dir`` may not be written.
     """
     world_rank = dist.get_rank()
@@ -84,6 +91,9 @@ def export_hf_checkpoint(
             writer = SafetensorsWriter(stage_dir)
         for name, tensor in iter_hf_weights(chunks, pg=pg):  # every TP rank takes part in the gathers
             if writer is not None:
+                writer.add(name, tensor)
+        if writer is not None and extra is not None and pp_rank == 0:
+            for name, tensor in extra():
                 writer.add(name, tensor)
         if writer is not None:
             shards = [(os.path.basename(path), names, nbytes) for path, names, nbytes in writer.close()]
@@ -102,7 +112,10 @@ def export_hf_checkpoint(
         for stage in range(pp_size):
             shutil.rmtree(_stage_dir(tmp, stage))
         copy_side_files(hf_dir, tmp, include_config=False)
-        config = dict(spec.raw)
+        for name in more_side_files:
+            if os.path.isfile(os.path.join(hf_dir, name)):
+                shutil.copy2(os.path.join(hf_dir, name), os.path.join(tmp, name))
+        config = dict(spec.raw if config is None else config)
         config["torch_dtype"] = HF_DTYPE_NAMES[dtype]
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)

@@ -265,8 +265,8 @@ def parse_hf_config(config: dict[str, Any] | str | os.PathLike, *, source: str |
             f"is '{model_type}'",
             f"verl builds Megatron models for: {', '.join(SUPPORTED_MODEL_TYPES)}"
             + (
-                " (a vision-language model: train it with the FSDP2 engine, strategy=fsdp2; Qwen2.5-VL's Megatron "
-                "model, verl.models.megatron_vlm, is not yet taken by the Megatron engine)."
+                " (a vision-language model: the Megatron engine builds Qwen2.5-VL from its directory, "
+                "verl.models.megatron_vlm; other families train with the FSDP2 engine, strategy=fsdp2)."
                 if isinstance(cfg.get("vision_config"), dict)
                 else "."
             ),

@@ -139,7 +139,8 @@ class RoleEngine:
         name: the role's name in messages (``actor``, ``critic`` ...).
         strategy: ``megatron`` (``MegatronEngine``, or ``TorchEngine`` for the Python API's module) or
             ``fsdp2`` (``verl.engine.fsdp.FSDPEngine`` with ``fsdp``, the role's ``fsdp_config``).
-        freeze_vision_tower: a vision-language model's vision encoder takes no gradient (fsdp2 only).
+        freeze_vision_tower: a vision-language model's vision encoder takes no gradient (fsdp2, or megatron
+            with a Qwen2.5-VL).
 
     A batch's images (``verl.protocol.images``: ``mm_pixel_values``, ``mm_image_grid_thw``) go to the
     engine with its rows in every forward and update.
@@ -161,17 +162,17 @@ class RoleEngine:
         fsdp: "FSDPConfig | None" = None,
         freeze_vision_tower: bool = False,
     ) -> None:
-        if freeze_vision_tower and strategy != "fsdp2":
-            raise ValueError(
-                f"{name}: freeze_vision_tower=true needs strategy=fsdp2 (vision-language models run on the FSDP2 "
-                f"engine), got strategy={strategy}"
-            )
         self.pg = pg
         self.balance = balance
         self.name = name
         # Micro-batch sizes lowered after an out-of-memory error, per kind of call.
         self.micro_batch_cap: dict[str, int] = {}
         module = registered_module(model.path)
+        if freeze_vision_tower and module is not None and strategy != "fsdp2":
+            raise ValueError(
+                f"{name}: freeze_vision_tower=true with a plain {type(module).__name__} module: the plain PyTorch "
+                "engine trains the module whole; set it to false, or use strategy=fsdp2"
+            )
         if model.lora_rank > 0 and (strategy != "megatron" or module is not None):
             where = f"strategy={strategy}" if strategy != "megatron" else f"a plain {type(module).__name__} module"
             raise ValueError(
@@ -202,6 +203,7 @@ class RoleEngine:
                     total_training_steps=total_training_steps,
                     head=head,
                     max_sequence_length=max_sequence_length,
+                    freeze_vision_tower=freeze_vision_tower,
                 )
 
     @contextlib.contextmanager

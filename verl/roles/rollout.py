@@ -194,6 +194,12 @@ class Rollout:
                 self.sync = GatheredSync(
                     actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
                 )
+            elif getattr(actor, "is_vlm", False):  # a Megatron VLM: whole tensors, its vision tower included
+                from verl.hybrid.hf_push import GatheredHFPush
+
+                self.sync = GatheredHFPush(
+                    actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
+                )
             else:
                 self.sync = WeightSync(
                     actor, self.engine, bucket_bytes=self.cfg.update_weights_bucket_megabytes * 2**20
