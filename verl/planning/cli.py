@@ -111,9 +111,15 @@ def config_inputs(
         if reward_spec is None:
             warn_once(logger, "dry run: reward_model.model.path has no config.json here; planning it as the actor's model")
     teacher_spec = _teacher_spec(cfg, teacher_model_config) if cfg.use_teacher else None
+    from verl.planning.vision import VisionTower
+
+    source = model_config or os.path.expanduser(arr.model.path or "")
+    source = source if os.path.isdir(source) else os.path.dirname(source) if os.path.isfile(source) else None
+    # A vision-language actor's tower (its image processor's pixel budget per image, one image a sequence).
+    vision = VisionTower.from_model_dir(source) if source and os.path.isfile(os.path.join(source, "config.json")) else None
     inputs = inputs_from_config(
         cfg, spec=spec, critic_spec=critic_spec, reward_spec=reward_spec, teacher_spec=teacher_spec,
-        gpu_memory_gib=gpu_memory_gib,
+        gpu_memory_gib=gpu_memory_gib, vision=vision,
     )
     problems = check_inputs(inputs, spec)
     if problems:

@@ -11,6 +11,7 @@ from verl.config.loader import CONFIG_DIR
 from verl.models.hf_config import HFModelSpec, parse_hf_config
 from verl.models.pipeline_split import stage_layer_overrides
 from verl.planning.memory import DEFAULT_RESERVE_GIB, MegatronRole, PlanInputs, RolloutSetup
+from verl.planning.vision import VisionTower
 
 if TYPE_CHECKING:
     from verl.config.schema import FSDPConfig, MegatronConfig, PPOConfig
@@ -49,6 +50,12 @@ def load_spec(model: str, *, override: dict | None = None, what: str = "--model"
         raise ValueError(f"{what}={model!r}: no config.json at {path}")
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
+    if isinstance(raw.get("vision_config"), dict):  # a vision-language model: its language model's shapes
+        from verl.models.megatron_vlm import parse_vlm_config
+
+        if override:
+            raise ValueError(f"{what}={model!r}: override_config is not applied to a vision-language model; edit its config.json")
+        return parse_vlm_config(os.path.dirname(os.path.abspath(path))).text
     raw.update(override or {})
     return parse_hf_config(raw, source=path)
 
@@ -120,6 +127,7 @@ def inputs_from_config(
     teacher_spec: HFModelSpec | None = None,
     gpu_memory_gib: float = 80.0,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
+    vision: VisionTower | None = None,
 ) -> PlanInputs:
     """The memory model's inputs for ``cfg`` on its declared cluster (``trainer.nnodes x n_gpus_per_node``).
 
@@ -150,7 +158,7 @@ def inputs_from_config(
             **lora,
             recompute=arr.model.enable_gradient_checkpointing, micro_batch=a.ppo_micro_batch_size_per_gpu,
             micro_batches=_micro_batches(a.ppo_mini_batch_size, n, a_dp, a.ppo_micro_batch_size_per_gpu),
-            forward_micro_batch=arr.rollout.log_prob_micro_batch_size_per_gpu,
+            forward_micro_batch=arr.rollout.log_prob_micro_batch_size_per_gpu, freeze_vision=a.freeze_vision_tower,
         )
     ]
     if cfg.use_reference and not lora:  # with adapters the reference is the actor with them off
@@ -198,5 +206,5 @@ def inputs_from_config(
         spec=spec, critic_spec=critic_spec, reward_spec=reward_spec, teacher_spec=teacher_spec, world_size=world, gpus_per_node=t.n_gpus_per_node,
         seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         response_len=cfg.data.max_response_length, roles=tuple(roles), rollout=rollout,
-        gpu_memory_gib=gpu_memory_gib, reserve_gib=reserve_gib,
+        gpu_memory_gib=gpu_memory_gib, reserve_gib=reserve_gib, vision=vision,
     )

@@ -32,6 +32,12 @@ roles and the rollout engine then own the remaining ranks):
   gathers each layer's whole K/V and keeps unfused scores, which this model does not count:
   ``tools/bench.py cp-memory`` measures that path).
 
+A vision-language actor and its reference on Megatron (``PlanInputs.vision``, :mod:`verl.planning.vision`):
+the first pipeline stage's GPUs hold the vision tower whole (replicated over TP) in the role's dtype; the
+actor's gradients and optimizer state count it unless ``freeze_vision`` (``freeze_vision_tower``); its
+activations for the micro-batch's images (``images_per_sequence`` x ``patches_per_image`` each) add to the
+training and forward-only working sets (a frozen tower keeps no graph: its forward working set).
+
 An FSDP2 role (``strategy=fsdp2``, :func:`fsdp_model_params`) holds ``1/dp`` of the whole Hugging Face
 model in ``fsdp_config.model_dtype``, and as much again of gradients and (Adam) twice of moments
 (the shards are the master weights); while it computes, the root and two decoder layers gathered
@@ -71,6 +77,7 @@ from typing import Literal
 from verl.models.hf_config import HFModelSpec
 from verl.models.pipeline_split import PipelineSplit, resolve_split
 from verl.models.weight_mapping import padded_vocab_size
+from verl.planning.vision import VisionTower
 
 __all__ = [
     "GIB",
@@ -146,6 +153,8 @@ class MegatronRole:
     """``model.target_modules`` resolved to HF module names (``all-linear``: all seven)."""
     ranks: tuple[int, ...] | None = None
     """The global ranks the role owns (``trainer.placement``), ascending; None: every rank."""
+    freeze_vision: bool = False
+    """``freeze_vision_tower``: a vision-language actor's tower takes no gradient and no optimizer state."""
 
     def rank_count(self, world_size: int) -> int:
         """How many ranks the role owns."""
@@ -229,6 +238,8 @@ class PlanInputs:
     rollout: RolloutSetup
     gpu_memory_gib: float = 80.0
     reserve_gib: float = DEFAULT_RESERVE_GIB
+    vision: VisionTower | None = None
+    """The actor's vision tower (a vision-language model on Megatron; the actor and the reference hold it)."""
 
     def role(self, name: str) -> MegatronRole | None:
         """The role called ``name``, or None when the run has none."""
@@ -662,6 +673,20 @@ def _role_memory(inputs: PlanInputs, role: MegatronRole, stage: int, counts: Sta
     f_tokens = role.forward_micro_batch * inputs.seq_len // role.cp
     forward = layer_activation_bytes(spec, role, f_tokens) + (_logits_bytes(spec, role, f_tokens) if counts.post else 0)
     on, off, forward = on + gathered, off + gathered, forward + gathered
+    tower = inputs.vision if role.name in ("actor", "ref") and not role.fsdp and counts.pre else None
+    if tower is not None:  # whole on every TP rank of the first stage, in the role's dtype (verl.planning.vision)
+        trained = role.trains and not role.freeze_vision
+        params += tower.params * role.dtype_bytes
+        if trained:
+            grads += tower.params * 4
+            per = (4 if role.dtype_bytes < 4 else 0) + (8 if role.optimizer == "adam" else 0)
+            shard = role.dp(inputs.world_size) * role.cp if role.distributed_optimizer else 1
+            optimizer += math.ceil(tower.params * per / shard)
+        images = role.micro_batch * tower.images_per_sequence
+        seen = in_flight * tower.activation_bytes(images, role.dtype_bytes, trains=trained)
+        on, off = on + seen, off + seen
+        forward += tower.activation_bytes(role.forward_micro_batch * tower.images_per_sequence, role.dtype_bytes,
+                                          trains=False)
     act = (on if role.recompute else off) if role.trains else forward
     return RoleMemory(
         role=role.name, stage=stage, params=params, grads=grads, optimizer=optimizer, activations=act,
