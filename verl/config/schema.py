@@ -277,7 +277,7 @@ class ActorConfig(ConfigBase):
         "(docs/algorithms.md); false: full-vocabulary log-probabilities (biased ratio against the rollout's).",
     )
     shuffle: bool = option(False, "Shuffle the rollout batch before splitting it into mini-batches.")
-    freeze_vision_tower: bool = option(False, "A vision-language actor (strategy=fsdp2): its vision encoder takes no gradient and no optimizer state (the reference's key).")
+    freeze_vision_tower: bool = option(False, "A vision-language actor (strategy=fsdp2, or megatron with a Qwen2.5-VL): its vision encoder takes no gradient and no optimizer state (the reference's key).")
     clip_ratio: float = option(0.2, "PPO clip range epsilon.", gt=0.0)
     clip_ratio_low: float | None = option(None, "Lower clip range (ratio >= 1 - clip_ratio_low); None: clip_ratio.", ge=0.0)
     clip_ratio_high: float | None = option(None, "Upper clip range (ratio <= 1 + clip_ratio_high, DAPO clip-higher); None: clip_ratio.", ge=0.0)
