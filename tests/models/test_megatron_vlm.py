@@ -6,6 +6,10 @@ them to ones and zeros, which would hide a mapping mistake there). One batch: a 
 left-padded row with a 28 x 28 image (1 image token) and a right-padded row with a 56 x 42 and a
 28 x 56 image (2 x 2 and 1 x 2 merged tokens): images of different sizes, several per row.
 
+Layouts: TP 1/2, PP 2 (uneven: 3 layers), packed (THD) sequences, sequence parallel and TP 2 x PP 2 on
+4 ranks, through verl.models.forward.forward_backward as the engine runs the model; conversion at TP 2
+and PP 2.
+
 Tolerance: float32 on both sides; the same math in another order (fused QKV, TP-split matmuls and
 their all-reduce, Megatron's and transformers' rotary code) differs by rounding, ~1e-6 here.
 1e-5 absolute on logits leaves margin without hiding a real error: a wrong position (1D instead of
