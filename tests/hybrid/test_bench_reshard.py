@@ -103,4 +103,43 @@ def test_measured_run_beats_the_naive_path(tmp_path):
     assert 0 < result["peak_extra_bytes_max"] < result["naive_peak_extra_bytes_max"]
     assert result["peak_extra_bytes_max"] <= 2 * 0.0625 * 2**20  # two buckets, measured
     assert result["memcpy_gbps_median"] > 0 and result["local_gbps_min"] > 0
+    # OMP_NUM_THREADS=1 on two ranks: two copy threads, one per rank, every ratio measured.
+    assert (result["threads_per_rank"], result["copy_threads"]) == (1, 2)
+    for unit in ("", "_cpu"):
+        assert result[f"local_fraction_of_memcpy{unit}"] > 0 and result[f"local_fraction_of_torch_copy{unit}"] > 0
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
+
+
+@pytest.mark.parametrize(("train_tp", "train_pp", "rollout_tp"), [(1, 2, 2), (2, 1, 1), (2, 1, 2)])
+def test_the_torch_copy_ceiling_moves_the_plans_bytes(tmp_path, train_tp, train_pp, rollout_tp):
+    """The like-with-like ceiling (plain torch copies of the same bytes, one strided copy_ per run of rows)
+    writes exactly what the plan's local copy writes, in far fewer calls than the plan has rows."""
+    import argparse
+
+    import torch
+    from transformers import LlamaConfig
+
+    from tools.benchmarks.reshard import _reshard_layouts, _strided_runs
+    from verl.hybrid import copy_ranges_
+    from verl.hybrid.plan import build_plan
+    from verl.models.hf_config import parse_hf_config
+
+    LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)
+    args = argparse.Namespace(train_tp=train_tp, train_pp=train_pp, train_vpp=None, rollout_tp=rollout_tp,
+                              destination="hf-shards")
+    sources, dests = _reshard_layouts(parse_hf_config(str(tmp_path / "config.json")), args, train_tp * train_pp)
+    plan = build_plan(sources, dests)
+    gen = torch.Generator().manual_seed(0)
+    for rank in range(plan.world_size):
+        srcs = [torch.randn(sources[rank].shapes[k], generator=gen).view(-1) for k in plan.src_keys[rank]]
+        expected = [torch.full(dests[rank].shapes[k], float("nan")).view(-1) for k in plan.dst_keys[rank]]
+        actual = [t.clone() for t in expected]
+        local = plan.ranges(rank, rank)
+        copy_ranges_(expected, srcs, local)
+        runs = _strided_runs(local)
+        for st, so, ss, dt, do, ds, rows, n in runs:
+            actual[dt].as_strided((rows, n), (ds, 1), do).copy_(srcs[st].as_strided((rows, n), (ss, 1), so))
+        for e, a in zip(expected, actual):
+            assert torch.equal(e.nan_to_num(7.0), a.nan_to_num(7.0))
+        assert len(runs) <= len(plan.src_keys[rank]) + len(plan.dst_keys[rank]), (len(runs), len(local))

@@ -90,9 +90,32 @@ def _actor(args: argparse.Namespace, model_dir: str) -> Any:
     return MegatronEngine(model=ModelConfig(path=model_dir), megatron=megatron, pg=pg)
 
 
-def _plan_pushes(sync: Any, world: int, rank: int, repeats: int) -> tuple[list, list[float], list[float], Any]:
-    """The plan's pushes, timed: (each round's push metrics, the plain-copy ceiling in GB/s, the local
-    part's GB/s, the tracked allocations of one more push)."""
+def _strided_runs(ranges: Any) -> list[tuple[int, int, int, int, int, int, int, int]]:
+    """The plan's local ranges [N, 5] as runs of rows that one strided view covers on each side:
+    (src tensor, src offset, src row stride, dst tensor, dst offset, dst row stride, rows, row length),
+    in elements; what a copy of the same bytes written as plain torch copies, one ``copy_`` per block of a
+    tensor, would do (the access pattern of the plan's own copy)."""
+    runs: list[list[int]] = []
+    for st, so, dt, do, n in ranges.tolist():
+        if runs:
+            r = runs[-1]
+            if (st, dt, n) == (r[0], r[3], r[7]):
+                if r[6] == 1 and so - r[1] >= n and do - r[4] >= n:
+                    r[2], r[5], r[6] = so - r[1], do - r[4], 2
+                    continue
+                if r[6] > 1 and so == r[1] + r[6] * r[2] and do == r[4] + r[6] * r[5]:
+                    r[6] += 1
+                    continue
+        runs.append([st, so, n, dt, do, n, 1, n])
+    return [tuple(r) for r in runs]
+
+
+def _plan_pushes(sync: Any, world: int, rank: int, repeats: int, trials: int) -> tuple[list, dict[str, list[float]], Any]:
+    """The plan's pushes, timed: (each round's push metrics, each round's copy rates in GB/s, the tracked
+    allocations of one more push). Rates, per second of wall time and (``_cpu``) of this process's CPU
+    time: the plan's local copy (``local``), a plain torch copy of as many bytes between two contiguous
+    buffers (``memcpy``), and plain torch copies of the same bytes between the same tensors, one strided
+    ``copy_`` per block (``torch``)."""
     import torch
     import torch.distributed as dist
 
@@ -101,31 +124,64 @@ def _plan_pushes(sync: Any, world: int, rank: int, repeats: int) -> tuple[list, 
     from verl.utils.allocations import track_allocations
 
     local_bytes = int(sync.push()["update_weights/bytes_local"])  # warm-up
-    # The ceiling: a plain copy of as many bytes as this rank copies locally, timed in each round
-    # just before the push, with every rank copying at once as they do in the push.
+    # The ceiling: a plain torch copy of as many bytes as this rank copies locally, between two
+    # buffers touched beforehand (as the push's tensors are), on the threads the push has.
     copy_src = torch.empty(max(local_bytes, 1 << 20), dtype=torch.uint8)
     copy_dst = torch.empty_like(copy_src)
     copy_dst.copy_(copy_src)
     # The local part alone (the plan's same-rank ranges), so that no rank's copy competes with
-    # another rank's network phase on a shared machine; in each round next to the ceiling.
+    # another rank's network phase on a shared machine.
     local_plan = ReshardPlan(world_size=world, src_keys=sync.plan.src_keys, dst_keys=sync.plan.dst_keys,
                              pairs={k: v for k, v in sync.plan.pairs.items() if k[0] == k[1]})
-    pushes, ceilings, local_rates = [], [], []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
+    sources, destinations = sync._sources(), sync._destinations()
+    views = [
+        (destinations[dt].as_strided((rows, n), (ds, 1), destinations[dt].storage_offset() + do),
+         sources[st].as_strided((rows, n), (ss, 1), sources[st].storage_offset() + so))
+        for st, so, ss, dt, do, ds, rows, n in _strided_runs(local_plan.ranges(rank, rank))
+    ]
+
+    def timed(copy: Any) -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
+        nbytes = copy()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return nbytes / max(wall, 1e-12) / 1e9, nbytes / max(cpu, 1e-9) / 1e9
+
+    def local_copy() -> int:
+        return execute_plan(local_plan, rank, sources, destinations, bucket_elements=sync.bucket_elements).local_bytes
+
+    def memcpy() -> int:
         copy_dst.copy_(copy_src)
-        ceilings.append(copy_src.numel() / (time.perf_counter() - start) / 1e9)
-        dist.barrier()
-        stats = execute_plan(local_plan, rank, sync._sources(), sync._destinations(),
-                             bucket_elements=sync.bucket_elements)
-        local_rates.append(stats.local_bytes / max(stats.local_seconds, 1e-12) / 1e9)
+        return copy_src.numel()
+
+    def torch_copies() -> int:
+        with torch.no_grad():
+            for dst, src in views:
+                dst.copy_(src)
+        return local_bytes
+
+    copies = {"local": local_copy, "memcpy": memcpy, "torch": torch_copies}
+    for copy in copies.values():  # warm-up (the local plan's tables)
+        copy()
+    rates: dict[str, list[float]] = {f"{name}{unit}": [] for name in copies for unit in ("", "_cpu")}
+    pushes = []
+    for _ in range(repeats):
+        # Like with like: the copies alternate, each started on every rank at once (as in the push),
+        # `trials` times each; a round keeps the best of each, so that a copy that lost its core to
+        # another process on a loaded machine does not decide the ratio.
+        best = dict.fromkeys(rates, 0.0)
+        for _ in range(trials):
+            for name, copy in copies.items():
+                dist.barrier()
+                wall, cpu = timed(copy)
+                best[name], best[f"{name}_cpu"] = max(best[name], wall), max(best[f"{name}_cpu"], cpu)
+        for key, value in best.items():
+            rates[key].append(value)
         dist.barrier()
         pushes.append(sync.push())
-    del copy_src, copy_dst
+    del copy_src, copy_dst, views
     with track_allocations() as reshard_peak:
         sync.push()
-    return pushes, ceilings, local_rates, reshard_peak
+    return pushes, rates, reshard_peak
 
 
 def _naive_pushes(actor: Any, naive_dest: Any, repeats: int) -> tuple[int, list[float], Any]:
@@ -162,28 +218,36 @@ def _rank_figures(args: argparse.Namespace, model_dir: str, world: int, rank: in
 
     dest = destination()
     sync = WeightSync(actor, dest, bucket_bytes=int(args.bucket_mb * 2**20))
-    pushes, ceilings, local_rates, reshard_peak = _plan_pushes(sync, world, rank, args.repeats)
+    pushes, rates, reshard_peak = _plan_pushes(sync, world, rank, args.repeats, args.copy_trials)
     naive_dest = destination()
     naive_received, naive_times, naive_peak = _naive_pushes(actor, naive_dest, args.repeats)
     same = all(torch.equal(a, b) for a, b in zip(dest.tensors.values(), naive_dest.tensors.values()))
-    memcpy = median(ceilings)
     local_s = median([m["timing_s/update_weights_local"] for m in pushes])
-    fractions = [rate / ceiling for rate, ceiling in zip(local_rates, ceilings)]
+
+    def fraction(of: str, unit: str = "") -> float:
+        """Median over rounds of (local copy rate) / (``of``'s rate in the same round)."""
+        return median([a / b for a, b in zip(rates[f"local{unit}"], rates[f"{of}{unit}"])])
+
     mine = {
         "rank": rank,
+        "threads": torch.get_num_threads(),
         "bytes_local": pushes[0]["update_weights/bytes_local"],
         "bytes_received": pushes[0]["update_weights/bytes_received"],
         "bytes_sent": pushes[0]["update_weights/bytes_sent"],
         "time_s": median([m["timing_s/update_weights"] for m in pushes]),
         "local_time_s": local_s,
-        "local_gbps": median(local_rates),
+        "local_gbps": median(rates["local"]),
         "peak_extra_bytes": reshard_peak.peak_bytes,
         "buffer_bytes": pushes[0]["update_weights/buffer_bytes"],
         "naive_bytes_received": naive_received,
         "naive_time_s": median(naive_times),
         "naive_peak_extra_bytes": naive_peak.peak_bytes,
-        "memcpy_gbps": memcpy,
-        "local_fraction_of_memcpy": median(fractions),
+        "memcpy_gbps": median(rates["memcpy"]),
+        "torch_copy_gbps": median(rates["torch"]),
+        "local_fraction_of_memcpy": fraction("memcpy"),
+        "local_fraction_of_memcpy_cpu": fraction("memcpy", "_cpu"),
+        "local_fraction_of_torch_copy": fraction("torch"),
+        "local_fraction_of_torch_copy_cpu": fraction("torch", "_cpu"),
         "same_weights_as_naive": same,
     }
     return mine, elem
@@ -224,9 +288,19 @@ def _reshard_run(args: argparse.Namespace) -> dict[str, Any]:
         / max(max(r["peak_extra_bytes"] for r in ranks), 1),
         "local_gbps_min": min(r["local_gbps"] for r in ranks),
         "memcpy_gbps_median": median([r["memcpy_gbps"] for r in ranks]),
-        # Per rank, the median over rounds of (local copy GB/s) / (plain copy GB/s of the same bytes
-        # in the same round); the smallest rank's.
-        "local_fraction_of_memcpy": min(r["local_fraction_of_memcpy"] for r in ranks),
+        # The copy threads of each rank (torch.get_num_threads: OMP_NUM_THREADS under torchrun); the
+        # local copies of all ranks run at once, so the machine's copy threads are their sum.
+        "threads_per_rank": ranks[0]["threads"],
+        "copy_threads": sum(r["threads"] for r in ranks),
+        "torch_copy_gbps_median": median([r["torch_copy_gbps"] for r in ranks]),
+        # Per rank, the median over rounds of (local copy GB/s) / (a plain torch copy's GB/s in the same
+        # round, same threads, best of --copy-trials each): "memcpy", as many bytes between two contiguous
+        # buffers; "torch_copy", the same bytes between the same tensors, one strided copy_ per block. Rates
+        # per second of wall time, and (_cpu) of CPU time, which the time slices a loaded machine takes from
+        # a process do not count. The smallest rank's.
+        **{key: min(r[key] for r in ranks) for key in (
+            "local_fraction_of_memcpy", "local_fraction_of_memcpy_cpu",
+            "local_fraction_of_torch_copy", "local_fraction_of_torch_copy_cpu")},
         "time_s_max": max(r["time_s"] for r in ranks),
         "naive_time_s_max": max(r["naive_time_s"] for r in ranks),
         "same_weights_as_naive": all(r["same_weights_as_naive"] for r in ranks),
@@ -308,6 +382,9 @@ def _reshard(parser: argparse.ArgumentParser) -> Runner:
                         help="destination layout for --plan-only (default hf-shards; measured runs use hf-shards)")
     parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16", help="weight dtype for --plan-only (default bf16)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed pushes per path (median; default 5)")
+    parser.add_argument("--copy-trials", type=positive_int, default=3,
+                        help="per round, the local copy and the plain copy alternate this many times; the best of "
+                             "each makes the round's ratio (default 3)")
     parser.add_argument("--plan-only", action="store_true", help="compute the plan's figures only (no processes, no weights)")
     parser.add_argument("--world", type=positive_int, default=None, help="ranks for --plan-only (default TP x PP)")
 
