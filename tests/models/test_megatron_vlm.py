@@ -194,7 +194,8 @@ def test_layouts_match_transformers(vlm_dir, run_dist, layout):
     batch = _image_batch(vlm_dir)
     order = [1, 2, 0]  # the two image rows first: one micro-batch (one packed sequence) of both
     rows = {k: v[order] for k, v in _rows_batch(batch).items()}
-    results = run_dist(_layout_body, world, vlm_dir, tp, pp, sp, pack, rows)
+    # Four ranks on two loaded cores start slowly (~70 s measured, mostly the pool's start): a generous limit.
+    results = run_dist(_layout_body, world, vlm_dir, tp, pp, sp, pack, rows, timeout=360)
     expected = _hf_logits(vlm_dir, batch, images=True)[order]
     last = sorted((r for r in results if r["logits"] is not None), key=lambda r: r["tp_rank"])
     assert len(last) == tp  # the last stage's TP ranks

@@ -178,8 +178,7 @@ class MegatronVLM(torch.nn.Module):
         self.pre_process = language_model.pre_process
         self.post_process = language_model.post_process
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
-        if self.pre_process != (vision is not None):
-            raise ValueError("the vision tower belongs on the first pipeline stage, and only there")
+        assert self.pre_process == (vision is not None), "the vision tower belongs on the first pipeline stage only"
         if self.pre_process:
             # The image features go into the whole sequence's embeddings; sequence parallel splits them
             # after (forward), so the embedding must neither reduce-scatter nor scatter by itself.
