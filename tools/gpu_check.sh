@@ -16,7 +16,9 @@
 # OUT_DIR/summary.txt (one line per step: name, exit status, seconds):
 #   env          nvidia-smi, torch's CUDA build and device
 #   build        verl._C with the CUDA kernels (setup.py build_ext --inplace, nvcc)
-#   csrc         the kernels' tests on cpu and cuda (byte copy, shard copy, range copy)
+#   csrc         the kernels' tests on cpu and cuda (byte copy, shard copy, range copy; the hypothesis
+#                property tests on both devices), and the first refusal of verl._C in a fresh
+#                interpreter with tensors on each device (the one GPU run's crash)
 #   engine       Megatron engine on the GPU, one rank (NCCL): bf16 with fp32 master weights,
 #                clipping, the loss contract, packed sequences (use_remove_padding) equal to padded
 #   rl-step      tools/bench.py rl-step on the tiny default on the GPU (transformers rollout,
@@ -93,7 +95,8 @@ step() {  # step NAME SECONDS COMMAND...
 
 step env 30 bash -c "nvidia-smi; $python -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'"
 step build 240 "$python" setup.py -q build_ext --inplace
-step csrc 120 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/csrc/test_copy_shards.py tests/csrc/test_copy_ranges.py
+step csrc 180 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/csrc/test_first_refusal.py \
+  tests/csrc/test_copy_shards.py tests/csrc/test_copy_ranges.py
 step engine 150 "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra tests/trainer/test_engine_bf16.py tests/trainer/test_engine_clipping.py \
   tests/models/test_loss_contract.py tests/trainer/test_engine_remove_padding.py
 step rl-step 150 "$python" tools/bench.py rl-step --config grpo_tiny_cpu --inputs /tmp/verl-bench-inputs --steps 3 \

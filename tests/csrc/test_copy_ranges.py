@@ -514,13 +514,14 @@ def valid_problems(draw):
     return dtype, src_numels, dst_numels, rows, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(valid_problems())
-def test_hypothesis_valid_problems_match_reference(problem):
+@given(problem=valid_problems())
+def test_hypothesis_valid_problems_match_reference(problem, device):
     dtype, src_numels, dst_numels, rows, seed = problem
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
-    srcs = [random_tensor(dtype, odd_shape(n, rng), gen) for n in src_numels]
-    dsts = [random_tensor(dtype, odd_shape(n, rng), gen) for n in dst_numels]
+    srcs = [random_tensor(dtype, odd_shape(n, rng), gen, device) for n in src_numels]
+    dsts = [random_tensor(dtype, odd_shape(n, rng), gen, device) for n in dst_numels]
     expected, actual = run_both(dsts, srcs, rows)  # rows as a list of tuples
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
@@ -566,10 +567,10 @@ def arbitrary_problems(draw):
     return dst_specs, src_specs, rows
 
 
-def _build(dst_specs, src_specs):
-    """Fresh tensors for a problem (the same bytes each time): (buffer, owned, dsts, srcs)."""
+def _build(dst_specs, src_specs, device="cpu"):
+    """Fresh tensors for a problem (the same bytes each time) on ``device``: (buffer, owned, dsts, srcs)."""
     gen = torch.Generator().manual_seed(1)
-    buffer = random_tensor(torch.int16, _BUFFER_NUMEL, gen)
+    buffer = random_tensor(torch.int16, _BUFFER_NUMEL, gen, device)
     owned = []
 
     def make(spec):
@@ -577,7 +578,7 @@ def _build(dst_specs, src_specs):
             n, start = spec[1], spec[2]
             view = buffer[start : start + n]
             return view.view(2, n // 2) if n and n % 2 == 0 else view
-        owned.append(random_tensor(torch.int16, spec[1], gen))
+        owned.append(random_tensor(torch.int16, spec[1], gen, device))
         return owned[-1]
 
     dsts = [make(s) for s in dst_specs]
@@ -588,12 +589,13 @@ def _build(dst_specs, src_specs):
     return buffer, owned, dsts, srcs
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=300, deadline=None)
-@given(arbitrary_problems())
-def test_hypothesis_arbitrary_problems_agree_on_result_or_error(problem):
+@given(problem=arbitrary_problems())
+def test_hypothesis_arbitrary_problems_agree_on_result_or_error(problem, device):
     """Valid or not, both implementations do the same: the same bytes everywhere, or the same
     ValueError with nothing written."""
-    expected, actual = _outcomes(problem)
+    expected, actual = _outcomes(problem, device)
     assert actual == expected
 
 
@@ -614,13 +616,13 @@ def shared_memory_problems(draw):
     return dst_specs, src_specs, rows
 
 
-def _outcomes(problem):
-    """(reference, extension) outcomes of one problem, each on fresh tensors: ("ok", bytes of
-    everything) or ("error", message), checking that a refusal wrote nothing."""
+def _outcomes(problem, device="cpu"):
+    """(reference, extension) outcomes of one problem, each on fresh tensors on ``device``: ("ok",
+    bytes of everything) or ("error", message), checking that a refusal wrote nothing."""
     dst_specs, src_specs, rows = problem
     outcomes = []
     for fn in (copy_ranges_reference_, copy_ranges_):
-        buffer, owned, dsts, srcs = _build(dst_specs, src_specs)
+        buffer, owned, dsts, srcs = _build(dst_specs, src_specs, device)
         everything = [buffer, *owned]
         before = [as_bytes(t).clone() for t in everything]
         try:
@@ -644,10 +646,11 @@ def _outcomes(problem):
     return outcomes
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=200, deadline=None)
-@given(shared_memory_problems())
-def test_hypothesis_shared_memory_problems_agree_on_result_or_error(problem):
-    expected, actual = _outcomes(problem)
+@given(problem=shared_memory_problems())
+def test_hypothesis_shared_memory_problems_agree_on_result_or_error(problem, device):
+    expected, actual = _outcomes(problem, device)
     assert actual == expected
 
 

@@ -90,13 +90,14 @@ def valid_problem(draw):
     return dtype, src_numel, dst_numel, rows, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(valid_problem())
-def test_hypothesis_valid_ranges_match_reference(problem):
+@given(problem=valid_problem())
+def test_hypothesis_valid_ranges_match_reference(problem, device):
     dtype, src_numel, dst_numel, rows, seed = problem
     gen = torch.Generator().manual_seed(seed)
-    src = random_flat(dtype, src_numel, gen)
-    dst = random_flat(dtype, dst_numel, gen)
+    src = random_flat(dtype, src_numel, gen, device)
+    dst = random_flat(dtype, dst_numel, gen, device)
     expected, actual = run_both(dst, src, rows)  # rows as a list of tuples
     assert torch.equal(as_bytes(actual), as_bytes(expected))
 
@@ -108,17 +109,18 @@ _IN_BOUNDS_ROW = st.integers(0, 5).flatmap(
 _ANY_ROW = st.tuples(st.integers(-2, 14), st.integers(-2, 14), st.integers(-2, 8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=200, deadline=None)
 @given(
     rows=st.lists(st.one_of(_IN_BOUNDS_ROW, _IN_BOUNDS_ROW, _IN_BOUNDS_ROW, _ANY_ROW), max_size=6),
     same_buffer=st.booleans(),
 )
-def test_hypothesis_arbitrary_ranges_agree_on_result_or_error(rows, same_buffer):
+def test_hypothesis_arbitrary_ranges_agree_on_result_or_error(rows, same_buffer, device):
     """Valid or not, both implementations do the same: the same bytes, or the same ValueError
     with dst untouched."""
     gen = torch.Generator().manual_seed(len(rows))
-    dst = random_flat(torch.int16, 12, gen)
-    src = dst if same_buffer else random_flat(torch.int16, 11, gen)
+    dst = random_flat(torch.int16, 12, gen, device)
+    src = dst if same_buffer else random_flat(torch.int16, 11, gen, device)
     outcomes = []
     for fn in (copy_shards_reference_, copy_shards_):
         target = dst.clone()

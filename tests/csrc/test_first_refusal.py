@@ -6,7 +6,8 @@ and the first one thrown in a process is the one that sets up the unwinder's sta
 (type info lookup, the exception translators): a build whose unwinding is broken aborts there, which an
 in-process test (the suite's interpreter has thrown many before) would not see. Each case runs alone in a
 fresh interpreter: on the main thread before any copy, and on a thread of its own after a good copy has
-started the OpenMP pool (two threads).
+started the OpenMP pool (two threads); on every device present (the one GPU run's crash came from a refusal
+in a fresh process of a CUDA build, so the CUDA case is the one that matters there).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import textwrap
 
 import pytest
 
+from tests.csrc.tensors import DEVICES
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys, threading
@@ -25,13 +28,13 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(2)
     import verl._C as C
 
-    case, warm = sys.argv[1], sys.argv[2] == "warm"
-    if warm:  # start the OpenMP pool with a copy large enough to spread over two threads
-        big = torch.arange(2**20, dtype=torch.float32)
+    case, warm, device = sys.argv[1], sys.argv[2] == "warm", sys.argv[3]
+    if warm:  # start the OpenMP pool (the kernel, on a GPU) with a copy large enough to spread over two threads
+        big = torch.arange(2**20, dtype=torch.float32, device=device)
         out = torch.empty_like(big)
         C.copy_shards_(out, big, torch.tensor([[0, 0, 2**20]]))
         assert torch.equal(out, big)
-    src, dst = torch.arange(6.0), torch.zeros(6)
+    src, dst = torch.arange(6.0, device=device), torch.zeros(6, device=device)
     result = {}
 
     def refuse():
@@ -63,9 +66,11 @@ EXPECTED = {
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("case", "warm"), [("shards-main", "cold"), ("ranges-thread", "warm")])
-def test_first_refusal_in_a_fresh_interpreter_is_a_value_error(case, warm):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, case, warm], capture_output=True, text=True, timeout=100)
+def test_first_refusal_in_a_fresh_interpreter_is_a_value_error(case, warm, device):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, case, warm, device], capture_output=True, text=True,
+                          timeout=100)
     # A C++ exception that escapes unwinding ends in std::terminate: SIGABRT (-6) and "terminate called".
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
