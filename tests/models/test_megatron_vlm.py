@@ -82,7 +82,8 @@ def _image_batch(model_dir: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": processed["pixel_values"], "image_grid_thw": grid}
 
 
-def _hf_logits(model_dir: str, batch: dict[str, torch.Tensor], *, images: bool, positions_1d: bool = False) -> torch.Tensor:
+def _hf_logits(model_dir: str, batch: dict[str, torch.Tensor], *, images: bool,
+               positions_1d: bool = False) -> torch.Tensor:
     """transformers' logits [B, T, V]; ``positions_1d``: with each token's index in its row on all three
     rotary axes instead of the 3D positions (what a fall back to text positions would compute)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -297,7 +298,9 @@ def _step_body(model_dir: str, rows: dict[str, torch.Tensor], freeze: bool, tp: 
     ddp.zero_grad_buffer()
     forward_backward([ddp], rows, loss_fn=loss_fn, **run)
     tower = model.vision  # the first pipeline stage's only
-    vision_grads = {} if tower is None else {n: p.main_grad.clone() for n, p in tower.named_parameters() if p.requires_grad}
+    vision_grads = {} if tower is None else {
+        n: p.main_grad.clone() for n, p in tower.named_parameters() if p.requires_grad
+    }
     _, ok = optimizer_step(optimizer, 0.0)
     after = forward_backward([ddp], rows, **run).outputs["logprobs"]
     vision = {} if tower is None else {n: p.detach().clone() for n, p in tower.named_parameters()}

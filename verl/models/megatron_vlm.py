@@ -205,7 +205,8 @@ class MegatronVLM(torch.nn.Module):
         width = input_ids.shape[1]
         if input_ids.shape[0] != 1 or int(cu[-1]) != width:
             raise ValueError(
-                f"packed sequences: input_ids {tuple(input_ids.shape)} is not one row of cu_seqlens' {int(cu[-1])} tokens"
+                f"packed sequences: input_ids {tuple(input_ids.shape)} is not one row of "
+                f"cu_seqlens' {int(cu[-1])} tokens"
             )
         lengths = cu[1:] - cu[:-1]  # [k]
         segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=width)
@@ -282,14 +283,18 @@ class MegatronVLM(torch.nn.Module):
             )
         positions = self.positions(input_ids, rows_mask, image_grid_thw, packed_seq_params)  # [3, b, S]
         embeds = self.embed(input_ids, slots, pixel_values, image_grid_thw) if self.pre_process else None
-        return self.language_model(input_ids, positions, None, decoder_input=embeds, packed_seq_params=packed_seq_params)
+        return self.language_model(
+            input_ids, positions, None, decoder_input=embeds, packed_seq_params=packed_seq_params
+        )
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor | None = None,
                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V/TP] of a padded batch ([B, T] ids and mask; 0 at pads), images as in :meth:`forward`.
         One pipeline stage only (with several, :func:`verl.models.forward.forward_backward` runs the stages)."""
         if not (self.pre_process and self.post_process):
-            raise ValueError("MegatronVLM.logits runs one pipeline stage; with several use verl.models.forward.forward_backward")
+            raise ValueError(
+                "MegatronVLM.logits runs one pipeline stage; with several use verl.models.forward.forward_backward"
+            )
         packed, order = pack_left(input_ids, attention_mask, input_ids.shape[1])  # [B, T] each
         rows_mask = attention_mask.gather(1, order)
         out = self.forward(packed, rows_mask=rows_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
@@ -341,7 +346,8 @@ def build_megatron_vlm(model_dir: str, cfg: ModelBuildConfig, pg: "ProcessGroupC
     lm = build_gpt_model(spec.text, cfg, pg, mrope_section=list(spec.mrope_section))
     vision = None
     if lm.pre_process:
-        vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(spec.hf_config.vision_config, dtype=cfg.torch_dtype)
+        vision_config = spec.hf_config.vision_config
+        vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, dtype=cfg.torch_dtype)
         vision = vision.to(next(lm.parameters()).device)
     model = MegatronVLM(spec, lm, vision)
     if load_weights:
