@@ -4,13 +4,15 @@
 # weights, a 2-block vision encoder), generate the colour-square task (name the colour of the
 # square in a 28 x 28 image, 4 choices), SFT-warm the model briefly in one process (it learns the
 # answer format and starts to read the image), then train it with GRPO on 2 ranks: the actor and
-# reference on the FSDP2 engine, the transformers rollout engine (the Megatron actor and the vLLM
-# engine do not take vision-language models yet: docs/vlm.md). Validation (4 samples per prompt at
-# temperature 1) runs before GRPO and every 20 of its 40 steps, on held-out images and on the same
-# prompts with the square left out (the control: the prompt alone does not tell the colour, so at most
-# chance, 0.25).
-# 6 min 48 s from an empty $OUT on 2 AMD EPYC cores shared with other jobs (load 12-15): validation 0.332 ->
-# 0.721, the control 0.094 -> 0.193 (docs/vlm.md). This file is valid bash and valid Python: both of these run it.
+# reference on the Megatron engine (the Qwen2.5-VL decoder as Megatron's GPTModel, its vision tower
+# beside it), the transformers rollout engine fed by the actor's push (the vLLM engine does not take
+# images here: docs/vlm.md). Validation (4 samples per prompt at temperature 1) runs before GRPO and
+# every 20 of its 40 steps, on held-out images and on the same prompts with the square left out (the
+# control: the prompt alone does not tell the colour, so at most chance, 0.25).
+# 7 min 23 s from an empty $OUT on 2 AMD EPYC cores shared with other jobs (load 15-33): validation 0.332 ->
+# 0.566 -> 0.738, the control 0.094 -> 0.137 -> 0.209 (docs/vlm.md). The FSDP2 actor instead:
+# `bash launch/grpo_vlm_tiny_cpu.sh actor_rollout_ref.actor.strategy=fsdp2` (the reference follows it).
+# This file is valid bash and valid Python: both of these run it.
 #
 #   bash launch/grpo_vlm_tiny_cpu.sh                     # the whole demo (starts torchrun itself)
 #   torchrun --nproc_per_node=2 launch/grpo_vlm_tiny_cpu.sh
