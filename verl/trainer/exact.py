@@ -17,8 +17,9 @@ What exact mode adds, for the process it runs in (:class:`ExactMode`, entered by
   where the batch of step ``t`` is begun with version ``max(0, t - 1 - max_staleness)`` in the
   step's fixed window and, with partial rollout, each later window runs exactly one segment of it.
 
-Wall-clock metrics (``timing_s/*``, ``perf/*``, and the few rates and times named by
-:data:`TIMING_KEYS`) differ between any two runs; :func:`comparable` drops them.
+Wall-clock and memory metrics (``timing_s/*``, ``perf/*``, ``memory/*``, and any key whose last part
+ends in ``_s``: seconds or a rate per second, e.g. ``rollout/tokens_per_s``) differ between any two
+runs; :func:`comparable` drops them.
 docs/reproducibility.md has the measured cost and what an engine cannot promise.
 """
 
@@ -32,18 +33,22 @@ import torch
 
 from verl.utils.logging import log_rank0
 
-__all__ = ["TIMING_KEYS", "ExactMode", "comparable", "pinned_async"]
+__all__ = ["ExactMode", "comparable", "pinned_async", "wall_clock"]
 
 logger = logging.getLogger(__name__)
 
-# Metric keys that measure wall-clock time or speed: prefixes, then whole keys.
-TIMING_PREFIXES = ("timing_s/", "perf/")
-TIMING_KEYS = ("rollout/tokens_per_s", "rollout/time_s")
+# Metric prefixes of wall-clock times, speeds and memory (perf/ holds the memory peaks too).
+_WALL_CLOCK_PREFIXES = ("timing_s/", "perf/", "memory/")
+
+
+def wall_clock(key: str) -> bool:
+    """Whether metric ``key`` measures time, speed or memory (differs between any two runs)."""
+    return key.startswith(_WALL_CLOCK_PREFIXES) or key.rsplit("/", 1)[-1].endswith("_s")
 
 
 def comparable(metrics: dict[str, Any]) -> dict[str, Any]:
     """``metrics`` without its wall-clock keys: what two exact runs give equal (``==``)."""
-    return {k: v for k, v in metrics.items() if not k.startswith(TIMING_PREFIXES) and k not in TIMING_KEYS}
+    return {k: v for k, v in metrics.items() if not wall_clock(k)}
 
 
 def pinned_async(fill_update_window: bool, free_running: bool, *, deterministic: bool) -> tuple[bool, bool]:
@@ -85,7 +90,7 @@ class ExactMode:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        log_rank0(logger, logging.INFO, "trainer.deterministic=true: torch's deterministic algorithms on, step-paced async schedule")
+        log_rank0(logger, logging.INFO, "trainer.deterministic=true: torch's deterministic algorithms on for this run (docs/reproducibility.md)")
         return self
 
     def __exit__(self, *exc: object) -> None:
