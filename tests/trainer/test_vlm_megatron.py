@@ -253,3 +253,15 @@ def test_grpo_with_images_on_the_megatron_actor(vlm_dir, tmp_path):
         # The engine's cached decode and the trainer's one pass in fp32: rounding only (text models' bound).
         assert step["training/rollout_logprob_diff_max"] < 1e-4, step["training/rollout_logprob_diff_max"]
     assert second["actor/kl_loss"] != 0.0  # the actor moved, and the rollout followed it
+
+
+def test_the_engine_s_spec_of_a_vlm_directory_is_its_decoder_s(vlm_dir):
+    """What the layout checks, the MFU figures and the memory plan read (``load_model_spec``); the
+    decoder's override is refused in one line rather than dropped."""
+    from verl.config.schema import ModelConfig
+    from verl.engine.build import load_model_spec
+
+    spec = load_model_spec(ModelConfig(path=vlm_dir))
+    assert (spec.model_type, spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.qkv_bias) == ("qwen2", 64, 2, 2, True)
+    with pytest.raises(ValueError, match=r"^model.override_config=\{'rms_norm_eps': 1e-05\}: not applied to a vision-language"):
+        load_model_spec(ModelConfig(path=vlm_dir, override_config={"rms_norm_eps": 1e-5}))
