@@ -75,9 +75,9 @@ def test_missing_and_partial_inputs_are_clear_errors(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o")
 
 
-def test_layout_that_cannot_split_names_the_field(tmp_path):
+def test_layout_that_cannot_split_names_the_field(tmp_path, capsys):
     model = make_tiny_model(str(tmp_path / "hf"), "llama_gqa")  # one key/value head
-    out = _run(HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "o"), "--tp", "2")
+    out = _in_process(capsys, HF2MEG, "--hf-dir", model, "--out-dir", str(tmp_path / "o"), "--tp", "2")
     assert out.returncode == 2 and "num_key_value_heads=1" in out.stderr
 
 
@@ -125,9 +125,10 @@ def test_back_to_hf_loads_in_transformers(converted, back_to_hf):
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_overwrite_replaces_only_what_verl_wrote(converted, back_to_hf, tmp_path):
+def test_overwrite_replaces_only_what_verl_wrote(converted, back_to_hf, tmp_path, capsys):
     """--overwrite onto a folder verl did not write deleted the user's files in it; without it, a
-    folder verl did write was called "not written by verl". Both tools share the rule."""
+    folder verl did write was called "not written by verl". Both tools share the rule. The first
+    refusal runs as a command, the rest by megatron2hf's main(argv) here (no Python start each)."""
     _, ckpt, _ = converted
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -141,17 +142,17 @@ def test_overwrite_replaces_only_what_verl_wrote(converted, back_to_hf, tmp_path
     back = tmp_path / "back"
     assert back_to_hf[1].returncode == 0, back_to_hf[1].stderr[-3000:]
     shutil.copytree(back_to_hf[0], back)  # a folder megatron2hf wrote (its marker file with it)
-    proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
+    proc = _in_process(capsys, MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--no-progress")
     assert one_error_line(proc, "megatron2hf").endswith(
         f"--out-dir={back} holds an earlier Hugging Face checkpoint (tools/megatron2hf.py) written by verl; pass "
         "--overwrite to replace it (once the new one is complete) or choose another --out-dir (nothing was changed)"
     )
-    proc = _run(MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--overwrite", "--no-progress")
+    proc = _in_process(capsys, MEG2HF, "--megatron-dir", str(ckpt), "--out-dir", str(back), "--overwrite", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.isfile(back / "config.json") and os.path.isfile(back / MARKER_FILE)
 
 
-def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, back_to_hf, tmp_path):
+def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, back_to_hf, tmp_path, capsys):
     """--megatron-dir global_step_N finds the actor's model inside; the checkpoint root names the step."""
     _, ckpt, _ = converted
     step = tmp_path / "ckpt" / "global_step_3"
@@ -165,7 +166,8 @@ def test_a_training_checkpoint_is_converted_from_its_step_folder(converted, back
     assert sorted(p.name for p in (tmp_path / "from_step").iterdir()) == expected
     for name in (n for n in expected if n != MARKER_FILE):  # the marker holds its write time
         assert (tmp_path / "from_step" / name).read_bytes() == (direct_dir / name).read_bytes(), name
-    root = _run(MEG2HF, "--megatron-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "o"), "--no-progress")
+    root = _in_process(capsys, MEG2HF, "--megatron-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "o"),
+                       "--no-progress")
     assert one_error_line(root, "megatron2hf").endswith(
         f"pass one step, e.g. the newest: --megatron-dir {step} (its actor model, {step}/actor/model)")
     assert not (tmp_path / "o").exists()
