@@ -38,7 +38,8 @@ pipeline stages, context parallel > 1, value/reward heads, and vision-language f
 Qwen2.5-VL (Qwen2-VL, Qwen3-VL...). Checkpoints: Hugging Face safetensors in the
 hub's layout (``model.layers.*``, ``lm_head.weight``, ``visual.*``), read through verl's weight
 mapping; HF <-> Megatron conversion: ``verl.models.convert_vlm``. The Megatron training engine
-does not take a VLM yet (its config parser refuses it, naming the FSDP2 engine).
+builds it from a Qwen2.5-VL directory (``verl.engine.build.build_vlm_chunk``: TP and DP; its own
+refusals in ``check_vlm_engine``).
 """
 
 from __future__ import annotations
