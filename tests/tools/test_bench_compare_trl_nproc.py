@@ -31,16 +31,17 @@ def test_compare_trl_nproc_refusals(monkeypatch, argv, env, message):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_compare_trl_nproc2_smoke(tmp_path):
+@pytest.mark.parametrize("launch", ["together", "apart"])
+def test_compare_trl_nproc2_smoke(tmp_path, launch):
     pytest.importorskip("trl", reason="the bench extra (pip install -e .[bench]) brings TRL")
     # OMP_NUM_THREADS unset in the bench's own environment: each launch's processes must still run on
     # --threads (1), not on the core count accelerate would pick.
     result, _ = run_bench(
-        "compare-trl", "--nproc", "2", "--inputs", str(tmp_path), "--engine", "hf", "--prompts", "2", "--n", "2",
-        "--response-length", "6", "--steps", "1", "--warmup", "1", "--reward", "words",
+        "compare-trl", "--nproc", "2", "--launch", launch, "--inputs", str(tmp_path), "--engine", "hf",
+        "--prompts", "2", "--n", "2", "--response-length", "6", "--steps", "1", "--warmup", "1", "--reward", "words",
         timeout=400, threads=None,
     )
-    assert result["nproc"] == 2
+    assert result["nproc"] == 2 and result["launch"] == launch
     # Each side on its own 2 processes: TRL's data-parallel launch with half the 4 samples per process,
     # ours colocated on 2 ranks (data parallel 2, synchronous, one engine per rank).
     assert result["trl"]["processes"] == 2 and result["trl"]["per_device_train_batch_size"] == 2
@@ -56,6 +57,7 @@ def test_compare_trl_nproc2_smoke(tmp_path):
             # The whole step's samples, both processes' (TRL's and our metrics are gathered over ranks).
             assert 0 < r["generated_tokens"] <= 2 * 2 * 6, (side, r)
             assert 0 < r["mfu"] < 1.5 and r["tflops"] > 0, (side, r)
+            assert len(r["load_average"]) == 3, (side, r)  # the machine's, at the step's end
     assert result["samples_seen"] == [0, 4]
     assert len(result["reward_curve_ours"]) == len(result["reward_curve_trl"]) == 2  # warm-up included
     assert all(0.0 <= v <= 1.0 for v in result["reward_curve_ours"] + result["reward_curve_trl"])

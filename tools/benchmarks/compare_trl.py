@@ -448,6 +448,10 @@ def _compare_trl(p: argparse.ArgumentParser) -> Runner:
                         "two torchrun launches of N processes, TRL's data-parallel launch and ours on N ranks "
                         "(colocated, data parallel N, sync), alive together and stepped in turn: TRL's step k, "
                         "then ours (tools/benchmarks/compare_trl_nproc.py) (default %(default)s)")
+    p.add_argument("--launch", choices=["together", "apart"], default="together",
+                   help="with --nproc N: together keeps both launches alive and steps them in turn (a load change "
+                        "hits both alike; 2N processes' memory at once); apart runs TRL's launch through all its "
+                        "steps, then ours (N processes' memory; the sides' steps minutes apart) (default %(default)s)")
     p.add_argument("--verl-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help=f"our actor's training dtype (bf16: fp32 master weights); auto: bf16 from hidden size "
                         f"{_BF16_FROM_HIDDEN} up on a CPU with bf16 matrix instructions (avx512_bf16/amx_bf16), "

@@ -45,7 +45,8 @@ def _key(kind: str, side: str, step: int | None = None) -> str:
 class _Launches:
     """The two torchrun launches and the store they step by: start, hand out steps, collect records."""
 
-    def __init__(self, root: str, spec: dict[str, Any], nproc: int, threads: int) -> None:
+    def __init__(self, root: str, spec: dict[str, Any], nproc: int, threads: int,
+                 sides: tuple[str, ...] = _SIDES) -> None:
         import torch.distributed as dist
 
         self.root = root
@@ -58,7 +59,7 @@ class _Launches:
                    VERL_DIES_WITH_PARENT="1",  # a killed bench takes its launches along
                    TORCH_ELASTIC_SHUTDOWN_TIMEOUT="30")  # nothing of theirs to save
         env.pop("WORLD_SIZE", None)
-        for side in _SIDES:
+        for side in sides:
             path = os.path.join(root, f"spec-{side}.json")
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(dict(spec, side=side), f)
@@ -142,16 +143,21 @@ def compare_trl_nproc(args: argparse.Namespace) -> dict[str, Any]:
         cfg = rl_config("grpo_tiny_cpu", overrides, root, nproc)  # a bad override fails here, before any launch
         spec = {"args": {k: v for k, v in vars(args).items() if k != "run"}, "model": model, "train": made["train"],
                 "root": root, "overrides": overrides, "nproc": nproc}
-        launches = _Launches(root, spec, nproc, args.threads)
-        info = {side: launches.wait_key(_key("ready", side)) for side in _SIDES}  # both built and warm
         records: dict[str, list[dict[str, Any]]] = {side: [] for side in _SIDES}
-        for step in range(args.warmup + args.steps):
-            for side in _SIDES:  # TRL's step, then ours
-                records[side].append(launches.step(side, step))
-            logger.info("compare-trl --nproc %d round %d: TRL %.3f s/step (%.3f s generating), ours %.3f s/step "
-                        "(%.3f s generating)", nproc, step + 1, records["trl"][-1]["step_s"],
-                        records["trl"][-1]["gen_s"], records["ours"][-1]["step_s"], records["ours"][-1]["gen_s"])
-        launches.finish()
+        info: dict[str, Any] = {}
+        # together: both launches alive, stepped in turn; apart: one launch at a time, TRL's then ours (half
+        # the memory: at SmolLM2-135M four processes of ~5 GiB did not fit beside others' work in 24 GiB).
+        for sides in ([_SIDES] if args.launch == "together" else [(side,) for side in _SIDES]):
+            launches = _Launches(root, spec, nproc, args.threads, sides)
+            info.update({side: launches.wait_key(_key("ready", side)) for side in sides})  # built and warm
+            for step in range(args.warmup + args.steps):
+                for side in sides:  # TRL's step, then ours
+                    records[side].append(launches.step(side, step))
+                    logger.info("compare-trl --nproc %d, %s step %d: %.3f s (%.3f s generating)", nproc, side,
+                                step + 1, records[side][-1]["step_s"], records[side][-1]["gen_s"])
+            launches.finish()
+            launches.close()
+            launches = None
     finally:
         if launches is not None:
             launches.close()
@@ -160,8 +166,11 @@ def compare_trl_nproc(args: argparse.Namespace) -> dict[str, Any]:
                  "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, **info["ours"]}
     result = compare_trl_result(args, model, ours_info, info["trl"], records["trl"], records["ours"], devices=nproc)
     result["nproc"] = nproc
-    result["launch"] = ("two torchrun launches of nproc processes each, alive together; TRL's step k, then ours, "
-                        "each side waiting for its turn (a TCPStore key) outside its timing")
+    result["launch"] = args.launch
+    result["launch_how"] = (
+        "two torchrun launches of nproc processes each, alive together; TRL's step k, then ours, each side waiting "
+        "for its turn (a TCPStore key) outside its timing" if args.launch == "together" else
+        "two torchrun launches of nproc processes each, one after the other: TRL's through all its steps, then ours")
     return result
 
 
@@ -178,7 +187,7 @@ def _trl_worker(spec: dict[str, Any], args: argparse.Namespace, store: Any, rank
 
     def on_step() -> None:
         if rank == 0:
-            store.set(_key("done", "trl", step["k"]), json.dumps(records[-1]))
+            store.set(_key("done", "trl", step["k"]), json.dumps({**records[-1], "load_average": os.getloadavg()}))
         step["k"] += 1
 
     trainer, records, config = _trl_side(args, spec["model"], spec["train"], os.path.join(spec["root"], "trl"),
@@ -210,7 +219,7 @@ def _our_worker(spec: dict[str, Any], args: argparse.Namespace, store: Any, rank
                 "processes": dist.get_world_size()}))
         for k in range(args.warmup + args.steps):
             store.wait([_key("go", "ours", k)], _GO_TIMEOUT)
-            record = our_record(trainer.train_step(), sequences)
+            record = {**our_record(trainer.train_step(), sequences), "load_average": os.getloadavg()}
             if rank == 0:
                 store.set(_key("done", "ours", k), json.dumps(record))
 
