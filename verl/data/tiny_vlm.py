@@ -1,4 +1,4 @@
-"""A tiny Qwen2.5-VL checkpoint made offline: tokenizer, image processor and random weights.
+"""A tiny Qwen2.5-VL or Qwen3-VL checkpoint made offline: tokenizer, image processor and random weights.
 
 ``make_tiny_vlm`` writes a directory that ``verl.data.vlm.load_processor`` (``AutoTokenizer``
 and ``AutoImageProcessor``) and ``AutoModelForImageTextToText`` load: the byte-level BPE tokenizer of :mod:`verl.data.tiny_model`
@@ -8,6 +8,12 @@ merge 2: a 28 x 28 image is 4 patches, one image token), and a randomly initiali
 ``Qwen2_5_VLForConditionalGeneration`` (a 2-layer language model of hidden 64 with multimodal
 rotary positions, a 2-block vision tower of hidden 32). Everything is a function of the
 arguments and the seed.
+
+``TinyVLMSpec(family="qwen3_vl")`` makes a ``Qwen3VLForConditionalGeneration`` of the same sizes
+instead: the same tokenizer and vision tokens (Qwen3-VL's are Qwen2.5-VL's), its image processor
+with patch 16 (a 32 x 32 image is one image token), a vision tower with learned position
+embeddings and one deepstack merger (the features of vision block 0 added to the language
+model's first layer's output), and interleaved multimodal rotary positions.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from verl.data.tiny_model import SPECIAL_TOKENS, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VISION_TOKENS", "VLM_CHAT_TEMPLATE", "TinyVLMSpec", "make_tiny_vlm", "tiny_image_processor", "tiny_vlm_tokenizer"]
+__all__ = ["VISION_TOKENS", "VLM_CHAT_TEMPLATE", "VLM_FAMILIES", "TinyVLMSpec", "make_tiny_vlm", "tiny_image_processor", "tiny_vlm_tokenizer"]
 
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
+# The families make_tiny_vlm writes, with their vision patch size (Qwen2.5-VL 14, Qwen3-VL 16).
+VLM_FAMILIES = {"qwen2_5_vl": 14, "qwen3_vl": 16}
 
 # ChatML as the tiny text models write it; an image content part ({"type": "image"}) renders as
 # Qwen's vision span, which the processor widens to one <|image_pad|> per merged patch.
@@ -50,8 +58,10 @@ VLM_CHAT_TEMPLATE = (
 
 @dataclass(frozen=True, kw_only=True)
 class TinyVLMSpec:
-    """Shape of a tiny Qwen2.5-VL."""
+    """Shape of a tiny Qwen2.5-VL (or Qwen3-VL: ``family``)."""
 
+    family: str = "qwen2_5_vl"
+    """Model family: qwen2_5_vl or qwen3_vl."""
     hidden: int = 64
     """Language model hidden size."""
     layers: int = 2
@@ -81,6 +91,8 @@ class TinyVLMSpec:
 
     def validate(self) -> None:
         """Reject shapes the model cannot take."""
+        if self.family not in VLM_FAMILIES:
+            raise ValueError(f"--family {self.family!r} is not one of {sorted(VLM_FAMILIES)}")
         for name in ("hidden", "layers", "heads", "kv_heads", "vision_hidden", "vision_depth", "vision_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -101,11 +113,14 @@ def _mrope_section(head_dim: int) -> list[int]:
 
 
 def tiny_image_processor(spec: TinyVLMSpec) -> Any:
-    """Qwen2-VL's image processor (PIL backend: torchvision is not in the environment) with ``spec``'s pixel budget."""
+    """Qwen2-VL's image processor (PIL backend: torchvision is not in the environment) with ``spec``'s pixel budget
+    and its family's patch size (Qwen3-VL's also normalises with mean and std 0.5, as its checkpoints do)."""
     from transformers import Qwen2VLImageProcessorPil
 
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
-    return Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, size=size)
+    extra = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if spec.family == "qwen3_vl" else {}
+    return Qwen2VLImageProcessorPil(patch_size=VLM_FAMILIES[spec.family], temporal_patch_size=2, merge_size=2,
+                                    size=size, **extra)
 
 
 def tiny_vlm_tokenizer(spec: TinyVLMSpec) -> Any:
@@ -138,15 +153,31 @@ def _config(spec: TinyVLMSpec, tokenizer: Any) -> Any:
         temporal_patch_size=2, window_size=56, fullatt_block_indexes=[spec.vision_depth - 1], in_channels=3,
         initializer_range=0.02,
     )
+    if spec.family == "qwen3_vl":
+        return _qwen3_config(text, vision, ids, head_dim)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32", **ids)
 
 
+def _qwen3_config(text: dict, vision: dict, ids: dict, head_dim: int) -> Any:
+    """Qwen3-VL's config of the same sizes: patch 16, learned vision positions on an 8 x 8 grid (resampled to each
+    image's), one deepstack merger, interleaved mrope; the text model has no sliding window."""
+    from transformers import Qwen3VLConfig
+
+    text = {k: v for k, v in text.items() if k != "use_sliding_window"}
+    text["head_dim"] = head_dim
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+    vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
+    vision.update(patch_size=VLM_FAMILIES["qwen3_vl"], num_position_embeddings=64, deepstack_visual_indexes=[0],
+                  hidden_act="gelu_pytorch_tanh")
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32", **ids)
+
+
 def make_tiny_vlm(out_dir: str, spec: TinyVLMSpec | None = None, *, overwrite: bool = False) -> str:
-    """Write the tokenizer, processor and randomly initialised Qwen2.5-VL of ``spec`` to ``out_dir``.
+    """Write the tokenizer, processor and randomly initialised Qwen2.5-VL (or Qwen3-VL) of ``spec`` to ``out_dir``.
 
     A non-empty ``out_dir`` is refused (ValueError) unless ``overwrite``.
     """
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     spec = spec or TinyVLMSpec()
     spec.validate()
@@ -156,7 +187,8 @@ def make_tiny_vlm(out_dir: str, spec: TinyVLMSpec | None = None, *, overwrite: b
     image_processor = tiny_image_processor(spec)
     config = _config(spec, base)
     torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    family = Qwen3VLForConditionalGeneration if spec.family == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
+    model = family(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id
     )
@@ -173,8 +205,8 @@ def make_tiny_vlm(out_dir: str, spec: TinyVLMSpec | None = None, *, overwrite: b
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info(
-        "wrote a tiny Qwen2.5-VL to %s: %d parameters (vision tower %d), vocab %d, pixels %d..%d",
-        out_dir, sum(p.numel() for p in model.parameters()),
+        "wrote a tiny %s to %s: %d parameters (vision tower %d), vocab %d, pixels %d..%d",
+        type(model).__name__, out_dir, sum(p.numel() for p in model.parameters()),
         sum(p.numel() for p in model.model.visual.parameters()), len(base), spec.min_pixels, spec.max_pixels,
     )
     return out_dir

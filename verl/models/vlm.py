@@ -1,4 +1,4 @@
-"""A Hugging Face vision-language model (Qwen2.5-VL and its relatives) run by the plain engines.
+"""A Hugging Face vision-language model (Qwen2.5-VL, Qwen3-VL and their relatives) run by the plain engines.
 
 The engines call a model as ``module(input_ids, attention_mask=..., position_ids=..., use_cache=False)``
 (``verl.engine.torch_engine.module_forward_kwargs``). :class:`ImageFeed` is a forward pre-hook on
@@ -119,8 +119,11 @@ class ImageFeed:
                              device=embeds.device, dtype=embeds.dtype)
         out = self._tower(pixels, grid_thw=grid)
         # Every parameter of the encoder must be in the graph (FSDP2 reduce-scatters the gradients a unit
-        # has): the merged features (pooler_output, after the merger) and the blocks' states both.
-        parts = [out] if torch.is_tensor(out) else [out.last_hidden_state, getattr(out, "pooler_output", None)]
+        # has): the merged features (pooler_output, after the merger), the blocks' states, and Qwen3-VL's
+        # deepstack features (its deepstack mergers' outputs) all.
+        parts = [out] if torch.is_tensor(out) else [
+            out.last_hidden_state, getattr(out, "pooler_output", None), *(getattr(out, "deepstack_features", None) or ())
+        ]
         total = sum(p.sum() for p in parts if torch.is_tensor(p))
         return embeds + 0.0 * total
 
