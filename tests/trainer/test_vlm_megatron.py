@@ -265,3 +265,29 @@ def test_the_engine_s_spec_of_a_vlm_directory_is_its_decoder_s(vlm_dir):
     assert (spec.model_type, spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.qkv_bias) == ("qwen2", 64, 2, 2, True)
     with pytest.raises(ValueError, match=r"^model.override_config=\{'rms_norm_eps': 1e-05\}: not applied to a vision-language"):
         load_model_spec(ModelConfig(path=vlm_dir, override_config={"rms_norm_eps": 1e-5}))
+
+
+def test_a_rollout_apart_from_the_megatron_vlm_actor_is_refused_before_the_build(vlm_dir, tmp_path):
+    """The push into a rollout apart carries the decoder alone: refused at pre-flight in one line naming
+    the key and the fix; FSDP2's actor and the colocated rollout pass that check."""
+    from verl.config import PPOConfig, load_config
+    from verl.trainer.ppo_checks import _megatron_vlm_problems, check_ppo_inputs
+
+    rows = [{"prompt": "<image>Which colour?", "images": [{"bytes": _png("red", (28, 28)), "path": None}],
+             "data_source": "hiyouga/geometry3k", "reward_model": {"style": "rule", "ground_truth": "red"}}]
+    train = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    base = [f"actor_rollout_ref.model.path={vlm_dir}", f"data.train_files={train}", "data.val_files=null",
+            "actor_rollout_ref.rollout.name=hf", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=megatron",
+            "trainer.rollout_mode=async", f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"]
+
+    def config(*more):
+        return load_config(PPOConfig, config_file="grpo_tiny_cpu", overrides=[*base, *more], world_size=2)
+
+    with pytest.raises(ValueError) as err:
+        check_ppo_inputs(config("trainer.placement.rollout=[1]"))
+    line = next(p for p in str(err.value).splitlines() if "trainer.placement.rollout" in p)
+    assert "trainer.placement.rollout=[1]: the Megatron actor of the vision-language model" in line
+    assert line.rstrip().endswith("drop trainer.placement.rollout (docs/vlm.md)")
+    assert _megatron_vlm_problems(config()) == []  # colocated
+    assert _megatron_vlm_problems(config("trainer.placement.rollout=[1]", "actor_rollout_ref.actor.strategy=fsdp2")) == []

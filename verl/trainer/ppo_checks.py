@@ -355,6 +355,25 @@ def _model_folder_problems(cfg: PPOConfig) -> list[str]:
     return problems
 
 
+def _megatron_vlm_problems(cfg: PPOConfig) -> list[str]:
+    """A vision-language policy on the Megatron actor pushes its weights, the vision tower's included,
+    into a rollout on its own ranks only (``verl.hybrid.hf_push``); the send to a rollout on ranks of
+    its own carries the decoder's alone, so that layout is refused before anything is built."""
+    arr = cfg.actor_rollout_ref
+    rollout_ranks = cfg.trainer.placement.get("rollout")
+    if arr.actor.strategy != "megatron" or not rollout_ranks or registered_module(arr.model.path) is not None:
+        return []
+    from verl.models.megatron_vlm import is_vlm_config
+
+    if not is_vlm_config(os.path.expanduser(arr.model.path)):
+        return []
+    return [
+        f"trainer.placement.rollout={list(rollout_ranks)}: the Megatron actor of the vision-language model "
+        f"{arr.model.path} pushes its weights (the vision tower's included) only into a rollout on its own ranks; "
+        "a rollout on ranks of its own is not built for it: drop trainer.placement.rollout (docs/vlm.md)"
+    ]
+
+
 def _vllm_length_problems(cfg: PPOConfig, spec: Any) -> list[str]:
     """vLLM refuses a ``max_model_len`` (the rollout's prompt + response length) beyond the
     positions the model's config derives (``max_position_embeddings``, times a ``linear`` RoPE
@@ -1002,6 +1021,7 @@ def check_ppo_inputs(cfg: PPOConfig, *, whole_run: bool = False) -> None:
         problems += _preference_problems(cfg)
     if not problems:
         problems += _model_folder_problems(cfg)
+        problems += _megatron_vlm_problems(cfg)
     if not problems:
         problems += _lora_size_problems(cfg)
         problems += _split_problems(cfg)
