@@ -135,8 +135,11 @@ def _convert_and_check_rank(hf_dir: str, tmp_dir: str, tp: int, pp: int, build: 
     later load reads. Returns (peak RSS in MiB, max |difference|)."""
     from verl.parallel.megatron_state import destroy_model_parallel
 
+    import gc
+
     rss = _convert_rank(hf_dir, tmp_dir, tp, pp, build, progress)
     destroy_model_parallel()
+    gc.collect()  # the converted model's memory back before the check builds its own
     dist.barrier()  # every rank's part is on disk before any rank reads the checkpoint
     return rss, _check_rank(tmp_dir, expected_path, tp, pp)
 
