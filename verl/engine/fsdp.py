@@ -146,12 +146,24 @@ def load_hf_value_model(model: Any, *, dtype: torch.dtype, key: str = "critic.mo
     name (``verl.models.weight_mapping``): read from the checkpoint when it holds ``score.weight``,
     else initialised as the Megatron critic initialises it (``verl.models.heads.scalar_head_init``),
     so both engines start from the same values. The engine reads the head per token (the value
-    of every state), not the class's last-token pooling."""
-    from transformers import AutoModelForSequenceClassification
+    of every state), not the class's last-token pooling.
+
+    A vision-language model (a config with a ``vision_config``; transformers has no
+    ``*ForSequenceClassification`` for the Qwen-VL families) is loaded whole as
+    ``AutoModelForImageTextToText`` loads it and wrapped in :class:`verl.models.vlm.VLMValueModel`:
+    its decoder, vision encoder included, with the same ``score`` head (read or initialised as above)."""
+    from transformers import AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     from verl.models.heads import scalar_head_init
 
     path, config = _hf_config(model, key)
+    if getattr(config, "vision_config", None) is not None:
+        from verl.models.vlm import VLMValueModel, saved_score
+
+        vlm = AutoModelForImageTextToText.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code
+        )
+        return VLMValueModel(vlm, score=saved_score(path)).to(dtype)
     config.num_labels = 1
     if config.pad_token_id is None:
         # The class's last-token pooling (unused here) refuses batches without a pad id.

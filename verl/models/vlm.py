@@ -17,6 +17,10 @@ outputs and the gradients do not change; the collectives pair up).
 
 :func:`freeze_vision_tower` is the reference verl's ``freeze_vision_tower``: the vision encoder
 (patch embedding, blocks, merger) takes no gradient and no optimizer state.
+
+:class:`VLMValueModel` is a critic's model for a VLM (transformers has no ``*ForSequenceClassification``
+for the Qwen-VL families): the VLM's decoder (vision encoder and language model) with a scalar
+``score`` head on every position, in the layout the engines' value heads read.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from verl.protocol.images import model_image_inputs
 
-__all__ = ["ImageFeed", "freeze_vision_tower", "is_vlm", "vision_tower"]
+__all__ = ["ImageFeed", "VLMValueModel", "freeze_vision_tower", "is_vlm", "vision_tower"]
 
 
 def is_vlm(module: torch.nn.Module) -> bool:
@@ -131,3 +135,81 @@ class ImageFeed:
         """Take the hooks off the model."""
         for handle in self._handles:
             handle.remove()
+
+
+class VLMValueModel(torch.nn.Module):
+    """A value (or reward) head on a vision-language model: ``score`` [hidden] -> 1 (no bias) on every
+    position of the VLM's decoder (``model`` of a ``*ForConditionalGeneration``: its vision encoder and
+    language model; the LM head is not kept).
+
+    The call the engines make, ``module(input_ids, attention_mask=..., position_ids=..., use_cache=...)``
+    plus the images :class:`ImageFeed` adds, returns an object whose ``logits`` [B, T, 1] are the head on
+    every position. Its state dict is the VLM's names under ``model.`` and ``score.weight`` (a
+    ``*ForSequenceClassification``'s layout); ``config`` is the VLM's.
+
+    Args:
+        vlm: a transformers vision-language ``*ForConditionalGeneration`` (Qwen2.5-VL, Qwen3-VL, ...).
+        score: the head's weight [1, hidden]; None: verl's scalar-head initialisation
+            (``verl.models.heads.scalar_head_init``, as the Megatron and text FSDP2 critics start).
+    """
+
+    def __init__(self, vlm: torch.nn.Module, *, score: torch.Tensor | None = None) -> None:
+        super().__init__()
+        from verl.models.heads import scalar_head_init
+
+        inner = getattr(vlm, "model", None)
+        if not is_vlm(vlm) or not isinstance(inner, torch.nn.Module):
+            raise ValueError(f"a VLM value head wraps a transformers vision-language *ForConditionalGeneration (with "
+                             f".model and a vision_config), got {type(vlm).__name__}")
+        self.model = inner
+        self.config = vlm.config
+        self.generation_config = None
+        # FSDP2 shards these one by one (verl.engine.fsdp.decoder_layers): the VLM's decoder and vision blocks.
+        self._no_split_modules = list(getattr(vlm, "_no_split_modules", None) or [])
+        hidden = int((getattr(self.config, "text_config", None) or self.config).hidden_size)
+        dtype = next(inner.parameters()).dtype
+        self.score = torch.nn.Linear(hidden, 1, bias=False, dtype=dtype)
+        init = score if score is not None else scalar_head_init(hidden, getattr(self.config, "initializer_range", 0.02))
+        if tuple(init.shape) != (1, hidden):
+            raise ValueError(f"VLMValueModel: score weight of shape {tuple(init.shape)}, expected (1, {hidden})")
+        with torch.no_grad():
+            self.score.weight.copy_(init)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False, **images: Any) -> Any:
+        """``logits`` [B, T, 1]: the head on the decoder's last hidden state at every position; ``images``:
+        ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` (the model's own mrope positions)."""
+        from transformers.modeling_outputs import ModelOutput
+
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=use_cache, **images)
+        return ModelOutput(logits=self.score(out.last_hidden_state))
+
+    def save_pretrained(self, out_dir: str, **_kwargs: Any) -> None:
+        """config.json (the VLM's) and ``model.safetensors`` (``model.*`` and ``score.weight``): a directory
+        :func:`verl.engine.fsdp.load_hf_value_model` loads back, head included."""
+        import os
+
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        self.config.save_pretrained(out_dir)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def saved_score(path: str) -> torch.Tensor | None:
+    """``score.weight`` from the safetensors files of the model directory ``path``, or None where none holds it."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            if "score.weight" in f.keys():
+                return f.get_tensor("score.weight")
+    return None
