@@ -173,6 +173,78 @@ def test_megatron_engine_trains_a_vlm(vlm_dir, rollout, tmp_path, tp, freeze):
     assert (_hf_logprobs(export, batch) - r0["exported_lp"]).abs()[mask].max() <= ATOL
 
 
+def _packed_body(vlm_dir: str, batch: dict[str, torch.Tensor]) -> dict:
+    """At TP 2: the padded engine and the engine with sequence parallel and packed sequences, each a
+    forward of the whole batch and one SGD step of the same loss."""
+    from verl.algos import GlobalBatchInfo, agg_loss
+    from verl.config import OptimConfig
+    from verl.config.schema import MegatronConfig, ModelConfig
+    from verl.engine import LossShare, MegatronEngine
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=2, seed=7)
+    adv = torch.randn(batch["input_ids"].shape[0], 1, generator=torch.Generator().manual_seed(11)).expand(-1, RESPONSE)
+    info = GlobalBatchInfo.from_masks([batch["response_mask"].float()])
+    out = {}
+    try:
+        for name, packed in (("padded", False), ("packed", True)):
+            engine = MegatronEngine(
+                model=ModelConfig(path=vlm_dir, use_remove_padding=packed),
+                megatron=MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=packed), pg=pg,
+                optim=OptimConfig(optimizer="sgd", lr=1e-2, clip_grad=0.0, weight_decay=0.0), total_training_steps=2,
+            )
+            # Micro-batches of 3 rows, each with images of two sizes.
+            old = engine.forward(batch, micro_batch_size=3).outputs["logprobs"][:, -RESPONSE:]
+
+            def loss_fn(outputs, mb):
+                ratio = torch.exp(outputs["logprobs"][:, -RESPONSE:] - mb["old"])
+                departure = ((ratio - 1).abs() * mb["response_mask"]).max()
+                loss = agg_loss(-ratio * mb["adv"], mb["response_mask"], "token-mean", global_batch_info=info)
+                return LossShare(loss, {"max:ratio_departure": departure.detach()})
+
+            before = _weights(engine)
+            step = {**batch, "old": old, "adv": adv.contiguous()}
+            result = engine.train_step(step, micro_batch_size=4, loss_fn=loss_fn)
+            after = _weights(engine)
+            out[name] = {"old": old, "departure": result.metrics["max:ratio_departure"], "after": after,
+                         "moved": sorted(n for n, v in after.items() if not torch.equal(v, before[n]))}
+            del engine
+        return out
+    finally:
+        ms.destroy_model_parallel()
+
+
+@pytest.mark.timeout(600)
+def test_sequence_parallel_and_packed_sequences_on_the_engine(vlm_dir, rollout):
+    """``use_remove_padding=true`` with ``sequence_parallel=true`` at TP 2: the images reach each packed
+    micro-batch (3 rows of images of different sizes per micro-batch); log-probabilities equal the padded
+    engine's and transformers', the first step's ratio is exactly 1, and one SGD step gives the padded
+    engine's weights (the vision tower's included: its gradient comes through the packed row and the
+    sequence-parallel split)."""
+    from verl.models.megatron_vlm import VISION_PREFIX
+
+    batch = {k: v for k, v in rollout.items() if k != "rollout_log_probs"}
+    results = run_distributed(_packed_body, 2, vlm_dir, batch, timeout=560)
+    mask = rollout["response_mask"].bool()
+    expected = _hf_logprobs(vlm_dir, batch)
+    for r in results:
+        padded, packed = r["padded"], r["packed"]
+        # Packed rows and per-sequence attention against padded rows, TP-split matmuls with and without the
+        # sequence-parallel gathers: the same fp32 math in another order (ATOL's comment; a missing image
+        # or a packed sequence given another row's positions is > 1e-3).
+        assert (packed["old"] - padded["old"]).abs()[mask].max() <= ATOL
+        assert (packed["old"] - expected).abs()[mask].max() <= ATOL
+        assert packed["departure"] == 0.0
+        vision = [n for n in padded["after"] if n.startswith(VISION_PREFIX)]
+        assert vision
+        for name, value in padded["after"].items():
+            # lr 1e-2 times gradients that agree to fp32 rounding (~1e-6 relative): the weights to ~1e-8.
+            torch.testing.assert_close(packed["after"][name], value, rtol=0, atol=1e-6, msg=name)
+        # The same tensors moved, the tower's among them, so the comparison above covers its gradient.
+        assert packed["moved"] == padded["moved"]
+        assert len(set(vision) & set(packed["moved"])) > len(vision) // 2
+
+
 def _refused(vlm_dir: str, **changes) -> str:
     from verl.config.schema import MegatronConfig, ModelConfig
     from verl.engine import MegatronEngine
@@ -191,10 +263,8 @@ def _refused(vlm_dir: str, **changes) -> str:
 
 @pytest.mark.timeout(300)
 def test_what_the_engine_does_not_run_is_refused_before_the_build(vlm_dir):
-    pp, packed = run_distributed(_refused, 2, vlm_dir, pipeline_model_parallel_size=2)[0], \
-        run_distributed(_refused, 1, vlm_dir, use_remove_padding=True)[0]
-    assert "\n" not in pp and "pipeline_model_parallel_size=2 (virtual None): set it to 1" in pp
-    assert "use_remove_padding=true" in packed and "Qwen2.5-VL" in packed
+    pp = run_distributed(_refused, 2, vlm_dir, pipeline_model_parallel_size=2)[0]
+    assert "\n" not in pp and "pipeline_model_parallel_size=2 (virtual None): set it to 1" in pp and "Qwen2.5-VL" in pp
     cp = run_distributed(_refused, 2, vlm_dir, context_parallel_size=2)[0]
     assert "context_parallel_size=2: set it to 1" in cp
     lora = run_distributed(_refused, 1, vlm_dir, lora_rank=4)[0]

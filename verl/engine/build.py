@@ -157,25 +157,24 @@ def load_model_spec(model: ModelConfig, *, key: str = "model.path") -> HFModelSp
 def check_vlm_engine(model: ModelConfig, megatron: MegatronConfig, build: ModelBuildConfig, pg: "ProcessGroupCollection",
                      *, key: str = "model") -> None:
     """Refuse, in one line naming the fields, what the Megatron engine does not run for a vision-language
-    model (before anything is built): pipeline/virtual pipeline/context parallel, sequence parallel,
-    packed sequences, LoRA adapters, value/reward heads."""
+    model (before anything is built): pipeline/virtual pipeline/context parallel, LoRA adapters,
+    value/reward heads. Sequence parallel and packed sequences (``use_remove_padding``) run: each
+    micro-batch's images go with its rows (``verl.models.forward``), each packed sequence gets its
+    row's 3D positions (``verl.models.megatron_vlm``)."""
     problems = []
     pp, vpp, cp = pg.pp.size(), megatron.virtual_pipeline_model_parallel_size, pg.cp.size()
     if pp > 1 or vpp is not None:
         problems.append(f"pipeline_model_parallel_size={pp} (virtual {vpp}): set it to 1")
     if cp > 1:
         problems.append(f"context_parallel_size={cp}: set it to 1")
-    if build.sequence_parallel and pg.tp.size() > 1:
-        problems.append("megatron.sequence_parallel=true: set it to false")
-    if model.use_remove_padding:
-        problems.append(f"{key}.use_remove_padding=true (packed sequences do not carry images yet): set it to false")
     if model.lora_rank > 0:
         problems.append(f"{key}.lora_rank={model.lora_rank}: LoRA adapters are not built on the vision-language model")
     if build.head != "lm":
         problems.append(f"a {build.head} head (critic or reward model): only the policy head 'lm'")
     if problems:
         raise ValueError(
-            f"{model.path}: the Megatron engine runs a vision-language model (Qwen2.5-VL) with TP and DP only; "
+            f"{model.path}: the Megatron engine runs a vision-language model (Qwen2.5-VL) with TP (sequence "
+            "parallel too), DP and packed sequences only; "
             + "; ".join(problems) + " (docs/vlm.md)"
         )
 

@@ -12,8 +12,9 @@ the modules of ``verl.engine``:
   one optimizer and scheduler step (:mod:`verl.engine.step`);
 - ``save``/``load`` (:mod:`verl.engine.state`) and ``export_hf`` (:mod:`verl.engine.export`).
 
-A Qwen2.5-VL directory builds ``verl.models.megatron_vlm.MegatronVLM`` as the one chunk (TP and DP;
-PP, CP, packing, LoRA refused before the build by ``verl.engine.build.check_vlm_engine``): the
+A Qwen2.5-VL directory builds ``verl.models.megatron_vlm.MegatronVLM`` as the one chunk (TP, sequence
+parallel, DP, packed sequences; PP, CP, LoRA refused before the build by
+``verl.engine.build.check_vlm_engine``): the
 batch's image columns reach each micro-batch's forward, the vision tower is in the checkpoint, the
 export and :meth:`MegatronEngine.hf_weights` (the push into a transformers rollout engine).
 """
