@@ -58,8 +58,13 @@ def test_compare_trl_nproc2_smoke(tmp_path, launch):
             assert 0 < r["generated_tokens"] <= 2 * 2 * 6, (side, r)
             assert 0 < r["mfu"] < 1.5 and r["tflops"] > 0, (side, r)
             assert len(r["load_average"]) == 3, (side, r)  # the machine's, at the step's end
+            assert 0 < r["cpu_s"], (side, r)  # both processes' CPU seconds in the step
+        assert result[side]["generated_tokens_per_cpu_s"] > 0
     assert result["samples_seen"] == [0, 4]
     assert len(result["reward_curve_ours"]) == len(result["reward_curve_trl"]) == 2  # warm-up included
     assert all(0.0 <= v <= 1.0 for v in result["reward_curve_ours"] + result["reward_curve_trl"])
     expected = result["ours"]["generated_tokens_per_s"] / result["trl"]["generated_tokens_per_s"]
     assert result["tokens_per_s_ratio_of_medians"] == pytest.approx(expected)
+    per_cpu = [(a["generated_tokens"] / a["cpu_s"]) / (b["generated_tokens"] / b["cpu_s"])
+               for a, b in zip(result["ours"]["rounds"], result["trl"]["rounds"])]
+    assert result["tokens_per_cpu_s_ratio_rounds"] == pytest.approx(per_cpu)

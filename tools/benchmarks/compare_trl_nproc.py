@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from tools.benchmarks.harness import bench_inputs, rl_config  # first: sets vLLM's environment
+from tools.benchmarks.harness import bench_inputs, median, rl_config  # first: sets vLLM's environment
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +84,12 @@ class _Launches:
             time.sleep(0.05)  # a poll of the store and the processes, not a synchronisation
         return json.loads(self.store.get(key))
 
-    def step(self, side: str, step: int) -> dict[str, Any]:
+    def step(self, side: str, step: int, nproc: int) -> dict[str, Any]:
+        """One step of ``side``: its record, with ``cpu_s``, the CPU seconds all its processes spent in it."""
         self.store.set(_key("go", side, step), "1")
-        return self.wait_key(_key("done", side, step))
+        record = self.wait_key(_key("done", side, step))
+        record["cpu_s"] = sum(self.wait_key(f"{_key('cpu', side, step)}/{rank}") for rank in range(nproc))
+        return record
 
     def finish(self, timeout_s: float = 300.0) -> None:
         """Wait for both launches to exit after their last step; a failed exit raises with its log."""
@@ -152,7 +155,7 @@ def compare_trl_nproc(args: argparse.Namespace) -> dict[str, Any]:
             info.update({side: launches.wait_key(_key("ready", side)) for side in sides})  # built and warm
             for step in range(args.warmup + args.steps):
                 for side in sides:  # TRL's step, then ours
-                    records[side].append(launches.step(side, step))
+                    records[side].append(launches.step(side, step, nproc))
                     logger.info("compare-trl --nproc %d, %s step %d: %.3f s (%.3f s generating)", nproc, side,
                                 step + 1, records[side][-1]["step_s"], records[side][-1]["gen_s"])
             launches.finish()
@@ -165,6 +168,15 @@ def compare_trl_nproc(args: argparse.Namespace) -> dict[str, Any]:
     ours_info = {"engine": cfg.actor_rollout_ref.rollout.name, "train_dtype": _VERL_DTYPES[train_dtype],
                  "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, **info["ours"]}
     result = compare_trl_result(args, model, ours_info, info["trl"], records["trl"], records["ours"], devices=nproc)
+    # Generated tokens per CPU second of the step (both processes' CPU time): what a side gets from the
+    # cores it is given, much less moved than wall time by others' processes on a shared machine.
+    for side in _SIDES:
+        result[side]["generated_tokens_per_cpu_s"] = median(
+            [r["generated_tokens"] / r["cpu_s"] for r in records[side][args.warmup:]])
+    result["tokens_per_cpu_s_ratio_rounds"] = [
+        (a["generated_tokens"] / a["cpu_s"]) / (b["generated_tokens"] / b["cpu_s"])
+        for a, b in zip(records["ours"][args.warmup:], records["trl"][args.warmup:])]
+    result["tokens_per_cpu_s_ratio_median_of_rounds"] = median(result["tokens_per_cpu_s_ratio_rounds"])
     result["nproc"] = nproc
     result["launch"] = args.launch
     result["launch_how"] = (
@@ -184,8 +196,10 @@ def _trl_worker(spec: dict[str, Any], args: argparse.Namespace, store: Any, rank
 
     def before_step() -> None:
         store.wait([_key("go", "trl", step["k"])], _GO_TIMEOUT)
+        step["cpu"] = time.process_time()
 
     def on_step() -> None:
+        store.set(f"{_key('cpu', 'trl', step['k'])}/{rank}", json.dumps(time.process_time() - step["cpu"]))
         if rank == 0:
             store.set(_key("done", "trl", step["k"]), json.dumps({**records[-1], "load_average": os.getloadavg()}))
         step["k"] += 1
@@ -219,7 +233,10 @@ def _our_worker(spec: dict[str, Any], args: argparse.Namespace, store: Any, rank
                 "processes": dist.get_world_size()}))
         for k in range(args.warmup + args.steps):
             store.wait([_key("go", "ours", k)], _GO_TIMEOUT)
-            record = {**our_record(trainer.train_step(), sequences), "load_average": os.getloadavg()}
+            cpu = time.process_time()
+            metrics = trainer.train_step()
+            store.set(f"{_key('cpu', 'ours', k)}/{rank}", json.dumps(time.process_time() - cpu))
+            record = {**our_record(metrics, sequences), "load_average": os.getloadavg()}
             if rank == 0:
                 store.set(_key("done", "ours", k), json.dumps(record))
 
