@@ -93,6 +93,7 @@ class HFRollout(RolloutEngine):
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"HFRollout: micro_batch_size={micro_batch_size}; it must be >= 1 (or None)")
         self.tokenizer = tokenizer
+        self.model_path = model_path
         self.eos_token_id = tokenizer.eos_token_id
         self.micro_batch_size = micro_batch_size
         if device is None:
@@ -144,6 +145,21 @@ class HFRollout(RolloutEngine):
         finally:
             self._prompt_images = None
 
+    @contextlib.contextmanager
+    def with_images(self, columns: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Calls of :meth:`sample` inside the block generate prompt ``i`` with row ``i`` of ``columns`` (the
+        ``mm_*`` columns, one row per prompt): the agent loop's conversations with images."""
+        if self.image_token_id is None:
+            raise ValueError(
+                f"rollout: the conversations hold images, but {type(self.model).__name__} is not a vision-language "
+                "model; give actor_rollout_ref.model.path a VLM checkpoint"
+            )
+        self._prompt_images = dict(columns) or None
+        try:
+            yield
+        finally:
+            self._prompt_images = None
+
     def _sample(self, prompts: list[list[int]], spec: SamplingSpec) -> list[Sample]:
         if self.model.device != self.device:
             raise RuntimeError("HFRollout.generate called after release(); call resume() first")
@@ -166,9 +182,9 @@ class HFRollout(RolloutEngine):
         if not found:
             if self.image_token_id is not None and bool((input_ids == self.image_token_id).any()):
                 raise ValueError(
-                    "rollout: prompts hold image tokens but no images reached the engine (the agent loop and "
-                    "RolloutEngine.sample pass token ids only); generate them through RolloutEngine.generate with "
-                    "the batch's mm_pixel_values / mm_image_grid_thw columns"
+                    "rollout: prompts hold image tokens but no images reached the engine (RolloutEngine.sample "
+                    "passes token ids only); generate them through RolloutEngine.generate with the batch's "
+                    "mm_pixel_values / mm_image_grid_thw columns, or call sample inside HFRollout.with_images"
                 )
             return {}
         found["mm_token_type_ids"] = (input_ids == self.image_token_id).int()

@@ -33,6 +33,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from verl.tools.response import ToolResponse
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -133,8 +135,8 @@ _PY_TO_JSON = {str: "string", int: "integer", float: "number", bool: "boolean", 
 
 
 class FunctionTool(Tool):
-    """A plain Python function as a stateless tool: ``fn(**arguments) -> str`` (other return
-    values are turned into text with ``str``).
+    """A plain Python function as a stateless tool: ``fn(**arguments) -> str`` or a
+    :class:`~verl.tools.response.ToolResponse` (other return values are turned into text with ``str``).
 
     Args:
         fn: the function.
@@ -183,7 +185,7 @@ class FunctionTool(Tool):
 
     def call(self, instance_id: str, arguments: dict[str, Any]) -> str:
         out = self.fn(**arguments)
-        return out if isinstance(out, str) else str(out)
+        return out if isinstance(out, (str, ToolResponse)) else str(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from verl.rollout.agent.agents import (
     register_program,
 )
 from verl.rollout.agent.endpoint import AgentEndpoint
+from verl.rollout.agent.images import ToolResponse
 from verl.rollout.agent.interaction import (
     INTERACTIONS,
     AnswerCheckInteraction,
@@ -96,6 +97,7 @@ __all__ = [
     "Tool",
     "ToolArgumentError",
     "ToolCall",
+    "ToolResponse",
     "ToolTurnEncoder",
     "Trajectory",
     "agent_metrics",

@@ -49,6 +49,12 @@ Bad calls never end a run: malformed JSON, an unknown tool name, arguments the s
 a tool that raises or runs past ``tool_timeout_s``, and calls beyond ``max_parallel_calls`` in
 one turn each get an ``Error: ...`` tool message, counted in ``agent/tool_errors/*``. A tool that
 hangs is abandoned in its (daemon) thread; the run goes on.
+
+Images (``verl.rollout.agent.images``): with a vision-language policy on the transformers engine a
+prompt's images stay in its conversation, and a tool may answer with images (a
+``ToolResponse(text=..., image=[...])``); the tool turn's ids hold each image's vision span, its
+pixels join the conversation's images after the prompt's, the engine generates every later turn
+with all of them, and the rollout batch's ``mm_*`` columns carry them to the trainer.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ import numpy as np
 import torch
 
 from verl.protocol import Batch
+from verl.protocol.images import MULTI_MODAL_KEYS, PIXEL_VALUES, model_image_inputs
 from verl.rollout.agent.agents import (
     AGENT_LOOPS,
     AGENT_PROGRAMS,
@@ -77,6 +84,7 @@ from verl.rollout.agent.agents import (
     Conversation,
     known_agent_names,
 )
+from verl.rollout.agent.images import ToolImages, ToolResponse, TurnImages, row_image_columns
 from verl.rollout.agent.interaction import call_all as interaction_calls
 from verl.rollout.agent.interaction import pick_interaction, turn_score_tensor
 from verl.rollout.agent.parser import ToolCall, tool_call_parser
@@ -114,7 +122,7 @@ class _Job:
     traj: Trajectory
     arguments: list[dict[str, Any]]
     needs_create: bool
-    results: list[tuple[str, bool, float] | None] = field(default_factory=list)  # (text, error, seconds)
+    results: list[tuple[str | ToolResponse, bool, float] | None] = field(default_factory=list)  # (answer, error, seconds)
     started: float | None = None  # when the call now running began
     current: int = 0
 
@@ -286,6 +294,10 @@ class AgentLoop:
         agent programs' engine calls then run in rounds across it (``verl.rollout.agent.endpoint``)."""
         self.replica: ReplicaShare | None = None
         """Set when several ranks drive one engine (vLLM tensor parallel): tools run on its first rank."""
+        self.vision: ToolImages | None = None
+        """The policy's image processor for tool images; None: built from the engine's model directory
+        when the engine runs a vision-language model (``HFRollout.image_token_id``)."""
+        self._vision: ToolImages | None = None  # of the engine of the current run(); None: a text policy
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -327,6 +339,7 @@ class AgentLoop:
         prompt_width: int | None = None,
         extra_infos: Sequence[Mapping[str, Any] | None] | None = None,
         samples: Sequence[Mapping[str, Any] | None] | None = None,
+        images: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> list[Trajectory]:
         """``len(prompts) * spec.n`` conversations (prompt-major) from unpadded prompt ids.
 
@@ -340,6 +353,8 @@ class AgentLoop:
         ``samples``: each prompt's row for an agent program (``messages``, the prompt's chat messages,
         and ``data_source``, ``reward_model``, ``extra_info``: :func:`~verl.rollout.agent.endpoint.program_sample`);
         needed when a prompt's agent is a program, whose episodes run through the agent endpoint.
+        ``images``: each prompt's images (``pixel_values`` [p, D], ``image_grid_thw`` [k, 3]) or None, for
+        a vision-language policy; every conversation of the prompt starts with them.
         """
 
         if tools_kwargs is not None and len(tools_kwargs) != len(prompts):
@@ -348,6 +363,8 @@ class AgentLoop:
             raise ValueError(f"AgentLoop.run: {len(interaction_kwargs)} interaction_kwargs for {len(prompts)} prompts")
         if agent_names is not None and len(agent_names) != len(prompts):
             raise ValueError(f"AgentLoop.run: {len(agent_names)} agent_names for {len(prompts)} prompts")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"AgentLoop.run: {len(images)} image entries for {len(prompts)} prompts")
         names = [(agent_names[i] if agent_names is not None else None) or "tool_agent" for i in range(len(prompts))]
         for i, name in enumerate(names):
             self._agent_loop(name, i)  # every name is known before anything runs
@@ -366,11 +383,13 @@ class AgentLoop:
                 agent_name=names[i],
                 interaction=picked[i],
                 interaction_kwargs=dict((interaction_kwargs[i] if picked[i] is not None else None) or {}),
+                images=[images[i]] if images is not None and images[i] is not None else [],
             )
             for i, p in enumerate(prompts)
             for k in range(spec.n)
         ]
         created: set[tuple[str, str]] = set()
+        self._vision = self._vision_for(engine)
         active = [t for t in trajs if t.agent_name in AGENT_NAMES]
         programs = [i for i, t in enumerate(trajs) if self._program(t.agent_name) is not None]
         custom = [(t, i) for i, t in enumerate(trajs) if t.agent_name not in AGENT_NAMES and i not in set(programs)]
@@ -397,6 +416,17 @@ class AgentLoop:
             if runs_env:
                 self._finalize(talking)
         return trajs
+
+    def _vision_for(self, engine: RolloutEngine) -> ToolImages | None:
+        """The policy's image processor when ``engine`` runs a vision-language model and generates with
+        images (built once from its model directory); None otherwise."""
+        if getattr(engine, "image_token_id", None) is None or not hasattr(engine, "with_images"):
+            return None
+        if self.vision is None:
+            from verl.data.vlm import ImagePromptEncoder
+
+            self.vision = ToolImages(ImagePromptEncoder.from_pretrained(engine.model_path, tokenizer=self.tokenizer))
+        return self.vision
 
     def _agent_loop(self, name: str, prompt: int) -> AgentLoopBase | None:
         """The custom loop ``name`` (None for a built-in one); a registered class is built on first use."""
@@ -533,7 +563,17 @@ class AgentLoop:
         # its sample that fits (the engine draws token k without regard to max_tokens, so the
         # prefix is exactly what a call with its own budget would have sampled from that stream).
         call = dataclasses.replace(spec, n=1, max_tokens=max(budgets))
-        samples = engine.sample([t.prompt_ids + t.response_ids for t in trajs], call, seed=seed)
+        contexts = [t.prompt_ids + t.response_ids for t in trajs]
+        if any(t.images for t in trajs):
+            if not hasattr(engine, "with_images"):
+                raise ValueError(
+                    f"rollout: the agent loop's conversations hold images, but the {type(engine).__name__} engine takes "
+                    "token ids only here; use actor_rollout_ref.rollout.name=hf for a vision-language policy"
+                )
+            with engine.with_images(row_image_columns([t.images for t in trajs])):  # one row per context (n=1)
+                samples = engine.sample(contexts, call, seed=seed)
+        else:
+            samples = engine.sample(contexts, call, seed=seed)
         out = []
         for t, s, budget in zip(trajs, samples, budgets):
             ids, lps = list(s.token_ids[:budget]), s.logprobs[:budget]
@@ -560,21 +600,24 @@ class AgentLoop:
         if self.replica is None or self.replica.leader:
             # Each answer cut before it is shared or tokenized whole (a tool may return megabytes).
             answers = [
-                [(self._truncate(text, self.response_length - len(t.response_ids)), record) for text, record in out]
+                [(self._cut(answer, self.response_length - len(t.response_ids)), record) for answer, record in out]
                 for (t, _, _), out in zip(calling, self._answers(calling, created))
             ]
             replies = self._replies(talking)
         if self.replica is not None:
             answers, replies = self.replica.share((answers, replies))
         for (t, _, ended), out in zip(calling, answers):
+            messages, images = self._tool_messages(out)
             for _, record in out:
                 t.calls.append(record)
-            messages = [{"role": "tool", "content": text} for text, _ in out]
-            ids = self.encoder.encode(messages, model_ended_turn=ended)
+            pads = [n for got in images for n in got.pads]
+            expand = functools.partial(self._vision.expand, pads=pads) if pads else None
+            ids = self.encoder.encode(messages, model_ended_turn=ended, expand=expand)
             if len(ids) + 1 > self.response_length - len(t.response_ids):
                 t.stop_reason = "length"
                 continue
             t._append(ids, None, "tool")
+            t.images.extend((got.pixel_values, got.image_grid_thw) for got in images)
             t.turns[-1]["calls"] = [record.name for _, record in out]
             t.messages.extend(messages)
             t.user_turns += 1
@@ -602,6 +645,37 @@ class AgentLoop:
             t.messages.append(message)
             t.user_turns += 1
 
+    def _cut(self, answer: str | ToolResponse, room: int) -> str | ToolResponse:
+        """:meth:`_truncate` of an answer's text (a :class:`ToolResponse` keeps its images)."""
+        if isinstance(answer, ToolResponse):
+            return dataclasses.replace(answer, text=self._truncate(answer.text, room))
+        return self._truncate(answer, room)
+
+    def _tool_messages(self, out: list[tuple[str | ToolResponse, CallRecord]]) -> tuple[list[dict[str, Any]], list[TurnImages]]:
+        """The tool messages of one turn's answers and their images, in order. An image that cannot be
+        read or is over the pixel budget makes its answer an error message (the record marks the error)."""
+        messages: list[dict[str, Any]] = []
+        images: list[TurnImages] = []
+        for answer, record in out:
+            if not isinstance(answer, ToolResponse) or not answer.image:
+                messages.append({"role": "tool", "content": answer.text if isinstance(answer, ToolResponse) else answer})
+                continue
+            if self._vision is None:
+                raise ValueError(
+                    f"tool {record.name!r} answered with {len(answer.image)} image(s), but the policy is not a "
+                    "vision-language model run by an engine that takes images (actor_rollout_ref.rollout.name=hf); "
+                    "return text from the tool or train a VLM"
+                )
+            try:
+                got = self._vision.prepare(answer.image, where=f"tool {record.name!r}")
+            except ValueError as exc:  # the tool's bad image is the model's error turn, like a raising tool
+                record.error = True
+                messages.append({"role": "tool", "content": f"Error: {exc}"})
+                continue
+            images.append(got)
+            messages.append(ToolImages.message(answer.text, len(answer.image)))
+        return messages, images
+
     def _replies(self, talking: list[tuple[Trajectory, list[ToolCall] | None, bool]]) -> list[tuple[bool, str, float]]:
         """Each conversation's interaction answer to its last model turn: (done, next user turn, reward)."""
         out = []
@@ -619,8 +693,8 @@ class AgentLoop:
 
     def _answers(
         self, pending: list[tuple[Trajectory, list[ToolCall] | None, bool]], created: set[tuple[str, str]]
-    ) -> list[list[tuple[str, CallRecord]]]:
-        """Each pending conversation's answers, one (text, record) per call, in call order."""
+    ) -> list[list[tuple[str | ToolResponse, CallRecord]]]:
+        """Each pending conversation's answers, one (text or ToolResponse, record) per call, in call order."""
         answers: list[list[tuple[str, CallRecord] | None]] = []
         jobs: list[_Job] = []
         where: list[list[tuple[_Job, int] | None]] = []
@@ -689,8 +763,8 @@ class AgentLoop:
                     if job.needs_create and i == 0:
                         job.tool.create(job.traj.instance_id, **dict(job.traj.tools_kwargs.get(job.tool.name, {}).get("create_kwargs", {})))
                     text, error = job.tool.call(job.traj.instance_id, check_arguments(job.tool.schema, args)), False
-                    if not isinstance(text, str):
-                        text, error = f"Error: the tool returned {type(text).__name__}, not text", True
+                    if not isinstance(text, (str, ToolResponse)):
+                        text, error = f"Error: the tool returned {type(text).__name__}, not text or a ToolResponse", True
                 except Exception as exc:  # noqa: BLE001 - any failure of a tool is the model's error turn
                     text, error = f"Error: {type(exc).__name__}: {exc}", True
                 with lock:
@@ -783,6 +857,10 @@ class AgentLoop:
                  **{c: prompts[c][i] for c in columns}}
                 for i in range(len(prompts))
             ]
+        images = None
+        if PIXEL_VALUES in prompts:  # each prompt row's own images ({} for a row without)
+            images = [model_image_inputs({k: prompts[k][i : i + 1] for k in MULTI_MODAL_KEYS}) for i in range(len(prompts))]
+            images = [(got["pixel_values"], got["image_grid_thw"]) if got else None for got in images]
         start = time.perf_counter()
         trajs = self.run(
             engine,
@@ -795,6 +873,7 @@ class AgentLoop:
             prompt_width=int(prompts["input_ids"].shape[1]),
             extra_infos=infos,
             samples=rows,
+            images=images,
         )
         seconds = time.perf_counter() - start
         self.last_metrics = agent_metrics(trajs, seconds=seconds, tool_names=list(self.tools))
@@ -865,6 +944,9 @@ def assemble_agent_rollout(
         out = out[source]
     if any(t.opening is not None or t.own_prompt for t in trajs):
         _with_openings(out, trajs, pad_token_id)
+    if any(t.images for t in trajs):  # every image of each conversation, the prompt's first
+        for key, column in row_image_columns([t.images for t in trajs]).items():
+            out[key] = column.to(out["input_ids"].device)
     prompt_ids = out["input_ids"]  # [B*n, P]
     prompt_mask = out["attention_mask"].to(torch.long)
     prompt_pos = out["position_ids"] if "position_ids" in out else (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)

@@ -73,6 +73,9 @@ class Trajectory:
     turn_scores: list[tuple[int, float]] = field(default_factory=list)
     """``(position, reward)`` of every interaction reward: the response position of the last
     sampled token of the model turn it judges."""
+    images: list[tuple[Any, Any]] = field(default_factory=list)
+    """The conversation's images in context order, each ``(pixel_values [p, D], image_grid_thw [k, 3])``:
+    the prompt's, then each tool turn's (``verl.rollout.agent.images``); empty for a text conversation."""
     earlier: list[Trajectory] = field(default_factory=list)
     """The trajectories of this one's episode before it (an agent program's episode split where a
     request did not extend the conversation, ``verl.rollout.agent.endpoint``), in order; a training

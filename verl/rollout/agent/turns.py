@@ -6,7 +6,7 @@ agent loop's :class:`~verl.rollout.agent.agents.Conversation`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from verl.rollout.agent.templates import ANSWER, USER, TemplateReport, check_template
@@ -130,10 +130,13 @@ class ToolTurnEncoder:
         their length (:attr:`max_chars_per_token`) without tokenizing them."""
         return sum(len(str(m["content"])) for m in messages) > tokens * self.max_chars_per_token
 
-    def encode(self, messages: Sequence[Mapping[str, Any]], *, model_ended_turn: bool) -> list[int]:
+    def encode(self, messages: Sequence[Mapping[str, Any]], *, model_ended_turn: bool,
+               expand: Callable[[str], str] | None = None) -> list[int]:
         """Ids of the turn made of ``messages`` (``{"role": "tool", "content": ...}`` each) and the
         next generation prompt. ``model_ended_turn``: the model's last sampled id was its end-of-turn
-        (eos) token; otherwise the template's whole end-of-turn text is added first."""
+        (eos) token; otherwise the template's whole end-of-turn text is added first. ``expand``: applied
+        to the turn's text before it is tokenized (tool images: each image slot to its vision span,
+        ``verl.rollout.agent.images``)."""
         full = self._render([*self._BASE, *messages], generation_prompt=True)
         at = full.find(ANSWER)
         tail = full[at + len(ANSWER) :] if at >= 0 else ""
@@ -143,4 +146,6 @@ class ToolTurnEncoder:
                 f"(expected {self.turn_end!r}); the agent loop cannot add turns token-exactly with this template"
             )
         text = (self.after_eos if model_ended_turn else self.turn_end) + tail[len(self.turn_end) :]
+        if expand is not None:
+            text = expand(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
