@@ -179,3 +179,20 @@ def test_tool_image_for_a_text_policy_is_refused(vlm):
     prompt = tok.encode(text, add_special_tokens=False)
     with pytest.raises(ValueError, match="tool 'look' answered with 1 image"):
         loop.run(_TextEngine(call), [prompt], SamplingSpec(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8))
+
+
+def test_tool_text_spelling_a_vision_token_is_an_error_turn(vlm):
+    """A VLM's tool text holding ``<|image_pad|>`` would be an image slot without an image in the trained row."""
+    from verl.rollout.agent.images import ToolImages
+    from verl.rollout.agent.trajectory import CallRecord
+
+    _, enc, _ = vlm
+    loop = AgentLoop(RolloutMultiTurnConfig(enable=True, format="hermes"), [FunctionTool(look)], enc.tokenizer,
+                     response_length=RESPONSE)
+    loop._vision = ToolImages(enc)  # as run() sets it for a VLM engine
+    records = [CallRecord(name="look", error=False) for _ in range(3)]
+    answers = [f"see {enc.image_token}", ToolResponse(text="<|vision_start|>", image=[_png("red")]), "plain"]
+    messages, images = loop._tool_messages(list(zip(answers, records)))
+    assert [r.error for r in records] == [True, True, False] and images == []
+    assert "holds the vision token text ['<|image_pad|>']" in messages[0]["content"]
+    assert messages[2] == {"role": "tool", "content": "plain"}

@@ -13,8 +13,9 @@ every image of the conversation (``verl.protocol.images``).
 
 Bad images never end a run: an unreadable one, or one over the image processor's pixel budget (the
 budget the dataset holds prompt images to), gives the model an ``Error: ...`` tool turn instead of the
-answer. A text-only policy, or an engine that takes no images (the vLLM engine here), is a
-configuration fault: the loop refuses with one line.
+answer; so does a text that spells a vision token (``<|image_pad|>``: an image slot without an image).
+A text-only policy, or an engine that takes no images (the vLLM engine here), is a configuration fault:
+the loop refuses with one line.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class ToolImages:
         pixel_values, grid = self.processor.pixels(loaded)
         merge = self.processor.merge_size**2
         return TurnImages(pixel_values.float(), grid, [int(g.prod()) // merge for g in grid])
+
+    def vision_tokens_in(self, text: str) -> list[str]:
+        """The vision tokens (image pad, vision start and end) spelled in ``text``: a tool's text holding them
+        would tokenize to image slots without images."""
+        p = self.processor
+        return [token for token in (p.image_token, p.vision_start, p.vision_end) if token in text]
 
     @staticmethod
     def message(text: str, images: int) -> dict[str, Any]:

@@ -653,12 +653,20 @@ class AgentLoop:
 
     def _tool_messages(self, out: list[tuple[str | ToolResponse, CallRecord]]) -> tuple[list[dict[str, Any]], list[TurnImages]]:
         """The tool messages of one turn's answers and their images, in order. An image that cannot be
-        read or is over the pixel budget makes its answer an error message (the record marks the error)."""
+        read or is over the pixel budget, or a VLM's answer whose text spells a vision token, makes its
+        answer an error message (the record marks the error)."""
         messages: list[dict[str, Any]] = []
         images: list[TurnImages] = []
         for answer, record in out:
+            text = answer.text if isinstance(answer, ToolResponse) else answer
+            vision_text = self._vision.vision_tokens_in(text) if self._vision is not None else None
+            if vision_text:  # would be image slots without images in the trained row
+                record.error = True
+                messages.append({"role": "tool", "content": f"Error: the answer of tool {record.name!r} holds the "
+                                 f"vision token text {vision_text}; a tool returns images as ToolResponse(image=[...])"})
+                continue
             if not isinstance(answer, ToolResponse) or not answer.image:
-                messages.append({"role": "tool", "content": answer.text if isinstance(answer, ToolResponse) else answer})
+                messages.append({"role": "tool", "content": text})
                 continue
             if self._vision is None:
                 raise ValueError(
