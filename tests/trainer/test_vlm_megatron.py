@@ -37,14 +37,15 @@ def vlm_dir(tmp_path_factory) -> str:
 ATOL = 1e-5
 
 
-def _engine(vlm_dir: str, pg, *, trainable: bool, freeze: bool = False):
+def _engine(vlm_dir: str, pg, *, trainable: bool, freeze: bool = False, pp: int = 1):
     from verl.config import OptimConfig
     from verl.config.schema import MegatronConfig, ModelConfig
     from verl.engine import MegatronEngine
 
     # Adam: a resumed run that lost the moments would take another second step.
     optim = OptimConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0) if trainable else None
-    return MegatronEngine(model=ModelConfig(path=vlm_dir), megatron=MegatronConfig(), pg=pg, optim=optim,
+    return MegatronEngine(model=ModelConfig(path=vlm_dir), megatron=MegatronConfig(pipeline_model_parallel_size=pp),
+                          pg=pg, optim=optim,
                           total_training_steps=4, freeze_vision_tower=freeze)
 
 
@@ -52,8 +53,8 @@ def _weights(engine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in engine.hf_weights()}
 
 
-def _engine_body(vlm_dir: str, batch: dict[str, torch.Tensor], tp: int, freeze: bool, root: str) -> dict:
-    """Actor and reference on ``tp`` x (2 / tp) ranks; forward, one update, save/load, export, push."""
+def _engine_body(vlm_dir: str, batch: dict[str, torch.Tensor], tp: int, freeze: bool, root: str, pp: int) -> dict:
+    """Actor and reference on ``tp`` x ``pp`` x (2 / tp / pp) ranks; forward, one update, save/load, export, push."""
     from verl.algos import GlobalBatchInfo, agg_loss
     from verl.config.schema import RolloutConfig
     from verl.engine import LossShare
@@ -61,10 +62,10 @@ def _engine_body(vlm_dir: str, batch: dict[str, torch.Tensor], tp: int, freeze: 
     from verl.parallel import megatron_state as ms
     from verl.rollout.hf_engine import HFRollout
 
-    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, seed=7)
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=7)
     try:
-        actor = _engine(vlm_dir, pg, trainable=True, freeze=freeze)
-        ref = _engine(vlm_dir, pg, trainable=False)
+        actor = _engine(vlm_dir, pg, trainable=True, freeze=freeze, pp=pp)
+        ref = _engine(vlm_dir, pg, trainable=False, pp=pp)
         full = actor.forward(batch, micro_batch_size=3).outputs["logprobs"][:, -RESPONSE:]  # the whole batch
         dp, rank = pg.dp.size(), pg.dp.rank()
         per = batch["input_ids"].shape[0] // dp
@@ -85,7 +86,8 @@ def _engine_body(vlm_dir: str, batch: dict[str, torch.Tensor], tp: int, freeze: 
         before = _weights(actor)
         result = actor.train_step({**local, "old": old, "adv": adv.contiguous()}, micro_batch_size=2, loss_fn=loss_fn)
         after = _weights(actor)
-        tower = {id(p) for p in actor.chunks[0].module.vision.parameters()}
+        vision = actor.chunks[0].module.vision  # on the first pipeline stage only
+        tower = set() if vision is None else {id(p) for p in vision.parameters()}
         optimized = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"] if id(p) in tower)
         actor.save(os.path.join(root, "ckpt"))
         # The push into a transformers rollout engine (its own copy of the initial weights).
@@ -99,7 +101,7 @@ def _engine_body(vlm_dir: str, batch: dict[str, torch.Tensor], tp: int, freeze: 
         second = {**local, "old": old, "adv": adv.contiguous()}
         actor.train_step(second, micro_batch_size=2, loss_fn=loss_fn)
         continued = _weights(actor)
-        resumed = _engine(vlm_dir, pg, trainable=True, freeze=freeze)
+        resumed = _engine(vlm_dir, pg, trainable=True, freeze=freeze, pp=pp)
         resumed.load(os.path.join(root, "ckpt"))
         loaded = _weights(resumed)
         resumed.train_step(second, micro_batch_size=2, loss_fn=loss_fn)
@@ -107,7 +109,7 @@ def _engine_body(vlm_dir: str, batch: dict[str, torch.Tensor], tp: int, freeze: 
             "full": full, "old": old, "ref": ref_lp, "departure": result.metrics["max:ratio_departure"],
             "before": before, "after": after, "continued": continued, "loaded": loaded,
             "resumed": _weights(resumed), "pushed": pushed, "names": push.names, "buckets": metrics["update_weights/buckets"],
-            "optimized": optimized, "exported_lp": exported_lp, "steps": resumed.steps_taken,
+            "optimized": optimized, "exported_lp": exported_lp, "steps": resumed.steps_taken, "pp": pg.pp.size(),
         }
     finally:
         ms.destroy_model_parallel()
@@ -129,15 +131,17 @@ def _hf_logprobs(model_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tensor
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp,freeze", [(2, False), (1, True)], ids=["tp2-trained-tower", "dp2-frozen-tower"])
-def test_megatron_engine_trains_a_vlm(vlm_dir, rollout, tmp_path, tp, freeze):
+@pytest.mark.parametrize("tp,pp,freeze", [(2, 1, False), (1, 1, True), (1, 2, False)],
+                         ids=["tp2-trained-tower", "dp2-frozen-tower", "pp2-trained-tower"])
+def test_megatron_engine_trains_a_vlm(vlm_dir, rollout, tmp_path, tp, pp, freeze):
     from verl.models.megatron_vlm import VISION_PREFIX
 
     batch = {k: v for k, v in rollout.items() if k != "rollout_log_probs"}
-    results = run_distributed(_engine_body, 2, vlm_dir, batch, tp, freeze, str(tmp_path), timeout=560)
+    results = run_distributed(_engine_body, 2, vlm_dir, batch, tp, freeze, str(tmp_path), pp, timeout=560)
     mask = rollout["response_mask"].bool()
     expected = _hf_logprobs(vlm_dir, batch)  # transformers' one pass (the FSDP2 engine runs this very model)
     r0 = results[0]
+    assert [r["pp"] for r in results] == [pp, pp]
     # Log-probs of a batch with images of two sizes (28 x 28, 56 x 56, 42 x 56, 56 x 28): the engine's equal
     # transformers' and the rollout's (its cached decode) within fp32 rounding.
     assert (r0["full"] - expected).abs()[mask].max() <= ATOL
@@ -251,9 +255,10 @@ def _refused(vlm_dir: str, **changes) -> str:
     from verl.parallel import megatron_state as ms
 
     layout = {k: changes.pop(k) for k in ("pipeline_model_parallel_size", "context_parallel_size") if k in changes}
+    vpp = {k: changes.pop(k) for k in ("virtual_pipeline_model_parallel_size",) if k in changes}
     pg = ms.initialize_model_parallel(**layout)
     try:
-        MegatronEngine(model=ModelConfig(path=vlm_dir, **changes), megatron=MegatronConfig(**layout), pg=pg)
+        MegatronEngine(model=ModelConfig(path=vlm_dir, **changes), megatron=MegatronConfig(**layout, **vpp), pg=pg)
     except ValueError as exc:
         return str(exc)
     finally:
@@ -263,8 +268,9 @@ def _refused(vlm_dir: str, **changes) -> str:
 
 @pytest.mark.timeout(300)
 def test_what_the_engine_does_not_run_is_refused_before_the_build(vlm_dir):
-    pp = run_distributed(_refused, 2, vlm_dir, pipeline_model_parallel_size=2)[0]
-    assert "\n" not in pp and "pipeline_model_parallel_size=2 (virtual None): set it to 1" in pp and "Qwen2.5-VL" in pp
+    vpp = run_distributed(_refused, 2, vlm_dir, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)[0]
+    assert "\n" not in vpp and "virtual_pipeline_model_parallel_size=2 (pipeline 2): set it to null" in vpp
+    assert "Qwen2.5-VL" in vpp
     cp = run_distributed(_refused, 2, vlm_dir, context_parallel_size=2)[0]
     assert "context_parallel_size=2: set it to 1" in cp
     lora = run_distributed(_refused, 1, vlm_dir, lora_rank=4)[0]

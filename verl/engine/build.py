@@ -157,14 +157,15 @@ def load_model_spec(model: ModelConfig, *, key: str = "model.path") -> HFModelSp
 def check_vlm_engine(model: ModelConfig, megatron: MegatronConfig, build: ModelBuildConfig, pg: "ProcessGroupCollection",
                      *, key: str = "model") -> None:
     """Refuse, in one line naming the fields, what the Megatron engine does not run for a vision-language
-    model (before anything is built): pipeline/virtual pipeline/context parallel, LoRA adapters,
-    value/reward heads. Sequence parallel and packed sequences (``use_remove_padding``) run: each
-    micro-batch's images go with its rows (``verl.models.forward``), each packed sequence gets its
-    row's 3D positions (``verl.models.megatron_vlm``)."""
+    model (before anything is built): virtual pipeline stages, context parallel, LoRA adapters,
+    value/reward heads. Pipeline stages (the tower on the first), sequence parallel and packed
+    sequences (``use_remove_padding``) run: each micro-batch's images go with its rows
+    (``verl.models.forward``), each packed sequence gets its row's 3D positions
+    (``verl.models.megatron_vlm``)."""
     problems = []
     pp, vpp, cp = pg.pp.size(), megatron.virtual_pipeline_model_parallel_size, pg.cp.size()
-    if pp > 1 or vpp is not None:
-        problems.append(f"pipeline_model_parallel_size={pp} (virtual {vpp}): set it to 1")
+    if vpp is not None:
+        problems.append(f"virtual_pipeline_model_parallel_size={vpp} (pipeline {pp}): set it to null")
     if cp > 1:
         problems.append(f"context_parallel_size={cp}: set it to 1")
     if model.lora_rank > 0:
@@ -174,7 +175,7 @@ def check_vlm_engine(model: ModelConfig, megatron: MegatronConfig, build: ModelB
     if problems:
         raise ValueError(
             f"{model.path}: the Megatron engine runs a vision-language model (Qwen2.5-VL) with TP (sequence "
-            "parallel too), DP and packed sequences only; "
+            "parallel too), PP, DP and packed sequences only; "
             + "; ".join(problems) + " (docs/vlm.md)"
         )
 

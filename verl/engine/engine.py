@@ -13,10 +13,11 @@ the modules of ``verl.engine``:
 - ``save``/``load`` (:mod:`verl.engine.state`) and ``export_hf`` (:mod:`verl.engine.export`).
 
 A Qwen2.5-VL directory builds ``verl.models.megatron_vlm.MegatronVLM`` as the one chunk (TP, sequence
-parallel, DP, packed sequences; PP, CP, LoRA refused before the build by
-``verl.engine.build.check_vlm_engine``): the
-batch's image columns reach each micro-batch's forward, the vision tower is in the checkpoint, the
-export and :meth:`MegatronEngine.hf_weights` (the push into a transformers rollout engine).
+parallel, PP with the vision tower on the first stage, DP, packed sequences; virtual stages, CP, LoRA
+refused before the build by ``verl.engine.build.check_vlm_engine``): the batch's image columns reach
+each micro-batch's forward, the vision tower is in the checkpoint, the export and
+:meth:`MegatronEngine.hf_weights` (the push into a transformers rollout engine; every stage's tensors
+on every rank).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from verl.config.schema import MegatronConfig, ModelConfig, OptimConfig
 from verl.engine.build import (
@@ -430,18 +432,54 @@ class MegatronEngine:
     def hf_weights(self):
         """(Hugging Face name, whole tensor) pairs of the weights in the hub's layout, gathered over TP one
         tensor at a time (collective over the role's TP group: every TP rank iterates to the end); a
-        vision-language model's vision tower (``visual.*``) after its decoder. One pipeline stage only."""
-        from verl.models.builder import unwrap_model
+        vision-language model's vision tower (``visual.*``) after its decoder. One pipeline stage, or a
+        vision-language model's stages: each stage's tensors in stage order, broadcast over the PP group
+        one at a time (collective over the role: every rank gets every tensor, the tower from the first
+        stage)."""
         from verl.models.checkpoint import iter_hf_weights
 
         if self.pg.pp.size() > 1:
-            raise ValueError("MegatronEngine.hf_weights: one pipeline stage only (each stage holds its own layers)")
+            if not self.is_vlm:
+                raise ValueError("MegatronEngine.hf_weights: one pipeline stage only (each stage holds its own layers)")
+            yield from self._stages_hf_weights()
+            return
         if not self.is_vlm:
             yield from iter_hf_weights(self.chunks, pg=self.pg)
             return
+        yield from self._stage_hf_weights()
+
+    def _stage_hf_weights(self):
+        """This pipeline stage's pairs of a vision-language model (gathered over TP): its decoder layers,
+        then the vision tower on the first stage."""
+        from verl.models.builder import unwrap_model
+        from verl.models.checkpoint import iter_hf_weights
         from verl.models.megatron_vlm import VISION_PREFIX
 
         vlm = unwrap_model(self.chunks[0])
         yield from iter_hf_weights([vlm.language_model], pg=self.pg)
-        for name, param in vlm.vision.named_parameters():
-            yield VISION_PREFIX + name, param.detach()
+        if vlm.vision is not None:
+            for name, param in vlm.vision.named_parameters():
+                yield VISION_PREFIX + name, param.detach()
+
+    def _stages_hf_weights(self):
+        """Every stage's pairs on every rank: stage by stage, the holder broadcasts each tensor's name,
+        shape and dtype, then the tensor, over the PP group; an empty name ends the stage."""
+        group = self.pg.pp
+        mine = group.rank()
+        for stage in range(group.size()):
+            src = dist.get_global_rank(group, stage)
+            local = self._stage_hf_weights() if stage == mine else None
+            while True:
+                if local is not None:
+                    pair = next(local, None)
+                    header = [None] if pair is None else [(pair[0], tuple(pair[1].shape), pair[1].dtype)]
+                else:
+                    header = [None]
+                dist.broadcast_object_list(header, src=src, group=group, device=self.device)
+                if header[0] is None:
+                    break
+                name, shape, dtype = header[0]
+                tensor = pair[1].to(self.device).contiguous() if local is not None else torch.empty(
+                    shape, dtype=dtype, device=self.device)
+                dist.broadcast(tensor, src=src, group=group)
+                yield name, tensor

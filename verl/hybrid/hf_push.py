@@ -5,8 +5,10 @@ The 3D-HybridEngine's reshard plan (``verl.hybrid.WeightSync``) covers the langu
 a Qwen2.5-VL actor (``verl.models.megatron_vlm``) also holds a vision tower, whole on every TP rank,
 which the plan does not know. This push takes the simple route the transformers engine allows
 (it holds every tensor whole, TP' = 1): :meth:`MegatronEngine.hf_weights` gathers each decoder tensor
-over TP, one at a time, and yields the tower's tensors as they are; every rank hands a bucket of at
-most ``bucket_bytes`` to its engine (``update_weights``) and drops it before the next.
+over TP, one at a time, and yields the tower's tensors as they are; with pipeline stages, each stage's
+tensors (the tower's from the first) are broadcast over the PP group one at a time, so every rank gets
+the whole model; every rank hands a bucket of at most ``bucket_bytes`` to its engine
+(``update_weights``) and drops it before the next.
 
 Names: the actor yields the hub's checkpoint names (``model.layers.*``, ``lm_head.weight``,
 ``visual.*``); transformers 5 keeps the same tensors under ``model.language_model.*`` and
@@ -63,7 +65,8 @@ class GatheredHFPush:
     """Pushes a Megatron actor's weights into a colocated transformers rollout engine (module docstring).
 
     Args:
-        actor: the actor's ``MegatronEngine`` (one pipeline stage), on the ranks the engine runs on.
+        actor: the actor's ``MegatronEngine`` (one pipeline stage, or a vision-language model's stages),
+            on the ranks the engine runs on.
         rollout: the transformers rollout engine on this rank (``weights_layout == "hf"``).
         bucket_bytes: the largest bucket of whole tensors handed over at once
             (``actor_rollout_ref.rollout.update_weights_bucket_megabytes``).
@@ -77,7 +80,7 @@ class GatheredHFPush:
                 f"GatheredHFPush: {type(rollout).__name__} is not the transformers rollout engine; a vision-language "
                 "actor on Megatron pushes into actor_rollout_ref.rollout.name=hf"
             )
-        if actor.pg.pp.size() > 1:
+        if actor.pg.pp.size() > 1 and not actor.is_vlm:
             raise ValueError("GatheredHFPush: the actor has pipeline stages; the push gathers one stage's tensors")
         self.actor, self.rollout, self.bucket_bytes = actor, rollout, bucket_bytes
         ours = dict(hf_layout(actor.spec).shapes)
@@ -86,8 +89,12 @@ class GatheredHFPush:
         if actor.is_vlm:
             from verl.models.megatron_vlm import VISION_PREFIX
 
-            vision = unwrap_model(actor.chunks[0]).vision
-            ours.update({VISION_PREFIX + n: tuple(p.shape) for n, p in vision.named_parameters()})
+            vision = unwrap_model(actor.chunks[0]).vision  # on the first pipeline stage only
+            shapes = [None if vision is None else {VISION_PREFIX + n: tuple(p.shape) for n, p in vision.named_parameters()}]
+            if actor.pg.pp.size() > 1:  # every stage pushes the whole model (MegatronEngine.hf_weights)
+                dist.broadcast_object_list(shapes, src=dist.get_global_rank(actor.pg.pp, 0), group=actor.pg.pp,
+                                           device=actor.device)
+            ours.update(shapes[0])
         theirs = {n: tuple(p.shape) for n, p in rollout.named_parameters()}
         self.names, problems = engine_names(ours, theirs)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -110,7 +117,7 @@ class GatheredHFPush:
 
     def push(self) -> dict[str, float]:
         """Write the actor's current weights into the engine, bucket by bucket (collective over the actor's
-        TP group); returns ``timing_s/update_weights``, the bytes handed over and the largest bucket."""
+        TP group, and its PP group with stages); returns ``timing_s/update_weights``, the bytes handed over and the largest bucket."""
         start = time.perf_counter()
         total = largest = buckets = 0
         bucket: list[tuple[str, torch.Tensor]] = []
