@@ -86,7 +86,11 @@ def _trainer_logprobs(model, out, pixel_values=None, grid=None):
     return torch.log_softmax(logits, -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)  # [B, R]
 
 
-def test_tool_image_is_generated_with_and_trained_token_exactly(vlm):
+@pytest.fixture(scope="module")
+def conversation(vlm):
+    """Four conversations (2 prompts x n=2) whose first turn calls ``look``: a good image, a broken one, a huge one;
+    the second turn is sampled by the engine. (the rollout batch, the forced first turns, each engine call's
+    contexts and images, the loop's metrics, the prompt width)"""
     path, enc, engine = vlm
     tok = enc.tokenizer
     batch, width = _prompts(enc)
@@ -107,6 +111,21 @@ def test_tool_image_is_generated_with_and_trained_token_exactly(vlm):
         out = loop.generate(engine, batch, seed=3)
     finally:
         engine._sample = real_sample
+    return out, forced, seen, loop.last_metrics, width
+
+
+def _sampled(out, forced) -> torch.Tensor:
+    """[B, R] the engine's sampled tokens (the forced first turns have no engine log-probs)."""
+    sampled = out["response_mask"].bool().clone()
+    for i, f in enumerate(forced):
+        sampled[i, : len(f)] = False
+    return sampled
+
+
+def test_tool_image_is_generated_with_and_trained_token_exactly(vlm, conversation):
+    path, enc, _ = vlm
+    tok = enc.tokenizer
+    out, forced, seen, metrics, width = conversation
     assert len(out) == 4 and len(seen) == 2
 
     # The tool turns: the good answer's image span is its grid's merged patches (2 x 2 patches / 4 = 1 image
@@ -119,7 +138,7 @@ def test_tool_image_is_generated_with_and_trained_token_exactly(vlm):
     assert tool_text[0] == tool_text[1] == good
     assert "Error: tool 'look', image 0: unreadable image" in tool_text[2] and pad not in tool_text[2]
     assert "200x200 = 40000 pixels, over the image processor's budget of 12544" in tool_text[3] and pad not in tool_text[3]
-    assert loop.last_metrics["agent/tool_errors/look"] == 2.0
+    assert metrics["agent/tool_errors/look"] == 2.0
 
     # (a) Token-exact: the context the engine generated turn 2 from is the trained row's ids up to that turn,
     # and the images it generated with are the trained row's images (prompt image first, then the tool's).
@@ -134,9 +153,7 @@ def test_tool_image_is_generated_with_and_trained_token_exactly(vlm):
     torch.testing.assert_close(images["mm_image_grid_thw"], out["mm_image_grid_thw"], atol=0, rtol=0)
 
     # (b) The trainer's log-probs of every sampled token of turn 2 equal the engine's.
-    sampled = out["response_mask"].bool().clone()
-    for i, f in enumerate(forced):
-        sampled[i, : len(f)] = False  # the forced first turn has no engine log-probs
+    sampled = _sampled(out, forced)
     assert sampled[:2].sum() > 0
     from transformers import AutoModelForImageTextToText
 
@@ -196,3 +213,37 @@ def test_tool_text_spelling_a_vision_token_is_an_error_turn(vlm):
     assert [r.error for r in records] == [True, True, False] and images == []
     assert "holds the vision token text ['<|image_pad|>']" in messages[0]["content"]
     assert messages[2] == {"role": "tool", "content": "plain"}
+
+
+def _fsdp_logprobs(path: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The FSDP2 engine's log-probs of the response columns (one rank)."""
+    from transformers import AutoModelForImageTextToText
+
+    from verl.config.schema import FSDPConfig
+    from verl.engine.fsdp import FSDPEngine
+    from verl.parallel import megatron_state as ms
+
+    pg = ms.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=7)
+    try:
+        module = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        engine = FSDPEngine(module, pg=pg, fsdp=FSDPConfig(), optim=None, total_training_steps=1, hf_dir=path,
+                            name="actor")
+        return engine.forward(batch, micro_batch_size=2).outputs["logprobs"][:, -RESPONSE:]
+    finally:
+        ms.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_fsdp2_trainer_reads_the_tool_images(vlm, conversation):
+    """The trainer's own forward (FSDP2 engine, ImageFeed from the batch's mm_* columns) on the agent rows."""
+    from verl.testing.distributed import run_distributed
+
+    path = vlm[0]
+    out, forced = conversation[:2]
+    keys = ("input_ids", "attention_mask", "response_mask", "mm_pixel_values", "mm_image_grid_thw")
+    batch = {k: out[k] for k in keys}
+    actual = run_distributed(_fsdp_logprobs, 1, path, batch)[0]
+    sampled = _sampled(out, forced)
+    # fp32; the engine's cached decode and one full pass sum in another order.
+    torch.testing.assert_close(actual[sampled], out["rollout_log_probs"][sampled], atol=1e-5, rtol=0)
