@@ -247,3 +247,35 @@ def test_the_fsdp2_trainer_reads_the_tool_images(vlm, conversation):
     sampled = _sampled(out, forced)
     # fp32; the engine's cached decode and one full pass sum in another order.
     torch.testing.assert_close(actual[sampled], out["rollout_log_probs"][sampled], atol=1e-5, rtol=0)
+
+
+def _gather_rollouts(rows: int, patches: int, images: int) -> dict[str, list]:
+    """Rank r's agent rollout with ``patches``/``images`` image widths (0: no image columns), aligned and gathered."""
+    import torch.distributed as dist
+
+    from verl.protocol.collectives import all_gather
+    from verl.rollout.agent.images import align_image_columns
+
+    cols = {"input_ids": torch.zeros(rows, 3, dtype=torch.long)}
+    if images:
+        cols["mm_pixel_values"] = torch.full((rows, patches, 2), float(dist.get_rank() + 1))
+        cols["mm_image_grid_thw"] = torch.ones(rows, images, 3, dtype=torch.long)
+    whole = all_gather(align_image_columns(Batch.from_dict(cols), None), None)
+    return {k: list(whole[k].shape) for k in ("mm_pixel_values", "mm_image_grid_thw")}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ranks_with_other_tool_images_gather_one_rollout():
+    """Each rank's image widths follow its own conversations (here: 4 patches / 1 image, none): padded to the
+    widest, the ranks' rollouts gather into one batch."""
+    from verl.testing.distributed import run_distributed
+
+    out = run_distributed(_gather_by_rank, 2)
+    assert out == [{"mm_pixel_values": [3, 4, 2], "mm_image_grid_thw": [3, 1, 3]}] * 2
+
+
+def _gather_by_rank() -> dict[str, list]:
+    import torch.distributed as dist
+
+    return _gather_rollouts(2, 4, 1) if dist.get_rank() == 0 else _gather_rollouts(1, 0, 0)

@@ -266,6 +266,10 @@ class Rollout:
             start = len(piece.rows) * (dist.get_rank(self.dp_group) if self.dp_group is not None else 0)
             real = min(max(len(prompts) - start, 0), len(piece.rows))
             local = local[: sum(self.agent.last_rows_per_prompt[:real])]
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                from verl.rollout.agent.images import align_image_columns
+
+                local = align_image_columns(local, self.dp_group)  # each rank's tool images set its widths
             whole = collect(local, self.dp_group, dataclasses.replace(piece, pad=0))
         else:
             n = len(local) // max(len(piece.rows), 1)

@@ -29,7 +29,7 @@ import torch
 
 from verl.tools.response import ToolResponse
 
-__all__ = ["ToolImages", "ToolResponse", "TurnImages", "row_image_columns"]
+__all__ = ["ToolImages", "ToolResponse", "TurnImages", "align_image_columns", "row_image_columns"]
 
 
 @dataclass
@@ -131,3 +131,29 @@ def row_image_columns(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]
     cols = [pad_row_images(*(j if j is not None else (None, None)), patches=patches, images=images, dim=dim)
             for j in joined]
     return {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
+
+
+def align_image_columns(batch: Any, group: Any) -> Any:
+    """``batch`` (a rank's agent rollout) with its ``mm_*`` columns zero-padded to the widest of ``group``'s
+    ranks, so the ranks' rollouts gather into one batch (its columns must agree): each rank's widths follow
+    its own conversations' images. A rank without image columns gets all-zero ones when another has some.
+    Collective over ``group``."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from verl.protocol.collectives import comm_device
+    from verl.protocol.images import IMAGE_GRID_THW, PIXEL_VALUES
+
+    has = PIXEL_VALUES in batch
+    mine = [batch[PIXEL_VALUES].shape[1], batch[IMAGE_GRID_THW].shape[1], batch[PIXEL_VALUES].shape[2]] if has else [0] * 3
+    widths = torch.tensor(mine, dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=group)
+    patches, images, dim = (int(w) for w in widths.tolist())
+    if not images:
+        return batch
+    rows = len(batch)
+    pv = batch[PIXEL_VALUES] if has else torch.zeros(rows, 0, dim)
+    grid = batch[IMAGE_GRID_THW] if has else torch.zeros(rows, 0, 3, dtype=torch.long)
+    batch[PIXEL_VALUES] = F.pad(pv, (0, 0, 0, patches - pv.shape[1]))
+    batch[IMAGE_GRID_THW] = F.pad(grid, (0, 0, 0, images - grid.shape[1]))
+    return batch
