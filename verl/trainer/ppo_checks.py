@@ -493,7 +493,8 @@ def _fsdp2_reward_model_problems(cfg: PPOConfig) -> list[str]:
 
 
 def _fsdp2_critic_problems(cfg: PPOConfig) -> list[str]:
-    """critic.strategy=fsdp2 (``verl.engine.fsdp``, a ``*ForSequenceClassification`` of any family):
+    """critic.strategy=fsdp2 (``verl.engine.fsdp``: a ``*ForSequenceClassification`` of any family, or a
+    vision-language model's decoder and tower with verl's value head, ``verl.models.vlm.VLMValueModel``):
     data parallelism only, padded rows, a Hugging Face model directory; the reward model's on FSDP2 too."""
     if not cfg.use_critic or cfg.critic.strategy != "fsdp2":
         return _fsdp2_reward_model_problems(cfg)
@@ -517,7 +518,7 @@ def _fsdp2_critic_problems(cfg: PPOConfig) -> list[str]:
     if module is not None:
         problems.append(
             f"critic.strategy=fsdp2: critic.model.path stands for the plain nn.Module {type(module).__name__}; a "
-            "critic is a Hugging Face model directory (its *ForSequenceClassification)"
+            "critic is a Hugging Face model directory (its *ForSequenceClassification, or a vision-language model)"
         )
     return problems + _fsdp2_reward_model_problems(cfg)
 
