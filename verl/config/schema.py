@@ -906,6 +906,7 @@ class SFTDataConfig(ConfigBase):
     val_files: str | list[str] | None = option("~/data/gsm8k/test.parquet", "Validation file(s); None: no validation.")
     prompt_key: str = option("prompt", "Column holding the prompt.")
     response_key: str = option("response", "Column holding the target response.")
+    image_key: str = option("images", "Column holding each row's images when model.path is a vision-language model: a list of {'bytes' or 'path'} dicts or paths, one per <image> placeholder of the prompt (docs/vlm.md).")
     multiturn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn conversations.")
     max_length: int = option(1024, "Tokens per example (prompt + response); longer ones follow truncation.", ge=1)
     truncation: Literal["error", "left", "right"] = option("error", "Over-long examples: raise, or cut on that side.")

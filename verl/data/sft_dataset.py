@@ -3,18 +3,26 @@
 Loss-mask convention: ``loss_mask[t] == 1`` when token ``t`` is a target (a response or
 assistant token); the trainer scores it with the logits at position ``t - 1``. Prompt,
 template headers ("<|im_start|>assistant\\n") and padding are 0.
+
+A vision-language model's data (``processor``, a :class:`~verl.data.vlm.ImagePromptEncoder`): each
+row's ``image_key`` column holds its images, the prompt one ``<image>`` per image (the RL data's
+layout, ``verl.data.vlm``); each placeholder becomes the model's image tokens and the item carries
+the images' ``mm_pixel_values`` / ``mm_image_grid_thw`` (``verl.protocol.images``), which the engine
+hands to the model's forward with the row.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from verl.data.io import FieldCheck, TableStore, get_field, split_key
+from verl.data.vlm import IMAGE_PLACEHOLDER, ImagePromptEncoder, load_image, pad_row_images
 from verl.data.tokenizer import (
     ensure_pad_token,
     has_chat_template,
@@ -49,14 +57,17 @@ def _suffix(full: str, prefix: str, *, where: str) -> str:
 
 
 def encode_prompt_response(
-    tokenizer: Any, prompt: Any, response: str, *, apply_chat_template: bool = True, where: str = "sample"
+    tokenizer: Any, prompt: Any, response: str, *, apply_chat_template: bool = True, where: str = "sample",
+    expand: Callable[[str], str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of one pair; the response ids end with the end-of-turn token.
 
     With a chat template the response is the assistant turn as the template writes it
     (ending in its end-of-turn token); without one, the raw prompt gets the tokenizer's
-    special tokens and the response is followed by eos.
+    special tokens and the response is followed by eos. ``expand`` rewrites the rendered
+    prompt text before it is tokenized (a VLM's ``<image>`` placeholders to its image tokens).
     """
+    expand = expand or (lambda text: text)
     if not isinstance(response, str):
         raise ValueError(f"{where}: response must be a string, got {type(response).__name__}")
     if apply_chat_template and has_chat_template(tokenizer):
@@ -69,11 +80,12 @@ def encode_prompt_response(
         full_text = _render(
             tokenizer, messages + [{"role": "assistant", "content": response}], add_generation_prompt=False
         )
-        return _ids(tokenizer, prompt_text), _ids(tokenizer, _suffix(full_text, prompt_text, where=where))
+        response_text = _suffix(full_text, prompt_text, where=where)
+        return _ids(tokenizer, expand(prompt_text)), _ids(tokenizer, response_text)
     if not isinstance(prompt, str):
         messages = validate_messages(prompt, where=where)
         prompt = "\n".join(m["content"] for m in messages)
-    return _ids(tokenizer, prompt, special=True), _ids(tokenizer, response) + [tokenizer.eos_token_id]
+    return _ids(tokenizer, expand(prompt), special=True), _ids(tokenizer, response) + [tokenizer.eos_token_id]
 
 
 def encode_messages(tokenizer: Any, messages: Any, *, where: str = "sample") -> tuple[list[int], list[int]]:
@@ -151,6 +163,13 @@ class SFTDataset(Dataset):
     list, the response a string; dotted keys reach nested fields, e.g. the verl RL format's
     ``extra_info.answer``), or ``messages_key`` (a chat whose assistant turns are learnt).
     Items: input_ids, attention_mask, position_ids, loss_mask, each [max_length].
+
+    With ``processor`` (a vision-language model's :class:`~verl.data.vlm.ImagePromptEncoder`; prompt and
+    response rows only) every row's images (``image_key``) are opened and checked at load (missing or
+    unreadable, above the pixel budget, placeholders not matching the images: a ValueError naming the
+    file, row and key), and items also hold ``mm_pixel_values`` [N, D] and ``mm_image_grid_thw`` [K, 3]
+    (N, K: the file's widest row). A row whose tokens with its images exceed ``max_length`` is refused
+    whatever ``truncation`` says: cutting would cut image tokens.
     """
 
     def __init__(
@@ -164,6 +183,8 @@ class SFTDataset(Dataset):
         messages_key: str | None = None,
         truncation: str = "error",
         apply_chat_template: bool = True,
+        processor: ImagePromptEncoder | None = None,
+        image_key: str = "images",
     ):
         if truncation not in SFT_TRUNCATION_MODES:
             raise ValueError(f"SFT truncation={truncation!r} is not one of {SFT_TRUNCATION_MODES}")
@@ -174,9 +195,16 @@ class SFTDataset(Dataset):
         self.prompt_key, self.response_key, self.messages_key = prompt_key, response_key, messages_key
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
+        if processor is not None and messages_key:
+            raise ValueError(
+                "multi-turn SFT (data.multiturn.enable) of a vision-language model is not supported; write the rows "
+                "as prompt/response pairs (data.prompt_key, data.response_key) with their images in data.image_key"
+            )
         keys = [messages_key] if messages_key else [prompt_key, response_key]
         self._keys = keys
-        self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in keys}))
+        self.processor, self.image_key = processor, image_key
+        image_columns = [image_key] if processor is not None else []
+        self.store = TableStore(files, columns=sorted({split_key(k)[0] for k in [*keys, *image_columns]}))
         # Every row is checked now, so a bad one fails at load, not at the batch that holds it.
         if messages_key:
             self.store.check_fields([FieldCheck(messages_key, ("conversation",))])
@@ -186,6 +214,53 @@ class SFTDataset(Dataset):
             )
         if len(self.store) == 0:
             raise ValueError(f"SFT data files {[s.path for s in self.store.sources]} hold no rows")
+        self._row_patches: list[list[int]] = []
+        self._max_patches = self._max_images = 0
+        if processor is not None:
+            self._check_images()
+
+    def _images(self, i: int) -> tuple[list[Any], str]:
+        """The opened images of row ``i`` and the row's location."""
+        source, j = self.store.locate(i)
+        where = f"{source.path}: row {j}: {self.image_key}"
+        row = source.row(j)
+        if self.image_key not in row:
+            raise ValueError(
+                f"{source.path}: no column {self.image_key!r}: data.image_key names the column of the rows' images "
+                "(model.path is a vision-language model); set data.image_key to the column that holds them"
+            )
+        value = row[self.image_key]
+        if value is None:
+            value = []
+        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
+            raise ValueError(f"{where}: a list of images, got a {type(value).__name__}; write a list")
+        base_dir = os.path.dirname(os.path.abspath(source.path))
+        return [load_image(e, where=f"{where}[{k}]", base_dir=base_dir) for k, e in enumerate(value)], where
+
+    def _check_images(self) -> None:
+        """Open every row's images once (module docstring); keeps their patch counts and the widest row's."""
+        for i in range(len(self.store)):
+            images, where = self._images(i)
+            counts = []
+            for k, image in enumerate(images):
+                if image.width * image.height > self.processor.max_pixels:
+                    raise ValueError(
+                        f"{where}[{k}]: {image.width}x{image.height} = {image.width * image.height} pixels, above the "
+                        f"image processor's budget of {self.processor.max_pixels}; resize the image (or raise the "
+                        "budget: the image processor's size.longest_edge)"
+                    )
+                counts.append(self.processor.patches(image.width, image.height))
+            source, j = self.store.locate(i)
+            prompt = get_field(source.row(j), self.prompt_key, path=source.path, row_index=j)
+            placeholders = str(prompt).count(IMAGE_PLACEHOLDER)
+            if placeholders != len(counts):
+                raise ValueError(
+                    f"{source.path}: row {j}: {self.prompt_key}: {placeholders} {IMAGE_PLACEHOLDER} placeholders for "
+                    f"{len(counts)} images in {self.image_key}; write one {IMAGE_PLACEHOLDER} per image, in order"
+                )
+            self._row_patches.append(counts)
+            self._max_patches = max(self._max_patches, sum(counts))
+            self._max_images = max(self._max_images, len(counts))
 
     def __len__(self) -> int:
         return len(self.store)
@@ -201,8 +276,13 @@ class SFTDataset(Dataset):
         else:
             prompt = get_field(row, self.prompt_key, path=source.path, row_index=j)
             response = get_field(row, self.response_key, path=source.path, row_index=j)
+            expand = None
+            if self.processor is not None:
+                patches = self._row_patches[i]
+                expand = lambda text: self.processor.expand(text, patches, where=where)  # noqa: E731
             p, r = encode_prompt_response(
-                self.tokenizer, prompt, response, apply_chat_template=self.apply_chat_template, where=where
+                self.tokenizer, prompt, response, apply_chat_template=self.apply_chat_template, where=where,
+                expand=expand,
             )
             ids, mask = p + r, [0] * len(p) + [1] * len(r)
         return ids, mask, where
@@ -211,7 +291,12 @@ class SFTDataset(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"index {i} out of range [0, {len(self)})")
         ids, mask, where = self.encode(i)
-        return pack_sequence(
+        if self.processor is not None and self._row_patches[i] and len(ids) > self.max_length:
+            raise ValueError(
+                f"{where}: {len(ids)} tokens with its images, above data.max_length={self.max_length}; a row with "
+                "images is not truncated (it would cut image tokens): raise data.max_length"
+            )
+        item = pack_sequence(
             ids,
             mask,
             max_length=self.max_length,
@@ -219,3 +304,14 @@ class SFTDataset(Dataset):
             truncation=self.truncation,
             where=where,
         )
+        if self.processor is not None:
+            images, _ = self._images(i)
+            pixels, grid = self.processor.pixels(images) if images else (None, None)
+            item.update(pad_row_images(pixels, grid, patches=self._max_patches, images=self._max_images,
+                                       dim=self._pixel_dim()))
+        return item
+
+    def _pixel_dim(self) -> int:
+        """Values per patch of the image processor (channels x temporal patch x patch x patch)."""
+        ip = self.processor.image_processor
+        return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2

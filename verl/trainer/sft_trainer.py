@@ -11,6 +11,11 @@ Every rank of the torchrun world runs the same loop (SPMD). One step:
 3. ``MegatronEngine.train_step``: forward/backward in micro-batches of
    ``data.micro_batch_size_per_gpu``, gradient clipping, optimizer and LR-scheduler step.
 
+A vision-language model directory (``verl.data.vlm.is_vlm_dir``: a Qwen2.5-VL) trains the same way:
+the data set reads each row's images (``data.image_key``) with the model's image processor, the
+batch's ``mm_*`` columns go with the rows through the DP slice and the micro-batches to the Megatron
+VLM's forward (``verl.models.megatron_vlm``), and the loss is on the response tokens only.
+
 Validation loss every ``trainer.test_freq`` steps (and at the end), checkpoints every
 ``trainer.save_freq`` steps (and at the end) through :class:`CheckpointManager`, in the
 layout the RL trainer uses (``global_step_N/actor`` = ``MegatronEngine.save``), and a
@@ -34,6 +39,7 @@ from verl.config import SFTConfig, to_dict
 from verl.data.sampler import StatefulDataLoader
 from verl.data.sft_dataset import SFTDataset
 from verl.data.tokenizer import load_tokenizer
+from verl.data.vlm import ImagePromptEncoder, is_vlm_dir
 from verl.engine import LossShare, MegatronEngine, lr_schedule_steps
 from verl.parallel import megatron_state
 from verl.trainer.run_checks import as_file_list, check_run_outputs, missing_inputs, release_run_outputs, show_files
@@ -130,6 +136,13 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer(
             os.path.expanduser(tokenizer_path), trust_remote_code=cfg.model.trust_remote_code
         )
+        self.processor = None
+        """A vision-language model's image processor (``verl.data.vlm.ImagePromptEncoder``), None for text."""
+        if is_vlm_dir(os.path.expanduser(cfg.model.path)):
+            self.processor = ImagePromptEncoder.from_pretrained(
+                os.path.expanduser(cfg.model.path), tokenizer=self.tokenizer,
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
         self.train_dataset = self._dataset(cfg.data.train_files)
         self.val_dataset = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
         self.loader = StatefulDataLoader(
@@ -185,6 +198,8 @@ class SFTTrainer:
             response_key=d.response_key,
             messages_key=d.multiturn.messages_key if d.multiturn.enable else None,
             truncation=d.truncation,
+            processor=self.processor,
+            image_key=d.image_key,
         )
 
     # ------------------------------------------------------------------------------------------
