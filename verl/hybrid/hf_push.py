@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from verl.hybrid.layout import hf_layout
-from verl.hybrid.memory import MemoryLedger, TrainingStateOffload
+from verl.hybrid.memory import MemoryLedger, TrainingStateOffload, memory_handoff
 from verl.models.builder import unwrap_model
 
 if TYPE_CHECKING:
@@ -152,20 +152,5 @@ class GatheredHFPush:
     def rollout_phase(self) -> Iterator[dict[str, float]]:
         """The rollout half of a step (collective), with :class:`~verl.hybrid.WeightSync`'s memory handoff;
         yields the push's metrics; afterwards :attr:`last_metrics` also holds the per-phase memory."""
-        ledger, held = self.ledger, self._state_offload.held_bytes
-        ledger.reset()
-        ledger.record("train", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        self._state_offload.offload()
-        ledger.record("offloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        self.rollout.resume()
-        try:
-            metrics = self.push()
-            self._param_offload.offload()
+        with memory_handoff(self, self._state_offload, self._param_offload) as metrics:
             yield metrics
-            ledger.record("rollout", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        finally:
-            self.rollout.release()
-            self._param_offload.reload()
-            self._state_offload.reload()
-        ledger.record("reloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        self.last_metrics.update(ledger.metrics())

@@ -26,12 +26,13 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CATEGORIES", "PHASES", "Category", "MemoryLedger", "Phase", "PhaseMemory", "TrainingStateOffload"]
+__all__ = ["CATEGORIES", "PHASES", "Category", "MemoryLedger", "Phase", "PhaseMemory", "TrainingStateOffload", "memory_handoff"]
 
 Category = Literal["params", "grads", "optimizer"]
 CATEGORIES: tuple[Category, ...] = ("params", "grads", "optimizer")
@@ -452,3 +453,32 @@ def _phase_fields(entry: PhaseMemory) -> Iterable[tuple[str, int]]:
         ("kv_cache_bytes", entry.kv_cache_bytes),
         ("peak_bytes", entry.peak_bytes),
     )
+
+
+@contextlib.contextmanager
+def memory_handoff(sync: Any, state: TrainingStateOffload, params: TrainingStateOffload) -> Iterator[dict[str, float]]:
+    """The rollout half of a step around a weight push (collective): the memory handoff of
+    :meth:`verl.hybrid.WeightSync.rollout_phase` for any push object ``sync`` with ``ledger``,
+    ``rollout``, ``push()`` and ``last_metrics``.
+
+    On entry: ``state`` (gradients, optimizer state) goes to host memory, the engine takes its
+    memory back, ``sync.push()`` runs, then ``params`` go to host memory (after the push, which
+    reads them). Yields the push's metrics. On exit: the engine's memory is released and the
+    training state restored; ``sync.last_metrics`` gets the ledger's per-phase memory."""
+    ledger, held, rollout = sync.ledger, state.held_bytes, sync.rollout
+    ledger.reset()
+    ledger.record("train", held=held(), kv_cache_bytes=rollout.kv_cache_bytes())
+    state.offload()
+    ledger.record("offloaded", held=held(), kv_cache_bytes=rollout.kv_cache_bytes())
+    rollout.resume()
+    try:
+        metrics = sync.push()
+        params.offload()
+        yield metrics
+        ledger.record("rollout", held=held(), kv_cache_bytes=rollout.kv_cache_bytes())
+    finally:
+        rollout.release()
+        params.reload()
+        state.reload()
+    ledger.record("reloaded", held=held(), kv_cache_bytes=rollout.kv_cache_bytes())
+    sync.last_metrics.update(ledger.metrics())

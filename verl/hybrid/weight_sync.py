@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from verl.hybrid.layout import Layout, check_megatron_layout, check_rollout_degrees, fill_from_hf, hf_layout, hf_shape
 from verl.hybrid.layout import megatron_layout, vllm_layout
-from verl.hybrid.memory import MemoryLedger, TrainingStateOffload
+from verl.hybrid.memory import MemoryLedger, TrainingStateOffload, memory_handoff
 from verl.hybrid.plan import ReshardPlan, build_plan
 from verl.hybrid.transfer import execute_plan
 from verl.models.builder import unwrap_model
@@ -257,23 +257,8 @@ class WeightSync:
         Yields the push's metrics; afterwards :attr:`last_metrics` also holds the per-phase memory
         (``memory/{train,offloaded,rollout,reloaded}/*_bytes``, ``memory/peak_vs_sum``).
         """
-        ledger, held = self.ledger, self._state_offload.held_bytes
-        ledger.reset()
-        ledger.record("train", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        self._state_offload.offload()
-        ledger.record("offloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        self.rollout.resume()
-        try:
-            metrics = self.push()
-            self._param_offload.offload()
+        with memory_handoff(self, self._state_offload, self._param_offload) as metrics:
             yield metrics
-            ledger.record("rollout", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        finally:
-            self.rollout.release()
-            self._param_offload.reload()
-            self._state_offload.reload()
-        ledger.record("reloaded", held=held(), kv_cache_bytes=self.rollout.kv_cache_bytes())
-        self.last_metrics.update(ledger.metrics())
 
 
 def _layout_of(kind: str, spec: HFModelSpec, *, tp: int, tp_rank: int) -> Layout:
