@@ -74,11 +74,13 @@ class _Launches:
         with open(self.logs[side], encoding="utf-8", errors="replace") as f:
             return f.read()[-chars:]
 
-    def wait_key(self, key: str) -> Any:
-        """The JSON value posted under ``key``; raises, with the launch's log tail, if a launch ends first."""
+    def wait_key(self, key: str, side: str) -> Any:
+        """The JSON value ``side``'s launch posted under ``key``; raises, with the launch's log tail, if that
+        launch ends first or the other fails (the other may end well: TRL's, after its last step)."""
+        awaited = side
         while not self.store.check([key]):
             for side, proc in self.procs.items():
-                if proc.poll() is not None:
+                if proc.poll() is not None and (side == awaited or proc.returncode != 0):
                     raise RuntimeError(f"compare-trl --nproc: {side}'s launch exited with {proc.returncode} "
                                        f"before {key}; the end of its log:\n{self._tail(side)}")
             time.sleep(0.05)  # a poll of the store and the processes, not a synchronisation
@@ -87,8 +89,8 @@ class _Launches:
     def step(self, side: str, step: int, nproc: int) -> dict[str, Any]:
         """One step of ``side``: its record, with ``cpu_s``, the CPU seconds all its processes spent in it."""
         self.store.set(_key("go", side, step), "1")
-        record = self.wait_key(_key("done", side, step))
-        record["cpu_s"] = sum(self.wait_key(f"{_key('cpu', side, step)}/{rank}") for rank in range(nproc))
+        record = self.wait_key(_key("done", side, step), side)
+        record["cpu_s"] = sum(self.wait_key(f"{_key('cpu', side, step)}/{rank}", side) for rank in range(nproc))
         return record
 
     def finish(self, timeout_s: float = 300.0) -> None:
@@ -152,7 +154,7 @@ def compare_trl_nproc(args: argparse.Namespace) -> dict[str, Any]:
         # the memory: at SmolLM2-135M four processes of ~5 GiB did not fit beside others' work in 24 GiB).
         for sides in ([_SIDES] if args.launch == "together" else [(side,) for side in _SIDES]):
             launches = _Launches(root, spec, nproc, args.threads, sides)
-            info.update({side: launches.wait_key(_key("ready", side)) for side in sides})  # built and warm
+            info.update({side: launches.wait_key(_key("ready", side), side) for side in sides})  # built and warm
             for step in range(args.warmup + args.steps):
                 for side in sides:  # TRL's step, then ours
                     records[side].append(launches.step(side, step, nproc))
