@@ -7,7 +7,7 @@ reference response (``extra_info.answer``) and end of sequence; the loss is on t
 Writes the model, tokenizer and image processor to ``--out`` and, with ``--val``, prints the greedy
 and the sampled (temperature 1) accuracy of each validation file by its rule scorer. The prompts
 are read as the RL trainer reads them (``RLPromptDataset`` with the model's processor), so the
-warm-up sees exactly the RL prompts' tokens and pixels. (``verl.trainer.main_sft`` takes text only.)
+warm-up sees exactly the RL prompts' tokens and pixels. (``verl.trainer.main_sft`` trains a VLM too: docs/vlm.md, "SFT of a VLM".)
 """
 
 import argparse
