@@ -105,3 +105,23 @@ def test_sft_of_a_vlm_learns_from_the_image(vlm_files, tmp_path):
     assert abs(img0 - blank0) > 1e-6, out
     assert abs(img1 - blank1) > 1e-4, out
     assert img1 < img0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.image_key=pictures", "no column 'pictures': data.image_key names the column of the rows' images"),
+    ("data.multiturn.enable=true", "multi-turn SFT (data.multiturn.enable) of a vision-language model is not supported"),
+])
+def test_main_sft_refuses_bad_vlm_data_in_one_line(vlm_files, tmp_path, capsys, override, message):
+    from verl.testing.commands import run_main
+    from verl.testing.tiny_vlm import cached_tiny_vlm
+    from verl.trainer.main_sft import main
+
+    proc = run_main(main, [
+        "--config", "sft_tiny_cpu", f"model.path={cached_tiny_vlm()}", f"data.train_files={vlm_files['train']}",
+        "data.val_files=null", "data.response_key=extra_info.answer", override,
+        f"trainer.default_local_dir={tmp_path}/run", f"trainer.log_dir={tmp_path}/run/logs",
+    ], capsys=capsys, name="main_sft")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert not os.path.exists(f"{tmp_path}/run/global_step_1")  # refused before any step
