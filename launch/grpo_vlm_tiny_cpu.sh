@@ -2,7 +2,7 @@
 """:"
 # Vision-language GRPO end to end on one CPU machine: make a tiny Qwen2.5-VL locally (random
 # weights, a 2-block vision encoder), generate the colour-square task (name the colour of the
-# square in a 28 x 28 image, 4 choices), SFT-warm the model briefly in one process (it learns the
+# square in a 28 x 28 image, 4 choices), SFT-warm the model briefly with main_sft in one process (it learns the
 # answer format and starts to read the image), then train it with GRPO on 2 ranks: the actor and
 # reference on the Megatron engine (the Qwen2.5-VL decoder as Megatron's GPTModel, its vision tower
 # beside it), the transformers rollout engine fed by the actor's push (the vLLM engine does not take
@@ -46,9 +46,18 @@ if [ ! -f "$out/data/blank.parquet" ]; then
   "$python" "$root/tools/data/colour_square.py" --out-dir "$out/data" --train "${TRAIN:-2000}" --val "${VAL:-128}"
 fi
 if [ "$sft_steps" != 0 ] && [ ! -f "$out/sft_model/config.json" ]; then
-  echo "== SFT warm-up: $sft_steps steps (its greedy answers are right from ~30; 60 make its samples ~0.8 right)"
-  "$python" "$root/tools/sft_vlm_warmup.py" --model "$out/model" --data "$out/data/train.parquet" \
-    --val "$out/data/test.parquet" --val "$out/data/blank.parquet" --steps "$sft_steps" --out "$out/sft_model"
+  echo "== SFT warm-up (main_sft, one process): $sft_steps steps (its greedy answers are right from ~30)"
+  train_rows="${TRAIN:-2000}"
+  sft_batch=$(( train_rows < 32 ? train_rows : 32 ))
+  "$python" -m verl.trainer.main_sft --config sft_tiny_cpu model.path="$out/model" \
+    data.train_files="$out/data/train.parquet" data.val_files=null data.response_key=extra_info.answer \
+    data.max_length=64 data.train_batch_size="$sft_batch" data.micro_batch_size_per_gpu="$sft_batch" \
+    trainer.total_training_steps="$sft_steps" optim.lr=2e-3 optim.lr_warmup_steps=0 optim.lr_decay_style=constant \
+    optim.weight_decay=0.0 megatron.dtype=float32 trainer.test_freq=-1 trainer.save_freq=-1 trainer.logger=[console] \
+    trainer.progress_bar=false trainer.experiment_name=sft_vlm_warmup trainer.default_local_dir="$out/sft_run" \
+    trainer.log_dir="$out/sft_run/logs" trainer.hf_export_dir="$out/sft_model"
+  "$python" "$root/tools/sft_vlm_warmup.py" --eval-only --model "$out/sft_model" \
+    --val "$out/data/test.parquet" --val "$out/data/blank.parquet"
 fi
 exit 0
 ":"""

@@ -1,6 +1,7 @@
 """Supervised warm-up of a vision-language model on an RL prompt file, in one process.
 
     python tools/sft_vlm_warmup.py --model DIR --data train.parquet --out DIR [--val test.parquet] [--steps 60]
+    python tools/sft_vlm_warmup.py --eval-only --model DIR --val test.parquet   # a trained model's accuracy
 
 Trains the model (vision encoder included) on each prompt with its images followed by the row's
 reference response (``extra_info.answer``) and end of sequence; the loss is on the response only.
@@ -71,8 +72,10 @@ def accuracy(model, dataset, tokenizer, *, sample: bool, batch: int = 64, seed: 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="vision-language model directory (config, weights, processor)")
-    p.add_argument("--data", required=True, help="RL prompt file with images and extra_info.answer")
-    p.add_argument("--out", required=True, help="where the warmed-up model is written")
+    p.add_argument("--data", help="RL prompt file with images and extra_info.answer (required unless --eval-only)")
+    p.add_argument("--out", help="where the warmed-up model is written (required unless --eval-only)")
+    p.add_argument("--eval-only", action="store_true",
+                   help="train nothing: print the accuracy of --model on each --val file (e.g. a main_sft export)")
     p.add_argument("--val", action="append", default=[], help="validation file(s) whose accuracy is printed")
     p.add_argument("--steps", type=positive_int, default=60, help="optimizer steps (default %(default)s)")
     p.add_argument("--batch", type=positive_int, default=32, help="prompts per step (default %(default)s)")
@@ -80,6 +83,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-prompt-length", type=positive_int, default=64, help="prompt token budget (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batches (default %(default)s)")
     args = p.parse_args(argv)
+    if not args.eval_only and (args.data is None or args.out is None):
+        p.error("--data and --out are required (or --eval-only to score --model on the --val files)")
     setup_logging()
     with user_errors(p.prog):
         from transformers import AutoModelForImageTextToText
@@ -92,6 +97,14 @@ def main(argv=None) -> None:
                              "vision_config and preprocessor_config.json)")
         encoder = ImagePromptEncoder.from_pretrained(args.model)
         tokenizer = encoder.tokenizer
+        if args.eval_only:
+            model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32)
+            for path in args.val:
+                val = RLPromptDataset(path, tokenizer, processor=encoder, max_prompt_length=args.max_prompt_length)
+                print(f"== SFT model on {os.path.basename(path)}: greedy accuracy "
+                      f"{accuracy(model, val, tokenizer, sample=False):.3f}, sampled (temperature 1) "
+                      f"{accuracy(model, val, tokenizer, sample=True):.3f}", flush=True)
+            return
         data = RLPromptDataset(args.data, tokenizer, processor=encoder, max_prompt_length=args.max_prompt_length)
         answers = [str((data[i]["extra_info"] or {}).get("answer", "")) for i in range(len(data))]
         if not all(answers):
