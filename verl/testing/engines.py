@@ -2,7 +2,7 @@
 
 Subclasses define only ``_sample(prompts, spec) -> list[Sample]``; the weight, memory and
 lifecycle methods of :class:`~verl.rollout.base.RolloutEngine` do nothing (there are no weights,
-no KV cache), and a weight push is refused, since a scripted engine cannot take one.
+no KV cache), and a weight push is refused with a TypeError, since a scripted engine cannot take one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class WeightlessEngine(RolloutEngine):
     """A :class:`RolloutEngine` whose samples come from the subclass's ``_sample`` alone."""
 
     def update_weights(self, weights: Any) -> None:
-        raise NotImplementedError(f"{type(self).__name__} is a scripted test engine: it has no weights to update")
+        raise TypeError(f"{type(self).__name__} is a scripted test engine: it has no weights to take a push into")
 
     def named_parameters(self) -> Iterator[tuple[str, Any]]:
         return iter(())
