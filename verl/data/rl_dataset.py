@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from verl.data.io import FieldCheck, FileSource, FrameSource, TableStore, get_field, is_frame, split_key
 from verl.data.sampler import StatefulDataLoader
-from verl.data.vlm import IMAGE_PLACEHOLDER, ImagePromptEncoder, load_image, pad_row_images
+from verl.data.vlm import ImagePromptEncoder, load_image, pad_row_images
 from verl.data.tokenizer import (
     TRUNCATION_MODES,
     encode_text,
@@ -272,29 +272,9 @@ class RLPromptDataset(Dataset):
                              "vision-language model's data); set data.image_key to the column that holds them") from None
         for values in itertools.chain([] if first is None else [first], image_batches):
             for value, prompt in zip(values, next(prompts)):
-                row = len(patches)
-                where = f"{source.path}: row {row}: {self.image_key}"
-                if value is None:
-                    value = []
-                if not isinstance(value, (list, tuple, np.ndarray)):
-                    raise ValueError(f"{where}: a list of images, got a {type(value).__name__}; write a list")
-                counts = []
-                for i, entry in enumerate(value):
-                    image = load_image(entry, where=f"{where}[{i}]", base_dir=base_dir)
-                    if image.width * image.height > self.processor.max_pixels:
-                        raise ValueError(
-                            f"{where}[{i}]: {image.width}x{image.height} = {image.width * image.height} pixels, above "
-                            f"the image processor's budget of {self.processor.max_pixels}; resize the image (or raise "
-                            "the budget: the image processor's size.longest_edge)"
-                        )
-                    counts.append(self.processor.patches(image.width, image.height))
-                text = prompt if isinstance(prompt, str) else str(prompt)
-                placeholders = text.count(IMAGE_PLACEHOLDER)
-                if placeholders != len(counts):
-                    raise ValueError(
-                        f"{source.path}: row {row}: {self.prompt_key}: {placeholders} {IMAGE_PLACEHOLDER} placeholders "
-                        f"for {len(counts)} images in {self.image_key}; write one {IMAGE_PLACEHOLDER} per image, in order"
-                    )
+                counts = self.processor.row_patches(value, prompt, row_where=f"{source.path}: row {len(patches)}",
+                                                    image_key=self.image_key, prompt_key=self.prompt_key,
+                                                    base_dir=base_dir)
                 patches.append(counts)
                 self._max_patches = max(self._max_patches, sum(counts))
                 self._max_images = max(self._max_images, len(counts))

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from verl.data.io import FieldCheck, TableStore, get_field, split_key
-from verl.data.vlm import IMAGE_PLACEHOLDER, ImagePromptEncoder, load_image, pad_row_images
+from verl.data.vlm import ImagePromptEncoder, load_image, pad_row_images
 from verl.data.tokenizer import (
     ensure_pad_token,
     has_chat_template,
@@ -224,11 +224,7 @@ class SFTDataset(Dataset):
         source, j = self.store.locate(i)
         where = f"{source.path}: row {j}: {self.image_key}"
         row = source.row(j)
-        if self.image_key not in row:
-            raise ValueError(
-                f"{source.path}: no column {self.image_key!r}: data.image_key names the column of the rows' images "
-                "(model.path is a vision-language model); set data.image_key to the column that holds them"
-            )
+        self._check_image_column(source.path, row)
         value = row[self.image_key]
         if value is None:
             value = []
@@ -237,27 +233,24 @@ class SFTDataset(Dataset):
         base_dir = os.path.dirname(os.path.abspath(source.path))
         return [load_image(e, where=f"{where}[{k}]", base_dir=base_dir) for k, e in enumerate(value)], where
 
+    def _check_image_column(self, path: str, row: dict[str, Any]) -> None:
+        if self.image_key not in row:
+            raise ValueError(
+                f"{path}: no column {self.image_key!r}: data.image_key names the column of the rows' images "
+                "(model.path is a vision-language model); set data.image_key to the column that holds them"
+            )
+
     def _check_images(self) -> None:
         """Open every row's images once (module docstring); keeps their patch counts and the widest row's."""
         for i in range(len(self.store)):
-            images, where = self._images(i)
-            counts = []
-            for k, image in enumerate(images):
-                if image.width * image.height > self.processor.max_pixels:
-                    raise ValueError(
-                        f"{where}[{k}]: {image.width}x{image.height} = {image.width * image.height} pixels, above the "
-                        f"image processor's budget of {self.processor.max_pixels}; resize the image (or raise the "
-                        "budget: the image processor's size.longest_edge)"
-                    )
-                counts.append(self.processor.patches(image.width, image.height))
             source, j = self.store.locate(i)
-            prompt = get_field(source.row(j), self.prompt_key, path=source.path, row_index=j)
-            placeholders = str(prompt).count(IMAGE_PLACEHOLDER)
-            if placeholders != len(counts):
-                raise ValueError(
-                    f"{source.path}: row {j}: {self.prompt_key}: {placeholders} {IMAGE_PLACEHOLDER} placeholders for "
-                    f"{len(counts)} images in {self.image_key}; write one {IMAGE_PLACEHOLDER} per image, in order"
-                )
+            row = source.row(j)
+            self._check_image_column(source.path, row)
+            counts = self.processor.row_patches(
+                row[self.image_key], get_field(row, self.prompt_key, path=source.path, row_index=j),
+                row_where=f"{source.path}: row {j}", image_key=self.image_key, prompt_key=self.prompt_key,
+                base_dir=os.path.dirname(os.path.abspath(source.path)),
+            )
             self._row_patches.append(counts)
             self._max_patches = max(self._max_patches, sum(counts))
             self._max_images = max(self._max_images, len(counts))

@@ -125,6 +125,35 @@ class ImagePromptEncoder:
         """Patches the image processor makes of a ``width`` x ``height`` image (after its resize)."""
         return int(self.image_processor.get_number_of_image_patches(height, width, {}))
 
+    def row_patches(self, value: Any, prompt: Any, *, row_where: str, image_key: str, prompt_key: str,
+                    base_dir: str | None = None) -> list[int]:
+        """The patch counts of one data row's images (``value``: its ``image_key`` entry, None for none),
+        each opened and checked: a ValueError starting with ``row_where`` (the file and row) for an entry that
+        is not a list, an image missing, unreadable or above the pixel budget, or a ``prompt`` whose
+        ``<image>`` placeholders do not match the images."""
+        where = f"{row_where}: {image_key}"
+        if value is None:
+            value = []
+        if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__"):
+            raise ValueError(f"{where}: a list of images, got a {type(value).__name__}; write a list")
+        counts = []
+        for i, entry in enumerate(value):
+            image = load_image(entry, where=f"{where}[{i}]", base_dir=base_dir)
+            if image.width * image.height > self.max_pixels:
+                raise ValueError(
+                    f"{where}[{i}]: {image.width}x{image.height} = {image.width * image.height} pixels, above the "
+                    f"image processor's budget of {self.max_pixels}; resize the image (or raise the budget: the "
+                    "image processor's size.longest_edge)"
+                )
+            counts.append(self.patches(image.width, image.height))
+        placeholders = (prompt if isinstance(prompt, str) else str(prompt)).count(IMAGE_PLACEHOLDER)
+        if placeholders != len(counts):
+            raise ValueError(
+                f"{row_where}: {prompt_key}: {placeholders} {IMAGE_PLACEHOLDER} placeholders for {len(counts)} images "
+                f"in {image_key}; write one {IMAGE_PLACEHOLDER} per image, in order"
+            )
+        return counts
+
     def expand(self, text: str, patches: Sequence[int], *, where: str) -> str:
         """``text`` with its i-th ``<image>`` replaced by the vision span of ``patches[i]`` patches."""
         pieces = text.split(IMAGE_PLACEHOLDER)
