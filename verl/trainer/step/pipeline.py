@@ -203,9 +203,8 @@ def build_step(cfg: "PPOConfig", *, hybrid_condition: Any = None) -> StepPipelin
              ops.PPOUpdateOperator()]
         )
     if cfg.trainer.rollout_mode != "sync":  # generation ahead of training (verl.trainer.step.stream)
-        from verl.trainer.step.stream import StreamRolloutOperator
-
         from verl.trainer.exact import pinned_async
+        from verl.trainer.step.stream import StreamRolloutOperator
 
         at = cfg.trainer.async_training
         fill_window, free_running = pinned_async(at.fill_update_window, at.free_running, deterministic=cfg.trainer.deterministic)
